@@ -1,0 +1,79 @@
+"""ServerArgs: every engine knob in one frozen dataclass, named after SGLang's flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy", "safetensors")
+LOGPROB_DISTRIBUTIONS = ("original", "processed")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str
+    tokenizer_path: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" -> cuda when available, else cpu
+    load_format: str = "auto"
+    random_seed: int = 0
+    context_length: Optional[int] = None
+    # memory
+    mem_fraction_static: Optional[float] = None
+    max_total_tokens: Optional[int] = None
+    max_running_requests: Optional[int] = None
+    # scheduling
+    chunked_prefill_size: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    enable_deterministic_inference: bool = False
+    # numerics / kernels
+    attention_backend: Optional[str] = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None
+    # outputs
+    skip_tokenizer_init: bool = False
+    logprob_distribution: str = "original"
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
+        if self.attention_backend is not None:
+            _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "context_length"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        if self.max_prefill_tokens <= 0:
+            raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError("schedule_conservativeness must be > 0")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        """Build from keyword arguments, naming any that are not ServerArgs fields."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown ServerArgs field(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
