@@ -27,7 +27,7 @@ class ServerArgs:
     max_total_tokens: Optional[int] = None
     max_running_requests: Optional[int] = None
     # scheduling
-    chunked_prefill_size: Optional[int] = None
+    chunked_prefill_size: Optional[int] = None  # None: chosen by device; -1: no chunking
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
@@ -53,7 +53,9 @@ class ServerArgs:
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "context_length"):
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking; got 0")
+        for name in ("max_total_tokens", "max_running_requests", "context_length"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}")

@@ -1,0 +1,66 @@
+"""Reference attention in plain torch: the oracle for the fast backends and the CPU path.
+
+Slow on purpose (a Python loop over sequences, float32 math) and simple enough to trust.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from engine.runner.forward_batch import ForwardBatch
+
+
+class TorchNativeAttentionBackend(AttentionBackend):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        forward_batch: "ForwardBatch",
+    ) -> torch.Tensor:
+        pool = forward_batch.kv_pool
+        # KV first, so each sequence reads its new tokens back from the pool like its prefix
+        pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        k_cache = pool.get_key_buffer(layer_id)
+        v_cache = pool.get_value_buffer(layer_id)
+        rows = forward_batch.req_to_token[forward_batch.req_pool_indices]
+        out = torch.empty_like(q)
+        start = 0
+        for i in range(forward_batch.batch_size):
+            seq_len = forward_batch.seq_lens_cpu[i]
+            prefix_len = forward_batch.extend_prefix_lens_cpu[i]
+            num_new = forward_batch.extend_seq_lens_cpu[i]
+            if num_new == 0:
+                continue
+            slots = rows[i, :seq_len]
+            out[start : start + num_new] = _attend(
+                q[start : start + num_new], k_cache[slots], v_cache[slots], prefix_len, scaling
+            ).to(q.dtype)
+            start += num_new
+        return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+            scaling: float) -> torch.Tensor:
+    """q [n, H, D] at positions prefix_len.., k/v [S, Hkv, D] -> [n, H, D] float32, causal."""
+    n, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # GQA without copying K/V: query heads h*group .. h*group+group-1 share kv head h
+    qf = q.float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+    kf = k.float().permute(1, 0, 2)  # [Hkv, S, D]
+    vf = v.float().permute(1, 0, 2)
+    scores = torch.matmul(qf, kf[:, None].transpose(-1, -2)) * scaling  # [Hkv, g, n, S]
+    q_pos = torch.arange(prefix_len, prefix_len + n, device=q.device)
+    k_pos = torch.arange(seq_len, device=q.device)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vf[:, None])  # [Hkv, g, n, D]
+    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)

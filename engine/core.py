@@ -1,0 +1,165 @@
+"""EngineCore: scheduler + model runner behind a narrow message interface.
+
+The front end (Engine) sends ReqInput / AbortReq / FlushCacheReq messages through `handle` and
+calls `step`, which returns ReqOutput messages. Nothing else crosses, so the core can later move
+into its own process unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from engine.config import ServerArgs
+from engine.core_setup import CoreParts, build_core_parts
+from engine.finish import check_finished
+from engine.request import Req, ReqInput
+from engine.output import build_output
+from engine.schedule_batch import BatchResult, ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AbortReq:
+    rid: Optional[str] = None  # None: abort everything
+    message: str = "aborted by request"
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class ReqOutput:
+    rid: str
+    finished: bool
+    output: dict[str, Any]  # SGLang's {"text", "output_ids", "meta_info"}, cumulative so far
+
+
+Message = Union[ReqInput, AbortReq, FlushCacheReq]
+
+
+@dataclass
+class CoreStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class EngineCore:
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.parts: CoreParts = build_core_parts(server_args)
+        self.scheduler = self.parts.scheduler
+        self.runner = self.parts.runner
+        self.tokenizer = self.parts.tokenizer
+        self.weight_version = "default"
+        self.stats = CoreStats()
+        self._current_batch: Optional[ScheduleBatch] = None
+        self._committed = False
+
+    # ---- messages ------------------------------------------------------------------------------
+    def handle(self, msg: Message) -> Any:
+        if isinstance(msg, ReqInput):
+            return self._add_request(msg)
+        if isinstance(msg, AbortReq):
+            return self._abort(msg)
+        if isinstance(msg, FlushCacheReq):
+            return self.scheduler.flush_cache()
+        raise TypeError(f"unknown message type {type(msg).__name__}")
+
+    def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
+        req = Req.from_input(msg)
+        if self.tokenizer is not None:
+            req.detokenizer = self.parts.make_detokenizer(req)
+        self.scheduler.add_request(req)
+        return []
+
+    def _abort(self, msg: AbortReq) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        rids = [msg.rid] if msg.rid is not None else self._all_rids()
+        for rid in rids:
+            req = self.scheduler.abort_request(rid, msg.message)
+            if req is not None and req.finished:  # it was waiting: finished right away
+                outputs.append(self._finish_output(req))
+        return outputs
+
+    def _all_rids(self) -> list[str]:
+        s = self.scheduler
+        return [r.rid for r in list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        batch = self.scheduler.schedule()
+        outputs = [self._finish_output(r) for r in self.scheduler.pop_finished()]
+        if batch is None:
+            return outputs
+        self._current_batch, self._committed = batch, False
+        result = self.runner.forward(batch)
+        self._record_stats(batch)
+        grown = self.scheduler.commit(batch, result.next_token_ids)
+        self._committed = True
+        self._record_logprobs(batch, result)
+        for req in grown:
+            outputs.extend(self._after_token(req))
+        self._current_batch = None
+        return outputs
+
+    def _after_token(self, req: Req) -> list[ReqOutput]:
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        if req.detokenizer is not None:
+            req.text += req.detokenizer.add([req.output_ids[-1]])
+        reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len)
+        if reason is None:
+            return [ReqOutput(req.rid, False, build_output(req, self))] if req.stream else []
+        req.finished_reason = reason
+        self.scheduler.release(req)
+        return [self._finish_output(req)]
+
+    def _finish_output(self, req: Req) -> ReqOutput:
+        if req.detokenizer is not None and req.stop_text_len is None:
+            req.text += req.detokenizer.flush()
+        return ReqOutput(req.rid, True, build_output(req, self))
+
+    def _record_logprobs(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        kept = batch.samples_kept()
+        for i, req in enumerate(batch.reqs):
+            if not req.return_logprob:
+                continue
+            if req.wants_input_logprobs:
+                req.input_logprobs.extend(result.input_logprobs[i])
+                if not req.is_chunked:
+                    req.input_logprobs_done = True
+            if kept[i]:
+                req.output_logprobs.append(result.logprobs[i])
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(result.top_logprobs[i])
+
+    def _record_stats(self, batch: ScheduleBatch) -> None:
+        self.stats.num_steps += 1
+        if batch.forward_mode.is_decode:
+            self.stats.num_generated_tokens += batch.batch_size
+        else:
+            self.stats.num_prefill_tokens += sum(batch.extend_lens)
+            self.stats.num_cached_tokens += sum(batch.prefix_lens)
+
+    def fail_current_batch(self, message: str) -> list[ReqOutput]:
+        """After a failed step: end that batch's requests with an error, return their KV."""
+        batch, self._current_batch = self._current_batch, None
+        if batch is None:
+            return []
+        failed = self.scheduler.fail_batch(batch, message, slots_committed=self._committed)
+        return [self._finish_output(r) for r in failed]
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

@@ -1,0 +1,163 @@
+"""Engine: the in-process API (mirrors sglang.Engine). Drives an EngineCore on a worker thread.
+
+Callers validate and tokenize in their own thread (bad input raises ValueError there and never
+reaches the core); the worker thread owns the core and is the only one that touches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, Union
+
+from engine.config import ServerArgs
+from engine.core import AbortReq, EngineCore, FlushCacheReq, ReqOutput
+from engine.generate_stream import GenerateStream
+from engine.request_builder import RequestBuilder
+
+logger = logging.getLogger("tandem")
+
+Sink = Callable[[ReqOutput], None]
+
+
+class Engine:
+    def __init__(self, **kwargs: Any) -> None:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        self.core = EngineCore(self.server_args)
+        self.builder = RequestBuilder(self.core.tokenizer, self.core.parts.vocab_size,
+                                      self.core.parts.context_len, self.server_args)
+        self._inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tandem-core", daemon=True)
+        self._thread.start()
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Union[str, list[str], None] = None,
+        sampling_params: Union[dict, list[dict], None] = None,
+        input_ids: Union[list[int], list[list[int]], None] = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        logprob_distribution: Optional[str] = None,
+        rid: Union[str, list[str], None] = None,
+    ) -> Union[dict, list[dict]]:
+        reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
+                                          logprob_start_len, top_logprobs_num, logprob_distribution, rid)
+        results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
+        for r in reqs:
+            self._submit(r, results[r.rid].put)
+        outputs = [self._wait_final(results[r.rid]) for r in reqs]
+        return outputs[0] if single else outputs
+
+    def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                       logprob_start_len=-1, top_logprobs_num=0, logprob_distribution=None,
+                       rid=None, stream: bool = False) -> GenerateStream:
+        """`await` it for the final dict(s), or `async for` over cumulative chunks when stream=True."""
+        reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
+                                          logprob_start_len, top_logprobs_num, logprob_distribution,
+                                          rid, stream=stream)
+        loop = asyncio.get_running_loop()
+        streams = GenerateStream(reqs, single, stream, loop)
+        for r in reqs:
+            self._submit(r, streams.sink_for(r.rid))
+        return streams
+
+    def _wait_final(self, q: "queue.Queue[ReqOutput]") -> dict:
+        while True:
+            out = q.get()
+            if out.finished:
+                return out.output
+
+    def _submit(self, req_input: Any, sink: Sink) -> None:
+        with self._lock:
+            if req_input.rid in self._sinks:
+                raise ValueError(f"rid {req_input.rid!r} is already in flight; rids must be unique")
+            self._sinks[req_input.rid] = sink
+        self._inbox.put((req_input, None))
+
+    # ---- control -------------------------------------------------------------------------------
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        self._inbox.put((AbortReq(None if abort_all else rid), None))
+
+    def flush_cache(self) -> bool:
+        return self._call(FlushCacheReq())
+
+    def check_integrity(self) -> None:
+        """Asserts free + cached + in use == pool size (runs on the core thread)."""
+        self._call(lambda core: core.check_integrity())
+
+    def _call(self, msg: Any) -> Any:
+        fut: Future = Future()
+        self._inbox.put((msg, fut))
+        return fut.result()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put((None, None))
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- worker thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            block = not self.core.has_work()
+            self._drain_inbox(block)
+            if self.core.has_work():
+                self._dispatch(self._safe_step())
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: Any, fut: Optional[Future]) -> None:
+        if msg is None:
+            return
+        try:
+            result = msg(self.core) if callable(msg) else self.core.handle(msg)
+        except Exception as exc:  # a control call failing must not kill the worker
+            if fut is None:
+                raise
+            fut.set_exception(exc)
+            return
+        if fut is not None:
+            fut.set_result(result)
+        elif isinstance(result, list):
+            self._dispatch(result)
+
+    def _safe_step(self) -> list[ReqOutput]:
+        try:
+            return self.core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests of that batch")
+            return self.core.fail_current_batch(f"engine error: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                sink = self._sinks.get(out.rid)
+                if out.finished:
+                    self._sinks.pop(out.rid, None)
+            if sink is not None:
+                sink(out)

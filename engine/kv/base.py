@@ -1,0 +1,60 @@
+"""PrefixCache: the interface the scheduler codes against (RadixCache, or ChunkCache when
+--disable-radix-cache is set)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+import torch
+
+
+class MatchResult(NamedTuple):
+    indices: torch.Tensor  # int64 CPU slots of the matched prefix
+    last_node: Any  # node to lock while a request uses the prefix
+
+
+class PrefixCache(ABC):
+    # ---- token level ------------------------------------------------------------------------
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult: ...
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Returns how much of key was already cached; the caller frees those duplicate slots."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> int: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> int: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens unlocked cached tokens if possible; returns tokens freed."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Flush: give every cached slot back to the allocator. Nothing may be locked."""
+
+    # ---- sizes ------------------------------------------------------------------------------
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def total_size(self) -> int: ...
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if internal bookkeeping is inconsistent."""
+
+    # ---- request level ----------------------------------------------------------------------
+    @abstractmethod
+    def cache_unfinished_req(self, req: Any) -> None:
+        """After a prefill chunk: make req.fill_ids' KV reusable, update req.prefix_indices."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: Any) -> None:
+        """On finish: hand the request's KV to the cache (or free it) and free its row."""

@@ -1,0 +1,249 @@
+"""The decoder-only transformer shared by Llama, Qwen2 and Qwen3.
+
+The three differ only in LayerOptions (biases, per-head q/k norm). Parameter names mirror HF
+except the stacked `qkv_proj` and `gate_up_proj`; `load_weights` is the one place that maps HF
+tensor names onto them (the disk loader and weight sync both go through it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from engine.models.layers import (
+    MergedGateUp,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    StackedLinear,
+    apply_rotary,
+)
+
+if TYPE_CHECKING:
+    from engine.runner.forward_batch import ForwardBatch
+
+# a loaded checkpoint tensor lands on (parameter name, shard id); shard id None = whole parameter
+WeightKey = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, opts: LayerOptions) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.head_dim = head_dim_of(config)
+        self.scaling = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.qkv_proj = QKVLinear(hidden, self.num_heads, self.num_kv_heads, self.head_dim, opts.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=opts.o_bias)
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.qk_norm = opts.qk_norm
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        q, k, v = self.qkv_proj(x)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any, opts: LayerOptions) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
+        self.gate_up_proj = MergedGateUp(config.hidden_size, config.intermediate_size, opts.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, opts: LayerOptions) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_id, opts)
+        self.mlp = MLP(config, opts)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                cos_sin: tuple[torch.Tensor, torch.Tensor],
+                forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, opts: LayerOptions) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, opts) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # one rope for all layers: cos/sin are computed once per forward
+        self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, forward_batch)
+        if residual is None:  # zero layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of the model classes; subclasses only choose `layer_options(config)`."""
+
+    # (engine parameter, HF checkpoint name, shard id), as in SGLang
+    stacked_params_mapping: list[tuple[str, str, Any]] = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise ValueError("sliding-window attention layers are not supported")
+        self.config = config
+        self.model = DecoderModel(config, self.layer_options(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden]."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    # ---- weight loading: the single place that knows HF names -> engine parameters ----
+
+    def check_weights(self, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Raise ValueError naming the first tensor whose name or shape does not fit."""
+        params = dict(self.named_parameters())
+        for name, shape in named_shapes:
+            self._resolve(name, tuple(shape), params)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[WeightKey]:
+        """Copy HF-named tensors into parameters (dtype cast). Every tensor is checked before
+        any parameter is written, so a bad payload leaves the model untouched.
+        Returns the (parameter, shard id) keys written; see `missing_weights`."""
+        params = dict(self.named_parameters())
+        plan = []
+        for name, tensor in weights:
+            if not torch.is_floating_point(tensor):
+                raise ValueError(f"weight {name!r} has non-floating dtype {tensor.dtype}")
+            target = self._resolve(name, tuple(tensor.shape), params)
+            if target is not None:
+                plan.append((target, tensor))
+        loaded: set[WeightKey] = set()
+        with torch.no_grad():
+            for (param_name, shard_id), tensor in plan:
+                param = params[param_name]
+                dst = param.data if shard_id is None else param.data[self._shard_slice(param_name, shard_id)]
+                dst.copy_(tensor)
+                loaded |= self._keys_covered(param_name, shard_id)
+        return loaded
+
+    def missing_weights(self, loaded: set[WeightKey]) -> list[str]:
+        """HF names of the checkpoint tensors not in `loaded`."""
+        shard_names = {(p, s): c for p, c, s in self.stacked_params_mapping}
+        missing = []
+        for name, _ in self.named_parameters():
+            for key in sorted(self._keys_covered(name, None) - loaded, key=str):
+                pname, shard_id = key
+                if shard_id is None:
+                    missing.append(pname)
+                else:
+                    stacked = pname.split(".")[-2]
+                    missing.append(pname.replace(stacked, shard_names[(stacked, shard_id)]))
+        return missing
+
+    def _resolve(self, name: str, shape: tuple[int, ...],
+                 params: dict[str, nn.Parameter]) -> Optional[WeightKey]:
+        """HF name -> (parameter name, shard id), None for tensors to skip; checks the shape."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        param_name, shard_id = name, None
+        for stacked, ckpt_name, sid in self.stacked_params_mapping:
+            if f".{ckpt_name}." in name:
+                param_name, shard_id = name.replace(f".{ckpt_name}.", f".{stacked}."), sid
+                break
+        if param_name not in params:
+            raise ValueError(f"unknown weight {name!r}: no such parameter in {type(self).__name__}")
+        expected = tuple(params[param_name].shape)
+        if shard_id is not None:
+            sl = self._shard_slice(param_name, shard_id)
+            expected = (sl.stop - sl.start, *expected[1:])
+        if shape != expected:
+            raise ValueError(f"weight {name!r} has shape {list(shape)}, expected {list(expected)}")
+        return param_name, shard_id
+
+    def _stacked_module(self, param_name: str) -> Optional[StackedLinear]:
+        module = self.get_submodule(param_name.rsplit(".", 1)[0])
+        return module if isinstance(module, StackedLinear) else None
+
+    def _shard_slice(self, param_name: str, shard_id: Any) -> slice:
+        return self._stacked_module(param_name).shard_slice(shard_id)
+
+    def _keys_covered(self, param_name: str, shard_id: Any) -> set[WeightKey]:
+        """A whole stacked parameter (engine name, e.g. from weight sync) covers all its shards."""
+        module = self._stacked_module(param_name)
+        if module is None:
+            return {(param_name, None)}
+        if shard_id is not None:
+            return {(param_name, shard_id)}
+        return {(param_name, sid) for sid in module.shard_ids}

@@ -1,0 +1,172 @@
+"""Building blocks shared by the decoder models: norm, rotary embedding, activation, stacked linears.
+
+Numerics follow HF transformers so HF can serve as the oracle: RMSNorm normalises in float32 and
+casts back before the weight multiply; rotary cos/sin are computed in float32 and cast to the
+activation dtype before they are applied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (SGLang/vLLM calling convention)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if residual is None:
+            return self._norm(x)
+        # the sum becomes the next residual, as in HF's `residual + hidden_states`
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def rope_config(config: Any) -> tuple[float, dict]:
+    """(rope_theta, rope parameters) from an HF config.
+
+    transformers 5.x keeps everything in `config.rope_parameters` (theta included, `rope_scaling`
+    is an alias); 4.x has `rope_theta` plus an optional `rope_scaling` dict.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        params = getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    return float(theta if theta is not None else 10000.0), params
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (HF Llama/Qwen `rotate_half`); returns float32 cos/sin."""
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: Optional[dict] = None,
+                 max_position_embeddings: Optional[int] = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = _inv_freq(head_dim, rope_theta, rope_scaling or {}, max_position_embeddings)
+        # non-persistent: not a checkpoint tensor; explicit float32 whatever the default dtype
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def from_config(cls, config: Any, head_dim: int) -> "RotaryEmbedding":
+        theta, params = rope_config(config)
+        return cls(head_dim, theta, params, getattr(config, "max_position_embeddings", None))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, head_dim] float32."""
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def _inv_freq(head_dim: int, theta: float, params: dict, max_pos: Optional[int]) -> torch.Tensor:
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type must be one of {', '.join(ROPE_TYPES)}; got {rope_type!r}")
+    # same expression as HF so the frequencies are bitwise equal
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, params, max_pos)
+    return inv_freq.to(device=torch.get_default_device())
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_pos: Optional[int]) -> torch.Tensor:
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = params.get("original_max_position_embeddings") or max_pos
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are scaled down by `factor`, short ones kept, the middle band interpolated
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim] float32, cast to x's dtype first (as HF)."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2*d] (gate | up) -> silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class StackedLinear(nn.Linear):
+    """One nn.Linear whose output rows are several checkpoint tensors stacked along dim 0.
+
+    `shard_slice(shard_id)` is the whole loading contract: a checkpoint shard (weight or bias)
+    is copied into `param[shard_slice(shard_id)]`.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[Any, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_sizes = dict(shard_sizes)
+        self._slices: dict[Any, slice] = {}
+        start = 0
+        for shard_id, size in self.shard_sizes.items():
+            self._slices[shard_id] = slice(start, start + size)
+            start += size
+
+    @property
+    def shard_ids(self) -> list[Any]:
+        return list(self.shard_sizes)
+
+    def shard_slice(self, shard_id: Any) -> slice:
+        return self._slices[shard_id]
+
+
+class QKVLinear(StackedLinear):
+    """q_proj, k_proj, v_proj stacked (shard ids "q", "k", "v"); forward returns (q, k, v)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+        self.output_sizes = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().forward(x).split(self.output_sizes, dim=-1)
+        return q, k, v
+
+
+class MergedGateUp(StackedLinear):
+    """gate_proj (shard 0) and up_proj (shard 1) stacked; output feeds SiluAndMul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias)

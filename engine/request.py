@@ -1,0 +1,119 @@
+"""Req: one generation request as the scheduler sees it (token ids, lengths, outputs)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class ReqInput:
+    """What the front end hands the core: a tokenized, validated request (a plain message)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    logprob_distribution: str = "original"
+    stream: bool = False
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs
+    top_logprobs_num: int = 0
+    logprob_distribution: str = "original"
+    stream: bool = False
+
+    state: ReqState = ReqState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping (see engine/kv): what this round computes and what it already owns
+    fill_ids: list[int] = field(default_factory=list)
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None
+    req_pool_idx: Optional[int] = None
+    kv_committed_len: int = 0  # positions whose KV is in the pool
+    extend_input_len: int = 0  # tokens computed by the current round
+    is_chunked: bool = False  # prefill cut by the chunk budget; continues next round
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    to_abort: Optional[str] = None  # abort message, set by abort_request while running
+    finished_reason: Optional[dict] = None
+
+    # logprobs: values only; token ids are origin_input_ids / output_ids
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[Optional[float]] = field(default_factory=list)
+    input_logprobs_done: bool = False
+
+    # text, for stop strings and streaming (set by the core)
+    detokenizer: Any = None
+    text: str = ""
+    stop_text_len: Optional[int] = None  # where a matched stop string starts
+
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: Optional[float] = None
+    weight_versions: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_input(cls, msg: ReqInput) -> "Req":
+        return cls(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            seed=msg.seed,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
+            top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
+            logprob_distribution=msg.logprob_distribution,
+            stream=msg.stream,
+        )
+
+    # ---- lengths -------------------------------------------------------------------------------
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0 and not self.input_logprobs_done
+
+    def max_prefix_len(self) -> int:
+        """Longest prefix the cache may serve: the last token is always computed (its logits
+        sample the next token), and prompt logprobs from position k need logits from k-1."""
+        cap = len(self.fill_ids) - 1
+        if self.wants_input_logprobs:
+            cap = min(cap, max(self.logprob_start_len - 1, 0))
+        return max(cap, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None

@@ -1,0 +1,101 @@
+"""Sampler: logits -> next tokens plus their original and processed logprobs.
+
+Pipeline per row (every step vectorised over the batch and skipped when no row needs it):
+  original  = log_softmax(raw fp32 logits)
+  penalties : repetition (HF: over prompt+output), then frequency/presence (over output)
+  min_new_tokens: banned stop ids -> -inf
+  temperature, then top-k / top-p / min-p as -inf masks (SGLang semantics: all three
+  thresholds are taken on the same post-temperature distribution)
+  processed = log_softmax(result)
+Greedy rows take argmax of the penalised logits. Sampled rows take
+argmax(processed + Gumbel(seed, position, id)): the noise is a counter-based hash, so a row's
+token depends only on its own logits, seed and position, never on the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.sampling.logprobs import gather_token_logprobs, original_logprobs
+from engine.sampling.sampling_batch import SamplingBatch
+from engine.sampling.seeds import gumbel_noise
+
+
+class SampleOutput(NamedTuple):
+    next_token_ids: torch.Tensor  # [B] int64
+    original_logprobs: torch.Tensor  # [B] float32, under log_softmax(raw logits)
+    processed_logprobs: torch.Tensor  # [B] float32, under the distribution sampled from
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        raw = logits.float()
+        penalised = apply_penalties(raw, batch)
+        processed = log_softmax_processed(penalised, batch)
+        tokens = self._pick(penalised, processed, batch)
+        return SampleOutput(
+            next_token_ids=tokens,
+            original_logprobs=gather_token_logprobs(original_logprobs(raw), tokens),
+            processed_logprobs=gather_token_logprobs(processed, tokens),
+        )
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        return self.sample(logits, batch)
+
+    @staticmethod
+    def _pick(penalised: torch.Tensor, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        # greedy uses the logits, not processed logprobs: log_softmax rounding can create ties
+        greedy = torch.argmax(penalised, dim=-1) if batch.any_greedy else None
+        if batch.all_greedy:
+            return greedy
+        noise = gumbel_noise(batch.seeds, batch.positions, processed.shape[-1])
+        sampled = torch.argmax(processed.double() + noise, dim=-1)
+        return sampled if greedy is None else torch.where(batch.is_greedy, greedy, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalties and the min_new_tokens ban on fp32 logits; returns a new tensor when changed."""
+    x = logits
+    if batch.need_repetition:
+        pen = batch.repetition_penalties.unsqueeze(1)
+        scaled = torch.where(x > 0, x / pen, x * pen)
+        x = torch.where(batch.seen_mask, scaled, x)
+    if batch.need_freq_presence:
+        counts = batch.output_counts
+        x = x - batch.frequency_penalties.unsqueeze(1) * counts
+        x = x - batch.presence_penalties.unsqueeze(1) * (counts > 0).float()
+    if batch.suppress_mask is not None:
+        x = x.masked_fill(batch.suppress_mask, float("-inf"))
+    return x
+
+
+def log_softmax_processed(penalised: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature and top-k/top-p/min-p on penalised logits -> [B, V] float32 logprobs."""
+    x = penalised
+    if not batch.all_greedy:
+        x = x / batch.temperatures
+    if batch.need_top_k or batch.need_top_p or batch.need_min_p:
+        x = x.masked_fill(_truncation_mask(x, batch), float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def _truncation_mask(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] bool: tokens cut by top-k, top-p or min-p. The most likely token always survives."""
+    probs = torch.softmax(x, dim=-1)
+    drop = torch.zeros_like(x, dtype=torch.bool)
+    if batch.need_top_k or batch.need_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        sorted_drop = torch.zeros_like(drop)
+        if batch.need_top_k:
+            ranks = torch.arange(x.shape[-1], device=x.device).unsqueeze(0)
+            sorted_drop |= ranks >= batch.top_ks.unsqueeze(1)
+        if batch.need_top_p:
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            sorted_drop |= mass_before > batch.top_ps.unsqueeze(1)
+        drop = drop.scatter(1, order, sorted_drop)
+    if batch.need_min_p:
+        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_ps.unsqueeze(1)
+        drop |= probs < threshold
+    return drop

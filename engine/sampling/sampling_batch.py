@@ -1,0 +1,148 @@
+"""SamplingBatch: per-row sampling state as device tensors, so the Sampler never sees requests.
+
+Greedy rows are stored as temperature 1, whole-vocab top-k, top_p 1 and min_p 0, which makes
+every processing step a no-op for them. The `need_*` flags are host booleans computed here, so
+the sampler can skip whole steps without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from engine.sampling.seeds import to_int64
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int  # sampling_seed, a derived seed for n>1, or random_request_seed()
+    position: int  # absolute position of the token being sampled (the noise counter)
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()  # tokens generated so far
+    # ids the row may not emit while len(output_ids) < min_new_tokens (EOS + stop_token_ids)
+    suppress_ids: Sequence[int] = ()
+
+
+@dataclass
+class SamplingBatch:
+    vocab_size: int
+    temperatures: torch.Tensor  # [B, 1] float32
+    top_ks: torch.Tensor  # [B] int64, in [1, V]
+    top_ps: torch.Tensor  # [B] float32
+    min_ps: torch.Tensor  # [B] float32
+    repetition_penalties: torch.Tensor  # [B] float32
+    frequency_penalties: torch.Tensor  # [B] float32
+    presence_penalties: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    is_greedy: torch.Tensor  # [B] bool
+    output_counts: Optional[torch.Tensor]  # [B, V] float32 count of each id in the output so far
+    seen_mask: Optional[torch.Tensor]  # [B, V] bool, id occurs in prompt or output
+    suppress_mask: Optional[torch.Tensor]  # [B, V] bool, ids banned by min_new_tokens
+    all_greedy: bool
+    any_greedy: bool
+    need_repetition: bool
+    need_freq_presence: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.seeds.shape[0]
+
+    @property
+    def need_penalties(self) -> bool:
+        return self.need_repetition or self.need_freq_presence
+
+    @classmethod
+    def build(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> SamplingBatch:
+        greedy = [r.params.is_greedy for r in rows]
+        temps = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
+        top_ks = [_top_k(r.params, g, vocab_size) for r, g in zip(rows, greedy)]
+        top_ps = [1.0 if g else r.params.top_p for r, g in zip(rows, greedy)]
+        min_ps = [0.0 if g else r.params.min_p for r, g in zip(rows, greedy)]
+        rep = [r.params.repetition_penalty for r in rows]
+        freq = [r.params.frequency_penalty for r in rows]
+        pres = [r.params.presence_penalty for r in rows]
+        need_rep = any(p != 1.0 for p in rep)
+        need_fp = any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
+
+        def f32(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def i64(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            vocab_size=vocab_size,
+            temperatures=f32(temps).view(-1, 1),
+            top_ks=i64(top_ks),
+            top_ps=f32(top_ps),
+            min_ps=f32(min_ps),
+            repetition_penalties=f32(rep),
+            frequency_penalties=f32(freq),
+            presence_penalties=f32(pres),
+            seeds=i64([to_int64(r.seed) for r in rows]),
+            positions=i64([r.position for r in rows]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            output_counts=_output_counts(rows, vocab_size, device) if need_fp else None,
+            seen_mask=_seen_mask(rows, vocab_size, device) if need_rep else None,
+            suppress_mask=_suppress_mask(rows, vocab_size, device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            need_repetition=need_rep,
+            need_freq_presence=need_fp,
+            need_top_k=any(k < vocab_size for k in top_ks),
+            need_top_p=any(p < 1.0 for p in top_ps),
+            need_min_p=any(p > 0.0 for p in min_ps),
+        )
+
+
+def _top_k(params: SamplingParams, greedy: bool, vocab_size: int) -> int:
+    # greedy rows are argmax'ed directly; -1 and oversized k mean the whole vocab
+    if greedy or params.top_k < 0:
+        return vocab_size
+    return min(params.top_k, vocab_size)
+
+
+def _scatter_ids(
+    per_row: list[Sequence[int]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten per-row id lists into (row index, id) tensors for one index_put."""
+    lengths = torch.tensor([len(ids) for ids in per_row], dtype=torch.int64)
+    ids = [torch.as_tensor(list(ids), dtype=torch.int64) for ids in per_row]
+    flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(per_row)), lengths)
+    return rows.to(device), flat_ids.to(device)
+
+
+def _output_counts(rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor:
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    idx = _scatter_ids([r.output_ids for r in rows], device)
+    ones = torch.ones(idx[0].shape[0], dtype=torch.float32, device=device)
+    return counts.index_put_(idx, ones, accumulate=True)
+
+
+def _seen_mask(rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor:
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    seen = [list(r.prompt_ids) + list(r.output_ids) for r in rows]
+    idx = _scatter_ids(seen, device)
+    return mask.index_put_(idx, torch.ones_like(idx[0], dtype=torch.bool))
+
+
+def _suppress_mask(rows: list[SamplingRow], vocab_size: int, device) -> Optional[torch.Tensor]:
+    banned = [
+        r.suppress_ids if len(r.output_ids) < r.params.min_new_tokens else () for r in rows
+    ]
+    if not any(len(ids) for ids in banned):
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    idx = _scatter_ids(banned, device)
+    return mask.index_put_(idx, torch.ones_like(idx[0], dtype=torch.bool))

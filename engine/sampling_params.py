@@ -1,0 +1,163 @@
+"""SamplingParams: one request's sampling knobs, with SGLang's field names and defaults.
+
+`from_dict` rejects unknown keys and wrong types (so a typo never silently falls back to a
+default); `validate` checks ranges once the vocab size is known. Constructing the dataclass
+directly runs the same type checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+GREEDY_TEMPERATURE = 1e-6  # SGLang: temperature below this means greedy (top_k=1)
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_OPTIONAL_STR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+# constrained decoding arrives with the grammar issue; until then these are refused when set
+_UNSUPPORTED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocab
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[Union[str, list[str]]] = None  # normalised to list[str] | None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: Optional[int] = None
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+    stop_regex: Optional[str] = None
+    logit_bias: Optional[dict] = None
+    custom_params: Optional[dict] = None  # accepted for client compatibility, unused
+    stream_interval: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is not None:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> SamplingParams:
+        d = dict(d or {})
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"unknown sampling_params field(s) {unknown}; allowed fields: {', '.join(allowed)}"
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        # SGLang folds temperature ~0 into top_k=1, and treats top_k=1 as greedy
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    # ---- validation -------------------------------------------------------------------
+
+    def validate(self, vocab_size: Optional[int] = None) -> SamplingParams:
+        """Raise ValueError naming the field and its allowed range; return self."""
+        for name in _UNSUPPORTED_FIELDS:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported yet")
+        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 (whole vocab) or >= 1", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(self.max_new_tokens >= 0, "max_new_tokens", ">= 0", self.max_new_tokens)
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens", f"in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens,
+        )
+        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
+        _check(self.n >= 1, "n", ">= 1", self.n)
+        if self.stream_interval is not None:
+            _check(self.stream_interval >= 1, "stream_interval", ">= 1", self.stream_interval)
+        if self.sampling_seed is not None:
+            seed = self.sampling_seed
+            _check(-(1 << 63) <= seed < (1 << 64), "sampling_seed", "a 64-bit integer", seed)
+        self._validate_stop_token_ids(vocab_size)
+        return self
+
+    def _validate_stop_token_ids(self, vocab_size: Optional[int]) -> None:
+        hi = f"{vocab_size})" if vocab_size is not None else "inf)"
+        for tok in self.stop_token_ids or ():
+            ok = tok >= 0 and (vocab_size is None or tok < vocab_size)
+            _check(ok, "stop_token_ids", f"in [0, {hi}", tok)
+
+    def _check_types(self) -> None:
+        for name in _INT_FIELDS:
+            _require_int(name, getattr(self, name))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+            setattr(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in _OPTIONAL_STR_FIELDS:
+            _require_optional(name, getattr(self, name), str, "a string")
+        for name in ("sampling_seed", "stream_interval"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name))
+        for name in ("logit_bias", "custom_params"):
+            _require_optional(name, getattr(self, name), dict, "a dict")
+        self._check_list_types()
+
+    def _check_list_types(self) -> None:
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple, set)) or not all(_is_int(t) for t in ids):
+                raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: Any) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _require_optional(name: str, value: Any, kind: type, what: str) -> None:
+    if value is not None and not isinstance(value, kind):
+        raise ValueError(f"{name} must be {what} or null, got {type(value).__name__}")
+
+
+def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value}")

@@ -1,0 +1,285 @@
+"""Scheduler: waiting queue, prefill admission, decode batches, retraction. Host-only.
+
+Each step is either a prefill batch (requests admitted by PrefillAdder, the chunked request
+first) or a decode batch of every running request. Prefill goes first, as in SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.kv.allocator import TokenSlotAllocator
+from engine.kv.base import PrefixCache
+from engine.kv.pool import ReqToTokenPool
+from engine.prefill_adder import PrefillAdder
+from engine.request import Req, ReqState
+from engine.runner.forward_batch import ForwardMode
+from engine.schedule_batch import ScheduleBatch
+from engine.schedule_policy import order_waiting
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20  # tokens each surviving request is assumed to still need
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: Optional[int]
+    max_prefill_tokens: int
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        tree_cache: PrefixCache,
+        allocator: TokenSlotAllocator,
+        req_to_token_pool: ReqToTokenPool,
+    ) -> None:
+        self.config = config
+        self.tree_cache = tree_cache
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+        self.num_retractions = 0
+        self.finished_here: list[Req] = []
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        req.state = ReqState.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def abort_request(self, rid: str, message: str = "aborted") -> Optional[Req]:
+        """Waiting requests finish now; running ones are marked and released by the core."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finished_reason = {"type": "abort", "message": message}
+                return req
+        for req in self._active():
+            if req.rid == rid:
+                req.to_abort = message
+                return req
+        return None
+
+    def pop_finished(self) -> list[Req]:
+        """Requests the scheduler itself ended (aborted while running, or out of memory)."""
+        done, self.finished_here = self.finished_here, []
+        return done
+
+    def _finish_marked_aborts(self) -> None:
+        for req in [r for r in self._active() if r.to_abort is not None]:
+            self.release(req)
+            req.finished_reason = {"type": "abort", "message": req.to_abort}
+            self.finished_here.append(req)
+
+    def _active(self) -> list[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req else [])
+
+    # ---- schedule ------------------------------------------------------------------------------
+    def schedule(self) -> Optional[ScheduleBatch]:
+        self._finish_marked_aborts()
+        batch = self._prefill_batch()
+        if batch is not None:
+            return batch
+        return self._decode_batch()
+
+    def _prefill_batch(self) -> Optional[ScheduleBatch]:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(
+            self.allocator, self.tree_cache, self.running, self.new_token_ratio,
+            self.config.chunked_prefill_size, self.config.max_prefill_tokens,
+        )
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            req.fill_ids = req.all_ids
+            adder.add_chunked(req)
+        ordered, in_queue_order = order_waiting(self.waiting, self.config.schedule_policy, self.tree_cache)
+        admitted: list[Req] = []
+        for req in ordered:
+            if adder.full or len(self.running) + len(adder.reqs) >= self.config.max_running_requests:
+                break
+            if self.req_to_token_pool.available_size() == 0 or not self._admit(req, adder):
+                break
+            admitted.append(req)
+        self._remove_from_waiting(admitted, in_queue_order)
+        return self._build_extend_batch(adder.reqs) if adder.reqs else None
+
+    def _remove_from_waiting(self, admitted: list[Req], in_queue_order: bool) -> None:
+        if in_queue_order:  # fcfs admits a prefix of the queue: O(admitted), not O(queue)
+            for _ in admitted:
+                self.waiting.popleft()
+        elif admitted:
+            taken = {id(r) for r in admitted}
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+
+    def _admit(self, req: Req, adder: PrefillAdder) -> bool:
+        req.fill_ids = req.all_ids
+        match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+        self.tree_cache.inc_lock_ref(match.last_node)
+        if not adder.try_add(req, len(match.indices)):
+            self.tree_cache.dec_lock_ref(match.last_node)
+            return False
+        req.prefix_indices, req.last_node = match.indices, match.last_node
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        self.req_to_token_pool.write(req.req_pool_idx, 0, match.indices)
+        if req.num_retractions == 0 and not req.input_logprobs_done:
+            req.cached_tokens = len(match.indices)
+        return True
+
+    def _build_extend_batch(self, reqs: list[Req]) -> Optional[ScheduleBatch]:
+        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        extend_lens = [r.extend_input_len for r in reqs]
+        slots = self._alloc_slots(sum(extend_lens))
+        if slots is None:  # the forecast said it fits; if not, give everything back and wait
+            for req in reqs:
+                self._undo_admission(req)
+            return None
+        offset = 0
+        for req, start, n in zip(reqs, prefix_lens, extend_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, start, slots[offset : offset + n])
+            req.fill_ids = req.fill_ids[: start + n]
+            req.state = ReqState.RUNNING
+            offset += n
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, slots)
+
+    def _undo_admission(self, req: Req) -> None:
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node = None, None
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.is_chunked = False
+        self.waiting.appendleft(req)
+
+    def _alloc_slots(self, n: int) -> Optional[torch.Tensor]:
+        if self.allocator.available_size() < n:
+            self.tree_cache.evict(n - self.allocator.available_size())
+        return self.allocator.alloc(n)
+
+    def _decode_batch(self) -> Optional[ScheduleBatch]:
+        if not self.running:
+            return None
+        self._retract_until_fits()
+        if not self.running:
+            return None
+        slots = self._alloc_slots(len(self.running))
+        assert slots is not None, "retraction left too few free slots"
+        reqs = list(self.running)
+        prefix_lens = [r.seq_len - 1 for r in reqs]
+        for req, pos, slot in zip(reqs, prefix_lens, slots):
+            req.fill_ids = req.all_ids
+            self.req_to_token_pool.write(req.req_pool_idx, pos, slot.view(1))
+        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * len(reqs), slots)
+
+    # ---- retraction ----------------------------------------------------------------------------
+    def _free_decode_tokens(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def _retract_until_fits(self) -> None:
+        retracted = 0
+        while self._free_decode_tokens() < len(self.running) and len(self.running) > 1:
+            # least progress first: fewest output tokens, then the longest prompt
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.running.remove(victim)
+            self._retract(victim)
+            retracted += 1
+        if self._free_decode_tokens() < len(self.running):
+            req = self.running[-1]
+            self.release(req)
+            req.finished_reason = {"type": "abort", "message": "KV cache pool too small for this request; raise --max-total-tokens"}
+            self.finished_here.append(req)
+        if retracted:
+            self.num_retractions += retracted
+            decoded = sum(len(r.output_ids) for r in self.running)
+            budget = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+            old = self.new_token_ratio
+            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / budget)
+            logger.warning("KV cache pool is full. Retract %d requests. new_token_ratio: %.4f -> %.4f",
+                           retracted, old, self.new_token_ratio)
+
+    def _retract(self, req: Req) -> None:
+        self.tree_cache.cache_finished_req(req)  # its KV stays in the tree, evictable
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.last_node, req.kv_committed_len, req.is_chunked = None, 0, False
+        req.num_retractions += 1
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+
+    # ---- results -------------------------------------------------------------------------------
+    def commit(self, batch: ScheduleBatch, next_token_ids: list[int]) -> list[Req]:
+        """Record a finished forward pass; returns the requests that gained a token."""
+        grown: list[Req] = []
+        kept = batch.samples_kept()
+        for req, token, keep in zip(batch.reqs, next_token_ids, kept):
+            req.kv_committed_len = len(req.fill_ids)
+            if batch.forward_mode is ForwardMode.EXTEND:
+                self.tree_cache.cache_unfinished_req(req)
+                if req.is_chunked:
+                    self.chunked_req = req
+                    continue
+                self.running.append(req)
+            if keep:
+                req.output_ids.append(token)
+                grown.append(req)
+        return grown
+
+    def release(self, req: Req) -> None:
+        """Give back everything a finished or aborted request holds."""
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+        req.state = ReqState.FINISHED
+
+    def fail_batch(self, batch: ScheduleBatch, message: str, slots_committed: bool) -> list[Req]:
+        """Ends the requests of a batch whose forward pass failed, without leaking KV slots."""
+        if not slots_committed:
+            self.allocator.free(batch.out_cache_loc)
+        failed = []
+        for req in batch.reqs:
+            if req.finished:
+                continue
+            self.release(req)
+            req.finished_reason = {"type": "abort", "message": message}
+            failed.append(req)
+        return failed
+
+    def flush_cache(self) -> bool:
+        if self.running or self.chunked_req:
+            return False
+        self.tree_cache.reset()
+        return True
+
+    def check_integrity(self) -> None:
+        """free + cached + held by requests == pool size; when idle, nothing is locked."""
+        held = sum(r.kv_committed_len - len(r.prefix_indices) for r in self._active())
+        total = self.allocator.available_size() + self.tree_cache.total_size() + held
+        assert total == self.allocator.size, f"KV slot leak: free+cached+held={total} != {self.allocator.size}"
+        if not self._active():
+            assert self.tree_cache.protected_size() == 0, "idle engine still holds locked cache nodes"
+            assert self.req_to_token_pool.available_size() == self.req_to_token_pool.size, "leaked req rows"
+        self.tree_cache.check_invariants()
