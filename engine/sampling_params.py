@@ -17,10 +17,12 @@ _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
 )
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_BOOL_FIELDS = (
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+)
 _OPTIONAL_STR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
-# constrained decoding arrives with the grammar issue; until then these are refused when set
-_UNSUPPORTED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias")
+# constrained decoding arrives with the grammar issue; until then these are refused if set
+_UNSUPPORTED_FIELDS = _OPTIONAL_STR_FIELDS + ("logit_bias",)
 
 
 @dataclass

@@ -276,7 +276,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """free + cached + held by requests == pool size; when idle, nothing is locked."""
-        held = sum(r.kv_committed_len - len(r.prefix_indices) for r in self._active())
+        held = sum(self.tree_cache.held_by_request(r) for r in self._active())
         total = self.allocator.available_size() + self.tree_cache.total_size() + held
         assert total == self.allocator.size, f"KV slot leak: free+cached+held={total} != {self.allocator.size}"
         if not self._active():

@@ -47,6 +47,10 @@ class PrefixCache(ABC):
     @abstractmethod
     def total_size(self) -> int: ...
 
+    def held_by_request(self, req: Any) -> int:
+        """Slots a live request owns outside the cache (for the integrity check)."""
+        return req.kv_committed_len - len(req.prefix_indices)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent."""
 

@@ -48,6 +48,9 @@ class ChunkCache(PrefixCache):
     def total_size(self) -> int:
         return 0
 
+    def held_by_request(self, req: Any) -> int:
+        return req.kv_committed_len  # its "prefix" is its own row, never shared
+
     def cache_unfinished_req(self, req: Any) -> None:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         req.prefix_indices = row[: len(req.fill_ids)].to("cpu", copy=True)

@@ -151,8 +151,17 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(config, self.layer_options(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_non_checkpoint_state(self) -> None:
+        """Restore what no checkpoint holds after `to_empty` (meta-device construction):
+        rope frequencies, and the lm_head/embedding tie that `to_empty` breaks."""
+        self.model.rotary_emb.reset_inv_freq()
+        self.tie_weights()
 
     @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:

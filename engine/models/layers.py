@@ -64,9 +64,14 @@ class RotaryEmbedding(nn.Module):
                  max_position_embeddings: Optional[int] = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = _inv_freq(head_dim, rope_theta, rope_scaling or {}, max_position_embeddings)
+        self._args = (head_dim, rope_theta, dict(rope_scaling or {}), max_position_embeddings)
         # non-persistent: not a checkpoint tensor; explicit float32 whatever the default dtype
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", _inv_freq(*self._args), persistent=False)
+
+    def reset_inv_freq(self) -> None:
+        """Recompute the frequencies in place, e.g. after `to_empty` of a meta-built model."""
+        with torch.no_grad():
+            self.inv_freq.copy_(_inv_freq(*self._args))
 
     @classmethod
     def from_config(cls, config: Any, head_dim: int) -> "RotaryEmbedding":

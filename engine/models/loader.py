@@ -43,8 +43,12 @@ def load_model(model_path: str, hf_config: Any, dtype: torch.dtype, device: Devi
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be one of auto, safetensors, dummy; got {load_format!r}")
     cls = model_class_for_config(hf_config)
-    with _default_dtype(dtype), torch.device(device):
+    # built on meta then materialised uninitialised: nn.Linear's random init would dominate
+    # start-up time; every parameter is filled below (missing ones raise)
+    with _default_dtype(dtype), torch.device("meta"):
         model = cls(hf_config)
+    model = model.to_empty(device=device)
+    model.init_non_checkpoint_state()
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

@@ -21,7 +21,7 @@ def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> to
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k most likely tokens per row under the original distribution: (values [N,k], ids [N,k])."""
+    """Top k tokens per row under the original distribution: (values [N,k], ids [N,k])."""
     logprobs = original_logprobs(logits)
     k = min(k, logprobs.shape[-1])
     values, ids = torch.topk(logprobs, k, dim=-1, largest=True, sorted=True)

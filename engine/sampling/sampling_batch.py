@@ -8,8 +8,10 @@ the sampler can skip whole steps without a device sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from engine.sampling.seeds import to_int64
@@ -113,35 +115,34 @@ def _top_k(params: SamplingParams, greedy: bool, vocab_size: int) -> int:
 
 
 def _scatter_ids(
-    per_row: list[Sequence[int]], device: torch.device | str
+    per_row: list[tuple[Sequence[int], ...]], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten per-row id lists into (row index, id) tensors for one index_put."""
-    lengths = torch.tensor([len(ids) for ids in per_row], dtype=torch.int64)
-    ids = [torch.as_tensor(list(ids), dtype=torch.int64) for ids in per_row]
-    flat_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+    """Flatten each row's id lists into (row index, id) tensors for one index_put."""
+    lengths = torch.tensor([sum(map(len, parts)) for parts in per_row], dtype=torch.int64)
+    flat = chain.from_iterable(chain.from_iterable(per_row))
+    ids = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=int(lengths.sum())))
     rows = torch.repeat_interleave(torch.arange(len(per_row)), lengths)
-    return rows.to(device), flat_ids.to(device)
+    return rows.to(device), ids.to(device)
 
 
 def _output_counts(rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor:
     counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    idx = _scatter_ids([r.output_ids for r in rows], device)
+    idx = _scatter_ids([(r.output_ids,) for r in rows], device)
     ones = torch.ones(idx[0].shape[0], dtype=torch.float32, device=device)
     return counts.index_put_(idx, ones, accumulate=True)
 
 
 def _seen_mask(rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor:
     mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    seen = [list(r.prompt_ids) + list(r.output_ids) for r in rows]
-    idx = _scatter_ids(seen, device)
+    idx = _scatter_ids([(r.prompt_ids, r.output_ids) for r in rows], device)
     return mask.index_put_(idx, torch.ones_like(idx[0], dtype=torch.bool))
 
 
 def _suppress_mask(rows: list[SamplingRow], vocab_size: int, device) -> Optional[torch.Tensor]:
     banned = [
-        r.suppress_ids if len(r.output_ids) < r.params.min_new_tokens else () for r in rows
+        (r.suppress_ids,) if len(r.output_ids) < r.params.min_new_tokens else () for r in rows
     ]
-    if not any(len(ids) for ids in banned):
+    if not any(len(ids) for parts in banned for ids in parts):
         return None
     mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
     idx = _scatter_ids(banned, device)

@@ -74,3 +74,11 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     """[B, V] float64 standard Gumbel noise keyed by (seed, position, vocab id)."""
     u = uniform_noise(seeds, positions, vocab_size)
     return -torch.log(-torch.log(u))
+
+
+def gumbel_argmax(
+    logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """[B] int64: argmax(logprobs + Gumbel noise), i.e. one seeded sample per row."""
+    noise = gumbel_noise(seeds, positions, logprobs.shape[-1])
+    return torch.argmax(logprobs.double() + noise, dim=-1)

@@ -47,10 +47,13 @@ PRESETS: dict[str, dict] = {
                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
                      tie_word_embeddings=False, torch_dtype="bfloat16"),
 }
-# Weight init of the tiny preset. Larger than HF's 0.02 so random logits are peaked (top-1 vs
-# top-2 gaps well above float32 noise) and greedy decoding does not lock onto one token.
+# Weight init of the tiny preset, measured (see tests): a larger std than HF's 0.02 so random
+# logits are peaked (median top-1 vs top-2 gap ~0.5, <0.1% of gaps under 1e-3) and greedy
+# decoding does not lock onto one token; logits stay small (std ~2.4) so float32 logprobs
+# of two implementations agree to ~1e-5. Embeddings are drawn apart from the layers because
+# with tied weights a dominant embedding makes every step predict the current token again.
 TINY_INIT_STD = 0.25
-TINY_EMBED_STD = 1.0
+TINY_EMBED_STD = 0.3
 TINY_NORM_JITTER = 0.1  # norm weights != 1 so a loader that drops them fails the HF oracle
 
 

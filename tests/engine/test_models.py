@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.attention.torch_native import TorchNativeAttentionBackend
 from engine.models.decoder import head_dim_of
-from engine.models.loader import init_dummy_weights, load_model, resolve_dtype
+from engine.models.loader import load_model, resolve_dtype
 from engine.models.registry import get_model_class
 from engine.runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -53,11 +52,12 @@ CONFIGS = {
 class PagedRunner:
     """Drives a model through ForwardBatches over a real KV pool with scattered slots."""
 
-    def __init__(self, model, config, size=512, max_reqs=4, max_ctx=128):
+    def __init__(self, model, config, size=512, max_reqs=4, max_ctx=128, device="cpu"):
         self.model = model
+        self.device = torch.device(device)
         self.pool = KVPool(size, config.num_hidden_layers, config.num_key_value_heads,
-                           head_dim_of(config), torch.float32, "cpu")
-        self.req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int64)
+                           head_dim_of(config), torch.float32, self.device)
+        self.req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int64, device=self.device)
         gen = torch.Generator().manual_seed(0)
         self.free = (torch.randperm(size, generator=gen) + 1).tolist()  # slot 0 is padding
         self.cached = [0] * max_reqs
@@ -69,20 +69,20 @@ class PagedRunner:
         lens = [len(c) for c in chunks]
         positions, locs = [], []
         for r, p, n in zip(rows, prefix, lens):
-            slots = torch.tensor([self.free.pop() for _ in range(n)], dtype=torch.int64)
+            slots = torch.tensor([self.free.pop() for _ in range(n)], device=self.device)
             self.req_to_token[r, p : p + n] = slots
             self.cached[r] = p + n
-            positions.append(torch.arange(p, p + n))
+            positions.append(torch.arange(p, p + n, device=self.device))
             locs.append(slots)
         seq_lens = [p + n for p, n in zip(prefix, lens)]
         decode = all(n == 1 for n in lens) and all(p > 0 for p in prefix)
+        dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            input_ids=torch.tensor([t for c in chunks for t in c], dtype=torch.int64),
+            input_ids=dev([t for c in chunks for t in c]),
             positions=torch.cat(positions), out_cache_loc=torch.cat(locs),
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens), extend_prefix_lens=torch.tensor(prefix),
-            extend_seq_lens=torch.tensor(lens), seq_lens_cpu=seq_lens,
+            req_pool_indices=dev(rows), seq_lens=dev(seq_lens), extend_prefix_lens=dev(prefix),
+            extend_seq_lens=dev(lens), seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens,
             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.backend,
         )

@@ -1,0 +1,49 @@
+"""Shared fixtures: the tiny model (built once per session) and engines over it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from engine.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def engine_factory(tiny_model_dir):
+    from engine import Engine
+
+    engines = []
+
+    def make(**kwargs):
+        eng = Engine(model_path=tiny_model_dir, dtype="float32", device="cpu", **kwargs)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine(engine_factory):
+    return engine_factory()
+
+
+def random_prompts(n: int, vocab: int, lengths=(1, 120), seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]

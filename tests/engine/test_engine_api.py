@@ -1,0 +1,148 @@
+"""The in-process API: seeds, n > 1, stops, streaming, abort, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.engine.conftest import random_prompts
+
+
+def test_sampling_seed_same_alone_and_in_batch(engine):
+    vocab = engine.core.parts.vocab_size
+    target = random_prompts(1, vocab, lengths=(20, 20), seed=11)[0]
+    others = random_prompts(15, vocab, lengths=(1, 60), seed=12)
+    params = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 1234, "ignore_eos": True}
+    alone = engine.generate(input_ids=target, sampling_params=params)
+    other_params = [{"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 100 + i} for i in range(15)]
+    batch = engine.generate(input_ids=others[:7] + [target] + others[7:],
+                            sampling_params=other_params[:7] + [params] + other_params[7:])
+    assert batch[7]["output_ids"] == alone["output_ids"]
+    assert alone["meta_info"]["sampling_seed"] == 1234
+    different = engine.generate(input_ids=target, sampling_params={**params, "sampling_seed": 99})
+    assert different["output_ids"] != alone["output_ids"]
+
+
+def test_unseeded_request_reports_a_replayable_seed(engine):
+    params = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+    first = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=params)
+    seed = first["meta_info"]["sampling_seed"]
+    replay = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={**params, "sampling_seed": seed})
+    assert replay["output_ids"] == first["output_ids"]
+
+
+def test_n_samples_get_distinct_seeds(engine):
+    params = {"max_new_tokens": 10, "temperature": 1.0, "n": 4, "sampling_seed": 7, "ignore_eos": True}
+    outs = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=params)
+    assert len(outs) == 4
+    assert len({o["meta_info"]["sampling_seed"] for o in outs}) == 4
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    again = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=params)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+
+
+def test_stop_token_ids_and_min_new_tokens(engine):
+    base = {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+    ref = engine.generate(input_ids=[9, 10, 11], sampling_params=base)["output_ids"]
+    stop_tok = ref[3]
+    first = ref.index(stop_tok)
+    out = engine.generate(input_ids=[9, 10, 11], sampling_params={**base, "stop_token_ids": [stop_tok]})
+    assert out["output_ids"] == ref[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    held = engine.generate(input_ids=[9, 10, 11],
+                           sampling_params={**base, "stop_token_ids": [stop_tok], "min_new_tokens": first + 2})
+    assert len(held["output_ids"]) > first + 1
+    length = engine.generate(input_ids=[9, 10, 11], sampling_params={**base, "max_new_tokens": 5})
+    assert length["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_stop_strings_trim_text(engine):
+    base = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    ref = engine.generate(prompt="The quick brown fox", sampling_params=base)
+    text = ref["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if len(stop.strip()) < 1:
+        pytest.skip("generated text too short to pick a stop string")
+    out = engine.generate(prompt="The quick brown fox", sampling_params={**base, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.index(stop)]
+    kept = engine.generate(prompt="The quick brown fox", sampling_params={**base, "stop": stop, "no_stop_trim": True})
+    assert kept["text"].endswith(stop) or stop in kept["text"]
+
+
+def test_text_prompt_round_trip(engine):
+    out = engine.generate(prompt=["Hello world", "数学 🙂"], sampling_params={"max_new_tokens": 8, "temperature": 0})
+    assert len(out) == 2 and all(isinstance(o["text"], str) for o in out)
+    assert all("\ufffd" not in o["text"] for o in out)
+    tok = engine.core.tokenizer
+    for o in out:
+        assert o["text"] == tok.decode(o["output_ids"], skip_special_tokens=True) or o["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_async_stream_is_cumulative(engine):
+    async def run():
+        chunks = []
+        async for chunk in engine.async_generate(input_ids=[3, 4, 5], stream=True,
+                                                 sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}):
+            chunks.append(chunk)
+        final = await engine.async_generate(input_ids=[3, 4, 5],
+                                            sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        return chunks, final
+
+    chunks, final = asyncio.run(run())
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5, 6]
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_running_request(engine):
+    async def run():
+        stream = engine.async_generate(input_ids=[3, 4, 5], rid="to-abort", stream=True,
+                                       sampling_params={"max_new_tokens": 100000, "temperature": 0, "ignore_eos": True})
+        seen = 0
+        async for chunk in stream:
+            seen += 1
+            if seen == 3:
+                engine.abort_request("to-abort")
+            last = chunk
+        return last
+
+    last = asyncio.run(run())
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.check_integrity()
+
+
+BAD_INPUTS = [
+    ({"prompt": ""}, "empty"),
+    ({"input_ids": []}, "input_ids"),
+    ({"prompt": "hi", "input_ids": [1, 2]}, "not both"),
+    ({"input_ids": [1, 10**9]}, "vocabulary"),
+    ({"input_ids": [-1, 2]}, "vocabulary"),
+    ({"input_ids": [5] * 5000}, "context length"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -0.5}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0.0}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": -2}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"min_p": 1.5}}, "min_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"bogus_field": 1}}, "bogus_field"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
+]
+
+
+@pytest.mark.parametrize("kwargs,needle", BAD_INPUTS, ids=[n for _, n in BAD_INPUTS])
+def test_bad_input_is_named_and_engine_keeps_serving(engine, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        engine.generate(**kwargs)
+    ok = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "temperature": 0})
+    assert len(ok["output_ids"]) >= 1
+
+
+def test_unknown_server_arg_is_named(tiny_model_dir):
+    from engine import Engine
+
+    with pytest.raises(ValueError, match="no_such_flag"):
+        Engine(model_path=tiny_model_dir, no_such_flag=1)
