@@ -71,7 +71,7 @@ class RequestBuilder:
             single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
             lists = [list(input_ids)] if single else [list(x) if isinstance(x, (list, tuple)) else x for x in input_ids]
         if not lists:
-            raise ValueError("the batch of prompts is empty")
+            raise ValueError("prompt or input_ids is empty: give at least one token")
         for ids in lists:
             self._check_ids(ids)
         return lists, single

@@ -1,0 +1,110 @@
+"""ServerArgs <-> argparse: every ServerArgs field becomes a flag with SGLang's dashed spelling.
+
+Flags are generated from `dataclasses.fields(ServerArgs)`, so a new field is on the command line
+without touching this file. Types come from the annotations: bool -> store_true (or --no-x when
+the default is True), Optional[X] -> X with default None, list[X] -> nargs="*", dict -> JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from typing import Any, Optional
+
+from engine import config as config_module
+from engine.config import ServerArgs
+
+# Choices shown in --help; ServerArgs.__post_init__ stays the one place that validates.
+_CHOICES = {
+    "schedule_policy": "SCHEDULE_POLICIES",
+    "attention_backend": "ATTENTION_BACKENDS",
+    "dtype": "DTYPES",
+    "load_format": "LOAD_FORMATS",
+    "logprob_distribution": "LOGPROB_DISTRIBUTIONS",
+}
+_SCALARS = (int, float, str)
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_server_args(parser: argparse.ArgumentParser, require_model_path: bool = True) -> None:
+    """Add one flag per ServerArgs field (skipping flags the parser already has)."""
+    group = parser.add_argument_group("server args", "engine settings (ServerArgs fields)")
+    hints = typing.get_type_hints(ServerArgs)
+    for field in dataclasses.fields(ServerArgs):
+        flag = flag_name(field.name)
+        if flag in parser._option_string_actions:  # a subcommand defined its own meaning
+            continue
+        kwargs = _argparse_kwargs(field, hints[field.name])
+        if field.name == "model_path":
+            kwargs.update(required=require_model_path, default=None)
+        group.add_argument(flag, dest=field.name, **kwargs)
+
+
+def server_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
+    """The ServerArgs fields found on ns, as kwargs for Engine(...) / ServerArgs(...).
+
+    model_path is left out when it was not given, so a caller can supply a default.
+    """
+    out = {}
+    for field in dataclasses.fields(ServerArgs):
+        if not hasattr(ns, field.name):
+            continue
+        value = getattr(ns, field.name)
+        if field.name == "model_path" and value is None:
+            continue
+        out[field.name] = value
+    return out
+
+
+def _argparse_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
+    default = _default_of(field)
+    base, _ = _unwrap_optional(annotation)
+    help_text = f"ServerArgs.{field.name} (default: {default!r})"
+    if base is bool:
+        if default is True:
+            return dict(action=argparse.BooleanOptionalAction, default=True, help=help_text)
+        return dict(action="store_true", default=bool(default), help=help_text)
+    kwargs: dict[str, Any] = dict(default=default, help=help_text)
+    origin = typing.get_origin(base)
+    if origin in (list, tuple):
+        args = typing.get_args(base)
+        kwargs.update(nargs="*", type=args[0] if args and args[0] in _SCALARS else str)
+    elif base in _SCALARS:
+        kwargs["type"] = base
+    else:  # dicts and other structured values travel as JSON
+        kwargs["type"] = json.loads
+        kwargs["metavar"] = "JSON"
+    choices = _choices_for(field.name)
+    if choices is not None:
+        kwargs["choices"] = list(choices)
+    else:
+        kwargs.setdefault("metavar", field.name.upper())
+    return kwargs
+
+
+def _choices_for(name: str) -> Optional[tuple]:
+    const = _CHOICES.get(name)
+    return getattr(config_module, const, None) if const else None
+
+
+def _default_of(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """Optional[X] / X | None -> (X, True); anything else -> (annotation, False)."""
+    args = typing.get_args(annotation)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+    return annotation, False

@@ -1,0 +1,97 @@
+"""Tokenizer loading, chat templates, and incremental detokenization for streaming output."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+# Tokens of the prompt re-decoded as left context, so the first output token decodes with the
+# spacing it has in context (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET, vLLM's 5).
+INIT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"  # what a half-finished UTF-8 sequence decodes to
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
+    """Load a local HF tokenizer; tandem never reaches a model hub."""
+    from transformers import AutoTokenizer
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"tokenizer path {path!r} is not a directory; pass a local checkpoint "
+            "(build one with `tandem tiny-model --out DIR`)")
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in {path!r}: expected one of {', '.join(TOKENIZER_FILES)}")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                         local_files_only=True)
+
+
+def apply_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
+                        **template_kwargs: Any) -> list[int]:
+    """Render messages with the tokenizer's chat template and return the prompt's token ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat_template; send a plain prompt instead")
+    # Render to text, then encode: the return type of tokenize=True differs between
+    # transformers versions (list vs BatchEncoding); the text path is the same everywhere.
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text, a few tokens at a time.
+
+    Two offsets into the ids, as in SGLang/vLLM: text is decoded from `surr_offset` (left
+    context, already emitted) and everything past the decode of ids[surr_offset:read_offset] is
+    new. New text that ends in U+FFFD is held back: the token ended inside a multi-byte character
+    whose remaining bytes come with the next token.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Optional[Sequence[int]] = None,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self._ids: list[int] = list(prompt_ids or [])
+        self._num_prompt = len(self._ids)
+        self._read_offset = len(self._ids)
+        self._surr_offset = max(len(self._ids) - INIT_CONTEXT_TOKENS, 0)
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far (held-back bytes excluded until they complete)."""
+        return self._text
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._ids[self._num_prompt:]
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append output tokens; return only the newly completed text (maybe "")."""
+        self._ids.extend(int(t) for t in token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At finish: emit whatever is held back, even an incomplete character."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        context = self._decode(self._ids[self._surr_offset:self._read_offset])
+        full = self._decode(self._ids[self._surr_offset:])
+        if len(full) <= len(context) or (full.endswith(REPLACEMENT_CHAR) and not final):
+            return ""  # nothing printable yet (e.g. a skipped special token) or mid-character
+        new_text = full[len(context):]
+        self._surr_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._text += new_text
+        return new_text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
