@@ -29,11 +29,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     from engine import Engine
+    from engine.server_args_cli import server_args_from_namespace
     from engine.testing.tiny_model import tiny_model_path
 
-    path = tiny_model_path()
-    print(f"tiny model: {path}")
-    with Engine(model_path=str(path)) as eng:
+    kwargs = server_args_from_namespace(args)
+    if "model_path" not in kwargs:
+        kwargs["model_path"] = str(tiny_model_path())
+        print(f"tiny model: {kwargs['model_path']}")
+    with Engine(**kwargs) as eng:
         params = {"max_new_tokens": 32, "temperature": 0.0}
         print("\n== cold: four prompts in one batch ==")
         _report(eng, DEMO_PROMPTS, params)
@@ -52,6 +55,7 @@ def _report(eng: Any, prompts: list[str], params: dict) -> None:
     n_prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs)
     n_cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
     for prompt, out in zip(prompts, outs):
-        print(f"- {prompt[-40:]!r} -> {out['text']!r} ({out['meta_info']['finish_reason']['type']})")
+        text = out["text"].encode("unicode_escape").decode("ascii")  # random weights emit control bytes
+        print(f"- {prompt[-40:]!r} -> {text[:80]} ({out['meta_info']['finish_reason']['type']})")
     print(f"{len(outs)} requests, {n_out} output tokens in {elapsed:.2f}s = {n_out / elapsed:.1f} tok/s; "
           f"cache hits {n_cached}/{n_prompt} prompt tokens ({n_cached / max(n_prompt, 1):.0%})")

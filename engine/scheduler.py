@@ -28,6 +28,8 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20  # tokens each surviving request is assumed to still need
+SIBLING_PREFIX = 32  # shared uncached tokens at which a sibling is held back one round
+MAX_DEFERRED_PER_STEP = 128
 
 
 @dataclass(frozen=True)
@@ -117,9 +119,16 @@ class Scheduler:
             adder.add_chunked(req)
         ordered, in_queue_order = order_waiting(self.waiting, self.config.schedule_policy, self.tree_cache)
         admitted: list[Req] = []
+        siblings: set[tuple] = set()
+        deferred = 0
         for req in ordered:
             if adder.full or len(self.running) + len(adder.reqs) >= self.config.max_running_requests:
                 break
+            if self._defer_sibling(req, siblings):
+                in_queue_order, deferred = False, deferred + 1
+                if deferred > MAX_DEFERRED_PER_STEP:  # bound the scan, whatever the queue length
+                    break
+                continue
             if self.req_to_token_pool.available_size() == 0 or not self._admit(req, adder):
                 break
             admitted.append(req)
@@ -133,6 +142,20 @@ class Scheduler:
         elif admitted:
             taken = {id(r) for r in admitted}
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+
+    def _defer_sibling(self, req: Req, siblings: set[tuple]) -> bool:
+        """Two requests that share >= SIBLING_PREFIX uncached tokens should not both compute them:
+        the second waits one round and then reads the shared part from the tree (SGLang's
+        in-batch prefix trick; it is what makes n > 1 groups hit the cache)."""
+        ids = req.all_ids
+        start = len(self.tree_cache.match_prefix(ids[:-1]).indices)
+        if len(ids) - start <= SIBLING_PREFIX:
+            return False
+        key = (start, tuple(ids[start : start + SIBLING_PREFIX]))
+        if key in siblings:
+            return True
+        siblings.add(key)
+        return False
 
     def _admit(self, req: Req, adder: PrefillAdder) -> bool:
         req.fill_ids = req.all_ids

@@ -155,3 +155,17 @@ def test_step_cost_does_not_grow_with_waiting_queue(n_waiting):
         run_step(s)
     per_step = (time.perf_counter() - start) / 20
     assert per_step < 0.02, f"{per_step * 1e3:.2f} ms per step with {n_waiting} waiting"
+
+
+def test_siblings_sharing_an_uncached_prefix_wait_one_round():
+    s = make_scheduler()
+    prompt = list(range(1, 65))
+    for i in range(4):
+        s.add_request(make_req(f"g{i}", prompt, max_new=4))
+    s.add_request(make_req("other", range(100, 140), max_new=4))
+    first = s.schedule()
+    assert [r.rid for r in first.reqs] == ["g0", "other"]
+    s.commit(first, [1, 1])
+    second = s.schedule()
+    assert [r.rid for r in second.reqs] == ["g1", "g2", "g3"]
+    assert second.prefix_lens == [63, 63, 63]
