@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -37,10 +37,11 @@ def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) ->
     _REGISTRY[name] = loader
 
 
-def create_attention_backend(name: str) -> AttentionBackend:
+def create_attention_backend(name: str, **options: Any) -> AttentionBackend:
+    """options: backend settings such as deterministic=True (fixed KV splits, see DESIGN §4)."""
     if name not in _REGISTRY:
         raise ValueError(f"attention_backend must be one of {sorted(_REGISTRY)}; got {name!r}")
-    return _REGISTRY[name]()()
+    return _REGISTRY[name]()(**options)
 
 
 def _load_torch_native() -> type[AttentionBackend]:
@@ -50,3 +51,12 @@ def _load_torch_native() -> type[AttentionBackend]:
 
 
 register_backend("torch", _load_torch_native)
+
+
+def _load_triton() -> type[AttentionBackend]:
+    from engine.attention.triton import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+register_backend("triton", _load_triton)
