@@ -30,7 +30,8 @@ def engine_factory(tiny_model_dir):
     engines = []
 
     def make(**kwargs):
-        eng = Engine(model_path=tiny_model_dir, dtype="float32", device="cpu", **kwargs)
+        kwargs = {"dtype": "float32", "device": "cpu", **kwargs}
+        eng = Engine(model_path=tiny_model_dir, **kwargs)
         engines.append(eng)
         return eng
 

@@ -145,3 +145,24 @@ def test_unknown_server_arg_is_named(tiny_model_dir):
 
     with pytest.raises(ValueError, match="no_such_flag"):
         Engine(model_path=tiny_model_dir, no_such_flag=1)
+
+
+def test_special_tokens_kept_when_asked(engine):
+    tok = engine.core.tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True, "min_new_tokens": 0}
+    # force the special token by giving it as a stop token we then keep via no_stop_trim
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={**params, "skip_special_tokens": False})
+    plain = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+    assert out["output_ids"] == plain["output_ids"]
+    assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=False)
+    assert tok.decode([eos], skip_special_tokens=False) == "<|im_end|>"
+
+
+def test_cli_generate_prints_text(tiny_model_dir, capsys):
+    from engine.cli import main
+
+    rc = main(["generate", "--model-path", tiny_model_dir, "--prompt", "Hello", "--max-new-tokens", "4",
+               "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0
+    assert "tok/s" in capsys.readouterr().out
