@@ -1,0 +1,93 @@
+"""Request bodies of the HTTP routes (pydantic), with SGLang's and OpenAI's field names.
+
+Sampling fields are checked by SamplingParams, not here, so the error messages are the same as
+for the in-process API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateRequest(_Strict):
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    logprob_distribution: Optional[str] = None
+    stream: bool = False
+    rid: Optional[Union[str, list[str]]] = None
+
+
+class AbortRequest(_Strict):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+    model: Optional[str] = None
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    logprobs: Optional[int] = None
+    seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+
+
+def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> dict:
+    params = {
+        "max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": req.top_k, "min_p": req.min_p, "n": req.n, "stop": req.stop,
+        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
+    }
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed
+    return params
