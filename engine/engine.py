@@ -10,7 +10,6 @@ import asyncio
 import logging
 import queue
 import threading
-import uuid
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
@@ -136,15 +135,25 @@ class Engine:
             return
         try:
             result = msg(self.core) if callable(msg) else self.core.handle(msg)
-        except Exception as exc:  # a control call failing must not kill the worker
-            if fut is None:
-                raise
-            fut.set_exception(exc)
+        except Exception as exc:  # a failing message must not kill the worker
+            if fut is not None:
+                fut.set_exception(exc)
+            else:
+                logger.exception("engine could not take message %s", type(msg).__name__)
+                self._fail_message(msg, exc)
             return
         if fut is not None:
             fut.set_result(result)
         elif isinstance(result, list):
             self._dispatch(result)
+
+    def _fail_message(self, msg: Any, exc: Exception) -> None:
+        rid = getattr(msg, "rid", None)
+        if rid is None:
+            return
+        reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
+        output = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}}
+        self._dispatch([ReqOutput(rid, True, output)])
 
     def _safe_step(self) -> list[ReqOutput]:
         try:
