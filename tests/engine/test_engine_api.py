@@ -166,3 +166,24 @@ def test_cli_generate_prints_text(tiny_model_dir, capsys):
                "--device", "cpu", "--dtype", "float32"])
     assert rc == 0
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_failed_forward_aborts_its_batch_without_leaking(engine_factory):
+    eng = engine_factory()
+    real_forward = eng.core.runner.forward
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:  # fail a decode step mid-generation
+            raise RuntimeError("injected failure")
+        return real_forward(batch)
+
+    eng.core.runner.forward = flaky
+    outs = eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    reasons = [o["meta_info"]["finish_reason"] for o in outs]
+    assert all(r["type"] == "abort" and "injected failure" in r["message"] for r in reasons)
+    eng.check_integrity()
+    ok = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert len(ok["output_ids"]) == 4
+    eng.check_integrity()
