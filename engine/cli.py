@@ -19,6 +19,7 @@ HANDLERS = {
     "generate": ("engine.cli_generate", "run_generate"),
     "demo": ("engine.cli_generate", "run_demo"),
     "serve": ("engine.server.http", "run_serve"),
+    "bench": ("engine.bench.cli", "run_bench"),
 }
 
 
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_demo(sub)
     _add_serve(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -85,6 +87,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the HTTP server (SGLang-compatible routes)",
                        description="Serve a checkpoint over HTTP.")
     add_server_args(p, require_model_path=True)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from engine.bench.cli import add_arguments
+
+    p = sub.add_parser("bench", help="offline benchmark: throughput, latency, vs HF and the roofline",
+                       description="Run a synthetic workload through the engine in-process and "
+                       "report throughput, TTFT / ITL, cache hits and memory; optionally HF "
+                       "generate on the same weights and the device's roofline.")
+    add_arguments(p)
 
 
 if __name__ == "__main__":

@@ -117,8 +117,8 @@ class EngineCore:
     def _after_token(self, req: Req) -> list[ReqOutput]:
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        if req.detokenizer is not None:
-            req.text += req.detokenizer.add([req.output_ids[-1]])
+        if req.detokenizer is not None and (req.stream or req.sampling_params.stop):
+            self._detokenize(req)  # text is needed now; otherwise once, at the end
         reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len)
         if reason is None:
             return [ReqOutput(req.rid, False, build_output(req, self))] if req.stream else []
@@ -128,8 +128,16 @@ class EngineCore:
 
     def _finish_output(self, req: Req) -> ReqOutput:
         if req.detokenizer is not None and req.stop_text_len is None:
+            self._detokenize(req)
             req.text += req.detokenizer.flush()
         return ReqOutput(req.rid, True, build_output(req, self))
+
+    @staticmethod
+    def _detokenize(req: Req) -> None:
+        new_ids = req.output_ids[req.detokenized_len :]
+        if new_ids:
+            req.text += req.detokenizer.add(new_ids)
+            req.detokenized_len = len(req.output_ids)
 
     def _record_logprobs(self, batch: ScheduleBatch, result: BatchResult) -> None:
         kept = batch.samples_kept()

@@ -68,6 +68,7 @@ class Req:
 
     # text, for stop strings and streaming (set by the core)
     detokenizer: Any = None
+    detokenized_len: int = 0  # output tokens already fed to the detokenizer
     text: str = ""
     stop_text_len: Optional[int] = None  # where a matched stop string starts
 

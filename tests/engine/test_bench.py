@@ -1,0 +1,104 @@
+"""`tandem bench` on the CPU with the tiny model: the numbers it reports are the right ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import cli
+from engine.bench.hf_weights import hf_named_tensors
+from engine.bench.roofline import DeviceRates, ModelShape, floor
+from engine.bench.stats import median_of_runs, percentile
+from engine.bench.tandem_run import TokenTrace
+from engine.bench.workload import build_workload
+
+TINY = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--runs", "1"]
+
+
+def _bench(tmp_path, *argv: str) -> dict:
+    path = tmp_path / "bench.json"
+    assert cli.main(["bench", *TINY, "--json", str(path), *argv]) == 0
+    return json.loads(path.read_text())
+
+
+def test_random_workload_with_hf_and_roofline(tmp_path, capsys):
+    result = _bench(tmp_path, "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                    "--compare-hf", "--roofline")
+    med = result["tandem"]["median"]
+    assert med["output_tokens"] == med["expected_output_tokens"] == 4 * 8  # ignore_eos, exact
+    assert med["input_tokens"] == 4 * 16 and med["not_length_finished"] == 0
+    assert 0.0 <= med["cache_hit_rate"] <= 1.0 and med["retractions"] == 0
+    assert med["output_tok_s"] > 0 and med["input_tok_s"] > 0 and med["peak_memory_gb"] > 0
+    assert 0 < med["ttft_median_ms"] <= med["ttft_p99_ms"]
+    assert 0 < med["itl_median_ms"] <= med["itl_p99_ms"]
+    assert result["hf"]["median"]["output_tok_s"] > 0
+    assert result["ratios"]["hf_agreement"] == 1.0  # float32: the same greedy tokens as HF
+    assert result["ratios"]["tandem_over_hf"] > 0
+    roof = result["roofline"]
+    assert roof["output_tok_s"] > 0 and roof["decode_steps"] == 8
+    assert 0 < result["ratios"]["tandem_over_roofline"]
+    assert result["device"] and result["torch_version"] == torch.__version__ and result["command"]
+    assert result["args"]["num_prompts"] == 4 and result["args"]["compare_hf"] is True
+    out = capsys.readouterr().out
+    assert "output tok/s" in out and "roofline output tok/s" in out and "tandem / HF" in out
+
+
+def test_grpo_workload_shares_prompts(tmp_path):
+    result = _bench(tmp_path, "--workload", "grpo", "--num-prompts", "2", "--n", "4",
+                    "--input-len", "64", "--output-len", "4", "--stream-mode", "final")
+    med = result["tandem"]["median"]
+    assert med["output_tokens"] == 2 * 4 * 4 and med["input_tokens"] == 2 * 4 * 64
+    assert med["cache_hit_rate"] > 0.5  # 3 of every 4 samples read the prompt from the tree
+    assert med["ttft_median_ms"] is None  # final mode sends no per-token messages
+    assert result["workload"]["num_prompts"] == 2 and result["workload"]["num_requests"] == 8
+
+
+def test_mixed_lengths_and_seeds():
+    w = build_workload("random", 50, 40, 20, vocab_size=100, range_ratio=0.5, seed=3)
+    assert all(20 <= n <= 40 for n in w.input_lens) and len(set(w.input_lens)) > 1
+    assert all(10 <= n <= 20 for n in w.output_lens)
+    assert all(0 <= t < 100 for ids in w.input_ids for t in ids)
+    assert w.input_ids == build_workload("random", 50, 40, 20, 100, 0.5, seed=3).input_ids
+    assert w.input_ids != build_workload("random", 50, 40, 20, 100, 0.5, seed=4).input_ids
+
+
+def test_grpo_repeats_each_prompt_adjacently():
+    w = build_workload("grpo", 3, 10, 5, vocab_size=1000, n=4)
+    assert w.num_requests == 12 and w.num_prompts == 3
+    assert all(w.input_ids[i] == w.input_ids[i - i % 4] for i in range(12))
+    assert w.unique_input_lens == [10, 10, 10]
+    with pytest.raises(ValueError, match="grpo"):
+        build_workload("random", 3, 10, 5, vocab_size=1000, n=2)
+
+
+def test_hf_names_round_trip_through_load_weights(engine):
+    model = engine.core.runner.model
+    names = dict(hf_named_tensors(model))
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.0.mlp.up_proj.weight" in names
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in names)
+    loaded = model.load_weights(names.items())  # writes the same values back
+    assert model.missing_weights(loaded) == []
+
+
+def test_token_trace_and_percentiles():
+    trace = TokenTrace()
+    for t, n in [(1.0, 1), (1.5, 2), (1.5, 2), (2.5, 4)]:
+        trace.add(t, n)
+    assert trace.first == 1.0 and trace.gaps == [0.5, 0.5, 0.5]
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 99) is None
+    assert median_of_runs([{"a": 1, "b": None}, {"a": 3, "b": None}, {"a": 2, "b": None}]) == {"a": 2, "b": None}
+
+
+def test_roofline_floor_arithmetic():
+    rates = DeviceRates(copy_bandwidth_bytes_s=1e12, matmul_flops_s=1e15, matmul_dtype="bf16", matmul_size=8192)
+    shape = ModelShape(decode_weight_bytes=10**9, matmul_params=5 * 10**8, lm_head_params=10**8,
+                       kv_bytes_per_token=10**5, num_layers=2, num_heads=4, head_dim=8)
+    w = build_workload("random", 10, 100, 50, vocab_size=50)
+    roof = floor(w, shape, rates, max_batch=10)
+    step_bytes = 10**9 + 10 * (100 + 25) * 10**5
+    assert roof["decode_step_bytes"] == step_bytes and roof["decode_steps"] == 50
+    assert roof["decode_bound"] == "memory"
+    assert roof["decode_floor_s"] == pytest.approx(50 * step_bytes / 1e12)
+    assert roof["output_tok_s"] == pytest.approx(500 / (roof["prefill_floor_s"] + roof["decode_floor_s"]))
