@@ -49,7 +49,8 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     hf_config = AutoConfig.from_pretrained(args.model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    model = load_model(args.model_path, hf_config, dtype, device, args.load_format)
+    deterministic = args.enable_deterministic_inference
+    model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -63,7 +64,10 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args)
     eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
     vocab_size = int(hf_config.vocab_size)
-    runner_cfg = RunnerConfig(device, dtype, args.attention_backend or "torch", eos, vocab_size)
+    backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    runner_cfg = RunnerConfig(device, dtype, backend, eos, vocab_size,
+                              cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend, memory),
+                              deterministic=deterministic)
     runner = ModelRunner(runner_cfg, model, kv_pool, req_pool)
     logger.info(
         "tandem ready: model=%s device=%s dtype=%s max_total_num_tokens=%d chunked_prefill_size=%s "
@@ -73,6 +77,13 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     )
     return CoreParts(scheduler, runner, tokenizer, eos, context_len, vocab_size, memory,
                      lambda req: _make_detokenizer(tokenizer, req))
+
+
+def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: str, memory: MemoryPlan) -> int:
+    """Largest decode batch captured in a CUDA graph; 0 = no graphs."""
+    if device.type != "cuda" or backend != "triton" or args.disable_cuda_graph:
+        return 0
+    return min(args.cuda_graph_max_bs or 256, memory.max_running_requests)
 
 
 def _scheduler_config(args: ServerArgs, memory: MemoryPlan) -> SchedulerConfig:

@@ -1,6 +1,9 @@
 """Reference attention in plain torch: the oracle for the fast backends and the CPU path.
 
 Slow on purpose (a Python loop over sequences, float32 math) and simple enough to trust.
+deterministic=True swaps the per-sequence math for `split_kv_attention` (fixed splits of
+`split_size` keys at absolute positions), whose rows are bitwise independent of the batch, of
+chunking and of prefill vs decode.
 """
 
 from __future__ import annotations
@@ -10,12 +13,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.attention.deterministic import split_kv_attention, split_kv_attention_rows
 
 if TYPE_CHECKING:
     from engine.runner.forward_batch import ForwardBatch
 
 
 class TorchNativeAttentionBackend(AttentionBackend):
+    def __init__(self, deterministic: bool = False, split_size: int = 64) -> None:
+        if split_size < 1:
+            raise ValueError(f"split_size must be positive, got {split_size}")
+        self.deterministic = deterministic
+        self.split_size = split_size
+
     def forward(
         self,
         q: torch.Tensor,
@@ -31,6 +41,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
         k_cache = pool.get_key_buffer(layer_id)
         v_cache = pool.get_value_buffer(layer_id)
         rows = forward_batch.req_to_token[forward_batch.req_pool_indices]
+        if self.deterministic and forward_batch.forward_mode.is_decode:
+            return self._decode_rows(q, k_cache, v_cache, rows, scaling, forward_batch)
         out = torch.empty_like(q)
         start = 0
         for i in range(forward_batch.batch_size):
@@ -40,11 +52,28 @@ class TorchNativeAttentionBackend(AttentionBackend):
             if num_new == 0:
                 continue
             slots = rows[i, :seq_len]
-            out[start : start + num_new] = _attend(
-                q[start : start + num_new], k_cache[slots], v_cache[slots], prefix_len, scaling
-            ).to(q.dtype)
+            q_new, k_seq, v_seq = q[start : start + num_new], k_cache[slots], v_cache[slots]
+            if self.deterministic:
+                positions = torch.arange(prefix_len, seq_len, device=q.device)
+                att = split_kv_attention(q_new, k_seq, v_seq, positions, scaling, self.split_size)
+            else:
+                att = _attend(q_new, k_seq, v_seq, prefix_len, scaling)
+            out[start : start + num_new] = att.to(q.dtype)
             start += num_new
         return out
+
+    def _decode_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     scaling: float, forward_batch: "ForwardBatch") -> torch.Tensor:
+        """Deterministic decode in one call for the whole batch (a Python loop per sequence would
+        dominate the step); each row's bits are what its own sequence alone would give."""
+        seq_lens = forward_batch.seq_lens
+        max_len = max(forward_batch.seq_lens_cpu)
+        slots = rows[:, :max_len]
+        # past a row's end the table holds padding or stale slots: zero them so they stay finite
+        past_end = (torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None])[..., None, None]
+        k = k_cache[slots].masked_fill(past_end, 0.0)
+        v = v_cache[slots].masked_fill(past_end, 0.0)
+        return split_kv_attention_rows(q, k, v, seq_lens - 1, scaling, self.split_size).to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,

@@ -7,6 +7,7 @@ tensor names onto them (the disk loader and weight sync both go through it).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.models.layers import (
+    Linear,
     MergedGateUp,
     QKVLinear,
     RMSNorm,
@@ -36,6 +38,7 @@ class LayerOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+    deterministic: bool = False  # batch-invariant kernels (engine.kernels.batch_invariant)
 
 
 def head_dim_of(config: Any) -> int:
@@ -53,11 +56,12 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.qkv_proj = QKVLinear(hidden, self.num_heads, self.num_kv_heads, self.head_dim, opts.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=opts.o_bias)
+        det = opts.deterministic
+        self.qkv_proj = QKVLinear(hidden, self.num_heads, self.num_kv_heads, self.head_dim, opts.qkv_bias, det)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, opts.o_bias, det)
         if opts.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, det)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, det)
         self.qk_norm = opts.qk_norm
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -78,9 +82,10 @@ class MLP(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
-        self.gate_up_proj = MergedGateUp(config.hidden_size, config.intermediate_size, opts.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
-        self.act_fn = SiluAndMul()
+        det = opts.deterministic
+        self.gate_up_proj = MergedGateUp(config.hidden_size, config.intermediate_size, opts.mlp_bias, det)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det)
+        self.act_fn = SiluAndMul(det)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -91,8 +96,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_id, opts)
         self.mlp = MLP(config, opts)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                 cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -114,7 +119,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, opts) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
         # one rope for all layers: cos/sin are computed once per forward
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim_of(config))
 
@@ -143,13 +148,17 @@ class DecoderForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, deterministic: bool = False) -> None:
+        """deterministic: batch-invariant kernels everywhere (--enable-deterministic-inference);
+        attention is the backend's choice, made when the backend is created."""
         super().__init__()
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("sliding-window attention layers are not supported")
         self.config = config
-        self.model = DecoderModel(config, self.layer_options(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.deterministic = deterministic
+        opts = dataclasses.replace(self.layer_options(config), deterministic=deterministic)
+        self.model = DecoderModel(config, opts)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, deterministic)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tie_weights()
 

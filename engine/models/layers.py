@@ -3,6 +3,9 @@
 Numerics follow HF transformers so HF can serve as the oracle: RMSNorm normalises in float32 and
 casts back before the weight multiply; rotary cos/sin are computed in float32 and cast to the
 activation dtype before they are applied.
+
+`deterministic=True` (chosen at construction) routes linears, norms and the activation through
+engine.kernels.batch_invariant, whose per-row bits do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -14,20 +17,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import batch_invariant as bi
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (SGLang/vLLM calling convention)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, deterministic: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.deterministic = deterministic
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if self.deterministic:
+            return bi.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         # the sum becomes the next residual, as in HF's `residual + hidden_states`
@@ -127,20 +135,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SiluAndMul(nn.Module):
     """[..., 2*d] (gate | up) -> silu(gate) * up."""
 
+    def __init__(self, deterministic: bool = False) -> None:
+        super().__init__()
+        self.deterministic = deterministic
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return bi.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
 
-class StackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) whose kernel is fixed at construction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 deterministic: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.deterministic = deterministic
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return bi.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class StackedLinear(Linear):
     """One nn.Linear whose output rows are several checkpoint tensors stacked along dim 0.
 
     `shard_slice(shard_id)` is the whole loading contract: a checkpoint shard (weight or bias)
     is copied into `param[shard_slice(shard_id)]`.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[Any, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+    def __init__(self, in_features: int, shard_sizes: dict[Any, int], bias: bool,
+                 deterministic: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias, deterministic)
         self.shard_sizes = dict(shard_sizes)
         self._slices: dict[Any, slice] = {}
         start = 0
@@ -160,9 +189,9 @@ class QKVLinear(StackedLinear):
     """q_proj, k_proj, v_proj stacked (shard ids "q", "k", "v"); forward returns (q, k, v)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bias: bool) -> None:
+                 bias: bool, deterministic: bool = False) -> None:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, deterministic)
         self.output_sizes = [q_size, kv_size, kv_size]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,5 +202,6 @@ class QKVLinear(StackedLinear):
 class MergedGateUp(StackedLinear):
     """gate_proj (shard 0) and up_proj (shard 1) stacked; output feeds SiluAndMul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
-        super().__init__(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias)
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 deterministic: bool = False) -> None:
+        super().__init__(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias, deterministic)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import create_attention_backend
+from engine.kernels import batch_invariant as bi
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.runner.forward_batch import ForwardBatch
 from engine.runner.logits_plan import LogitsPlan
@@ -30,6 +31,8 @@ class RunnerConfig:
     attention_backend: str
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    cuda_graph_max_bs: int = 0  # 0: decode runs eagerly (CPU, torch backend, --disable-cuda-graph)
+    deterministic: bool = False  # batch-invariant attention and log_softmax (the model is built so too)
 
 
 class ModelRunner:
@@ -39,20 +42,30 @@ class ModelRunner:
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
-        self.attn_backend = create_attention_backend(config.attention_backend)
-        self.sampler = Sampler()
+        self.attn_backend = create_attention_backend(config.attention_backend, deterministic=config.deterministic)
+        self.log_softmax = bi.log_softmax if config.deterministic else None
+        self.sampler = Sampler(log_softmax=self.log_softmax)
         # The scheduler keeps req_to_token on the host; the device keeps a mirror it updates
         # with just the entries each batch touches.
         host_table = req_to_token_pool.req_to_token
         self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
+        self.cuda_graph = None
+        if config.cuda_graph_max_bs > 0:
+            from engine.runner.cuda_graph import CudaGraphRunner
+
+            self.cuda_graph = CudaGraphRunner(model, self.attn_backend, kv_pool, self.req_to_token,
+                                              self.device, config.cuda_graph_max_bs)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> BatchResult:
         fb = self._forward_batch(batch)
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
         plan = LogitsPlan.build(batch)
-        logits = self.model.compute_logits(hidden[plan.rows.to(self.device)])
+        if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
+            logits = self.cuda_graph.replay(fb)  # decode: plan.rows is every row, in order
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb.input_ids, fb.positions, fb)
+            logits = self.model.compute_logits(hidden[plan.rows.to(self.device)])
         return self._sample(batch, plan, logits)
 
     # ---- inputs --------------------------------------------------------------------------------
@@ -119,7 +132,7 @@ class ModelRunner:
         k = max((r.top_logprobs_num for r in batch.reqs), default=0)
         if k == 0:
             return [None] * batch.batch_size
-        values, ids = top_logprobs(last, k)
+        values, ids = top_logprobs(last, k, self.log_softmax)
         values, ids = values.tolist(), ids.tolist()
         return [
             list(zip(values[i][: r.top_logprobs_num], ids[i][: r.top_logprobs_num])) if r.top_logprobs_num else None
@@ -131,7 +144,7 @@ class ModelRunner:
             return [[] for _ in plan.prompt_row_counts]
         rows = plan.prompt_rows.to(self.device)
         targets = plan.prompt_targets.to(self.device)
-        values = gather_token_logprobs(original_logprobs(logits[rows]), targets).tolist()
+        values = gather_token_logprobs(original_logprobs(logits[rows], self.log_softmax), targets).tolist()
         out, offset = [], 0
         for n in plan.prompt_row_counts:
             out.append(values[offset : offset + n])

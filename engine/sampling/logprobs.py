@@ -2,16 +2,23 @@
 
 This is the number RL trainers recompute, so it is taken before temperature, penalties,
 top-k/top-p/min-p and any masks. Everything that reports original logprobs goes through
-`original_logprobs`, so a batch-invariant log_softmax only has to be swapped in here.
+`original_logprobs`, so a batch-invariant log_softmax only has to be swapped in here (the
+`log_softmax` argument, given in deterministic mode).
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
+LogSoftmax = Callable[[torch.Tensor], torch.Tensor]  # [N, V] -> [N, V] float32, over the last dim
 
-def original_logprobs(logits: torch.Tensor) -> torch.Tensor:
+
+def original_logprobs(logits: torch.Tensor, log_softmax: Optional[LogSoftmax] = None) -> torch.Tensor:
     """[N, V] logits (any float dtype) -> [N, V] float32 log_softmax."""
+    if log_softmax is not None:
+        return log_softmax(logits.float())
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -20,9 +27,10 @@ def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> to
     return logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprobs(logits: torch.Tensor, k: int, log_softmax: Optional[LogSoftmax] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top k tokens per row under the original distribution: (values [N,k], ids [N,k])."""
-    logprobs = original_logprobs(logits)
+    logprobs = original_logprobs(logits, log_softmax)
     k = min(k, logprobs.shape[-1])
     values, ids = torch.topk(logprobs, k, dim=-1, largest=True, sorted=True)
     return values, ids

@@ -1,0 +1,148 @@
+"""Plans for the split-KV attention kernels: q blocks, splits, lanes and partial buffers.
+
+A plan is made once per batch (`init_forward_metadata`) and shared by every layer. Decode plans
+are built on the device from `seq_lens` with tensor ops only, so CUDA-graph replay can refresh
+them in place; extend plans come from the host lists of the ForwardBatch (one H2D copy), built on
+the first layer's call because the q-block height depends on the GQA group (q heads / kv heads),
+which the backend first sees there.
+
+Deterministic mode: one tile config for extend and decode, splits of exactly `split_size` keys at
+absolute positions. Normal mode: a tall tile and a single split for extend (plain flash
+attention), a short tile and length-proportional splits for decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+SINGLE_SPLIT = 1 << 30  # a split size no sequence reaches: the whole key range is one split
+MAX_LANES = 32  # programs per (q block, kv head) along the split axis
+PROGRAMS_PER_SM = 4  # decode spreads splits over lanes until about this many programs per SM
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # tile rows: q tokens x query heads of one kv group
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+    fp_fusion: bool = True  # False: no mul+add contraction the compiler could place differently
+
+
+DEFAULT_CONFIGS = {
+    "deterministic": KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, fp_fusion=False),
+    "extend": KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "decode": KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2),
+}
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Kernel shape for one model: rows = block_t tokens x g_pad heads; block_t | block_n."""
+
+    group: int
+    g_pad: int
+    block_t: int
+    block_n: int
+    config: KernelConfig
+
+    @classmethod
+    def build(cls, config: KernelConfig, group: int, split: int) -> "Tile":
+        g_pad = next_pow2(group)
+        block_n = min(config.block_n, split)  # splits start on a key-block boundary
+        block_t = max(1, min(config.block_m // g_pad, block_n))
+        return cls(group, g_pad, block_t, block_n, config)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def decode_lanes(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Programs per (sequence, kv head) along the split axis; a function of bs only, so a
+    CUDA graph captured for bs has the same grid as an eager step of that bs."""
+    target = PROGRAMS_PER_SM * num_sms
+    return max(1, min(MAX_LANES, math.ceil(target / (batch_size * num_kv_heads))))
+
+
+def decode_split_lens(seq_lens: torch.Tensor, lanes: int, block_n: int,
+                      min_split: int) -> torch.Tensor:
+    """Normal mode: about seq_len / lanes keys per split, whole key blocks, at least min_split
+    (the backend's split_size: the shortest split worth its own program)."""
+    per_lane = (seq_lens + lanes - 1) // lanes
+    return (((per_lane + block_n - 1) // block_n) * block_n).clamp_min(min_split)
+
+
+def decode_block_table(seq_lens: torch.Tensor, split) -> torch.Tensor:
+    """int32 [5, bs]: (seq, tok_start, pos_start, ntok, split) with one token per sequence."""
+    bs = seq_lens.numel()
+    idx = torch.arange(bs, dtype=torch.int64, device=seq_lens.device)
+    split = split if isinstance(split, torch.Tensor) else torch.full_like(seq_lens, split)
+    return torch.stack([idx, idx, seq_lens - 1, torch.ones_like(seq_lens), split]).to(torch.int32)
+
+
+def extend_block_table(prefix_lens: list[int], extend_lens: list[int], block_t: int,
+                       split: int) -> torch.Tensor:
+    """int32 [5, blocks] on the host: q blocks aligned at absolute positions [a*bt, (a+1)*bt),
+    so a row lands in the same block row-range whatever chunk it arrives in."""
+    pre = torch.tensor(prefix_lens, dtype=torch.int64)
+    ext = torch.tensor(extend_lens, dtype=torch.int64)
+    tok0 = torch.cumsum(ext, 0) - ext
+    first = pre // block_t
+    nblk = torch.where(ext > 0, (pre + ext - 1) // block_t - first + 1, torch.zeros_like(ext))
+    seq = torch.repeat_interleave(torch.arange(len(prefix_lens)), nblk)
+    starts = torch.cumsum(nblk, 0) - nblk
+    within = torch.arange(seq.numel()) - torch.repeat_interleave(starts, nblk)
+    blk = first[seq] + within
+    pos_start = torch.maximum(blk * block_t, pre[seq])
+    pos_end = torch.minimum((blk + 1) * block_t, pre[seq] + ext[seq])
+    tok = tok0[seq] + pos_start - pre[seq]
+    split_col = torch.full_like(seq, split)
+    return torch.stack([seq, tok, pos_start, pos_end - pos_start, split_col]).to(torch.int32)
+
+
+@dataclass
+class SplitKvPlan:
+    """What the kernels need for one batch. `lanes == 1`: splits merged inside the program;
+    `lanes > 1`: partials per split, merged by stage 2 (decode only)."""
+
+    config: KernelConfig
+    split: int  # split size used by Tile (deterministic) or its upper bound
+    lanes: int = 1
+    max_splits: int = 0  # partial-buffer stride along the split axis
+    blocks: Optional[torch.Tensor] = None  # decode: int32 [5, >= num_blocks] on the device
+    num_blocks: int = 0
+    prefix_lens: Optional[list[int]] = None  # extend: host lists, table built per block_t
+    extend_lens: Optional[list[int]] = None
+    part_acc: Optional[torch.Tensor] = None  # [rows, H, max_splits, D] float32
+    part_ml: Optional[torch.Tensor] = None  # [rows, H, max_splits, 2] float32
+    _tables: dict = field(default_factory=dict)  # tiles and extend block tables, built once
+
+    def tile(self, group: int) -> Tile:
+        if group not in self._tables:  # one per batch, not per layer
+            self._tables[group] = Tile.build(self.config, group, self.split)
+        return self._tables[group]
+
+    def block_table(self, block_t: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        if self.blocks is not None:
+            return self.blocks, self.num_blocks
+        key = ("blocks", block_t)
+        if key not in self._tables:
+            table = extend_block_table(self.prefix_lens, self.extend_lens, block_t, self.split)
+            self._tables[key] = (table.to(device, non_blocking=True), table.shape[1])
+        return self._tables[key]
+
+    def partials(self, num_heads: int, head_dim: int, device: torch.device):
+        if self.lanes == 1:
+            return None, None
+        if self.part_acc is None:  # eager decode: sized for this batch, kept for all layers
+            rows = self.num_blocks
+            self.part_acc = torch.empty((rows, num_heads, self.max_splits, head_dim),
+                                        dtype=torch.float32, device=device)
+            self.part_ml = torch.empty((rows, num_heads, self.max_splits, 2),
+                                       dtype=torch.float32, device=device)
+        return self.part_acc, self.part_ml

@@ -1,0 +1,161 @@
+"""TritonAttentionBackend: KV store + split-KV paged attention, eager or under CUDA graphs.
+
+split_size: the fixed split in deterministic mode; in normal mode the shortest decode split
+(normal-mode decode splits are length-proportional, extend is one split).
+
+deterministic=True makes every query row's output independent of the batch, of chunking and of
+prefill vs decode (DESIGN section 4): fixed `split_size` splits at absolute key positions, one
+tile config for extend and decode (see engine/kernels/split_kv_attention.py for the argument).
+
+CUDA graphs (decode only), SGLang style: `init_cuda_graph_state` allocates static metadata and
+partial buffers once; `init_forward_metadata_capture(bs, ...)` points the plan at them before
+capture; `init_forward_metadata_replay(bs, ...)` rewrites them in place before each replay.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.attention.split_kv_plan import (
+    DEFAULT_CONFIGS,
+    SINGLE_SPLIT,
+    KernelConfig,
+    SplitKvPlan,
+    decode_block_table,
+    decode_lanes,
+    decode_split_lens,
+)
+
+if TYPE_CHECKING:
+    from engine.runner.forward_batch import ForwardBatch
+
+
+@dataclass
+class _GraphState:
+    blocks: torch.Tensor  # int32 [5, max_bs]
+    part_acc: Optional[torch.Tensor]
+    part_ml: Optional[torch.Tensor]
+    max_splits: int
+    num_kv_heads: int
+    plans: dict  # bs -> SplitKvPlan over the static buffers
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, deterministic: bool = False, split_size: int = 256,
+                 num_sms: Optional[int] = None,
+                 configs: Optional[dict[str, KernelConfig]] = None) -> None:
+        if split_size < 16 or split_size & (split_size - 1):
+            raise ValueError(f"split_size must be a power of two >= 16, got {split_size}")
+        self.deterministic = deterministic
+        self.split_size = split_size
+        cfg = {**DEFAULT_CONFIGS, **(configs or {})}
+        # one config for both modes is what makes prefill = decode hold bitwise
+        self.extend_config = cfg["deterministic"] if deterministic else cfg["extend"]
+        self.decode_config = cfg["deterministic"] if deterministic else cfg["decode"]
+        self._num_sms = num_sms
+        self.plan: Optional[SplitKvPlan] = None
+        self.graph: Optional[_GraphState] = None
+
+    # ---- per batch -----------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_decode:
+            max_len = max(fb.seq_lens_cpu, default=1)
+            self.plan = self._decode_plan(fb.batch_size, fb.seq_lens, fb.kv_pool.num_kv_heads,
+                                          max_len, fb.seq_lens.device)
+        else:
+            split = self.split_size if self.deterministic else SINGLE_SPLIT
+            self.plan = SplitKvPlan(self.extend_config, split,
+                                    prefix_lens=list(fb.extend_prefix_lens_cpu),
+                                    extend_lens=list(fb.extend_seq_lens_cpu))
+
+    def _decode_plan(self, bs: int, seq_lens: torch.Tensor, num_kv_heads: int, max_len: int,
+                     device: torch.device) -> SplitKvPlan:
+        lanes = decode_lanes(bs, num_kv_heads, self.num_sms(device))
+        if self.deterministic:
+            # lanes only change which program computes a split, never its bits
+            max_splits = math.ceil(max_len / self.split_size)
+            lanes = min(lanes, max_splits)
+            blocks = decode_block_table(seq_lens, self.split_size)
+            return SplitKvPlan(self.decode_config, self.split_size, lanes, max_splits, blocks, bs)
+        splits = decode_split_lens(seq_lens, lanes, self.decode_config.block_n, self.split_size)
+        blocks = decode_block_table(seq_lens, splits)
+        return SplitKvPlan(self.decode_config, SINGLE_SPLIT, lanes, lanes, blocks, bs)
+
+    def num_sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            cuda = device.type == "cuda"
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+        return self._num_sms
+
+    # ---- the layer call ------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                scaling: float, forward_batch: "ForwardBatch") -> torch.Tensor:
+        from engine.kernels.split_kv_attention import split_kv_attention
+        from engine.kernels.store_kv import store_kv
+
+        fb = forward_batch
+        if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+        k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
+        store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)  # KV first: new keys read like cached ones
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        plan = self.plan
+        tile = plan.tile(q.shape[1] // k_buf.shape[1])
+        blocks, num_blocks = plan.block_table(tile.block_t, q.device)
+        part_acc, part_ml = plan.partials(q.shape[1], q.shape[2], q.device)
+        split_kv_attention(q, k_buf, v_buf, out, fb.req_to_token, fb.req_pool_indices, blocks,
+                           num_blocks, scaling, tile, plan.lanes, part_acc, part_ml)
+        return out
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int, num_heads: int,
+                              num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+        """Static buffers for graphs of up to max_bs sequences of up to max_context_len tokens.
+        Partials exist only for batch sizes that use more than one lane."""
+        sms = self.num_sms(device)
+        partial_bs = [bs for bs in range(1, max_bs + 1) if decode_lanes(bs, num_kv_heads, sms) > 1]
+        if self.deterministic:
+            max_splits = math.ceil(max_context_len / self.split_size)
+        else:
+            max_splits = decode_lanes(1, num_kv_heads, sms)
+        part_acc = part_ml = None
+        if partial_bs and max_splits > 1:
+            rows = max(partial_bs)
+            part_acc = torch.empty((rows, num_heads, max_splits, head_dim), dtype=torch.float32, device=device)
+            part_ml = torch.empty((rows, num_heads, max_splits, 2), dtype=torch.float32, device=device)
+        blocks = torch.zeros((5, max_bs), dtype=torch.int32, device=device)
+        self.graph = _GraphState(blocks, part_acc, part_ml, max_splits, num_kv_heads, {})
+
+    def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor,
+                                      seq_lens: torch.Tensor) -> None:
+        g = self.graph
+        lanes = decode_lanes(bs, g.num_kv_heads, self.num_sms(seq_lens.device))
+        lanes = min(lanes, g.max_splits) if self.deterministic else lanes
+        if lanes > 1 and g.part_acc is None:
+            lanes = 1
+        plan = SplitKvPlan(self.decode_config, self.split_size if self.deterministic else SINGLE_SPLIT,
+                           lanes, g.max_splits, g.blocks[:, :bs], bs)
+        if lanes > 1:
+            plan.part_acc, plan.part_ml = g.part_acc[:bs], g.part_ml[:bs]
+        g.plans[bs] = plan
+        self.init_forward_metadata_replay(bs, req_pool_indices, seq_lens)
+
+    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor,
+                                     seq_lens: torch.Tensor) -> None:
+        """seq_lens [bs] on the device (padding rows included); no host sync."""
+        plan = self.graph.plans[bs]
+        if self.deterministic:
+            table = decode_block_table(seq_lens[:bs], self.split_size)
+        else:
+            splits = decode_split_lens(seq_lens[:bs], plan.lanes, self.decode_config.block_n,
+                                       self.split_size)
+            table = decode_block_table(seq_lens[:bs], splits)
+        plan.blocks.copy_(table)
+        self.plan = plan

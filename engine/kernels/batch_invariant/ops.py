@@ -1,0 +1,98 @@
+"""Batch-invariant linear, RMSNorm, SiLU-and-mul and log_softmax: a row's bits never depend on
+how many rows share the call or where the row sits (DESIGN section 4).
+
+On CUDA, linear / rms_norm / log_softmax run the Triton kernels of `triton_ops`, imported on the
+first CUDA call only (CI has no Triton); if that import fails they fall back to the torch code
+here. Measured on the CPU (torch 2.13, MKL 2024.2, AVX-512, 1-4 threads) — tests/engine/
+test_batch_invariant_ops.py re-checks all of it wherever the suite runs:
+  * F.linear is NOT batch-invariant: MKL runs a gemv for M=1, another kernel for M=2..3 and a
+    third for M>=4, each rounding differently. A fixed-shape call is: the same [ROW_TILE, K]
+    product gives a row the same bits at every position in the tile, at any thread count and
+    input alignment. So `linear` cuts the rows into zero-padded tiles of ROW_TILE rows.
+  * The mean of RMSNorm and torch.log_softmax reduce each row serially, in an order set by the
+    row length only: invariant as they are (vocab 151936 included).
+  * F.silu is NOT: its vectorised body and scalar tail round differently, and which elements fall
+    in the tail depends on the tensor's size and thread split (gate of width 100, 1001 rows, 2
+    threads: the split falls inside row 500, which then differs from the row alone).
+    x / (1 + exp(-x)) uses only exp (same bits on both paths) and correctly rounded IEEE ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# Rows per matmul call on the CPU. Part of the numerics contract: engine and trainer must use
+# the same value (a different tile is a different MKL kernel path, hence different bits).
+ROW_TILE = 32
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ops() -> Optional[ModuleType]:
+    try:
+        from engine.kernels.batch_invariant import triton_ops
+    except Exception as exc:  # no Triton, or a broken build: the torch path still holds on CPU
+        logger.warning("batch-invariant Triton kernels unavailable (%s); using the torch path", exc)
+        return None
+    return triton_ops
+
+
+def _cuda_ops(x: torch.Tensor) -> Optional[ModuleType]:
+    return _triton_ops() if x.is_cuda else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T + bias -> [..., N], rows independent of the batch."""
+    ops = _cuda_ops(x)
+    if ops is not None:
+        return ops.bi_linear(x, weight, bias)
+    K = x.shape[-1]
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    padded = F.pad(rows, (0, 0, 0, -M % ROW_TILE))
+    tiles = [F.linear(tile, weight) for tile in padded.split(ROW_TILE)]
+    out = (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:M]
+    if bias is not None:  # added after the product, like the Triton epilogue
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """HF RMSNorm (normalise in fp32, cast, then weight); with residual returns
+    (norm(x + residual), x + residual), the sum being the next residual."""
+    ops = _cuda_ops(x)
+    if ops is not None:
+        return ops.bi_rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return _rms_norm(x, weight, eps)
+    x = x + residual
+    return _rms_norm(x, weight, eps), x
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """float32 log_softmax over the last dim, one fixed reduction order per row."""
+    ops = _cuda_ops(x)
+    if ops is not None:
+        return ops.bi_log_softmax(x)
+    return torch.log_softmax(x.float(), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] (gate | up) -> silu(gate) * up, elementwise with the same bits on every path."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    return gate / (1.0 + torch.exp(-gate)) * up

@@ -1,0 +1,134 @@
+"""CudaGraphRunner: the decode forward (model + logits) captured per batch size, then replayed.
+
+Batch sizes 1, 2, 4, 8, 16, 24, ..., max_bs (SGLang's list); a batch is padded up to the next
+captured size. Padding rows decode a dummy token at position 0 of req_to_token row 0 and write
+their KV into slot 0, the pool's padding slot, so they never touch a live request's cache.
+Graphs are captured largest first into one shared memory pool (a smaller graph's activations fit
+in what the larger one left), at start-up, with a progress bar. The attention backend keeps its
+per-batch metadata in static buffers it refreshes before each replay
+(`init_forward_metadata_replay`); the sampler stays outside the graph.
+
+Memory: each captured size keeps its own float32 logits output [bs, vocab] alive (SGLang does the
+same); at max_bs 256 and a 152k vocabulary that is ~2.6 GB in all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from engine.models.decoder import head_dim_of
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 8))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(self, model: torch.nn.Module, attn_backend, kv_pool, req_to_token: torch.Tensor,
+                 device: torch.device, max_bs: int) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.device = device
+        self.capture_bs = capture_batch_sizes(max_bs)
+        self.max_bs = self.capture_bs[-1]
+        zeros = lambda: torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices = (
+            zeros(), zeros(), zeros(), zeros())
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
+        cfg = model.config
+        attn_backend.init_cuda_graph_state(
+            self.max_bs, req_to_token.shape[1], cfg.num_attention_heads,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim_of(cfg), device)
+        self.num_replays = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        return forward_batch.forward_mode.is_decode and forward_batch.batch_size <= self.max_bs
+
+    @torch.inference_mode()
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """-> float32 logits [bs, vocab] of the batch's rows (a view of the graph's output)."""
+        fb = forward_batch
+        bs = fb.batch_size
+        padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
+        for static, value, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
+                                   (self.out_cache_loc, fb.out_cache_loc, 0),
+                                   (self.req_pool_indices, fb.req_pool_indices, 0),
+                                   (self.seq_lens, fb.seq_lens, 1)):
+            static[:bs].copy_(value)
+            if padded > bs:
+                static[bs:padded].fill_(pad)
+        self.attn_backend.init_forward_metadata_replay(
+            padded, self.req_pool_indices[:padded], self.seq_lens[:padded])
+        self.graphs[padded].replay()
+        self.num_replays += 1
+        return self.outputs[padded][:bs]
+
+    # ---- capture -------------------------------------------------------------------------------
+    def _capture_all(self) -> None:
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        stream = torch.cuda.Stream(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        bar = tqdm(list(reversed(self.capture_bs)), desc="Capturing CUDA graphs", unit="graph")
+        with torch.inference_mode():
+            for bs in bar:
+                bar.set_postfix(bs=bs)
+                self.graphs[bs], self.outputs[bs] = self._capture(bs, stream, pool)
+        used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+        logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s, %.2f GB",
+                    len(self.graphs), self.capture_bs[0], self.max_bs,
+                    time.perf_counter() - start, used)
+
+    def _capture(self, bs: int, stream: torch.cuda.Stream, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        fb = self._static_batch(bs)
+        self.attn_backend.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
+
+        def run() -> torch.Tensor:
+            return self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
+
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(stream):  # warm-up: kernel compiles, cuBLAS workspaces
+            for _ in range(2):
+                run()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = run()
+        torch.cuda.synchronize(self.device)
+        return graph, out
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            extend_prefix_lens=self.positions[:bs],  # decode: prefix = position of the new token
+            extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=self.device),
+            seq_lens_cpu=[1] * bs,  # values are only known at replay; nothing reads these
+            extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )

@@ -1,0 +1,75 @@
+"""AttentionScene: sequences with fixed random q/k/v per position on a KV pool, and the
+ForwardBatches that run any part of them through an attention backend. For backend tests.
+
+Every position of a sequence has one q, k and v, so a position computed in different batches,
+chunks or modes must give the same rows; the pool slots are scattered, as a real allocator's are.
+Row 0 of req_to_token is left unused (CUDA-graph padding rows read it).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
+
+Item = tuple[int, int, int]  # (sequence, start, n): positions [start, start + n) are new
+
+
+class AttentionScene:
+    def __init__(self, lens: Sequence[int], heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.lens, self.heads, self.kv_heads, self.head_dim = list(lens), heads, kv_heads, head_dim
+        self.device = torch.device(device)
+        total = sum(lens)
+        self.pool = KVPool(total + 8, 1, kv_heads, head_dim, dtype, device)
+        self.r2t = ReqToTokenPool(len(lens) + 2, max(lens) + 1, device)
+        perm = torch.randperm(total, generator=gen) + 1  # slot 0 is the padding slot
+        self.slots, self.q, self.k, self.v, offset = [], [], [], [], 0
+        rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+        for i, n in enumerate(lens):
+            slots = perm[offset:offset + n].to(device)
+            offset += n
+            self.r2t.write(i + 1, 0, slots)
+            self.slots.append(slots)
+            self.q.append(rand(n, heads, head_dim))
+            self.k.append(rand(n, kv_heads, head_dim))
+            self.v.append(rand(n, kv_heads, head_dim))
+
+    def batch(self, backend, items: Sequence[Item], decode: bool = False) -> ForwardBatch:
+        """The batch for items; the cached part [0, start) of each is written to the pool first."""
+        for s, start, _ in items:
+            self.pool.set_kv_buffer(0, self.slots[s][:start], self.k[s][:start], self.v[s][:start])
+        dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            input_ids=torch.zeros(sum(n for *_, n in items), dtype=torch.int64, device=self.device),
+            positions=torch.cat([torch.arange(a, a + n, device=self.device) for _, a, n in items]),
+            out_cache_loc=torch.cat([self.slots[s][a:a + n] for s, a, n in items]),
+            req_pool_indices=dev([s + 1 for s, *_ in items]),
+            seq_lens=dev([a + n for _, a, n in items]),
+            extend_prefix_lens=dev([a for _, a, _ in items]),
+            extend_seq_lens=dev([n for *_, n in items]),
+            seq_lens_cpu=[a + n for _, a, n in items],
+            extend_prefix_lens_cpu=[a for _, a, _ in items],
+            extend_seq_lens_cpu=[n for *_, n in items],
+            req_to_token=self.r2t.req_to_token, kv_pool=self.pool, attn_backend=backend,
+        )
+
+    def run(self, backend, items: Sequence[Item], decode: bool = False) -> list[torch.Tensor]:
+        """Per item, the attention output rows [n, heads, head_dim]."""
+        fb = self.batch(backend, items, decode)
+        backend.init_forward_metadata(fb)
+        return self.forward(backend, items, fb)
+
+    def forward(self, backend, items: Sequence[Item], fb: ForwardBatch) -> list[torch.Tensor]:
+        """The layer call alone, for a batch whose metadata the caller prepared."""
+        q = torch.cat([self.q[s][a:a + n] for s, a, n in items])
+        k = torch.cat([self.k[s][a:a + n] for s, a, n in items])
+        v = torch.cat([self.v[s][a:a + n] for s, a, n in items])
+        out = backend.forward(q, k, v, 0, self.head_dim**-0.5, fb)
+        return list(out.split([n for *_, n in items]))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call, many steps: each step has its own time limit and log under $OUT, so a
+# failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
+# Steps: gputests bimatmul attnbench bench06 bench8 grpo8 grpo8nc itl
+set -uo pipefail
+export PYTHONPATH=.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
+}
+B="python3 -m engine.cli bench --skip-tokenizer-init"
+for s in "$@"; do case $s in
+  gputests) step gputests 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+  bimatmul) step bimatmul 240 python3 scripts/bi_matmul_bench.py --configs ;;
+  attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
+  bench06) step bench06 300 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;
+  bench8) step bench8 420 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --roofline --stream-mode final --json "$OUT/bench-qwen3-8b.json" ;;
+  grpo8) step grpo8 240 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
+  grpo8nc) step grpo8nc 240 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
+  itl) step itl 120 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
+  *) echo "unknown step $s" ;;
+esac; done

@@ -1,0 +1,77 @@
+"""CudaGraphRunner's static buffers, padding and replay metadata, on the CPU.
+
+Real capture needs CUDA (tests/gpu/test_cuda_graph.py); here each "graph" re-runs the captured
+closure on replay, writing into the captured output like a graph would, so everything else the
+runner does (batch-size buckets, padding rows, the backend's capture/replay metadata, the
+ModelRunner hook) runs for real, under Triton's interpreter on the tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # the interpreter flag would leak into the GPU tests' kernels
+    pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+pytest.importorskip("triton")
+
+from engine.runner.cuda_graph import CudaGraphRunner, capture_batch_sizes  # noqa: E402
+from tests.engine.conftest import random_prompts  # noqa: E402
+
+
+class _EagerGraph:
+    def __init__(self, run, out):
+        self.run, self.out = run, out
+
+    def replay(self):
+        self.out.copy_(self.run())
+
+
+class EagerGraphRunner(CudaGraphRunner):
+    def _capture_all(self) -> None:
+        for bs in self.capture_bs:
+            fb = self._static_batch(bs)
+            self.attn_backend.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
+            run = lambda fb=fb: self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))  # noqa: E731
+            with torch.inference_mode():
+                out = run()
+            self.graphs[bs], self.outputs[bs] = _EagerGraph(run, out), out
+
+
+def test_capture_batch_sizes():
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "normal"])
+def test_replayed_decode_equals_eager(engine_factory, deterministic):
+    eng = engine_factory(attention_backend="triton", enable_deterministic_inference=deterministic)
+    prompts = random_prompts(5, eng.core.parts.vocab_size, lengths=(3, 40), seed=3)
+    params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    runs = []
+    for graphs in (False, True):
+        runner = eng.core.parts.runner
+        runner.cuda_graph = (EagerGraphRunner(runner.model, runner.attn_backend, runner.kv_pool,
+                                              runner.req_to_token, runner.device, max_bs=8)
+                             if graphs else None)
+        outs = [eng.generate(input_ids=prompts[:n], sampling_params=params, return_logprob=True)
+                for n in (1, 3, 5)]  # bs 3 and 5 replay padded graphs of 4 and 8
+        runs.append([o for batch in outs for o in batch])
+        if graphs:
+            assert runner.cuda_graph.num_replays == 3 * 4
+            runner.cuda_graph = None
+    eager, replayed = runs
+    assert [o["output_ids"] for o in replayed] == [o["output_ids"] for o in eager]
+    for a, b in zip(replayed, eager):
+        lp_a = [lp for lp, *_ in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]
+        if deterministic:
+            assert lp_a == lp_b
+        else:
+            assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= 1e-5
+    eng.check_integrity()
