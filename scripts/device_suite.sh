@@ -15,10 +15,10 @@ step() {  # name, seconds, command...
 }
 B="python3 -m engine.cli bench --skip-tokenizer-init"
 for s in "$@"; do case $s in
-  gputests) step gputests 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
-  bimatmul) step bimatmul 240 python3 scripts/bi_matmul_bench.py --configs ;;
+  gputests) step gputests 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+  bimatmul) step bimatmul 170 python3 scripts/bi_matmul_bench.py ;;
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
-  bench06) step bench06 300 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;
+  bench06) step bench06 210 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;
   bench8) step bench8 420 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --roofline --stream-mode final --json "$OUT/bench-qwen3-8b.json" ;;
   grpo8) step grpo8 240 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
   grpo8nc) step grpo8nc 240 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
