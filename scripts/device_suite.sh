@@ -15,7 +15,7 @@ step() {  # name, seconds, command...
 }
 B="python3 -m engine.cli bench --skip-tokenizer-init"
 for s in "$@"; do case $s in
-  gputests) step gputests 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+  gputests) step gputests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   bimatmul) step bimatmul 170 python3 scripts/bi_matmul_bench.py ;;
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
   bench06) step bench06 210 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;

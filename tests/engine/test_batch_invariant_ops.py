@@ -16,7 +16,7 @@ from engine.attention.torch_native import _attend
 from engine.kernels import batch_invariant as bi
 
 M_VALUES = list(range(1, 65)) + [bi.ROW_TILE + 1, 3 * bi.ROW_TILE - 1, 257]
-FEW_M = [1, 2, 3, 4, 5, 8, 31, 33, 64, 257]  # kernel switch points and row-tile edges
+FEW_M = [1, 2, 3, 4, 5, 8, 31, 33, 64, 97]  # kernel switch points and row-tile edges
 FULL_SWEEP = {(64, 128), (64, 1024)}
 
 
