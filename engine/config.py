@@ -36,6 +36,7 @@ class ServerArgs:
     # numerics / kernels
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
     cuda_graph_max_bs: Optional[int] = None
     # outputs
     skip_tokenizer_init: bool = False

@@ -17,6 +17,7 @@ from engine.core_setup import CoreParts, build_core_parts
 from engine.finish import check_finished
 from engine.request import Req, ReqInput
 from engine.output import build_output
+from engine.runner.pending_result import PendingResult
 from engine.schedule_batch import BatchResult, ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class CoreStats:
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    num_lookahead_steps: int = 0  # decode steps launched before the previous step was read
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -61,8 +63,11 @@ class EngineCore:
         self.tokenizer = self.parts.tokenizer
         self.weight_version = "default"
         self.stats = CoreStats()
-        self._current_batch: Optional[ScheduleBatch] = None
-        self._committed = False
+        # overlap scheduling: on by default on CUDA (SGLang's choice); the CPU gains nothing
+        self.overlap = self.runner.device.type == "cuda" and not server_args.disable_overlap_schedule
+        self._inflight: Optional[PendingResult] = None  # launched, result not read yet
+        self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
+        self._processing: Optional[ScheduleBatch] = None
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Message) -> Any:
@@ -95,23 +100,45 @@ class EngineCore:
         return [r.rid for r in list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
+        """One scheduling round. With overlap, a decode step is launched before the previous
+        step's tokens are read back, so host work hides behind the device's."""
+        inflight, self._inflight = self._inflight, None
+        ahead = self.scheduler.schedule_lookahead(inflight.batch) if inflight is not None else None
+        if ahead is not None:
+            self.stats.num_lookahead_steps += 1
+            self._inflight = self._launch(ahead, inflight)
+            return self._process(inflight)
+        outputs = self._process(inflight) if inflight is not None else []
         batch = self.scheduler.schedule()
-        outputs = [self._finish_output(r) for r in self.scheduler.pop_finished()]
-        if batch is None:
-            return outputs
-        self._current_batch, self._committed = batch, False
-        result = self.runner.forward(batch)
+        outputs += [self._finish_output(r) for r in self.scheduler.pop_finished()]
+        if batch is not None:
+            pending = self._launch(batch)
+            if self.overlap:
+                self._inflight = pending
+            else:
+                outputs += self._process(pending)
+        return outputs
+
+    def _launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:
+        self._uncommitted.append(batch)
+        return self.runner.launch(batch, inflight)
+
+    def _process(self, pending: PendingResult) -> list[ReqOutput]:
+        batch = pending.batch
+        result = pending.resolve()
         self._record_stats(batch)
         grown = self.scheduler.commit(batch, result.next_token_ids)
-        self._committed = True
+        self._uncommitted.remove(batch)
+        self._processing = batch
         self._record_logprobs(batch, result)
+        outputs: list[ReqOutput] = []
         for req in grown:
             outputs.extend(self._after_token(req))
-        self._current_batch = None
+        self._processing = None
         return outputs
 
     def _after_token(self, req: Req) -> list[ReqOutput]:
@@ -162,11 +189,14 @@ class EngineCore:
             self.stats.num_cached_tokens += sum(batch.prefix_lens)
 
     def fail_current_batch(self, message: str) -> list[ReqOutput]:
-        """After a failed step: end that batch's requests with an error, return their KV."""
-        batch, self._current_batch = self._current_batch, None
-        if batch is None:
-            return []
-        failed = self.scheduler.fail_batch(batch, message, slots_committed=self._committed)
+        """After a failed step: end the requests of every launched batch with an error and give
+        back their KV (slots of batches that never committed included)."""
+        failed = []
+        for batch in self._uncommitted:
+            failed += self.scheduler.fail_batch(batch, message, slots_committed=False)
+        if self._processing is not None:
+            failed += self.scheduler.fail_batch(self._processing, message, slots_committed=True)
+        self._uncommitted, self._processing, self._inflight = [], None, None
         return [self._finish_output(r) for r in failed]
 
     def check_integrity(self) -> None:

@@ -18,6 +18,10 @@ class ScheduleBatch:
     prefix_lens: list[int]  # tokens of each request whose KV is already in the pool
     extend_lens: list[int]  # tokens each request computes now
     out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 CPU, KV slots of the new tokens
+    # overlap: every request feeds the token sampled by the previous, still unresolved, decode
+    # step; the runner takes input ids from that step's device tensor
+    lookahead: bool = False
+    lookahead_rows: Optional[list[int]] = None  # row of each request in that previous step
 
     @property
     def batch_size(self) -> int:

@@ -210,11 +210,38 @@ class Scheduler:
         assert slots is not None, "retraction left too few free slots"
         reqs = list(self.running)
         prefix_lens = [r.seq_len - 1 for r in reqs]
-        for req, pos, slot in zip(reqs, prefix_lens, slots):
+        for req in reqs:
             req.fill_ids = req.all_ids
-            self.req_to_token_pool.write(req.req_pool_idx, pos, slot.view(1))
+        return self._decode_schedule_batch(reqs, prefix_lens, slots, lookahead=False)
+
+    def _decode_schedule_batch(self, reqs: list[Req], prefix_lens: list[int], slots: torch.Tensor,
+                               lookahead: bool) -> ScheduleBatch:
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.req_to_token_pool.write_decode(rows, torch.tensor(prefix_lens, dtype=torch.int64), slots)
         self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * len(reqs), slots)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * len(reqs), slots, lookahead=lookahead)
+
+    # ---- overlap: the next decode step, scheduled before the last one's tokens are known ------
+    def schedule_lookahead(self, inflight: ScheduleBatch) -> Optional[ScheduleBatch]:
+        """A decode batch over exactly the requests of `inflight` (a decode batch whose sampled
+        tokens are still on the device): each request feeds its in-flight token at position
+        seq_len, so nothing here needs that token's value. None when the step must instead wait
+        for `inflight` (new work to admit, aborts, memory pressure, or sampling state that
+        depends on the unknown token)."""
+        if self.waiting or self.chunked_req is not None or not inflight.forward_mode.is_decode:
+            return None
+        if any(not _lookahead_ok(r) for r in self.running):
+            return None
+        # requests that finished while `inflight` ran are dropped; any newcomer forces a wait
+        rows = [i for i, r in enumerate(inflight.reqs) if not r.finished]
+        if not rows or len(rows) != len(self.running) or self.allocator.available_size() < len(rows):
+            return None  # memory pressure: evict or retract only once the real tokens are in
+        reqs = [inflight.reqs[i] for i in rows]
+        slots = self.allocator.alloc(len(reqs))
+        prefix_lens = [inflight.prefix_lens[i] + 1 for i in rows]
+        batch = self._decode_schedule_batch(reqs, prefix_lens, slots, lookahead=True)
+        batch.lookahead_rows = rows
+        return batch
 
     # ---- retraction ----------------------------------------------------------------------------
     def _free_decode_tokens(self) -> int:
@@ -255,8 +282,13 @@ class Scheduler:
         """Record a finished forward pass; returns the requests that gained a token."""
         grown: list[Req] = []
         kept = batch.samples_kept()
-        for req, token, keep in zip(batch.reqs, next_token_ids, kept):
-            req.kv_committed_len = len(req.fill_ids)
+        for i, (req, token, keep) in enumerate(zip(batch.reqs, next_token_ids, kept)):
+            if req.finished:  # ended while this lookahead step was in flight: drop its slot
+                self.allocator.free(batch.out_cache_loc[i : i + 1])
+                continue
+            req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
+            if batch.lookahead:
+                req.fill_ids = req.all_ids
             if batch.forward_mode is ForwardMode.EXTEND:
                 self.tree_cache.cache_unfinished_req(req)
                 if req.is_chunked:
@@ -306,3 +338,10 @@ class Scheduler:
             assert self.tree_cache.protected_size() == 0, "idle engine still holds locked cache nodes"
             assert self.req_to_token_pool.available_size() == self.req_to_token_pool.size, "leaked req rows"
         self.tree_cache.check_invariants()
+
+
+def _lookahead_ok(req: Req) -> bool:
+    """Sampling that reads the output so far (penalties, min_new_tokens) needs the real token."""
+    p = req.sampling_params
+    return (req.to_abort is None and p.min_new_tokens <= len(req.output_ids) + 1
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)

@@ -83,6 +83,12 @@ class ReqToTokenPool:
         self._is_free[idx] = True
         self._free.append(idx)
 
+    def write_decode(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """One slot per request (a decode step): req_to_token[rows[i], positions[i]] = slots[i]."""
+        if positions.numel() and int(positions.max()) >= self.max_context_len:
+            raise ValueError(f"position {int(positions.max())} outside context of {self.max_context_len}")
+        self.req_to_token[rows, positions] = slots.to(device=self.device, dtype=torch.int64)
+
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
         """Write slots into row idx at positions [start, start + len(slots))."""
         end = start + slots.numel()

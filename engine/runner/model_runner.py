@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.runner.logits_plan import LogitsPlan
 from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
+from engine.runner.pending_result import PendingResult
 from engine.schedule_batch import BatchResult, ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -56,9 +58,14 @@ class ModelRunner:
             self.cuda_graph = CudaGraphRunner(model, self.attn_backend, kv_pool, self.req_to_token,
                                               self.device, config.cuda_graph_max_bs)
 
-    @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> BatchResult:
-        fb = self._forward_batch(batch)
+        return self.launch(batch).resolve()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:
+        """Runs the forward pass and sampling without waiting for the device. A lookahead batch
+        takes its input ids from `inflight`, the still unresolved previous decode step."""
+        fb = self._forward_batch(batch, inflight)
         plan = LogitsPlan.build(batch)
         if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
             logits = self.cuda_graph.replay(fb)  # decode: plan.rows is every row, in order
@@ -69,84 +76,72 @@ class ModelRunner:
         return self._sample(batch, plan, logits)
 
     # ---- inputs --------------------------------------------------------------------------------
-    def _forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
-        def dev(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
+    def _forward_batch(self, batch: ScheduleBatch, inflight: Optional[PendingResult]) -> ForwardBatch:
         seq_lens = batch.seq_lens()
         req_pool_indices = [r.req_pool_idx for r in batch.reqs]
-        self._sync_req_to_token(req_pool_indices, seq_lens, batch)
-        return ForwardBatch(
-            forward_mode=batch.forward_mode,
-            input_ids=dev(batch.input_ids()),
-            positions=dev(batch.positions()),
+        lookahead = batch.lookahead and inflight is not None
+        input_ids = [] if lookahead else batch.input_ids()
+        # one host buffer, one copy to the device: small copies cost more than their bytes
+        packed = torch.tensor(input_ids + batch.positions() + req_pool_indices + seq_lens
+                              + batch.prefix_lens + batch.extend_lens, dtype=torch.int64)
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        t, b = len(batch.out_cache_loc), batch.batch_size
+        sizes = [len(input_ids), t, b, b, b, b]
+        ids, positions, rows, lens, prefix, extend = torch.split(packed, sizes)
+        if lookahead:
+            ids = inflight.next_token_ids
+            if batch.lookahead_rows is not None and len(batch.lookahead_rows) != len(ids):
+                ids = ids[torch.tensor(batch.lookahead_rows, device=ids.device)]
+        fb = ForwardBatch(
+            forward_mode=batch.forward_mode, input_ids=ids, positions=positions,
             out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True),
-            req_pool_indices=dev(req_pool_indices),
-            seq_lens=dev(seq_lens),
-            extend_prefix_lens=dev(batch.prefix_lens),
-            extend_seq_lens=dev(batch.extend_lens),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=list(batch.prefix_lens),
-            extend_seq_lens_cpu=list(batch.extend_lens),
-            req_to_token=self.req_to_token,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
+            req_pool_indices=rows, seq_lens=lens, extend_prefix_lens=prefix, extend_seq_lens=extend,
+            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(batch.prefix_lens),
+            extend_seq_lens_cpu=list(batch.extend_lens), req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool, attn_backend=self.attn_backend,
         )
+        self._sync_req_to_token(fb, batch)
+        return fb
 
-    def _sync_req_to_token(self, rows: list[int], seq_lens: list[int], batch: ScheduleBatch) -> None:
+    def _sync_req_to_token(self, fb: ForwardBatch, batch: ScheduleBatch) -> None:
         host = self.req_to_token_pool.req_to_token
         if host is self.req_to_token:
             return
-        if batch.forward_mode.is_decode:  # one new entry per request
-            idx = torch.tensor(rows, dtype=torch.int64)
-            pos = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-            self.req_to_token[idx.to(self.device), pos.to(self.device)] = batch.out_cache_loc.to(self.device)
+        if batch.forward_mode.is_decode:  # one new entry per request, at its position
+            self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
             return
-        for row, n in zip(rows, seq_lens):  # prefill: whole rows (prefix may come from the cache)
-            self.req_to_token[row, :n].copy_(host[row, :n], non_blocking=True)
+        for req, n in zip(batch.reqs, fb.seq_lens_cpu):  # prefill: whole rows (prefix from the cache)
+            self.req_to_token[req.req_pool_idx, :n].copy_(host[req.req_pool_idx, :n], non_blocking=True)
 
     # ---- outputs -------------------------------------------------------------------------------
-    def _sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor) -> BatchResult:
+    def _sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor) -> PendingResult:
         last = logits[plan.last_rows.to(self.device)]
-        rows = [self._sampling_row(r) for r in batch.reqs]
+        seq_lens = batch.seq_lens()
+        rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
         out = self.sampler.sample(last, sampling)
-        processed = [r.logprob_distribution == "processed" for r in batch.reqs]
-        chosen = torch.where(torch.tensor(processed, device=self.device), out.processed_logprobs, out.original_logprobs)
-        result = BatchResult(next_token_ids=out.next_token_ids.tolist(), logprobs=chosen.tolist())
-        result.top_logprobs = self._top_logprobs(batch, last)
-        result.input_logprobs = self._input_logprobs(plan, logits)
-        return result
+        chosen = out.original_logprobs
+        if any(r.logprob_distribution == "processed" for r in batch.reqs):
+            processed = torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs], device=self.device)
+            chosen = torch.where(processed, out.processed_logprobs, out.original_logprobs)
+        pending = PendingResult.start(batch, out.next_token_ids, chosen)
+        k = max((r.top_logprobs_num for r in batch.reqs), default=0)
+        if k:
+            pending.top = top_logprobs(last, k, self.log_softmax)
+        if plan.num_prompt_rows:
+            rows_t, targets = plan.prompt_rows.to(self.device), plan.prompt_targets.to(self.device)
+            pending.input_values = gather_token_logprobs(original_logprobs(logits[rows_t], self.log_softmax), targets)
+        pending.prompt_row_counts = plan.prompt_row_counts
+        return pending
 
-    def _sampling_row(self, req) -> SamplingRow:
+    def _sampling_row(self, req, position: int) -> SamplingRow:
+        """position: where the sampled token will sit (the counter of its seeded noise)."""
         params = req.sampling_params
         suppress: list[int] = []
         if len(req.output_ids) < params.min_new_tokens:
             suppress = list(self.config.eos_token_ids) + list(params.stop_token_ids or [])
         return SamplingRow(
-            params=params, seed=req.seed, position=len(req.fill_ids),
+            params=params, seed=req.seed, position=position,
             prompt_ids=req.origin_input_ids, output_ids=req.output_ids, suppress_ids=suppress,
         )
-
-    def _top_logprobs(self, batch: ScheduleBatch, last: torch.Tensor) -> list:
-        k = max((r.top_logprobs_num for r in batch.reqs), default=0)
-        if k == 0:
-            return [None] * batch.batch_size
-        values, ids = top_logprobs(last, k, self.log_softmax)
-        values, ids = values.tolist(), ids.tolist()
-        return [
-            list(zip(values[i][: r.top_logprobs_num], ids[i][: r.top_logprobs_num])) if r.top_logprobs_num else None
-            for i, r in enumerate(batch.reqs)
-        ]
-
-    def _input_logprobs(self, plan: LogitsPlan, logits: torch.Tensor) -> list[list[float]]:
-        if not plan.num_prompt_rows:
-            return [[] for _ in plan.prompt_row_counts]
-        rows = plan.prompt_rows.to(self.device)
-        targets = plan.prompt_targets.to(self.device)
-        values = gather_token_logprobs(original_logprobs(logits[rows], self.log_softmax), targets).tolist()
-        out, offset = [], 0
-        for n in plan.prompt_row_counts:
-            out.append(values[offset : offset + n])
-            offset += n
-        return out

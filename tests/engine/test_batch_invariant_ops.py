@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.attention.deterministic import split_kv_attention, split_kv_attention_rows
 from engine.attention.torch_native import _attend
@@ -151,6 +153,18 @@ def test_split_kv_chunked_prefill_equals_whole(chunk):
                                 torch.arange(s, min(s + chunk, 150)), 0.25, 64)
              for s in range(0, 150, chunk)]
     assert torch.equal(torch.cat(parts), full)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq_len=st.integers(1, 200), split=st.sampled_from([8, 16, 64]), data=st.data())
+def test_split_kv_any_chunking_equals_whole(seq_len, split, data):
+    """Random chunk cuts (as chunked prefill and prefix caching make them) change no bit."""
+    q, k, v = _qkv(seq_len, seed=seq_len)
+    cuts = sorted(data.draw(st.sets(st.integers(1, seq_len - 1), max_size=6)) if seq_len > 1 else [])
+    bounds = [0, *cuts, seq_len]
+    parts = [split_kv_attention(q[a:b], k[:b], v[:b], torch.arange(a, b), 0.25, split)
+             for a, b in zip(bounds, bounds[1:])]
+    assert torch.equal(torch.cat(parts), _prefill(q, k, v, split))
 
 
 def test_split_kv_close_to_reference_and_gqa_layout():

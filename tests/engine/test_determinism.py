@@ -68,7 +68,7 @@ def reference(det_engine, target) -> dict:
     """Alone, cold cache: {"greedy": output, "sampled": output}."""
     refs = {}
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        det_engine.flush_cache()
+        assert det_engine.flush_cache()
         refs[name] = det_engine.generate(input_ids=target, sampling_params=params, return_logprob=True)
     return refs
 
@@ -76,13 +76,13 @@ def reference(det_engine, target) -> dict:
 # ---- 1. batch invariance ----------------------------------------------------------------------
 @pytest.mark.parametrize("size", [2, 3, 8, 17, 32])
 def test_alone_equals_in_batch(det_engine, target, reference, size):
-    det_engine.flush_cache()  # every token computed here, none from the cache
+    assert det_engine.flush_cache()  # every token computed here, none from the cache
     assert_same(run_in_batch(det_engine, target, GREEDY, size, seed=size), reference["greedy"])
 
 
 # ---- 2. cache and chunking invariance ---------------------------------------------------------
 def test_radix_hit_equals_cold(det_engine, target, reference):
-    det_engine.flush_cache()
+    assert det_engine.flush_cache()
     det_engine.generate(input_ids=target[:100] + [5, 6, 7], sampling_params={"max_new_tokens": 1})
     warm = det_engine.generate(input_ids=target, sampling_params=GREEDY, return_logprob=True)
     assert warm["meta_info"]["cached_tokens"] >= 100
@@ -118,7 +118,7 @@ def test_decoded_tokens_reread_as_prompt(det_engine, target, reference, kind):
 # ---- 4. seeded sampling -----------------------------------------------------------------------
 @pytest.mark.parametrize("size", [3, 32])
 def test_seeded_sampling_same_under_any_batch(det_engine, target, reference, size):
-    det_engine.flush_cache()
+    assert det_engine.flush_cache()
     assert_same(run_in_batch(det_engine, target, SAMPLED, size, seed=100 + size), reference["sampled"])
 
 

@@ -168,18 +168,20 @@ def test_cli_generate_prints_text(tiny_model_dir, capsys):
     assert "tok/s" in capsys.readouterr().out
 
 
-def test_failed_forward_aborts_its_batch_without_leaking(engine_factory):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_failed_forward_aborts_its_batch_without_leaking(engine_factory, overlap):
     eng = engine_factory()
-    real_forward = eng.core.runner.forward
+    eng.core.overlap = overlap
+    real_launch = eng.core.runner.launch
     calls = {"n": 0}
 
-    def flaky(batch):
+    def flaky(batch, inflight=None):
         calls["n"] += 1
         if calls["n"] == 3:  # fail a decode step mid-generation
             raise RuntimeError("injected failure")
-        return real_forward(batch)
+        return real_launch(batch, inflight)
 
-    eng.core.runner.forward = flaky
+    eng.core.runner.launch = flaky
     outs = eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 8, "ignore_eos": True})
     reasons = [o["meta_info"]["finish_reason"] for o in outs]
     assert all(r["type"] == "abort" and "injected failure" in r["message"] for r in reasons)
@@ -187,3 +189,24 @@ def test_failed_forward_aborts_its_batch_without_leaking(engine_factory):
     ok = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     assert len(ok["output_ids"]) == 4
     eng.check_integrity()
+
+
+@pytest.mark.parametrize("server_kwargs", [{}, {"max_total_tokens": 300, "chunked_prefill_size": 64}],
+                         ids=["roomy", "retracting"])
+def test_overlap_schedule_gives_the_same_outputs(engine_factory, engine, server_kwargs):
+    """Overlap bookkeeping (lookahead decode steps launched before the last tokens are read)
+    runs on the CPU too when forced; outputs must match the plain loop exactly."""
+    vocab = engine.core.parts.vocab_size
+    prompts = random_prompts(24, vocab, lengths=(4, 30), seed=21)
+    params = [{"max_new_tokens": 5 + i % 13, "temperature": 1.0 if i % 3 else 0.0, "sampling_seed": i,
+               "stop_token_ids": [7] if i % 5 == 0 else None} for i in range(24)]
+    plain = engine_factory(enable_deterministic_inference=True, **server_kwargs)
+    overlapped = engine_factory(enable_deterministic_inference=True, **server_kwargs)
+    overlapped.core.overlap = True
+    want = plain.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    got = overlapped.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [o["meta_info"]["output_token_logprobs"] for o in got] == [o["meta_info"]["output_token_logprobs"] for o in want]
+    assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in want]
+    assert overlapped.core.stats.num_lookahead_steps > 3 and plain.core.stats.num_lookahead_steps == 0
+    overlapped.check_integrity()

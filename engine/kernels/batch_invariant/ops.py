@@ -3,12 +3,13 @@ how many rows share the call or where the row sits (DESIGN section 4).
 
 On CUDA, linear / rms_norm / log_softmax run the Triton kernels of `triton_ops`, imported on the
 first CUDA call only (CI has no Triton); if that import fails they fall back to the torch code
-here. Measured on the CPU (torch 2.13, MKL 2024.2, AVX-512, 1-4 threads) — tests/engine/
-test_batch_invariant_ops.py re-checks all of it wherever the suite runs:
-  * F.linear is NOT batch-invariant: MKL runs a gemv for M=1, another kernel for M=2..3 and a
-    third for M>=4, each rounding differently. A fixed-shape call is: the same [ROW_TILE, K]
-    product gives a row the same bits at every position in the tile, at any thread count and
-    input alignment. So `linear` cuts the rows into zero-padded tiles of ROW_TILE rows.
+here. Measured on the CPU (AMD EPYC, torch 2.13, MKL 2024.2, AVX-512, 1-4 threads) —
+tests/engine/test_batch_invariant_ops.py re-checks all of it wherever the suite runs:
+  * F.linear (float32) is NOT batch-invariant: row 0 comes out in three versions, for M=1, for
+    M=2..3 and for M>=4 (every shape tried, K and N from 64 to 4096). A fixed-shape call is: the
+    same [ROW_TILE, K] product gives a row the same bits at every position in the tile, at 1, 2
+    or 4 threads and any input alignment. So `linear` cuts the rows into zero-padded tiles of
+    ROW_TILE rows, each its own MKL call of that one shape.
   * The mean of RMSNorm and torch.log_softmax reduce each row serially, in an order set by the
     row length only: invariant as they are (vocab 151936 included).
   * F.silu is NOT: its vectorised body and scalar tail round differently, and which elements fall

@@ -1,0 +1,63 @@
+"""PendingResult: a launched forward pass whose outputs are still on their way to the host.
+
+Sampled ids and logprobs travel in one pinned buffer behind a CUDA event, so the host can
+schedule (and launch) the next step before reading them: that is the overlap scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.schedule_batch import BatchResult, ScheduleBatch
+
+
+@dataclass
+class PendingResult:
+    batch: ScheduleBatch
+    next_token_ids: torch.Tensor  # [B] int64 on the device: input ids of a lookahead step
+    host: torch.Tensor  # [2B] float64: ids then logprobs (copy in flight on CUDA)
+    event: Optional[torch.cuda.Event]
+    top: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # top-k (values, ids) on the device
+    input_values: Optional[torch.Tensor] = None  # prompt logprobs on the device
+    prompt_row_counts: Optional[list[int]] = None
+
+    @classmethod
+    def start(cls, batch: ScheduleBatch, next_ids: torch.Tensor, logprobs: torch.Tensor) -> "PendingResult":
+        packed = torch.cat([next_ids.double(), logprobs.double()])  # ids < 2**53 stay exact
+        if packed.device.type != "cuda":
+            return cls(batch, next_ids, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(batch, next_ids, host, event)
+
+    def resolve(self) -> BatchResult:
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host.tolist()
+        n = self.batch.batch_size
+        result = BatchResult(next_token_ids=[int(v) for v in values[:n]], logprobs=values[n:])
+        result.top_logprobs = self._top_lists()
+        result.input_logprobs = self._input_lists()
+        return result
+
+    def _top_lists(self) -> list:
+        reqs = self.batch.reqs
+        if self.top is None:
+            return [None] * len(reqs)
+        values, ids = self.top[0].tolist(), self.top[1].tolist()
+        return [list(zip(values[i][: r.top_logprobs_num], ids[i][: r.top_logprobs_num])) if r.top_logprobs_num
+                else None for i, r in enumerate(reqs)]
+
+    def _input_lists(self) -> list[list[float]]:
+        counts = self.prompt_row_counts or [0] * self.batch.batch_size
+        values = self.input_values.tolist() if self.input_values is not None else []
+        out, offset = [], 0
+        for n in counts:
+            out.append(values[offset : offset + n])
+            offset += n
+        return out
