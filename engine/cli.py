@@ -20,6 +20,8 @@ HANDLERS = {
     "demo": ("engine.cli_generate", "run_demo"),
     "serve": ("engine.server.http", "run_serve"),
     "bench": ("engine.bench.cli", "run_bench"),
+    "determinism": ("engine.determinism.cli", "run_determinism"),
+    "replay": ("engine.determinism.cli", "run_replay"),
 }
 
 
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_determinism(sub)
+    _add_replay(sub)
     return parser
 
 
@@ -97,6 +101,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "report throughput, TTFT / ITL, cache hits and memory; optionally HF "
                        "generate on the same weights and the device's roofline.")
     add_arguments(p)
+
+
+def _add_determinism(sub: argparse._SubParsersAction) -> None:
+    from engine.determinism.cli import add_determinism_arguments
+
+    p = sub.add_parser("determinism", help="check determinism: unique outputs, logprob differences",
+                       description="Run SGLang's determinism modes (single, mixed, prefix, radix, "
+                       "p_vs_d) against a server or an in-process engine; exit 1 if any fails.")
+    add_determinism_arguments(p)
+
+
+def _add_replay(sub: argparse._SubParsersAction) -> None:
+    from engine.determinism.cli import add_replay_arguments
+
+    p = sub.add_parser("replay", help="re-run recorded requests (--record-path) and compare bitwise",
+                       description="Re-run every request of a --record-path file with its prompt, "
+                       "sampling params and seed; report any token or logprob that differs.")
+    add_replay_arguments(p)
 
 
 if __name__ == "__main__":

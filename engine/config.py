@@ -41,6 +41,7 @@ class ServerArgs:
     # outputs
     skip_tokenizer_init: bool = False
     logprob_distribution: str = "original"
+    record_path: Optional[str] = None  # append one JSON line per finished request (tandem replay)
     # server
     host: str = "127.0.0.1"
     port: int = 30000

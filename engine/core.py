@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 from engine.config import ServerArgs
 from engine.core_setup import CoreParts, build_core_parts
+from engine.determinism.recorder import Recorder
 from engine.finish import check_finished
 from engine.request import Req, ReqInput
 from engine.output import build_output
@@ -68,6 +69,7 @@ class EngineCore:
         self._inflight: Optional[PendingResult] = None  # launched, result not read yet
         self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
         self._processing: Optional[ScheduleBatch] = None
+        self.recorder = Recorder.maybe_open(server_args.record_path)  # --record-path: for replay
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Message) -> Any:
@@ -157,6 +159,8 @@ class EngineCore:
         if req.detokenizer is not None and req.stop_text_len is None:
             self._detokenize(req)
             req.text += req.detokenizer.flush()
+        if self.recorder is not None:
+            self.recorder.record(req, self)
         return ReqOutput(req.rid, True, build_output(req, self))
 
     @staticmethod

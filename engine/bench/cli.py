@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 from engine.bench.tandem_run import STREAM_MODES
 from engine.bench.workload import WORKLOADS, Workload, build_workload
+from engine.testing.preset_model import add_preset_argument, engine_kwargs_from_args
 
 logger = logging.getLogger("tandem")
-PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b")
 GRPO_DEFAULT_N = 16
 
 
@@ -37,9 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"grpo: samples per prompt, sharing it (default {GRPO_DEFAULT_N})")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompts' random token ids")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=PRESETS, default=None,
-                   help="build the checkpoint with `tandem tiny-model` (real shapes imply "
-                   "--load-format dummy); the default when --model-path is not given: tiny")
+    add_preset_argument(m)
     r = p.add_argument_group("measurement")
     r.add_argument("--runs", type=int, default=3, help="measured runs; the median is reported")
     r.add_argument("--warmup-runs", type=int, default=1, help="unmeasured runs first (other prompts)")
@@ -226,20 +224,7 @@ class Bench:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from engine.server_args_cli import server_args_from_namespace
-
-    kwargs = server_args_from_namespace(args)
-    if "model_path" in kwargs:
-        if args.preset:
-            raise SystemExit("tandem bench: give --model-path or --preset, not both")
-        return kwargs, kwargs["model_path"]
-    from engine.testing.tiny_model import tiny_model_path
-
-    preset = args.preset or "tiny"
-    kwargs["model_path"] = str(tiny_model_path(preset=preset))
-    if preset != "tiny" and kwargs.get("load_format", "auto") == "auto":
-        kwargs["load_format"] = "dummy"  # real-shape presets ship config + tokenizer only
-    return kwargs, f"{preset} preset"
+    return engine_kwargs_from_args(args, "bench")
 
 
 def _transformers_version() -> Optional[str]:
