@@ -140,8 +140,18 @@ class EngineCore:
         outputs: list[ReqOutput] = []
         for req in grown:
             outputs.extend(self._after_token(req))
+        for req in self._prompt_only(batch):  # max_new_tokens=0: prompt logprobs, no output
+            req.finished_reason = {"type": "length", "length": 0}
+            self.scheduler.release(req)
+            outputs.append(self._finish_output(req))
         self._processing = None
         return outputs
+
+    @staticmethod
+    def _prompt_only(batch: ScheduleBatch) -> list[Req]:
+        if batch.forward_mode.is_decode:
+            return []
+        return [r for r in batch.reqs if not r.finished and not r.is_chunked and r.sampling_params.max_new_tokens == 0]
 
     def _after_token(self, req: Req) -> list[ReqOutput]:
         if req.first_token_time is None:
@@ -200,8 +210,17 @@ class EngineCore:
             failed += self.scheduler.fail_batch(batch, message, slots_committed=False)
         if self._processing is not None:
             failed += self.scheduler.fail_batch(self._processing, message, slots_committed=True)
+            # requests that finished just before the failure may not have been answered yet: a
+            # second final answer for a request is dropped by the front end, a missing one hangs
+            failed += [r for r in self._processing.reqs if r.finished and r not in failed]
         self._uncommitted, self._processing, self._inflight = [], None, None
-        return [self._finish_output(r) for r in failed]
+        return [self._error_output(r, message) for r in failed]
+
+    def _error_output(self, req: Req, message: str) -> ReqOutput:
+        """A final answer built without the detokenizer or recorder (either may be what failed)."""
+        if req.finished_reason is None or req.finished_reason.get("type") != "abort":
+            req.finished_reason = {"type": "abort", "message": message}
+        return ReqOutput(req.rid, True, build_output(req, self))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -33,7 +33,7 @@ class ReqInput:
     stream: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared as objects, never by value
 class Req:
     rid: str
     origin_input_ids: list[int]

@@ -15,13 +15,14 @@ step() {  # name, seconds, command...
 }
 B="python3 -m engine.cli bench --skip-tokenizer-init"
 for s in "$@"; do case $s in
-  gputests) step gputests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
-  bimatmul) step bimatmul 170 python3 scripts/bi_matmul_bench.py ;;
+  gputests) step gputests 130 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  bimatmul) step bimatmul 70 python3 scripts/bi_matmul_bench.py --configs ;;
+  det8) step det8 150 python3 -m engine.cli determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
-  bench06) step bench06 210 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;
-  bench8) step bench8 420 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --roofline --stream-mode final --json "$OUT/bench-qwen3-8b.json" ;;
-  grpo8) step grpo8 240 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
-  grpo8nc) step grpo8nc 240 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
-  itl) step itl 120 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
+  bench06) step bench06 150 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;
+  bench8) step bench8 200 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b.json" ;;
+  grpo8) step grpo8 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
+  grpo8nc) step grpo8nc 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
+  itl) step itl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   *) echo "unknown step $s" ;;
 esac; done

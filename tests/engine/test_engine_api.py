@@ -210,3 +210,28 @@ def test_overlap_schedule_gives_the_same_outputs(engine_factory, engine, server_
     assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in want]
     assert overlapped.core.stats.num_lookahead_steps > 3 and plain.core.stats.num_lookahead_steps == 0
     overlapped.check_integrity()
+
+
+def test_prompt_logprobs_only_with_zero_new_tokens(engine):
+    out = engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params={"max_new_tokens": 0},
+                          return_logprob=True, logprob_start_len=0)
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert [e[1] for e in out["meta_info"]["input_token_logprobs"]] == [5, 6, 7, 8, 9]
+    engine.check_integrity()
+
+
+def test_failure_while_answering_does_not_hang(engine_factory):
+    eng = engine_factory()
+    real = eng.core._finish_output
+    calls = {"n": 0}
+
+    def broken(req):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("answer failed")
+        return real(req)
+
+    eng.core._finish_output = broken
+    out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    eng.check_integrity()
