@@ -5,13 +5,14 @@
 set -uo pipefail
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "$OUT/$name.log"
+  # one log for the whole call: a run brings back only a few files
+  timeout "$limit" "$@" 2>&1 | grep -v "Capturing CUDA graphs" > "/tmp/$name.log"
+  local rc=${PIPESTATUS[0]}
+  { echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; cat "/tmp/$name.log"; } >> "$OUT/suite.log"
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
 }
 B="python3 -m engine.cli bench --skip-tokenizer-init"
 for s in "$@"; do case $s in
@@ -19,10 +20,11 @@ for s in "$@"; do case $s in
   bimatmul) step bimatmul 70 python3 scripts/bi_matmul_bench.py --configs ;;
   det8) step det8 150 python3 -m engine.cli determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
+  bench06q) step bench06q 70 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b-v2.json" ;;
   bench06) step bench06 150 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;
   bench8) step bench8 200 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b.json" ;;
-  grpo8) step grpo8 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
-  grpo8nc) step grpo8nc 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
-  itl) step itl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
+  grpo8) step grpo8 75 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
+  grpo8nc) step grpo8nc 80 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
+  itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from engine.runner.device_copy import h2d
+
 SINGLE_SPLIT = 1 << 30  # a split size no sequence reaches: the whole key range is one split
 MAX_LANES = 32  # programs per (q block, kv head) along the split axis
 PROGRAMS_PER_SM = 4  # decode spreads splits over lanes until about this many programs per SM
@@ -133,7 +135,7 @@ class SplitKvPlan:
         key = ("blocks", block_t)
         if key not in self._tables:
             table = extend_block_table(self.prefix_lens, self.extend_lens, block_t, self.split)
-            self._tables[key] = (table.to(device, non_blocking=True), table.shape[1])
+            self._tables[key] = (h2d(table, device), table.shape[1])
         return self._tables[key]
 
     def partials(self, num_heads: int, head_dim: int, device: torch.device):

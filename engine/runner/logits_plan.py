@@ -22,6 +22,11 @@ class LogitsPlan:
     prompt_row_counts: list[int]  # [B] how many prompt rows belong to each request
 
     @property
+    def rows_are_last(self) -> bool:
+        """Each projected row is some request's last token, in order (every decode step)."""
+        return self.num_prompt_rows == 0 and len(self.last_rows) == len(self.rows)
+
+    @property
     def num_prompt_rows(self) -> int:
         return int(self.prompt_rows.numel())
 

@@ -15,6 +15,7 @@ import torch
 from engine.attention.base import create_attention_backend
 from engine.kernels import batch_invariant as bi
 from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.runner.device_copy import h2d
 from engine.runner.forward_batch import ForwardBatch
 from engine.runner.logits_plan import LogitsPlan
 from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs
@@ -72,7 +73,7 @@ class ModelRunner:
         else:
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb)
-            logits = self.model.compute_logits(hidden[plan.rows.to(self.device)])
+            logits = self.model.compute_logits(hidden[h2d(plan.rows, self.device)])
         return self._sample(batch, plan, logits)
 
     # ---- inputs --------------------------------------------------------------------------------
@@ -82,20 +83,21 @@ class ModelRunner:
         lookahead = batch.lookahead and inflight is not None
         input_ids = [] if lookahead else batch.input_ids()
         # one host buffer, one copy to the device: small copies cost more than their bytes
-        packed = torch.tensor(input_ids + batch.positions() + req_pool_indices + seq_lens
-                              + batch.prefix_lens + batch.extend_lens, dtype=torch.int64)
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        packed = torch.cat([
+            torch.tensor(input_ids + batch.positions() + req_pool_indices + seq_lens
+                         + batch.prefix_lens + batch.extend_lens, dtype=torch.int64),
+            batch.out_cache_loc])
+        packed = h2d(packed, self.device)
         t, b = len(batch.out_cache_loc), batch.batch_size
-        sizes = [len(input_ids), t, b, b, b, b]
-        ids, positions, rows, lens, prefix, extend = torch.split(packed, sizes)
+        sizes = [len(input_ids), t, b, b, b, b, t]
+        ids, positions, rows, lens, prefix, extend, out_cache_loc = torch.split(packed, sizes)
         if lookahead:
             ids = inflight.next_token_ids
             if batch.lookahead_rows is not None and len(batch.lookahead_rows) != len(ids):
-                ids = ids[torch.tensor(batch.lookahead_rows, device=ids.device)]
+                ids = ids[h2d(torch.tensor(batch.lookahead_rows), self.device)]
         fb = ForwardBatch(
             forward_mode=batch.forward_mode, input_ids=ids, positions=positions,
-            out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True),
+            out_cache_loc=out_cache_loc,
             req_pool_indices=rows, seq_lens=lens, extend_prefix_lens=prefix, extend_seq_lens=extend,
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(batch.prefix_lens),
             extend_seq_lens_cpu=list(batch.extend_lens), req_to_token=self.req_to_token,
@@ -111,26 +113,38 @@ class ModelRunner:
         if batch.forward_mode.is_decode:  # one new entry per request, at its position
             self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
             return
-        for req, n in zip(batch.reqs, fb.seq_lens_cpu):  # prefill: whole rows (prefix from the cache)
-            self.req_to_token[req.req_pool_idx, :n].copy_(host[req.req_pool_idx, :n], non_blocking=True)
+        # prefill: whole rows (the prefix came from the cache), snapshotted into one copy so
+        # later host edits of the table cannot race the transfer
+        rows = torch.cat([torch.full((n,), r.req_pool_idx, dtype=torch.int64) for r, n in zip(batch.reqs, fb.seq_lens_cpu)])
+        cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in fb.seq_lens_cpu])
+        snapshot = h2d(torch.stack([rows, cols, host[rows, cols]]), self.device)
+        self.req_to_token[snapshot[0], snapshot[1]] = snapshot[2]
 
     # ---- outputs -------------------------------------------------------------------------------
     def _sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor) -> PendingResult:
-        last = logits[plan.last_rows.to(self.device)]
+        last = logits if plan.rows_are_last else logits[h2d(plan.last_rows, self.device)]
+        if all(_plain_greedy(r) for r in batch.reqs):  # the common rollout/bench case: no setup
+            next_ids = torch.argmax(last, dim=-1)
+            chosen = gather_token_logprobs(original_logprobs(last, self.log_softmax), next_ids)
+            return self._finish_sample(batch, plan, logits, last, next_ids, chosen)
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
         out = self.sampler.sample(last, sampling)
         chosen = out.original_logprobs
         if any(r.logprob_distribution == "processed" for r in batch.reqs):
-            processed = torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs], device=self.device)
+            processed = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)
             chosen = torch.where(processed, out.processed_logprobs, out.original_logprobs)
-        pending = PendingResult.start(batch, out.next_token_ids, chosen)
+        return self._finish_sample(batch, plan, logits, last, out.next_token_ids, chosen)
+
+    def _finish_sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor, last: torch.Tensor,
+                       next_ids: torch.Tensor, chosen: torch.Tensor) -> PendingResult:
+        pending = PendingResult.start(batch, next_ids, chosen)
         k = max((r.top_logprobs_num for r in batch.reqs), default=0)
         if k:
             pending.top = top_logprobs(last, k, self.log_softmax)
         if plan.num_prompt_rows:
-            rows_t, targets = plan.prompt_rows.to(self.device), plan.prompt_targets.to(self.device)
+            rows_t, targets = h2d(plan.prompt_rows, self.device), h2d(plan.prompt_targets, self.device)
             pending.input_values = gather_token_logprobs(original_logprobs(logits[rows_t], self.log_softmax), targets)
         pending.prompt_row_counts = plan.prompt_row_counts
         return pending
@@ -145,3 +159,11 @@ class ModelRunner:
             params=params, seed=req.seed, position=position,
             prompt_ids=req.origin_input_ids, output_ids=req.output_ids, suppress_ids=suppress,
         )
+
+
+def _plain_greedy(req) -> bool:
+    """Greedy with nothing that reshapes the logits: argmax of the raw logits, and the processed
+    distribution equals the original one."""
+    p = req.sampling_params
+    return (p.is_greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from engine.runner.device_copy import h2d
 from engine.sampling.seeds import to_int64
 from engine.sampling_params import SamplingParams
 
@@ -77,10 +78,10 @@ class SamplingBatch:
         need_fp = any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
 
         def f32(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return h2d(torch.tensor(values, dtype=torch.float32), device)
 
         def i64(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return h2d(torch.tensor(values, dtype=torch.int64), device)
 
         return cls(
             vocab_size=vocab_size,
@@ -93,7 +94,7 @@ class SamplingBatch:
             presence_penalties=f32(pres),
             seeds=i64([to_int64(r.seed) for r in rows]),
             positions=i64([r.position for r in rows]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_greedy=h2d(torch.tensor(greedy, dtype=torch.bool), device),
             output_counts=_output_counts(rows, vocab_size, device) if need_fp else None,
             seen_mask=_seen_mask(rows, vocab_size, device) if need_rep else None,
             suppress_mask=_suppress_mask(rows, vocab_size, device),
@@ -122,7 +123,7 @@ def _scatter_ids(
     flat = chain.from_iterable(chain.from_iterable(per_row))
     ids = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=int(lengths.sum())))
     rows = torch.repeat_interleave(torch.arange(len(per_row)), lengths)
-    return rows.to(device), ids.to(device)
+    return h2d(rows, device), h2d(ids, device)
 
 
 def _output_counts(rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor:
