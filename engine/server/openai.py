@@ -51,16 +51,9 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries]}
 
     async def completion_stream(self, req: CompletionRequest) -> AsyncIterator[str]:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        sent: dict[int, int] = {}
-        async for chunk in self.engine.async_generate(**self._completion_inputs(req), stream=True):
-            index = chunk.get("index", 0)
-            delta = chunk["text"][sent.get(index, 0):]
-            sent[index] = len(chunk["text"])
-            choice = {"index": index, "text": delta, "finish_reason": _finish_reason(chunk["meta_info"])}
-            yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                        "model": self.model_name, "choices": [choice]})
-        yield "data: [DONE]\n\n"
+        chunks = self.engine.async_generate(**self._completion_inputs(req), stream=True)
+        async for line in self._stream(chunks, "cmpl", "text_completion", lambda delta: {"text": delta}):
+            yield line
 
     # ---- chat ----------------------------------------------------------------------------------
     def _chat_inputs(self, req: ChatCompletionRequest) -> dict:
@@ -83,15 +76,21 @@ class OpenAIServing:
                 "model": self.model_name, "choices": choices, "usage": _usage(outs)}
 
     async def chat_stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        chunks = self.engine.async_generate(**self._chat_inputs(req), stream=True)
+        as_delta = lambda delta: {"delta": {"role": "assistant", "content": delta}}  # noqa: E731
+        async for line in self._stream(chunks, "chatcmpl", "chat.completion.chunk", as_delta):
+            yield line
+
+    async def _stream(self, chunks: AsyncIterator[dict], prefix: str, kind: str, shape) -> AsyncIterator[str]:
+        """Cumulative engine chunks -> OpenAI SSE events carrying only the new text."""
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         sent: dict[int, int] = {}
-        async for chunk in self.engine.async_generate(**self._chat_inputs(req), stream=True):
+        async for chunk in chunks:
             index = chunk.get("index", 0)
             delta = chunk["text"][sent.get(index, 0):]
             sent[index] = len(chunk["text"])
-            choice = {"index": index, "delta": {"role": "assistant", "content": delta},
-                      "finish_reason": _finish_reason(chunk["meta_info"])}
-            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            choice = {"index": index, **shape(delta), "finish_reason": _finish_reason(chunk["meta_info"])}
+            yield _sse({"id": rid, "object": kind, "created": int(time.time()),
                         "model": self.model_name, "choices": [choice]})
         yield "data: [DONE]\n\n"
 

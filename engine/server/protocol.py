@@ -32,12 +32,12 @@ class AbortRequest(_Strict):
     abort_all: bool = False
 
 
-class CompletionRequest(BaseModel):
+class _OpenAISampling(BaseModel):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
     model: Optional[str] = None
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -45,12 +45,17 @@ class CompletionRequest(BaseModel):
     n: int = 1
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
-    logprobs: Optional[int] = None
     seed: Optional[int] = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = 16
+    logprobs: Optional[int] = None
 
 
 class ChatMessage(BaseModel):
@@ -58,27 +63,12 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: Optional[str] = None
+class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    seed: Optional[int] = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
 
 
 def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> dict:
