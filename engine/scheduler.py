@@ -16,6 +16,8 @@ import torch
 from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.base import PrefixCache
 from engine.kv.pool import ReqToTokenPool
+from engine.lookahead import lookahead_rows
+from engine.new_token_ratio import NewTokenRatio
 from engine.prefill_adder import PrefillAdder
 from engine.request import Req, ReqState
 from engine.runner.forward_batch import ForwardMode
@@ -24,10 +26,6 @@ from engine.schedule_policy import order_waiting
 
 logger = logging.getLogger(__name__)
 
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
-RETRACT_DECODE_STEPS = 20  # tokens each surviving request is assumed to still need
 SIBLING_PREFIX = 32  # shared uncached tokens at which a sibling is held back one round
 MAX_DEFERRED_PER_STEP = 128
 
@@ -56,12 +54,13 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
-        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
+        self.forecast = NewTokenRatio(config.schedule_conservativeness)
         self.num_retractions = 0
         self.finished_here: list[Req] = []
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self.forecast.value
 
     # ---- queue ---------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -218,24 +217,16 @@ class Scheduler:
                                lookahead: bool) -> ScheduleBatch:
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         self.req_to_token_pool.write_decode(rows, torch.tensor(prefix_lens, dtype=torch.int64), slots)
-        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        self.forecast.decay()
         return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * len(reqs), slots, lookahead=lookahead)
 
-    # ---- overlap: the next decode step, scheduled before the last one's tokens are known ------
+    # ---- overlap -------------------------------------------------------------------------------
     def schedule_lookahead(self, inflight: ScheduleBatch) -> Optional[ScheduleBatch]:
-        """A decode batch over exactly the requests of `inflight` (a decode batch whose sampled
-        tokens are still on the device): each request feeds its in-flight token at position
-        seq_len, so nothing here needs that token's value. None when the step must instead wait
-        for `inflight` (new work to admit, aborts, memory pressure, or sampling state that
-        depends on the unknown token)."""
-        if self.waiting or self.chunked_req is not None or not inflight.forward_mode.is_decode:
+        """The next decode step over `inflight`'s requests, before its tokens are known (see
+        engine/lookahead.py); None when the step must wait for them."""
+        rows = lookahead_rows(self, inflight)
+        if rows is None:
             return None
-        if any(not _lookahead_ok(r) for r in self.running):
-            return None
-        # requests that finished while `inflight` ran are dropped; any newcomer forces a wait
-        rows = [i for i, r in enumerate(inflight.reqs) if not r.finished]
-        if not rows or len(rows) != len(self.running) or self.allocator.available_size() < len(rows):
-            return None  # memory pressure: evict or retract only once the real tokens are in
         reqs = [inflight.reqs[i] for i in rows]
         slots = self.allocator.alloc(len(reqs))
         prefix_lens = [inflight.prefix_lens[i] + 1 for i in rows]
@@ -262,10 +253,7 @@ class Scheduler:
             self.finished_here.append(req)
         if retracted:
             self.num_retractions += retracted
-            decoded = sum(len(r.output_ids) for r in self.running)
-            budget = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
-            old = self.new_token_ratio
-            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / budget)
+            old = self.forecast.after_retraction(self.running)
             logger.warning("KV cache pool is full. Retract %d requests. new_token_ratio: %.4f -> %.4f",
                            retracted, old, self.new_token_ratio)
 
@@ -339,9 +327,3 @@ class Scheduler:
             assert self.req_to_token_pool.available_size() == self.req_to_token_pool.size, "leaked req rows"
         self.tree_cache.check_invariants()
 
-
-def _lookahead_ok(req: Req) -> bool:
-    """Sampling that reads the output so far (penalties, min_new_tokens) needs the real token."""
-    p = req.sampling_params
-    return (req.to_abort is None and p.min_new_tokens <= len(req.output_ids) + 1
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
