@@ -168,5 +168,10 @@ class Engine:
                 sink = self._sinks.get(out.rid)
                 if out.finished:
                     self._sinks.pop(out.rid, None)
-            if sink is not None:
+            if sink is None:
+                continue
+            try:
                 sink(out)
+            except Exception:  # e.g. the caller's event loop is gone; the engine must live on
+                logger.warning("dropping output for %s: its receiver is gone", out.rid)
+                self.core.handle(AbortReq(out.rid, "receiver gone"))

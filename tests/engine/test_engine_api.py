@@ -235,3 +235,16 @@ def test_failure_while_answering_does_not_hang(engine_factory):
     out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     eng.check_integrity()
+
+
+def test_engine_survives_a_caller_whose_loop_closed(engine):
+    async def start_and_leave():
+        stream = engine.async_generate(input_ids=[3, 4, 5], rid="orphan", stream=True,
+                                       sampling_params={"max_new_tokens": 50, "ignore_eos": True})
+        async for _ in stream:
+            break  # leave after one chunk; asyncio.run then closes the loop
+
+    asyncio.run(start_and_leave())
+    ok = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert len(ok["output_ids"]) == 3
+    engine.check_integrity()
