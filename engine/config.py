@@ -37,6 +37,7 @@ class ServerArgs:
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
+    enable_mixed_chunk: bool = False
     cuda_graph_max_bs: Optional[int] = None
     # outputs
     skip_tokenizer_init: bool = False

@@ -52,6 +52,7 @@ class CoreStats:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_lookahead_steps: int = 0  # decode steps launched before the previous step was read
+    num_mixed_steps: int = 0  # prefill passes that carried decode rows (--enable-mixed-chunk)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -199,8 +200,11 @@ class EngineCore:
         if batch.forward_mode.is_decode:
             self.stats.num_generated_tokens += batch.batch_size
         else:
-            self.stats.num_prefill_tokens += sum(batch.extend_lens)
-            self.stats.num_cached_tokens += sum(batch.prefix_lens)
+            n = batch.num_prefill_rows
+            self.stats.num_prefill_tokens += sum(batch.extend_lens[:n])
+            self.stats.num_cached_tokens += sum(batch.prefix_lens[:n])
+            self.stats.num_generated_tokens += batch.num_decode_rows
+            self.stats.num_mixed_steps += batch.num_decode_rows > 0
 
     def fail_current_batch(self, message: str) -> list[ReqOutput]:
         """After a failed step: end the requests of every launched batch with an error and give

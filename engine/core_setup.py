@@ -93,6 +93,7 @@ def _scheduler_config(args: ServerArgs, memory: MemoryPlan) -> SchedulerConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         schedule_policy=args.schedule_policy,
         schedule_conservativeness=args.schedule_conservativeness,
+        enable_mixed_chunk=args.enable_mixed_chunk,
     )
 
 

@@ -22,6 +22,11 @@ class ScheduleBatch:
     # step; the runner takes input ids from that step's device tensor
     lookahead: bool = False
     lookahead_rows: Optional[list[int]] = None  # row of each request in that previous step
+    num_decode_rows: int = 0  # mixed chunk: the last rows are running requests decoding one token
+
+    @property
+    def num_prefill_rows(self) -> int:
+        return len(self.reqs) - self.num_decode_rows
 
     @property
     def batch_size(self) -> int:

@@ -37,6 +37,7 @@ class SchedulerConfig:
     max_prefill_tokens: int
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
+    enable_mixed_chunk: bool = False
 
 
 class Scheduler:
@@ -132,7 +133,32 @@ class Scheduler:
                 break
             admitted.append(req)
         self._remove_from_waiting(admitted, in_queue_order)
-        return self._build_extend_batch(adder.reqs) if adder.reqs else None
+        batch = self._build_extend_batch(adder.reqs) if adder.reqs else None
+        if batch is not None and self.config.enable_mixed_chunk and self.running:
+            self._mix_in_decode(batch)
+        return batch
+
+    def _mix_in_decode(self, batch: ScheduleBatch) -> None:
+        """--enable-mixed-chunk: running requests ride along in the prefill pass as one-token
+        extends, so their streams do not stall behind a long prompt. Skipped when it would need
+        retraction; the next decode step handles memory pressure."""
+        reqs = list(self.running)
+        if self._free_decode_tokens() < len(reqs):
+            return
+        slots = self._alloc_slots(len(reqs))
+        if slots is None:
+            return
+        prefix_lens = [r.seq_len - 1 for r in reqs]
+        for req in reqs:
+            req.fill_ids = req.all_ids
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.req_to_token_pool.write_decode(rows, torch.tensor(prefix_lens, dtype=torch.int64), slots)
+        batch.reqs += reqs
+        batch.prefix_lens += prefix_lens
+        batch.extend_lens += [1] * len(reqs)
+        batch.out_cache_loc = torch.cat([batch.out_cache_loc, slots])
+        batch.num_decode_rows = len(reqs)
+        self.forecast.decay()
 
     def _remove_from_waiting(self, admitted: list[Req], in_queue_order: bool) -> None:
         if in_queue_order:  # fcfs admits a prefix of the queue: O(admitted), not O(queue)
@@ -277,7 +303,7 @@ class Scheduler:
             req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if batch.lookahead:
                 req.fill_ids = req.all_ids
-            if batch.forward_mode is ForwardMode.EXTEND:
+            if batch.forward_mode is ForwardMode.EXTEND and i < batch.num_prefill_rows:
                 self.tree_cache.cache_unfinished_req(req)
                 if req.is_chunked:
                     self.chunked_req = req
