@@ -34,7 +34,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if self.deterministic:
+        if self.deterministic or x.is_cuda:
+            # on CUDA the one-kernel Triton norm (fused residual add) replaces ~6 torch kernels
+            # per call; same rounding order as below, and measured no slower at M = 1..4096
             return bi.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
