@@ -22,7 +22,7 @@ from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, t
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
 from engine.runner.pending_result import PendingResult
-from engine.schedule_batch import BatchResult, ScheduleBatch
+from engine.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,6 @@ class ModelRunner:
 
             self.cuda_graph = CudaGraphRunner(model, self.attn_backend, kv_pool, self.req_to_token,
                                               self.device, config.cuda_graph_max_bs)
-
-    def forward(self, batch: ScheduleBatch) -> BatchResult:
-        return self.launch(batch).resolve()
 
     @torch.inference_mode()
     def launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:

@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    seed: int  # sampling_seed, a derived seed for n>1, or random_request_seed()
+    seed: int  # sampling_seed, a derived seed for n>1, or one drawn by the front end (RequestBuilder)
     position: int  # absolute position of the token being sampled (the noise counter)
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()  # tokens generated so far

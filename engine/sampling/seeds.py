@@ -7,7 +7,6 @@ share its batch, on their order, or on the device's RNG stream.
 
 from __future__ import annotations
 
-import secrets
 
 import torch
 
@@ -15,11 +14,6 @@ _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
 _KEY_A = 0x9E3779B9  # distinct constants so the two 32-bit halves are independent streams
 _KEY_B = 0x85EBCA6B
-
-
-def random_request_seed() -> int:
-    """A fresh 63-bit seed for a request that did not ask for one."""
-    return secrets.randbits(63)
 
 
 def derive_seed(base_seed: int, index: int) -> int:
