@@ -30,5 +30,15 @@ for s in "$@"; do case $s in
   grpo8once) step grpo8once 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --json "$OUT/grpo-8b-once.json" ;;
   grpo8nconce) step grpo8nconce 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache-once.json" ;;
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
+  prof06) step prof06 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
+  profitl) step profitl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
+  prof8) step prof8 100 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
+  detcost*)  # detcost[-quick]: det vs normal, Qwen3-8B shape, random 512/256, at bs 1, 32, 256
+    runs=3; [[ $s == *quick ]] && runs=1
+    for bs in 1 32 256; do for mode in normal det; do
+      flag=""; [[ $mode == det ]] && flag="--enable-deterministic-inference"
+      step "detcost-$mode-bs$bs" 150 $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs $runs --stream-mode final $flag --json "/tmp/detcost-$mode-bs$bs.json"
+    done; done
+    python3 scripts/summarize_bench.py /tmp/detcost-*.json > "$OUT/detcost.txt" ;;
   *) echo "unknown step $s" ;;
 esac; done

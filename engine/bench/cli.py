@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--roofline", action="store_true",
                    help="measure copy bandwidth and matmul rate; print the workload's floor")
     r.add_argument("--json", default=None, metavar="PATH", help="write every number here")
+    r.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the measured runs, one more under torch.profiler: print its top N "
+                   "kernels by time and their share of the wall time")
     add_server_args(p, require_model_path=False)
 
 
@@ -127,6 +130,8 @@ class Bench:
             runs = [o.metrics for o in outcomes]
             result["tandem"] = {"median": median_of_runs(runs), "runs": runs}
             self._tandem_output_ids = outcomes[-1].output_ids
+            if self.args.profile > 0:
+                self._profile(result, engine, workload, device)
             self._describe_engine(result, engine, workload)
             if rates is not None:
                 self._add_roofline(result, engine, workload, rates)
@@ -164,6 +169,12 @@ class Bench:
         result["ratios"]["tandem_over_hf"] = ratio(result["tandem"]["median"]["output_tok_s"],
                                                    median["output_tok_s"])
         result["ratios"]["hf_agreement"] = agreement(self._tandem_output_ids, hf["output_ids"])
+
+    def _profile(self, result: dict, engine: Any, workload: Workload, device: Any) -> None:
+        from engine.bench.profile import format_profile, profile_run
+
+        result["profile"] = profile_run(engine, workload, device, self.args.stream_mode, self.args.profile)
+        print(format_profile(result["profile"]))
 
     # ---- pieces --------------------------------------------------------------------------------
     def _save_partial(self, result: dict) -> None:
