@@ -56,6 +56,9 @@ class ServerArgs:
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.attention_backend == "flashinfer" and self.enable_deterministic_inference:
+            raise ValueError("attention_backend 'flashinfer' has no deterministic mode: "
+                             "deterministic inference needs the triton (GPU) or torch backend")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking; got 0")
         for name in ("max_total_tokens", "max_running_requests", "context_length"):

@@ -25,6 +25,7 @@ from engine.runner.model_runner import ModelRunner, RunnerConfig
 from engine.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("tandem")
+GRAPH_BACKENDS = ("triton", "flashinfer")  # attention backends with CUDA-graph decode
 
 
 @dataclass
@@ -49,6 +50,10 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     hf_config = AutoConfig.from_pretrained(args.model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    if backend == "flashinfer" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"attention_backend 'flashinfer' supports float16 and bfloat16 only, got "
+                         f"{dtype}: use --dtype bfloat16, or --attention-backend triton or torch")
     deterministic = args.enable_deterministic_inference
     model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
@@ -64,7 +69,6 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args)
     eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
     vocab_size = int(hf_config.vocab_size)
-    backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
     runner_cfg = RunnerConfig(device, dtype, backend, eos, vocab_size,
                               cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend, memory),
                               deterministic=deterministic)
@@ -81,9 +85,11 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
 
 def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: str, memory: MemoryPlan) -> int:
     """Largest decode batch captured in a CUDA graph; 0 = no graphs."""
-    if device.type != "cuda" or backend != "triton" or args.disable_cuda_graph:
+    if device.type != "cuda" or backend not in GRAPH_BACKENDS or args.disable_cuda_graph:
         return 0
-    return min(args.cuda_graph_max_bs or 256, memory.max_running_requests)
+    # big-memory GPUs decode large GRPO groups (e.g. 32 prompts x 16 samples) in one batch
+    big = torch.cuda.get_device_properties(device).total_memory >= 80 * 2**30
+    return min(args.cuda_graph_max_bs or (512 if big else 256), memory.max_running_requests)
 
 
 def _scheduler_config(args: ServerArgs, memory: MemoryPlan) -> SchedulerConfig:

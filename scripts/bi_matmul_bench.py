@@ -39,12 +39,31 @@ MS = (1, 8, 64, 256, 4096)
 PEAK_BW, PEAK_FLOPS = 3.8e12, 790e12  # measured-ish H200 ceilings (copy engine, cuBLAS bf16)
 # Candidate overrides of the table entry, per shape kind ("split": shapes with split_k > 0).
 CANDIDATES = {
-    "split": {"m128w8": dict(block_m=128, num_warps=8, num_stages=3),
-              "n256w8": dict(block_n=256, num_warps=8, num_stages=3),
-              "nested": dict(flat=False), "ptr": dict(use_tma=False), "kred": dict(reduce="kernel")},
+    # same split_k as the table (same arithmetic): tiles for small M, then for large M
+    "split": {"n64s6": dict(block_n=64, num_stages=6),
+              "n64k128s4": dict(block_n=64, block_k=128, num_stages=4),
+              "k128s4": dict(block_k=128, num_stages=4),
+              "s6": dict(num_stages=6),
+              "m128w8": dict(block_m=128, num_warps=8, num_stages=3),
+              "m128w8nest4": dict(block_m=128, num_warps=8, num_stages=4, flat=False),
+              "m128w8nest3": dict(block_m=128, num_warps=8, num_stages=3, flat=False),
+              "m128n256w8nest": dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flat=False),
+              "m256w8nest": dict(block_m=256, num_warps=8, num_stages=3, flat=False)},
     "nosplit": {"m128n256w8": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
+                "m128n256w8s4": dict(block_m=128, block_n=256, num_warps=8, num_stages=4),
+                "m256n128w8s3": dict(block_m=256, block_n=128, num_warps=8, num_stages=3),
                 "n256w4": dict(block_n=256, num_stages=3),
                 "m128w8": dict(block_m=128, num_warps=8, num_stages=4)},
+    # no split (one accumulator over all of K): tile shapes for an M ladder; --base-split0
+    "ladder": {"n32k128s6": dict(block_n=32, block_k=128, num_stages=6),
+               "n32k64s8": dict(block_n=32, block_k=64, num_stages=8),
+               "n64k128s5": dict(block_n=64, block_k=128, num_stages=5),
+               "n64k64s8": dict(block_n=64, block_k=64, num_stages=8),
+               "n128s4": dict(block_n=128, num_stages=4),
+               "m128n128w8": dict(block_m=128, block_n=128, num_warps=8, num_stages=4),
+               "m128n256w8s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
+               "m128n256w8s4": dict(block_m=128, block_n=256, num_warps=8, num_stages=4),
+               "m256n128w8s3": dict(block_m=256, block_n=128, num_warps=8, num_stages=3)},
 }
 
 
@@ -133,9 +152,11 @@ def bench_shape(name, args, l2, gen):
         eager = None if args.sweep else time_calls(calls, args.reps, False)
         cublas[M] = (time_calls(calls, args.reps, True), eager)
     base = triton_ops.matmul_config(N, K, torch.bfloat16)
+    if args.base_split0:  # reference = the table tile without split-K (one K accumulator)
+        base = dataclasses.replace(base, split_k=0)
     configs = {"table": base}
     if args.sweep:
-        kind = "split" if base.num_splits(K) > 1 else "nosplit"
+        kind = "ladder" if args.base_split0 else "split" if base.num_splits(K) > 1 else "nosplit"
         for cname, over in CANDIDATES[kind].items():
             if args.candidates and cname not in args.candidates:
                 continue
@@ -251,6 +272,8 @@ def main() -> None:
     p.add_argument("--ms", default=None, help="comma list of M (default 1,8,64,256,4096)")
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--no-norms", action="store_true")
+    p.add_argument("--base-split0", action="store_true",
+                   help="table configs without split-K; --configs then sweeps the 'ladder' tiles")
     p.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = p.parse_args()
     device, l2 = setup(args)

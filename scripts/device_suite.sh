@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
-# Steps: gputests bimatmul attnbench bench06 bench8 grpo8 grpo8nc itl
+# Steps: gputests bimatmul attnbench fusedbench fusedtests bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 set -uo pipefail
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,11 +16,14 @@ step() {  # name, seconds, command...
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
 }
 B="python3 -m engine.cli bench --skip-tokenizer-init"
+kit() { source .devkit/install.sh; }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
-  gputests) step gputests 130 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  gputests) step gputests 220 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   bimatmul) step bimatmul 70 python3 scripts/bi_matmul_bench.py --configs ;;
   det8) step det8 150 python3 -m engine.cli determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
+  fusedbench) step fusedbench 60 python3 scripts/fused_kernels_bench.py --json "$OUT/fused-kernels.json" ;;
+  fusedtests) step fusedtests 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_kernels_gpu.py ;;
   gpuover) step gpuover 80 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap_gpu.py tests/gpu/test_cuda_graph.py ;;
   bench8q) step bench8q 90 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b-v2.json" ;;
   bench06q) step bench06q 70 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b-v2.json" ;;
@@ -29,7 +33,14 @@ for s in "$@"; do case $s in
   grpo8nc) step grpo8nc 80 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
   grpo8once) step grpo8once 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --json "$OUT/grpo-8b-once.json" ;;
   grpo8nconce) step grpo8nconce 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache-once.json" ;;
+  fitests) ( kit && step fitests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer_attention_gpu.py ) ;;
+  bench06fi) ( kit && step bench06fi 130 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --attention-backend flashinfer --json "$OUT/bench-qwen3-0.6b-fi.json" ) ;;
+  bench8fi) ( kit && step bench8fi 150 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --attention-backend flashinfer --json "$OUT/bench-qwen3-8b-fi.json" ) ;;
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
+  ladder) step ladder 240 python3 scripts/bi_matmul_bench.py --base-split0 --configs --no-norms --reps 15 ;;
+  tiles) step tiles 240 python3 scripts/bi_matmul_bench.py --configs n64s6,k128s4,s6,m128w8nest4,m128w8nest3,m128n256w8nest,m256w8nest,m128n256w8s4,m256n128w8s3 --no-norms --reps 10 ;;
+  attnsweep) step attnsweep 200 python3 scripts/gpu_attention_bench.py --sweep ;;
+  prof8det) step prof8det 120 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --enable-deterministic-inference --profile 30 ;;
   prof06) step prof06 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
   profitl) step profitl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
   prof8) step prof8 100 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 H, HKV, D = 32, 8, 128
 L2_BYTES = 50 * 2**20
 SWEEP = [(16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3), (16, 32, 4, 3), (32, 64, 4, 2),
-         (32, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3)]  # block_m, block_n, warps, stages
+         (32, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (16, 128, 4, 3), (16, 64, 4, 4),
+         (16, 32, 4, 4)]  # block_m, block_n, warps, stages
 
 
 def parse() -> argparse.Namespace:

@@ -2,39 +2,82 @@
 
 The decoder's attention layers call `forward_batch.attn_backend.forward(...)`; the trainer passes
 a `PackedBatch` whose backend is `PackedAttention`, so the same model classes run a trainer-style
-full-sequence forward. Every sequence goes through `split_kv_attention`, the function the engine's
-torch backend runs in deterministic mode, so a token's attention output is the same bits here as
-when the engine prefilled or decoded it.
+full-sequence forward. Each token's attention output is the same bits as when the engine (in
+deterministic mode, same attention backend and split size) prefilled or decoded it:
+
+  * "torch" (the engine's backend off CUDA): every sequence goes through
+    engine.attention.deterministic.split_kv_attention, what TorchNativeAttentionBackend runs in
+    deterministic mode. Differentiable as it is.
+  * "triton" (the engine's default on CUDA): the Triton split-KV kernel that
+    TritonAttentionBackend runs in deterministic mode, with its tile config and split size, as one
+    extend of every sequence from position 0 over a "pool" that is the packed K/V itself (a row's
+    bits depend only on its absolute position and its keys, see
+    engine/kernels/split_kv_attention.py). Wrapped in an autograd.Function whose backward
+    recomputes plain causal attention in float32 with torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
+from engine.attention import torch_native, triton as triton_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.deterministic import split_kv_attention
+from engine.attention.split_kv_plan import DEFAULT_CONFIGS, SplitKvPlan
+
+KERNELS = ("torch", "triton")
+DEFAULT_SPLIT_SIZES = {"torch": torch_native.DEFAULT_SPLIT_SIZE, "triton": triton_backend.DEFAULT_SPLIT_SIZE}
 
 
 class PackedAttention(AttentionBackend):
-    """split_size must equal the engine backend's (TorchNativeAttentionBackend's default is 64)."""
+    """backend: the engine's attention backend to match, None = the engine's default for the
+    device (triton on CUDA, torch elsewhere; core_setup picks the same way). split_size: None =
+    that backend's default; otherwise it must equal the engine backend's split_size."""
 
-    def __init__(self, split_size: int = 64) -> None:
-        self.split_size = split_size
+    def __init__(self, backend: Optional[str] = None, split_size: Optional[int] = None) -> None:
+        if backend is not None and backend not in KERNELS:
+            raise ValueError(f"PackedAttention backend must be one of {KERNELS} (or None); got {backend!r}")
+        self.backend = backend
+        self._split_size = split_size
+
+    def kernel(self, device: torch.device) -> str:
+        return self.backend or ("triton" if device.type == "cuda" else "torch")
+
+    def split_size(self, device: torch.device) -> int:
+        return self._split_size or DEFAULT_SPLIT_SIZES[self.kernel(device)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scaling: float, forward_batch: "PackedBatch") -> torch.Tensor:
+        if self.kernel(q.device) == "triton":
+            if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError("PackedAttention 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+            meta = forward_batch.triton_metadata(self.split_size(q.device), q.device)
+            return _TritonAttention.apply(q, k, v, scaling, meta)
+        split = self.split_size(q.device)
         outs = []
         start = 0
         for n in forward_batch.seq_lens_cpu:
             end = start + n
             positions = torch.arange(n, device=q.device)
-            outs.append(split_kv_attention(q[start:end], k[start:end], v[start:end], positions,
-                                           scaling, self.split_size))
+            outs.append(split_kv_attention(q[start:end], k[start:end], v[start:end], positions, scaling, split))
             start = end
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.to(q.dtype)
+
+
+@dataclass
+class _TritonMetadata:
+    """One extend from position 0 per sequence; row n of a sequence's key table is its packed row."""
+
+    seq_lens: list[int]
+    plan: SplitKvPlan
+    req_to_token: torch.Tensor  # int64 [B, max_len]
+    req_pool_indices: torch.Tensor  # int64 [B]
 
 
 @dataclass
@@ -43,7 +86,74 @@ class PackedBatch:
 
     seq_lens_cpu: list[int]
     attn_backend: PackedAttention
+    _metadata: dict = field(default_factory=dict, repr=False)  # built on the first layer's call
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def triton_metadata(self, split_size: int, device: torch.device) -> _TritonMetadata:
+        key = (split_size, device)
+        if key not in self._metadata:
+            lens = list(self.seq_lens_cpu)
+            # the plan TritonAttentionBackend(deterministic=True).init_forward_metadata makes for
+            # an extend batch with no cached prefix
+            plan = SplitKvPlan(DEFAULT_CONFIGS["deterministic"], split_size,
+                               prefix_lens=[0] * len(lens), extend_lens=lens)
+            starts = torch.tensor([0] + lens[:-1], dtype=torch.int64).cumsum(0)
+            cols = torch.arange(max(lens, default=1), dtype=torch.int64)
+            # entries past a sequence's end are never read; clamped to stay in range anyway
+            table = (starts[:, None] + cols[None, :]).clamp_max(max(sum(lens) - 1, 0))
+            self._metadata[key] = _TritonMetadata(lens, plan, table.to(device),
+                                                  torch.arange(len(lens), dtype=torch.int64, device=device))
+        return self._metadata[key]
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Forward: the engine's deterministic Triton kernel. Backward: torch causal attention."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                meta: _TritonMetadata) -> torch.Tensor:
+        from engine.kernels.split_kv_attention import split_kv_attention as triton_split_kv
+
+        ctx.save_for_backward(q, k, v)
+        ctx.scaling, ctx.seq_lens = scaling, meta.seq_lens
+        # as TritonAttentionBackend.forward, with the packed K/V as the pool; laid out like the
+        # pool (v is often a strided view of the qkv output), so the kernel is compiled as there
+        k, v = k.contiguous(), v.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        plan = meta.plan
+        tile = plan.tile(q.shape[1] // k.shape[1])
+        blocks, num_blocks = plan.block_table(tile.block_t, q.device)
+        part_acc, part_ml = plan.partials(q.shape[1], q.shape[2], q.device)
+        triton_split_kv(q, k, v, out, meta.req_to_token, meta.req_pool_indices, blocks, num_blocks,
+                        scaling, tile, plan.lanes, part_acc, part_ml)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+        with torch.enable_grad():
+            out = causal_attention(*leaves, ctx.seq_lens, ctx.scaling)
+        wanted = [t for t, n in zip(leaves, needs) if n]
+        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(got) if n else None for n in needs), None, None)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
+                     scaling: float) -> torch.Tensor:
+    """Plain causal GQA attention of each packed sequence in float32, cast to q's dtype (the
+    Triton path's backward; not bitwise anything). q [T, H, D]; k, v [T, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for qs, ks, vs in zip(q.split(list(seq_lens)), k.split(list(seq_lens)), v.split(list(seq_lens))):
+        # [heads, n, D]; query head h reads kv head h // group, as the kernel does
+        qh = qs.float().transpose(0, 1)
+        kh = ks.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        vh = vs.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        outs.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scaling).transpose(0, 1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.to(q.dtype)

@@ -2,12 +2,15 @@
 
 Built from engine.models through the registry and loader with the batch-invariant kernels, and
 run as a trainer runs a model: one full-sequence forward over packed (prompt + response)
-sequences, attention straight on the computed K/V (no KV pool) through the engine's
-`split_kv_attention`. Every kernel's per-row bits are independent of the batch and of prefill vs
-decode, so `rollout_logprobs` equals, bit for bit, the `output_token_logprobs` an engine started
-with `enable_deterministic_inference=True` (same checkpoint, dtype and device kind) returned
-("true on-policy", DESIGN section 4, property 5). It stays differentiable: parameters require
-grad and nothing runs under inference mode.
+sequences, attention straight on the computed K/V (no KV pool) through the split-KV attention
+of the engine's backend (PackedAttention: the torch function on the CPU, the Triton kernel on
+CUDA). Every kernel's per-row bits are independent of the batch and of prefill vs decode, so
+`rollout_logprobs` equals, bit for bit, the `output_token_logprobs` an engine started with
+`enable_deterministic_inference=True` (same checkpoint, dtype, device kind, attention backend and
+split size) returned ("true on-policy", DESIGN section 4, property 5). It stays differentiable:
+parameters require grad and nothing runs under inference mode; on CUDA the Triton kernels run
+inside autograd.Functions with torch backwards (engine.kernels.batch_invariant.autograd,
+PackedAttention).
 
 `policy.model.named_parameters()` uses engine parameter names (stacked qkv_proj / gate_up_proj),
 which the engine's `load_weights` accepts for weight sync.
@@ -27,21 +30,26 @@ from trainer_bridge.packed_attention import PackedAttention, PackedBatch
 
 
 class Policy(nn.Module):
-    def __init__(self, model: nn.Module, split_size: int = 64) -> None:
+    """attention_backend / split_size: those of the engine to match; None = the engine's defaults
+    (triton with 256-key splits on CUDA, torch with 64 elsewhere), see PackedAttention."""
+
+    def __init__(self, model: nn.Module, attention_backend: Optional[str] = None,
+                 split_size: Optional[int] = None) -> None:
         super().__init__()
         if not getattr(model, "deterministic", False):
             raise ValueError("Policy needs a model built with deterministic=True (batch-invariant kernels)")
         self.model = model
-        self.attention = PackedAttention(split_size)
+        self.attention = PackedAttention(attention_backend, split_size)
 
     @classmethod
     def from_pretrained(cls, model_path: str, dtype: torch.dtype = torch.float32,
                         device: Union[str, torch.device] = "cpu", load_format: str = "auto",
-                        split_size: int = 64) -> "Policy":
+                        attention_backend: Optional[str] = None,
+                        split_size: Optional[int] = None) -> "Policy":
         hf_config = AutoConfig.from_pretrained(model_path)
         model = load_model(model_path, hf_config, dtype, device, load_format, deterministic=True)
         model.requires_grad_(True)  # the loader freezes it for serving
-        return cls(model, split_size)
+        return cls(model, attention_backend, split_size)
 
     def forward(self, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
         """Packed ids [T] of whole sequences (lengths seq_lens) -> final hidden states [T, hidden]."""

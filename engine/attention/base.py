@@ -60,3 +60,12 @@ def _load_triton() -> type[AttentionBackend]:
 
 
 register_backend("triton", _load_triton)
+
+
+def _load_flashinfer() -> type[AttentionBackend]:
+    from engine.attention.flashinfer import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend
+
+
+register_backend("flashinfer", _load_flashinfer)

@@ -18,9 +18,12 @@ from engine.attention.deterministic import split_kv_attention, split_kv_attentio
 if TYPE_CHECKING:
     from engine.runner.forward_batch import ForwardBatch
 
+# Key split of deterministic mode; the trainer's PackedAttention defaults to it off CUDA.
+DEFAULT_SPLIT_SIZE = 64
+
 
 class TorchNativeAttentionBackend(AttentionBackend):
-    def __init__(self, deterministic: bool = False, split_size: int = 64) -> None:
+    def __init__(self, deterministic: bool = False, split_size: int = DEFAULT_SPLIT_SIZE) -> None:
         if split_size < 1:
             raise ValueError(f"split_size must be positive, got {split_size}")
         self.deterministic = deterministic

@@ -1,7 +1,7 @@
 """TritonAttentionBackend: KV store + split-KV paged attention, eager or under CUDA graphs.
 
-split_size: the fixed split in deterministic mode; in normal mode the shortest decode split
-(normal-mode decode splits are length-proportional, extend is one split).
+split_size: the fixed split in deterministic mode (normal-mode decode splits are
+length-proportional, at least MIN_DECODE_SPLIT keys; normal extend is one split).
 
 deterministic=True makes every query row's output independent of the batch, of chunking and of
 prefill vs decode (DESIGN section 4): fixed `split_size` splits at absolute key positions, one
@@ -25,6 +25,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.split_kv_plan import (
     DEFAULT_CONFIGS,
     SINGLE_SPLIT,
+    MIN_DECODE_SPLIT,
     KernelConfig,
     SplitKvPlan,
     decode_block_table,
@@ -34,6 +35,10 @@ from engine.attention.split_kv_plan import (
 
 if TYPE_CHECKING:
     from engine.runner.forward_batch import ForwardBatch
+
+# Key split of deterministic mode, and the shortest decode split in normal mode. Part of the
+# numerics contract: the trainer's PackedAttention (trainer_bridge) defaults to it on CUDA.
+DEFAULT_SPLIT_SIZE = 256
 
 
 @dataclass
@@ -47,7 +52,7 @@ class _GraphState:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, deterministic: bool = False, split_size: int = 256,
+    def __init__(self, deterministic: bool = False, split_size: int = DEFAULT_SPLIT_SIZE,
                  num_sms: Optional[int] = None,
                  configs: Optional[dict[str, KernelConfig]] = None) -> None:
         if split_size < 16 or split_size & (split_size - 1):
@@ -84,7 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
             lanes = min(lanes, max_splits)
             blocks = decode_block_table(seq_lens, self.split_size)
             return SplitKvPlan(self.decode_config, self.split_size, lanes, max_splits, blocks, bs)
-        splits = decode_split_lens(seq_lens, lanes, self.decode_config.block_n, self.split_size)
+        splits = decode_split_lens(seq_lens, lanes, self.decode_config.block_n, MIN_DECODE_SPLIT)
         blocks = decode_block_table(seq_lens, splits)
         return SplitKvPlan(self.decode_config, SINGLE_SPLIT, lanes, lanes, blocks, bs)
 
@@ -148,14 +153,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.init_forward_metadata_replay(bs, req_pool_indices, seq_lens)
 
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor,
-                                     seq_lens: torch.Tensor) -> None:
-        """seq_lens [bs] on the device (padding rows included); no host sync."""
+                                     seq_lens: torch.Tensor,
+                                     seq_lens_cpu: Optional[list[int]] = None) -> None:
+        """seq_lens [bs] on the device (padding rows included); no host sync. seq_lens_cpu (their
+        host copy, for backends that plan on the host) is not needed here."""
         plan = self.graph.plans[bs]
         if self.deterministic:
             table = decode_block_table(seq_lens[:bs], self.split_size)
         else:
             splits = decode_split_lens(seq_lens[:bs], plan.lanes, self.decode_config.block_n,
-                                       self.split_size)
+                                       MIN_DECODE_SPLIT)
             table = decode_block_table(seq_lens[:bs], splits)
         plan.blocks.copy_(table)
         self.plan = plan

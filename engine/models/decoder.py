@@ -23,6 +23,7 @@ from engine.models.layers import (
     SiluAndMul,
     StackedLinear,
     apply_rotary,
+    fused_kernel,
 )
 
 if TYPE_CHECKING:
@@ -70,9 +71,15 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        fused = fused_kernel("qk_norm_rope", q)
+        if fused is not None and (not self.qk_norm or self.q_norm.weight.dtype == q.dtype):
+            # one launch for norm + rope of q and k, in place in the qkv output; same bits
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            q, k = fused.qk_norm_rope(q, k, *cos_sin, *norm)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 

@@ -6,11 +6,18 @@ activation dtype before they are applied.
 
 `deterministic=True` (chosen at construction) routes linears, norms and the activation through
 engine.kernels.batch_invariant, whose per-row bits do not depend on the batch.
+
+On CUDA the q/k norm + rotary and the activation run fused Triton kernels (engine/kernels/
+qk_norm_rope.py, silu_and_mul.py) in both modes: one launch each, the same bits as the torch code
+they replace, row-local hence batch-invariant. The CPU keeps the torch code.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+from types import ModuleType
 from typing import Any, Optional, Union
 
 import torch
@@ -20,6 +27,25 @@ from torch import nn
 from engine.kernels import batch_invariant as bi
 
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether x's layer takes the fused Triton kernels: CUDA only. Interpreter tests patch this
+    to run them on the CPU under TRITON_INTERPRET=1."""
+    return x.is_cuda
+
+
+def fused_kernel(name: str, x: torch.Tensor) -> Optional[ModuleType]:
+    """engine.kernels.<name> if x takes the fused kernels and Triton imports; else None (torch)."""
+    return _import_kernel(name) if use_fused_kernels(x) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _import_kernel(name: str) -> Optional[ModuleType]:
+    try:
+        return importlib.import_module(f"engine.kernels.{name}")
+    except ImportError:  # no Triton: the torch path still holds
+        return None
 
 
 class RMSNorm(nn.Module):
@@ -143,6 +169,9 @@ class SiluAndMul(nn.Module):
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_kernel("silu_and_mul", x)
+        if fused is not None:  # one launch, the bits of this mode's torch code below
+            return fused.silu_and_mul(x, stepwise=self.deterministic)
         if self.deterministic:
             return bi.silu_and_mul(x)
         d = x.shape[-1] // 2

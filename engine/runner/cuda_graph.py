@@ -6,7 +6,8 @@ their KV into slot 0, the pool's padding slot, so they never touch a live reques
 Graphs are captured largest first into one shared memory pool (a smaller graph's activations fit
 in what the larger one left), at start-up, with a progress bar. The attention backend keeps its
 per-batch metadata in static buffers it refreshes before each replay
-(`init_forward_metadata_replay`); the sampler stays outside the graph.
+(`init_forward_metadata_replay`, given the device and the host seq_lens); the sampler stays
+outside the graph.
 
 Memory: each captured size keeps its own float32 logits output [bs, vocab] alive (SGLang does the
 same); at max_bs 256 and a 152k vocabulary that is ~2.6 GB in all.
@@ -27,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
-    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 8))
+    """1, 2, 4, 8, then every 8 up to 256 and every 16 above: padding stays under 6%."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, min(max_bs, 256) + 1, 8))
+    sizes += list(range(272, max_bs + 1, 16))
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
@@ -73,8 +76,10 @@ class CudaGraphRunner:
             static[:bs].copy_(value)
             if padded > bs:
                 static[bs:padded].fill_(pad)
+        # host lengths too: a backend that plans on the host (flashinfer) needs no device sync
         self.attn_backend.init_forward_metadata_replay(
-            padded, self.req_pool_indices[:padded], self.seq_lens[:padded])
+            padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
+            fb.seq_lens_cpu + [1] * (padded - bs))
         self.graphs[padded].replay()
         self.num_replays += 1
         return self.outputs[padded][:bs]

@@ -131,3 +131,23 @@ def test_log_softmax(dtype):
     assert torch.equal(finite, torch.isfinite(full.cpu()))
     err = (full.cpu().double()[finite] - ref[finite]).abs().max().item()
     assert err <= 1e-5 * ref[finite].abs().max().item()
+
+
+def test_large_m_tile_changes_only_the_tile():
+    key = (72, 200, torch.float32)
+    saved = dict(triton_ops.LARGE_M_TILES)
+    try:
+        triton_ops.set_config(*key, triton_matmul.MatmulConfig(**BASE, use_tma=False))
+        triton_ops.set_large_m_tile(*key, from_m=17, block_m=32, num_warps=8)
+        small, large = triton_ops.matmul_config(*key, M=16), triton_ops.matmul_config(*key, M=17)
+        assert (small.block_m, large.block_m, large.num_warps) == (16, 32, 8)
+        assert (large.split_k, large.dot_precision) == (small.split_k, small.dot_precision)
+        assert triton_ops.matmul_config(*key) == small  # no M: the table entry itself
+        with pytest.raises(ValueError, match="split_k"):
+            triton_ops.set_large_m_tile(*key, from_m=17, split_k=128)
+        with pytest.raises(ValueError, match="multiple of block_k"):
+            triton_ops.set_large_m_tile(*key, from_m=17, block_k=48)
+    finally:
+        triton_ops.LARGE_M_TILES.clear()
+        triton_ops.LARGE_M_TILES.update(saved)
+        triton_ops.CONFIG_TABLE.pop((72, 200, "fp32"), None)

@@ -46,6 +46,9 @@ def test_capture_batch_sizes():
     assert capture_batch_sizes(8) == [1, 2, 4, 8]
     assert capture_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    big = capture_batch_sizes(512)
+    assert big[:5] == [1, 2, 4, 8, 16] and big[-3:] == [480, 496, 512] and len(big) == 51
+    assert capture_batch_sizes(300)[-4:] == [256, 272, 288, 300]
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "normal"])

@@ -3,7 +3,9 @@ how many rows share the call or where the row sits (DESIGN section 4).
 
 On CUDA, linear / rms_norm / log_softmax run the Triton kernels of `triton_ops`, imported on the
 first CUDA call only (CI has no Triton); if that import fails they fall back to the torch code
-here. Measured on the CPU (AMD EPYC, torch 2.13, MKL 2024.2, AVX-512, 1-4 threads) —
+here. When a gradient is needed (the trainer's Policy) the kernels run inside the
+autograd.Functions of `autograd` (same forward, torch backward).
+Measured on the CPU (AMD EPYC, torch 2.13, MKL 2024.2, AVX-512, 1-4 threads) —
 tests/engine/test_batch_invariant_ops.py re-checks all of it wherever the suite runs:
   * F.linear (float32) is NOT batch-invariant: row 0 comes out in three versions, for M=1, for
     M=2..3 and for M>=4 (every shape tried, K and N from 64 to 4096). A fixed-shape call is: the
@@ -45,13 +47,21 @@ def _triton_ops() -> Optional[ModuleType]:
     return triton_ops
 
 
-def _cuda_ops(x: torch.Tensor) -> Optional[ModuleType]:
-    return _triton_ops() if x.is_cuda else None
+def _cuda_ops(x: torch.Tensor, *inputs: Optional[torch.Tensor]) -> Optional[ModuleType]:
+    """The Triton ops for a CUDA call; `autograd`'s differentiable wrappers of them when grad mode
+    is on and one of the inputs requires grad."""
+    ops = _triton_ops() if x.is_cuda else None
+    if ops is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                           for t in (x, *inputs)):
+        from engine.kernels.batch_invariant import autograd
+
+        return autograd
+    return ops
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T + bias -> [..., N], rows independent of the batch."""
-    ops = _cuda_ops(x)
+    ops = _cuda_ops(x, weight, bias)
     if ops is not None:
         return ops.bi_linear(x, weight, bias)
     K = x.shape[-1]
@@ -69,9 +79,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
              ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """HF RMSNorm (normalise in fp32, cast, then weight); with residual returns
     (norm(x + residual), x + residual), the sum being the next residual."""
-    ops = _cuda_ops(x)
+    ops = _cuda_ops(x, weight, residual)
     if ops is not None:
         return ops.bi_rms_norm(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: Optional[torch.Tensor] = None):
+    """The torch formulation of `rms_norm` (the CPU path; the CUDA path's backward)."""
     if residual is None:
         return _rms_norm(x, weight, eps)
     x = x + residual

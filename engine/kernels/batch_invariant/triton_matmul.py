@@ -3,9 +3,10 @@
 Why a row's bits never depend on M: every output element is computed as
     total = 0; for s in splits(K): total = total + partial_s;  out = cast(total + bias)
 where split s covers K elements [s*split_k, (s+1)*split_k) and partial_s is a fresh fp32 tensor-core
-accumulation over that range in ascending BLOCK_K steps. Tile shape, warps, split length and dot
-precision come from the config, a function of (N, K, dtype) only. M only chooses how the same
-arithmetic is scheduled:
+accumulation over that range in ascending k steps. Split length and dot precision come from the
+config, a function of (N, K, dtype) only. M only chooses how the same arithmetic is scheduled:
+  * the tile (triton_ops.LARGE_M_TILES): on sm_90 each element is the same chain of k16 MMA
+    steps in any tile shape (measured bitwise, see triton_ops);
   * "seq": one program per output tile runs the splits in order, total kept in registers;
   * "par": one program per (tile, split) writes partial_s to an fp32 workspace; the partials are
     then summed in split order, by the last program to finish the tile ("fused", found with an
@@ -32,7 +33,9 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """One kernel configuration. The first six fields fix the arithmetic; the rest only scheduling."""
+    """One kernel configuration. split_k and dot_precision fix the arithmetic; on sm_90 the tile
+    (block_m/n/k, warps) was measured not to change a bit (triton_ops docstring), the rest is
+    scheduling only."""
 
     block_m: int = 64
     block_n: int = 128

@@ -1,10 +1,15 @@
 """Public batch-invariant ops on CUDA (Triton): bi_linear, bi_rms_norm, bi_log_softmax.
 
-The matmul configuration is data: a table keyed by (N, K, dtype) — never by M — plus a default
-rule for other shapes that also looks only at (N, K, dtype). Changing an entry changes the bits
-(tile shape, split length, warps, dot precision are part of the arithmetic), so the trainer and
-the engine must use the same table. Scheduling fields (num_stages, group_m, use_tma,
-par_max_tiles, reduce) never change bits.
+The matmul configuration is data: a table keyed by (N, K, dtype) plus a default rule for other
+shapes that also looks only at (N, K, dtype). Its arithmetic fields (split_k, dot precision) are
+never chosen by M: changing them changes the bits, so the trainer and the engine must use the
+same table. M may choose only the tile (`LARGE_M_TILES`: from some M on, a taller/wider tile
+with more warps), because on sm_90 the tile does not change a bit: every output element is the
+same chain of k16 tensor-core steps, with the same split boundaries, whichever tile holds it.
+Measured, not assumed: scripts/bi_matmul_bench.py compares every candidate tile's output with
+the table tile's, bit for bit, on all five Qwen3-8B shapes at M in {1, 8, 64, 256, 4096}
+(block_m 64/128/256, block_n 32..256, block_k 64/128, 4 or 8 warps, flat or nested loops: all
+identical), and tests/gpu/test_batch_invariant_gpu.py checks rows across the switch point.
 """
 
 from __future__ import annotations
@@ -51,9 +56,40 @@ def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
     return MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=split, num_warps=4, num_stages=4)
 
 
-def matmul_config(N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
+# (N, K): (first M that uses it, tile). Same split_k and precision as the table entry.
+_HALF_LARGE_M: dict[tuple[int, int], tuple[int, dict]] = {}
+
+LARGE_M_TILES: dict[tuple[int, int, str], tuple[int, dict]] = {
+    (n, k, dt): entry for (n, k), entry in _HALF_LARGE_M.items() for dt in _HALF
+}
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m")
+
+
+def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None) -> MatmulConfig:
+    """The (N, K, dtype) config; with M, its tile for that M (same arithmetic, see module doc)."""
     key = _dtype_key(dtype)
-    return CONFIG_TABLE.get((N, K, key)) or default_config(N, K, key)
+    cfg = CONFIG_TABLE.get((N, K, key)) or default_config(N, K, key)
+    large = LARGE_M_TILES.get((N, K, key))
+    if M is not None and large is not None and M >= large[0]:
+        return with_tile(cfg, **large[1])
+    return cfg
+
+
+def with_tile(cfg: MatmulConfig, **tile) -> MatmulConfig:
+    """cfg with another tile; refuses fields that would change the arithmetic."""
+    bad = sorted(set(tile) - set(TILE_FIELDS))
+    if bad:
+        raise ValueError(f"with_tile: {bad} are not tile fields (allowed: {', '.join(TILE_FIELDS)})")
+    out = dataclasses.replace(cfg, **tile)
+    if out.split_k > 0 and out.split_k % out.block_k:
+        raise ValueError(f"with_tile: split_k {out.split_k} is not a multiple of block_k {out.block_k}")
+    return out
+
+
+def set_large_m_tile(N: int, K: int, dtype: torch.dtype, from_m: int, **tile) -> None:
+    """Use `tile` from M = from_m on for (N, K, dtype) (benchmarks, tests)."""
+    with_tile(matmul_config(N, K, dtype), **tile)  # validate now, not at the first large call
+    LARGE_M_TILES[(N, K, _dtype_key(dtype))] = (from_m, dict(tile))
 
 
 def set_config(N: int, K: int, dtype: torch.dtype, cfg: MatmulConfig | None = None, **fields) -> None:
@@ -78,7 +114,7 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         # a lone row may carry any row stride; give it the usual one so it gets the same kernel
         x2 = x2.as_strided((1, K), (K, 1))
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    cfg = config or matmul_config(N, K, x.dtype)
+    cfg = config or matmul_config(N, K, x.dtype, x2.shape[0])
     out = triton_matmul.matmul(x2, w, bias, cfg, schedule)
     return out.view(*x.shape[:-1], N)
 

@@ -1,0 +1,160 @@
+"""qk_norm_rope: per-head RMSNorm (Qwen3 q_norm/k_norm, optional) and neox rotary for q and k in
+one launch, in place on the strided q/k views of the qkv GEMM output.
+
+Replaces, per layer on CUDA: two row copies (q/k views are not reshapeable), two norm launches and
+~14 torch rotary launches (cos/sin casts, neg, cat, two muls, add, for q and for k).
+
+Same bits as the unfused CUDA path (bi.rms_norm per head, then layers.apply_rotary): each value is
+rounded to the model dtype where a torch op rounds (norm cast, weight multiply, cos/sin cast, each
+rotary product, their sum), fp contraction is off, and the sum of squares is triton_norm's
+expression at triton_norm's block and warp count, one program per (token, head) row as triton_norm
+has one per row, so it compiles to the same reduction tree (compared in the sm_90 PTX for D in
+{64, 128, 256} x fp32/bf16/fp16; tests/gpu check the bits). Against torch's own mean (CPU or CUDA,
+another summation order) the fp32 sum can differ by an ulp or two; everything after it matches.
+
+Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.batch_invariant.triton_norm import _norm_launch
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest even) and widened back: a torch op's output rounding."""
+    if DTYPE == tl.bfloat16:
+        # by hand: the interpreter's fp32 -> bf16 cast truncates; this is the GPU's rounding on both
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, H, D,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
+                         stride_kot, stride_koh, stride_ct, eps, HAS_NORM: tl.constexpr,
+                         IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # q heads 0..H-1, then the k heads
+    if h < H:
+        x_row = q_ptr + t * stride_qt + h * stride_qh
+        o_row = qo_ptr + t * stride_qot + h * stride_qoh
+        w_ptr = qw_ptr
+    else:
+        x_row = k_ptr + t * stride_kt + (h - H) * stride_kh
+        o_row = ko_ptr + t * stride_kot + (h - H) * stride_koh
+        w_ptr = kw_ptr
+    dt = qo_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    half = D // 2
+    first = cols < half
+    # rotate_half's partner lane is loaded (L1 hit) rather than shuffled across threads
+    partner = tl.where(first, cols + half, cols - half)
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(x_row + partner, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        # triton_norm's reduction, verbatim (x * x == its fma(x, x, 0) for a one-chunk row)
+        inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+        x = round_to(round_to(x * inv, dt) * w, dt)  # normalise, cast, then weight: HF order
+        p = round_to(round_to(p * inv, dt) * wp, dt)  # the partner lane's own value, same ops
+    c = round_to(tl.load(cos_ptr + t * stride_ct + cols, mask=mask, other=0.0), dt)
+    s = round_to(tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0), dt)
+    rotated = tl.where(first, -p, p)
+    y = round_to(round_to(x * c, dt) + round_to(rotated * s, dt), dt)
+    if IN_PLACE:
+        tl.debug_barrier()  # every partner read of this row lands before any lane overwrites it
+    tl.store(o_row + cols, y.to(dt), mask=mask)
+
+
+def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out) -> None:
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape[0] != T or k.shape[2] != D or k.dtype != q.dtype or D % 2:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("qk_norm_rope needs the head_dim axis contiguous")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: give both norm weights or neither")
+    for w in (q_weight, k_weight):
+        if w is not None and (w.dtype != q.dtype or w.shape != (D,)):
+            raise TypeError(f"qk_norm_rope: norm weight {tuple(w.shape)} {w.dtype} for {q.dtype} heads")
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if cos.shape != (T, D) or sin.shape != (T, D):
+        raise ValueError(f"qk_norm_rope: cos/sin must be [{T}, {D}], got {tuple(cos.shape)}")
+    if T == 0:
+        return
+    has_norm = q_weight is not None
+    qw = q_weight.contiguous() if has_norm else q
+    kw = k_weight.contiguous() if has_norm else k
+    block, warps = _norm_launch(D)  # triton_norm's: same tile, same reduction tree
+    _qk_norm_rope_kernel[(T, H + Hkv)](
+        q, k, q_out, k_out, cos, sin, qw, kw, H, D, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), float(eps), HAS_NORM=has_norm, IN_PLACE=q_out.data_ptr() == q.data_ptr(),
+        BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+
+
+def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps=1e-6):
+    """The unfused torch path (RMSNorm then layers.apply_rotary); its autograd is the backward."""
+    def one(x, w):
+        if w is not None:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            x = w * h.to(x.dtype)
+        c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+class _QKNormRope(torch.autograd.Function):
+    """Out of place (q/k are views of the qkv output autograd tracks); backward recomputes the
+    torch reference on the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, q_weight, k_weight, eps):
+        ctx.save_for_backward(q, k, cos, sin, q_weight, k_weight)
+        ctx.eps = eps
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out)
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[:6]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip(saved, need)]
+            outs = qk_norm_rope_reference(*inputs, eps=ctx.eps)
+            wrt = [t for t, n in zip(inputs, need) if n]
+            grads = iter(torch.autograd.grad(outs, wrt, (grad_q, grad_k), allow_unused=True))
+        return (*(next(grads) if n else None for n in need), None)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, Hkv, D] (head_dim contiguous, any row/head strides); cos/sin [T, D]
+    float32; norm weights [D] in q's dtype, or None for no norm. Returns (q, k) normed and rotated:
+    written in place into q and k when no gradient is recorded, else fresh tensors (autograd)."""
+    tensors = (q, k, cos, sin, q_weight, k_weight)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _QKNormRope.apply(q, k, cos, sin, q_weight, k_weight, eps)
+    _launch(q, k, cos, sin, q_weight, k_weight, eps, q, k)
+    return q, k
