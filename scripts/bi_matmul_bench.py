@@ -120,10 +120,11 @@ def bench_config(name, N, K, cfg, ws, xs, ref, base_out, args):
         out = triton_ops.bi_linear(x0[:M], w0, config=cfg)
         inv = torch.equal(out, full[:M])
         inv &= torch.equal(triton_ops.bi_linear(x0[:M].flip(0), w0, config=cfg), full[:M].flip(0))
-        sched = triton_matmul.choose_schedule(M, N, K, cfg, x0.device)
-        row = dict(shape=name, N=N, K=K, M=M, config=dataclasses.asdict(cfg), schedule=sched,
+        cfg_m = cfg or triton_ops.matmul_config(N, K, torch.bfloat16, M)  # None: the table's M tiers
+        sched = triton_matmul.choose_schedule(M, N, K, cfg_m, x0.device)
+        row = dict(shape=name, N=N, K=K, M=M, config=dataclasses.asdict(cfg_m), schedule=sched,
                    rel_err=rel, same_bits_as_default=same_as_default)
-        both = cfg.num_splits(K) > 1 and M <= 256
+        both = cfg_m.num_splits(K) > 1 and M <= 256
         for s in ("par", "seq") if both else ():
             inv &= torch.equal(triton_ops.bi_linear(x0[:M], w0, config=cfg, schedule=s), full[:M])
             calls = [lambda w=w, x=x, s=s: triton_ops.bi_linear(x[:M], w, config=cfg, schedule=s)
@@ -154,7 +155,7 @@ def bench_shape(name, args, l2, gen):
     base = triton_ops.matmul_config(N, K, torch.bfloat16)
     if args.base_split0:  # reference = the table tile without split-K (one K accumulator)
         base = dataclasses.replace(base, split_k=0)
-    configs = {"table": base}
+    configs = {"table": base if args.base_split0 else None}  # None: what bi_linear picks per M
     if args.sweep:
         kind = "ladder" if args.base_split0 else "split" if base.num_splits(K) > 1 else "nosplit"
         for cname, over in CANDIDATES[kind].items():

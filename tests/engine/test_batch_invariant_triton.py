@@ -133,21 +133,24 @@ def test_log_softmax(dtype):
     assert err <= 1e-5 * ref[finite].abs().max().item()
 
 
-def test_large_m_tile_changes_only_the_tile():
+def test_m_tiers_change_only_the_tile():
     key = (72, 200, torch.float32)
-    saved = dict(triton_ops.LARGE_M_TILES)
+    saved = dict(triton_ops.M_TIERS)
     try:
         triton_ops.set_config(*key, triton_matmul.MatmulConfig(**BASE, use_tma=False))
-        triton_ops.set_large_m_tile(*key, from_m=17, block_m=32, num_warps=8)
-        small, large = triton_ops.matmul_config(*key, M=16), triton_ops.matmul_config(*key, M=17)
-        assert (small.block_m, large.block_m, large.num_warps) == (16, 32, 8)
-        assert (large.split_k, large.dot_precision) == (small.split_k, small.dot_precision)
+        triton_ops.set_m_tiers(*key, ((40, dict(block_m=64)), (17, dict(block_m=32, num_warps=8))))
+        small, mid, large = (triton_ops.matmul_config(*key, M=m) for m in (16, 17, 40))
+        assert (small.block_m, mid.block_m, mid.num_warps, large.block_m, large.num_warps) == (16, 32, 8, 64, 4)
+        assert {(c.split_k, c.dot_precision) for c in (small, mid, large)} == {(64, "ieee")}
         assert triton_ops.matmul_config(*key) == small  # no M: the table entry itself
+        x, w = _rand(41, 200), _rand(72, 200, seed=1)
+        full = triton_ops.bi_linear(x, w)  # M=41: the last tier's tile
+        assert torch.equal(triton_ops.bi_linear(x[:16], w), full[:16]) or DEV == "cpu"
         with pytest.raises(ValueError, match="split_k"):
-            triton_ops.set_large_m_tile(*key, from_m=17, split_k=128)
+            triton_ops.set_m_tiers(*key, ((17, dict(split_k=128)),))
         with pytest.raises(ValueError, match="multiple of block_k"):
-            triton_ops.set_large_m_tile(*key, from_m=17, block_k=48)
+            triton_ops.set_m_tiers(*key, ((17, dict(block_k=48)),))
     finally:
-        triton_ops.LARGE_M_TILES.clear()
-        triton_ops.LARGE_M_TILES.update(saved)
+        triton_ops.M_TIERS.clear()
+        triton_ops.M_TIERS.update(saved)
         triton_ops.CONFIG_TABLE.pop((72, 200, "fp32"), None)

