@@ -18,6 +18,7 @@ step() {  # name, seconds, command...
 B="python3 -m engine.cli bench --skip-tokenizer-init"
 kit() { source .devkit/install.sh; }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
+  gpudet) step gpudet 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_policy_parity_gpu.py ;;
   gputests) step gputests 220 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   bimatmul) step bimatmul 90 python3 scripts/bi_matmul_bench.py ;;
   det8) step det8 150 python3 -m engine.cli determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
@@ -44,9 +45,9 @@ for s in "$@"; do case $s in
   prof06) step prof06 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
   profitl) step profitl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
   prof8) step prof8 100 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
-  detcost*)  # detcost[-quick]: det vs normal, Qwen3-8B shape, random 512/256, at bs 1, 32, 256
-    runs=3; [[ $s == *quick ]] && runs=1
-    for bs in 1 32 256; do for mode in normal det; do
+  detcost*)  # detcost[-quick|-det]: det vs normal (-det: det runs only), Qwen3-8B shape, random 512/256, at bs 1, 32, 256
+    runs=3; [[ $s == *quick ]] && runs=1; modes="normal det"; [[ $s == *det ]] && modes=det
+    for bs in 1 32 256; do for mode in $modes; do
       flag=""; [[ $mode == det ]] && flag="--enable-deterministic-inference"
       step "detcost-$mode-bs$bs" 150 $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs $runs --stream-mode final $flag --json "/tmp/detcost-$mode-bs$bs.json"
     done; done

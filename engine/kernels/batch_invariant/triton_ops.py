@@ -59,7 +59,8 @@ def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
 # (N, K): tiers (first M that uses it, tile), ascending; below the first tier the table entry's
 # own tile. Picked per M from scripts/bi_matmul_bench.py --configs on the H200 (graph-timed, cold
 # L2, docs/benchmarks.md); every tile here gave the table tile's bits at every M.
-_WIDE = dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flat=False)  # large M: 1.07-1.14x
+# block_k explicit: a table entry's block_k=128 with this tile would need 288 KB of shared memory
+_WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flat=False)  # 1.07-1.14x
 _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
     (6144, 4096): ((1024, _WIDE),),
     (4096, 4096): ((1024, _WIDE),),
