@@ -30,8 +30,8 @@ for s in "$@"; do case $s in
   bench06q) step bench06q 70 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b-v2.json" ;;
   bench06) step bench06 150 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b.json" ;;
   bench8) step bench8 200 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b.json" ;;
-  grpo8) step grpo8 75 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
-  grpo8nc) step grpo8nc 80 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
+  grpo8) step grpo8 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
+  grpo8nc) step grpo8nc 180 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
   grpo8once) step grpo8once 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --json "$OUT/grpo-8b-once.json" ;;
   grpo8nconce) step grpo8nconce 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache-once.json" ;;
   fitests) ( kit && step fitests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer_attention_gpu.py ) ;;

@@ -8,6 +8,7 @@ Row 0 of req_to_token is left unused (CUDA-graph padding rows read it).
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -73,3 +74,48 @@ class AttentionScene:
         v = torch.cat([self.v[s][a:a + n] for s, a, n in items])
         out = backend.forward(q, k, v, 0, self.head_dim**-0.5, fb)
         return list(out.split([n for *_, n in items]))
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def worst_vs_torch(scene: AttentionScene, backend, items, decode: bool = False) -> float:
+    """Largest relative error of `backend` against the torch backend over the scene's items."""
+    from engine.attention.torch_native import TorchNativeAttentionBackend
+
+    got = scene.run(backend, items, decode)
+    ref = scene.run(TorchNativeAttentionBackend(), items, decode)
+    assert all(torch.isfinite(g).all() for g in got)
+    return max(rel_err(g, r) for g, r in zip(got, ref))
+
+
+class cuda_timer:
+    """`with cuda_timer("label"):` prints the block's wall time, device work included."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __enter__(self) -> "cuda_timer":
+        torch.cuda.synchronize()
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize()
+        print(f"[{self.label}] {time.perf_counter() - self.t:.2f} s")
+
+
+# The GPU backend tests' scene: Qwen3-8B attention heads, prompts that cross 256-key splits and
+# chunk boundaries, then STEPS decode steps each.
+STEPS = 64
+PROMPTS = [300, 1100, 2100, 64, 777, 4100]
+LENS = [n + STEPS for n in PROMPTS]
+# (sequence, cached prefix, new tokens): cached prefixes (1, 2, 4, 5), a chunk over a prefix (2),
+# one extend of a single token
+MIXED = [(0, 0, 300), (1, 512, 588), (2, 700, 1400), (3, 0, 64), (4, 776, 1), (5, 4000, 100)]
+PREFILL = [(s, 0, n) for s, n in enumerate(PROMPTS)]
+
+
+def qwen3_8b_scene() -> AttentionScene:
+    return AttentionScene(LENS, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")

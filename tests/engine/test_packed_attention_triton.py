@@ -13,17 +13,14 @@ not installed (CI).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
+from engine.testing.triton_for_tests import import_triton_or_skip
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-triton = pytest.importorskip("triton")
-if DEV == "cpu" and type(triton.language.standard.cdiv).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+triton = import_triton_or_skip()
 
 from engine.attention.deterministic import split_kv_attention  # noqa: E402
 from engine.attention.triton import TritonAttentionBackend  # noqa: E402

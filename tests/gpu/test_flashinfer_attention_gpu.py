@@ -8,7 +8,6 @@ kernels (about a minute; cached under ~/.cache/flashinfer). Run with -s to see t
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -21,42 +20,12 @@ pytest.importorskip("triton")
 
 from engine.attention.flashinfer import FlashInferAttentionBackend  # noqa: E402
 from engine.attention.torch_native import TorchNativeAttentionBackend  # noqa: E402
-from engine.testing.attention_scene import AttentionScene  # noqa: E402
-
-STEPS = 64
-PROMPTS = [300, 1100, 2100, 64, 777, 4100]
-LENS = [n + STEPS for n in PROMPTS]
-# cached prefixes (1, 2, 4, 5), a chunk over a prefix (2), one extend of a single token
-MIXED = [(0, 0, 300), (1, 512, 588), (2, 700, 1400), (3, 0, 64), (4, 776, 1), (5, 4000, 100)]
-PREFILL = [(s, 0, n) for s, n in enumerate(PROMPTS)]
-
+from engine.testing.attention_scene import (  # noqa: E402
+    LENS, MIXED, PREFILL, PROMPTS, STEPS, cuda_timer as timed, qwen3_8b_scene, rel_err, worst_vs_torch)
 
 @pytest.fixture(scope="module")
 def scene():
-    return AttentionScene(LENS, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def worst_vs_torch(scene, backend, items, decode=False) -> float:
-    got = scene.run(backend, items, decode)
-    ref = scene.run(TorchNativeAttentionBackend(), items, decode)
-    assert all(torch.isfinite(g).all() for g in got)
-    return max(rel_err(g, r) for g, r in zip(got, ref))
-
-
-def timed(label: str):
-    class _T:
-        def __enter__(self):
-            torch.cuda.synchronize()
-            self.t = time.perf_counter()
-
-        def __exit__(self, *exc):
-            torch.cuda.synchronize()
-            print(f"[{label}] {time.perf_counter() - self.t:.2f} s")
-    return _T()
+    return qwen3_8b_scene()
 
 
 def test_kv_indices_kernel():

@@ -6,7 +6,6 @@ Run with -s to see the timings.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -14,48 +13,17 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from engine.attention.torch_native import TorchNativeAttentionBackend  # noqa: E402
 from engine.attention.triton import TritonAttentionBackend  # noqa: E402
-from engine.testing.attention_scene import AttentionScene  # noqa: E402
-
-STEPS = 64
-PROMPTS = [300, 1100, 2100, 64, 777, 4100]
-LENS = [n + STEPS for n in PROMPTS]
-# cached prefixes (1, 2, 4, 5), a chunk over a prefix (2), one extend of a single token
-MIXED = [(0, 0, 300), (1, 512, 588), (2, 700, 1400), (3, 0, 64), (4, 776, 1), (5, 4000, 100)]
-PREFILL = [(s, 0, n) for s, n in enumerate(PROMPTS)]
-
+from engine.testing.attention_scene import (  # noqa: E402
+    LENS, MIXED, PREFILL, PROMPTS, STEPS, cuda_timer as timed, qwen3_8b_scene, rel_err, worst_vs_torch)
 
 @pytest.fixture(scope="module")
 def scene():
-    return AttentionScene(LENS, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    return qwen3_8b_scene()
 
 
 def backend(deterministic: bool) -> TritonAttentionBackend:
     return TritonAttentionBackend(deterministic=deterministic)
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def worst_vs_torch(scene, triton_backend, items, decode=False) -> float:
-    got = scene.run(triton_backend, items, decode)
-    ref = scene.run(TorchNativeAttentionBackend(), items, decode)
-    assert all(torch.isfinite(g).all() for g in got)
-    return max(rel_err(g, r) for g, r in zip(got, ref))
-
-
-def timed(label: str):
-    class _T:
-        def __enter__(self):
-            torch.cuda.synchronize()
-            self.t = time.perf_counter()
-
-        def __exit__(self, *exc):
-            torch.cuda.synchronize()
-            print(f"[{label}] {time.perf_counter() - self.t:.2f} s")
-    return _T()
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["normal", "det"])
