@@ -48,7 +48,11 @@ CANDIDATES = {
               "m128w8nest4": dict(block_m=128, num_warps=8, num_stages=4, flat=False),
               "m128w8nest3": dict(block_m=128, num_warps=8, num_stages=3, flat=False),
               "m128n256w8nest": dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flat=False),
-              "m256w8nest": dict(block_m=256, num_warps=8, num_stages=3, flat=False)},
+              "m256w8nest": dict(block_m=256, num_warps=8, num_stages=3, flat=False),
+              # other arithmetic (more, shorter splits: more programs at M = 1..64); "same" is
+              # False by design: a candidate for the table entry itself, every tier re-checked
+              "sk512": dict(split_k=512),
+              "sk512n256w8": dict(split_k=512, block_n=256, num_warps=8, num_stages=3)},
     "nosplit": {"m128n256w8": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
                 "m128n256w8s4": dict(block_m=128, block_n=256, num_warps=8, num_stages=4),
                 "m256n128w8s3": dict(block_m=256, block_n=128, num_warps=8, num_stages=3),
