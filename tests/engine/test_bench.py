@@ -102,3 +102,18 @@ def test_roofline_floor_arithmetic():
     assert roof["decode_bound"] == "memory"
     assert roof["decode_floor_s"] == pytest.approx(50 * step_bytes / 1e12)
     assert roof["output_tok_s"] == pytest.approx(500 / (roof["prefill_floor_s"] + roof["decode_floor_s"]))
+
+
+def test_profile_report_on_cpu_and_format():
+    import torch
+
+    from engine.bench.profile import format_profile, profile_run
+
+    skipped = profile_run(None, None, torch.device("cpu"), "final", 5)
+    assert "CUDA" in skipped["skipped"] and format_profile(skipped).startswith("profile skipped")
+    report = {"wall_s": 2.0, "busy_s": 1.5, "busy_share": 0.75, "output_tok_s": 1000.0,
+              "top": [{"name": "split_kv_stage1", "calls": 10, "total_ms": 900.0, "mean_us": 90000.0,
+                       "share": 0.6}]}
+    lines = format_profile(report).splitlines()
+    assert "kernel time 1.500 s (75% of wall)" in lines[0]
+    assert lines[2].split()[:3] == ["60.0%", "900.00", "10"] and lines[2].endswith("split_kv_stage1")
