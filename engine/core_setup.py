@@ -87,8 +87,9 @@ def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: str, mem
     """Largest decode batch captured in a CUDA graph; 0 = no graphs."""
     if device.type != "cuda" or backend not in GRAPH_BACKENDS or args.disable_cuda_graph:
         return 0
-    # big-memory GPUs decode large GRPO groups (e.g. 32 prompts x 16 samples) in one batch
-    big = torch.cuda.get_device_properties(device).total_memory >= 80 * 2**30
+    # H200-class memory: decode large GRPO groups (32 prompts x 16 samples) in one graph; the
+    # 51 graphs to bs 512 hold ~6 GB (each size keeps its own logits), which 80 GB GPUs lack
+    big = torch.cuda.get_device_properties(device).total_memory >= 120 * 2**30
     return min(args.cuda_graph_max_bs or (512 if big else 256), memory.max_running_requests)
 
 

@@ -124,7 +124,7 @@ class _TritonAttention(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan = meta.plan
-        tile = plan.tile(q.shape[1] // k.shape[1])
+        tile = plan.tile(q.shape[1] // k.shape[1], k.shape[2] * k.element_size(), q.device)
         blocks, num_blocks = plan.block_table(tile.block_t, q.device)
         part_acc, part_ml = plan.partials(q.shape[1], q.shape[2], q.device)
         triton_split_kv(q, k, v, out, meta.req_to_token, meta.req_pool_indices, blocks, num_blocks,

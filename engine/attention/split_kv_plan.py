@@ -13,6 +13,7 @@ attention), a short tile and length-proportional splits for decode.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -60,11 +61,40 @@ class Tile:
     config: KernelConfig
 
     @classmethod
-    def build(cls, config: KernelConfig, group: int, split: int) -> "Tile":
+    def build(cls, config: KernelConfig, group: int, split: int,
+              kv_row_bytes: Optional[int] = None, smem_limit: Optional[int] = None) -> "Tile":
+        """kv_row_bytes (head_dim x element size) and smem_limit (the device's per-block shared
+        memory) shrink the config until its K/V stages fit (fit_shared_memory)."""
+        if kv_row_bytes and smem_limit:
+            config = fit_shared_memory(config, kv_row_bytes, smem_limit)
         g_pad = next_pow2(group)
         block_n = min(config.block_n, split)  # splits start on a key-block boundary
         block_t = max(1, min(config.block_m // g_pad, block_n))
         return cls(group, g_pad, block_t, block_n, config)
+
+
+def fit_shared_memory(config: KernelConfig, kv_row_bytes: int, smem_limit: int) -> KernelConfig:
+    """The tiles above were tuned for bf16, head_dim 128 on the H200 (~200 KB of K/V stages);
+    fp32 K/V or a wider head would not compile. Drop to 2 stages, then halve block_n, until
+    stages x block_n rows of K and V plus the q and p tiles fit. A function of (config, dtype,
+    head_dim, device) only, so engine and trainer on one GPU model pick the same tile (block_n
+    is part of a deterministic row's arithmetic)."""
+    def need(c: KernelConfig) -> int:
+        return (c.num_stages * 2 * c.block_n + c.block_m) * kv_row_bytes + c.block_m * c.block_n * 4
+
+    while need(config) > smem_limit and (config.num_stages > 2 or config.block_n > 16):
+        if config.num_stages > 2:
+            config = dataclasses.replace(config, num_stages=2)
+        else:
+            config = dataclasses.replace(config, block_n=config.block_n // 2)
+    return config
+
+
+def shared_memory_limit(device: torch.device) -> Optional[int]:
+    """Per-block shared memory (opt-in maximum) of a CUDA device; None elsewhere (interpreter)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 def next_pow2(n: int) -> int:
@@ -131,10 +161,13 @@ class SplitKvPlan:
     part_ml: Optional[torch.Tensor] = None  # [rows, H, max_splits, 2] float32
     _tables: dict = field(default_factory=dict)  # tiles and extend block tables, built once
 
-    def tile(self, group: int) -> Tile:
-        if group not in self._tables:  # one per batch, not per layer
-            self._tables[group] = Tile.build(self.config, group, self.split)
-        return self._tables[group]
+    def tile(self, group: int, kv_row_bytes: Optional[int] = None,
+             device: Optional[torch.device] = None) -> Tile:
+        key = ("tile", group, kv_row_bytes)
+        if key not in self._tables:  # one per batch, not per layer
+            limit = shared_memory_limit(device) if device is not None else None
+            self._tables[key] = Tile.build(self.config, group, self.split, kv_row_bytes, limit)
+        return self._tables[key]
 
     def block_table(self, block_t: int, device: torch.device) -> tuple[torch.Tensor, int]:
         if self.blocks is not None:

@@ -112,7 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)  # KV first: new keys read like cached ones
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan = self.plan
-        tile = plan.tile(q.shape[1] // k_buf.shape[1])
+        tile = plan.tile(q.shape[1] // k_buf.shape[1], k_buf.shape[2] * k_buf.element_size(), q.device)
         blocks, num_blocks = plan.block_table(tile.block_t, q.device)
         part_acc, part_ml = plan.partials(q.shape[1], q.shape[2], q.device)
         split_kv_attention(q, k_buf, v_buf, out, fb.req_to_token, fb.req_pool_indices, blocks,

@@ -50,6 +50,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, STEPWISE: tl.con
 
 
 def _launch(x: torch.Tensor, stepwise: bool) -> torch.Tensor:
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: last dim must be even (gate | up), got {x.shape[-1]}")
     d = x.shape[-1] // 2
     rows = x.reshape(-1, 2 * d)
     if rows.stride(-1) != 1:

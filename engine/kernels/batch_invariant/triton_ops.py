@@ -15,6 +15,7 @@ identical), and tests/gpu/test_batch_invariant_gpu.py checks rows across the swi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -27,7 +28,7 @@ _HALF = ("bf16", "fp16")
 # (N, K): config. Small-M parallelism comes from split_k: N/block_n tiles x K/split_k splits.
 _HALF_TABLE: dict[tuple[int, int], MatmulConfig] = {
     (6144, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
-    (4096, 4096): MatmulConfig(block_m=64, block_n=128, block_k=128, split_k=1024, num_warps=4, num_stages=4),
+    (4096, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
     (24576, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=2048, num_warps=4, num_stages=4),
     (4096, 12288): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
     (151936, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=0, num_warps=4, num_stages=4),
@@ -63,7 +64,7 @@ def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
 _WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flat=False)  # 1.07-1.14x
 _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
     (6144, 4096): ((1024, _WIDE),),
-    (4096, 4096): ((1024, _WIDE),),
+    (4096, 4096): ((1, dict(block_k=128)), (1024, _WIDE)),
     (24576, 4096): ((256, dict(block_m=128, num_warps=8, num_stages=4, flat=False)), (1024, _WIDE)),
     (4096, 12288): ((32, dict(block_n=64, num_stages=6)), (128, dict(block_k=128, num_stages=4)),
                     (1024, _WIDE)),
@@ -76,15 +77,28 @@ M_TIERS: dict[tuple[int, int, str], tuple[tuple[int, dict], ...]] = {
 TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m")
 
 
-def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None) -> MatmulConfig:
-    """The (N, K, dtype) config; with M, its tile for that M (same arithmetic, see module doc)."""
+def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None,
+                  device: torch.device | None = None) -> MatmulConfig:
+    """The (N, K, dtype) config; with M, its tile for that M (same arithmetic, see module doc).
+    The tiers were measured (bits and shared memory) on sm_90 only: other GPUs get the table tile."""
     key = _dtype_key(dtype)
     cfg = CONFIG_TABLE.get((N, K, key)) or default_config(N, K, key)
     tile = None
-    for from_m, tier in M_TIERS.get((N, K, key), ()) if M is not None else ():
+    use_tiers = M is not None and (device is None or _tiers_measured_on(device))
+    for from_m, tier in M_TIERS.get((N, K, key), ()) if use_tiers else ():
         if M >= from_m:
             tile = tier
     return with_tile(cfg, **tile) if tile else cfg
+
+
+def _tiers_measured_on(device: torch.device) -> bool:
+    """sm_90 (H100/H200), or the CPU interpreter (tests)."""
+    return device.type != "cuda" or _capability(device.index or 0) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def with_tile(cfg: MatmulConfig, **tile) -> MatmulConfig:
@@ -127,7 +141,7 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         # a lone row may carry any row stride; give it the usual one so it gets the same kernel
         x2 = x2.as_strided((1, K), (K, 1))
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    cfg = config or matmul_config(N, K, x.dtype, x2.shape[0])
+    cfg = config or matmul_config(N, K, x.dtype, x2.shape[0], x.device)
     out = triton_matmul.matmul(x2, w, bias, cfg, schedule)
     return out.view(*x.shape[:-1], N)
 

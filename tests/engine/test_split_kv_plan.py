@@ -1,0 +1,23 @@
+"""Tile sizing of the split-KV attention plans (pure Python: runs in CI without Triton)."""
+
+from engine.attention.split_kv_plan import DEFAULT_CONFIGS, Tile, fit_shared_memory
+
+H200_SMEM = 232448  # shared_memory_per_block_optin on sm_90
+
+
+def test_tuned_bf16_tiles_are_kept_on_the_h200():
+    for config in DEFAULT_CONFIGS.values():
+        assert fit_shared_memory(config, 128 * 2, H200_SMEM) == config
+
+
+def test_fp32_or_wide_heads_shrink_to_fit():
+    decode = DEFAULT_CONFIGS["decode"]  # 3 stages of 128 keys
+    fp32 = fit_shared_memory(decode, 128 * 4, H200_SMEM)
+    assert (fp32.num_stages, fp32.block_n) == (2, 64)
+    wide = fit_shared_memory(DEFAULT_CONFIGS["deterministic"], 256 * 2, 101376)  # sm_89-sized
+    assert wide.block_n < 128 and wide.block_m == 16
+    # the tile follows: block_n and the q-block height come from the fitted config
+    tile = Tile.build(DEFAULT_CONFIGS["deterministic"], group=4, split=256, kv_row_bytes=512,
+                      smem_limit=H200_SMEM)
+    assert tile.block_n == 64 and tile.config.block_n == 64
+    assert Tile.build(DEFAULT_CONFIGS["deterministic"], group=4, split=256).block_n == 128
