@@ -51,9 +51,10 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
-    if backend == "flashinfer" and dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"attention_backend 'flashinfer' supports float16 and bfloat16 only, got "
-                         f"{dtype}: use --dtype bfloat16, or --attention-backend triton or torch")
+    if backend == "flashinfer":  # fail before the model loads
+        from engine.attention.flashinfer import check_dtype
+
+        check_dtype(dtype)
     deterministic = args.enable_deterministic_inference
     model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))

@@ -29,6 +29,7 @@ from engine.attention import torch_native, triton as triton_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.deterministic import split_kv_attention
 from engine.attention.split_kv_plan import DEFAULT_CONFIGS, SplitKvPlan
+from engine.kernels.torch_backward import reference_grads
 
 KERNELS = ("torch", "triton")
 DEFAULT_SPLIT_SIZES = {"torch": torch_native.DEFAULT_SPLIT_SIZE, "triton": triton_backend.DEFAULT_SPLIT_SIZE}
@@ -115,32 +116,18 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                 meta: _TritonMetadata) -> torch.Tensor:
-        from engine.kernels.split_kv_attention import split_kv_attention as triton_split_kv
-
         ctx.save_for_backward(q, k, v)
         ctx.scaling, ctx.seq_lens = scaling, meta.seq_lens
         # as TritonAttentionBackend.forward, with the packed K/V as the pool; laid out like the
         # pool (v is often a strided view of the qkv output), so the kernel is compiled as there
-        k, v = k.contiguous(), v.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        plan = meta.plan
-        tile = plan.tile(q.shape[1] // k.shape[1], k.shape[2] * k.element_size(), q.device)
-        blocks, num_blocks = plan.block_table(tile.block_t, q.device)
-        part_acc, part_ml = plan.partials(q.shape[1], q.shape[2], q.device)
-        triton_split_kv(q, k, v, out, meta.req_to_token, meta.req_pool_indices, blocks, num_blocks,
-                        scaling, tile, plan.lanes, part_acc, part_ml)
-        return out
+        return meta.plan.attend(q, k.contiguous(), v.contiguous(), meta.req_to_token,
+                                meta.req_pool_indices, scaling)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
-        with torch.enable_grad():
-            out = causal_attention(*leaves, ctx.seq_lens, ctx.scaling)
-        wanted = [t for t, n in zip(leaves, needs) if n]
-        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (*(next(got) if n else None for n in needs), None, None)
+        grads = reference_grads(lambda q, k, v: causal_attention(q, k, v, ctx.seq_lens, ctx.scaling),
+                                ctx.saved_tensors, ctx.needs_input_grad[:3], (grad,))
+        return (*grads, None, None)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],

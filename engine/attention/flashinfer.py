@@ -200,10 +200,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.plan = plan
 
 
-def _check(dtype: torch.dtype, device: torch.device) -> None:
+def check_dtype(dtype: torch.dtype) -> None:
+    """Also called by core_setup before the model loads (flashinfer itself need not import)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"attention_backend 'flashinfer' supports float16 and bfloat16 only, got "
                          f"{dtype}: use --dtype bfloat16, or --attention-backend triton or torch")
+
+
+def _check(dtype: torch.dtype, device: torch.device) -> None:
+    check_dtype(dtype)
     if device.type != "cuda":
         raise RuntimeError("attention_backend 'flashinfer' needs a CUDA device")
 

@@ -169,6 +169,21 @@ class SplitKvPlan:
             self._tables[key] = Tile.build(self.config, group, self.split, kv_row_bytes, limit)
         return self._tables[key]
 
+    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Run the split-KV kernel for this plan: q [T, H, D] over the keys that req_to_token
+        maps into k_buf / v_buf [slots, Hkv, D]. The one launch the engine backend and the
+        trainer's PackedAttention share, so both compile and run the same kernel."""
+        from engine.kernels.split_kv_attention import split_kv_attention
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        tile = self.tile(q.shape[1] // k_buf.shape[1], k_buf.shape[2] * k_buf.element_size(), q.device)
+        blocks, num_blocks = self.block_table(tile.block_t, q.device)
+        part_acc, part_ml = self.partials(q.shape[1], q.shape[2], q.device)
+        split_kv_attention(q, k_buf, v_buf, out, req_to_token, req_pool_indices, blocks, num_blocks,
+                           scaling, tile, self.lanes, part_acc, part_ml)
+        return out
+
     def block_table(self, block_t: int, device: torch.device) -> tuple[torch.Tensor, int]:
         if self.blocks is not None:
             return self.blocks, self.num_blocks

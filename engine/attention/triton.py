@@ -102,7 +102,6 @@ class TritonAttentionBackend(AttentionBackend):
     # ---- the layer call ------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scaling: float, forward_batch: "ForwardBatch") -> torch.Tensor:
-        from engine.kernels.split_kv_attention import split_kv_attention
         from engine.kernels.store_kv import store_kv
 
         fb = forward_batch
@@ -110,14 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
         store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)  # KV first: new keys read like cached ones
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        plan = self.plan
-        tile = plan.tile(q.shape[1] // k_buf.shape[1], k_buf.shape[2] * k_buf.element_size(), q.device)
-        blocks, num_blocks = plan.block_table(tile.block_t, q.device)
-        part_acc, part_ml = plan.partials(q.shape[1], q.shape[2], q.device)
-        split_kv_attention(q, k_buf, v_buf, out, fb.req_to_token, fb.req_pool_indices, blocks,
-                           num_blocks, scaling, tile, plan.lanes, part_acc, part_ml)
-        return out
+        return self.plan.attend(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, scaling)
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int, num_heads: int,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.batch_invariant.triton_norm import _norm_launch
+from engine.kernels.torch_backward import needs_grad, reference_grads
 
 
 @triton.jit
@@ -110,14 +111,11 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out) -> None:
 
 def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps=1e-6):
     """The unfused torch path (RMSNorm then layers.apply_rotary); its autograd is the backward."""
+    from engine.kernels.batch_invariant.ops import rms_norm_reference
+    from engine.models.layers import apply_rotary
+
     def one(x, w):
-        if w is not None:
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            x = w * h.to(x.dtype)
-        c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-        half = x.shape[-1] // 2
-        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+        return apply_rotary(x if w is None else rms_norm_reference(x, w, eps), cos, sin)
 
     return one(q, q_weight), one(k, k_weight)
 
@@ -137,14 +135,9 @@ class _QKNormRope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        saved = ctx.saved_tensors
-        need = ctx.needs_input_grad[:6]
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip(saved, need)]
-            outs = qk_norm_rope_reference(*inputs, eps=ctx.eps)
-            wrt = [t for t, n in zip(inputs, need) if n]
-            grads = iter(torch.autograd.grad(outs, wrt, (grad_q, grad_k), allow_unused=True))
-        return (*(next(grads) if n else None for n in need), None)
+        grads = reference_grads(lambda *t: qk_norm_rope_reference(*t, eps=ctx.eps), ctx.saved_tensors,
+                                ctx.needs_input_grad[:6], (grad_q, grad_k))
+        return (*grads, None)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -153,8 +146,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """q [T, H, D], k [T, Hkv, D] (head_dim contiguous, any row/head strides); cos/sin [T, D]
     float32; norm weights [D] in q's dtype, or None for no norm. Returns (q, k) normed and rotated:
     written in place into q and k when no gradient is recorded, else fresh tensors (autograd)."""
-    tensors = (q, k, cos, sin, q_weight, k_weight)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(q, k, cos, sin, q_weight, k_weight):
         return _QKNormRope.apply(q, k, cos, sin, q_weight, k_weight, eps)
     _launch(q, k, cos, sin, q_weight, k_weight, eps, q, k)
     return q, k

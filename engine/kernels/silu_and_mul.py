@@ -24,6 +24,7 @@ from triton.language.extra import libdevice
 
 from engine.kernels.batch_invariant.triton_matmul import interpreting
 from engine.kernels.qk_norm_rope import round_to
+from engine.kernels.torch_backward import needs_grad, reference_grads
 
 _BLOCK = 1024
 
@@ -83,15 +84,13 @@ class _SiluAndMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(True)
-            (gx,) = torch.autograd.grad(silu_and_mul_reference(x, ctx.stepwise), x, grad)
+        (gx,) = reference_grads(lambda x: silu_and_mul_reference(x, ctx.stepwise), ctx.saved_tensors,
+                                (True,), (grad,))
         return gx, None
 
 
 def silu_and_mul(x: torch.Tensor, stepwise: bool = True) -> torch.Tensor:
     """[..., 2d] (gate | up) -> [..., d]; stepwise picks the rounding (module docstring)."""
-    if torch.is_grad_enabled() and x.requires_grad:
+    if needs_grad(x):
         return _SiluAndMul.apply(x, stepwise)
     return _launch(x, stepwise)

@@ -13,29 +13,17 @@ the engine's inference path is unchanged. Importing this module does not import 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
+
+from engine.kernels.torch_backward import reference_grads
 
 
 def _triton():
     from engine.kernels.batch_invariant import triton_ops
 
     return triton_ops
-
-
-def _backprop(fn: Callable, inputs: Sequence[Optional[torch.Tensor]], needs: Sequence[bool],
-              grads: Sequence[Optional[torch.Tensor]]) -> tuple[Optional[torch.Tensor], ...]:
-    """Gradients of fn(*inputs) (a tensor or a tuple of them) for the inputs that need one."""
-    leaves = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip(inputs, needs)]
-    with torch.enable_grad():
-        outs = fn(*leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-    wanted = [t for t, n in zip(leaves, needs) if n and t is not None]
-    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                   allow_unused=True) if wanted and pairs else [None] * len(wanted))
-    return tuple(next(got) if n and t is not None else None for t, n in zip(leaves, needs))
 
 
 class _Linear(torch.autograd.Function):
@@ -73,8 +61,8 @@ class _RMSNorm(torch.autograd.Function):
 
         x, weight, residual = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        gx, gw, gr = _backprop(lambda a, w, r: rms_norm_reference(a, w, ctx.eps, r), (x, weight, residual),
-                               (needs[0], needs[1], needs[3]), grads)
+        gx, gw, gr = reference_grads(lambda a, w, r: rms_norm_reference(a, w, ctx.eps, r),
+                                     (x, weight, residual), (needs[0], needs[1], needs[3]), grads)
         return gx, gw, None, gr
 
 

@@ -30,6 +30,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.torch_backward import needs_grad
+
 logger = logging.getLogger(__name__)
 
 # Rows per matmul call on the CPU. Part of the numerics contract: engine and trainer must use
@@ -51,8 +53,7 @@ def _cuda_ops(x: torch.Tensor, *inputs: Optional[torch.Tensor]) -> Optional[Modu
     """The Triton ops for a CUDA call; `autograd`'s differentiable wrappers of them when grad mode
     is on and one of the inputs requires grad."""
     ops = _triton_ops() if x.is_cuda else None
-    if ops is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                           for t in (x, *inputs)):
+    if ops is not None and needs_grad(x, *inputs):
         from engine.kernels.batch_invariant import autograd
 
         return autograd
