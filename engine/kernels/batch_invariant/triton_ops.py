@@ -46,6 +46,7 @@ def _dtype_key(dtype: torch.dtype) -> str:
     return keys[dtype]
 
 
+@functools.lru_cache(maxsize=None)
 def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
     """Rule for shapes outside the table; a function of (N, K, dtype) only."""
     if dtype_key == "fp32":
@@ -88,7 +89,13 @@ def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None,
     for from_m, tier in M_TIERS.get((N, K, key), ()) if use_tiers else ():
         if M >= from_m:
             tile = tier
-    return with_tile(cfg, **tile) if tile else cfg
+    return _tiled(cfg, tuple(sorted(tile.items()))) if tile else cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _tiled(cfg: MatmulConfig, tile: tuple) -> MatmulConfig:
+    # per call on the eager (prefill) path: build each (config, tile) once
+    return with_tile(cfg, **dict(tile))
 
 
 def _tiers_measured_on(device: torch.device) -> bool:
