@@ -40,7 +40,9 @@ from engine.attention.base import AttentionBackend
 if TYPE_CHECKING:
     from engine.runner.forward_batch import ForwardBatch
 
-WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended float workspace, shared by all wrappers
+# float workspace shared by all wrappers: split-KV decode temporaries grow with batch x heads
+# (Qwen3-8B at bs 256 needed 160 MiB; 128 MiB, flashinfer's example size, overflowed)
+WORKSPACE_BYTES = 512 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 INSTALL_HINT = ("attention_backend 'flashinfer' needs the flashinfer-python package (pip install "
                 "flashinfer-python; on the GPU machine, `source .devkit/install.sh`), or use "
