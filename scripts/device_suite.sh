@@ -42,6 +42,7 @@ for s in "$@"; do case $s in
   tiles) step tiles 240 python3 scripts/bi_matmul_bench.py --configs n64s6,k128s4,s6,m128w8nest4,m128w8nest3,m128n256w8nest,m256w8nest,m128n256w8s4,m256n128w8s3 --no-norms --reps 10 ;;
   smallm) step smallm 250 python3 scripts/bi_matmul_bench.py --configs m16,m16n64s6,sk512,sk512n64s6,sk512k128s4,sk512m16,sk256,sk1024 --shapes qkv,o,gate_up,down --ms 1,8,64 --no-norms --reps 10 ;;
   smallm2) step smallm2 200 python3 scripts/bi_matmul_bench.py --configs m16,m16n64s6,m16n64s8,m16n32s8,m32,m32n64s6,m32k128s4,n64s6,k128s4 --shapes qkv,o,gate_up,down --ms 1,8,16,32,64 --no-norms --reps 10 ;;
+  smallm3) step smallm3 200 python3 scripts/bi_matmul_bench.py --configs m16,m16n64s6,m32,m32n64s6,m32k128s4,k128s4,n64s6 --shapes qkv,o,gate_up,down --ms 1,8,16,32,64,128,256 --no-norms --reps 10 ;;
   bigm) step bigm 90 python3 scripts/bi_matmul_bench.py --configs sk512wide --shapes qkv,o,gate_up,down --ms 256,4096 --no-norms --reps 10 ;;
   attnsweep) step attnsweep 200 python3 scripts/gpu_attention_bench.py --sweep ;;
   prof8det) step prof8det 120 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --enable-deterministic-inference --profile 30 ;;

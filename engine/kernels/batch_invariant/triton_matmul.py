@@ -93,7 +93,9 @@ def _accumulate(a_src, b_src, off_m, off_n, kt_lo, kt_hi, M, N, K, stride_am, st
                 USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                 PRECISION: tl.constexpr):
     """0 + p_s + p_s+1 + ... for the splits covering k tiles [kt_lo, kt_hi), where p_s is a fresh
-    fp32 accumulation over split s (k tiles [s*KT_SPLIT, (s+1)*KT_SPLIT)) in ascending order."""
+    fp32 accumulation over split s (k tiles [s*KT_SPLIT, (s+1)*KT_SPLIT)) in ascending order.
+    ONE_SPLIT: [kt_lo, kt_hi) lies in one split; returns p_s itself (0 + p_s but for the sign of a
+    zero, which the sum over splits, starting from +0, erases)."""
     # Clamp rows/cols instead of masking: loads stay unpredicated, stores are masked later.
     rows = off_m + tl.arange(0, BLOCK_M)
     cols = off_n + tl.arange(0, BLOCK_N)
@@ -106,7 +108,7 @@ def _accumulate(a_src, b_src, off_m, off_n, kt_lo, kt_hi, M, N, K, stride_am, st
         b_base = b_src + tl.where(cols < N, cols, 0).to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ONE_SPLIT:  # no second accumulator: leaves registers for wider tiles
+    if ONE_SPLIT:  # no second accumulator or split test in the loop: the MMAs stay asynchronous
         for kt in tl.range(kt_lo, kt_hi):
             a, b = _load_tiles(a_src, b_src, a_base, b_base, off_m, off_n, kt * BLOCK_K, K, BLOCK_K,
                                USE_TMA, EVEN_K, UPCAST)
@@ -267,7 +269,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Mat
     _bi_mm_kernel[(n_tiles * n_splits,) if parallel else (n_tiles,)](
         a_src, b_src, bias_arg, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        KT_SPLIT=cfg.split_k // cfg.block_k if n_splits > 1 else 1 << 20, ONE_SPLIT=n_splits == 1,
+        KT_SPLIT=cfg.split_k // cfg.block_k if n_splits > 1 else 1 << 20,
+        ONE_SPLIT=n_splits == 1 or parallel,  # a "par" program covers one split
         FLAT=cfg.flat, GROUP_M=cfg.group_m, PARALLEL=parallel, FUSED_REDUCE=fused and parallel,
         HAS_BIAS=bias is not None, USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0,
         UPCAST=interpreting() and x.dtype != torch.float32, PRECISION=cfg.dot_precision,
