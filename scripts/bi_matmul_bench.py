@@ -68,6 +68,21 @@ CANDIDATES = {
               "sk512m16k128": dict(split_k=512, block_m=16, block_k=128, num_stages=4),
               "sk256": dict(split_k=256),
               "sk1024": dict(split_k=1024),
+              # fewer splits (less fp32 partial traffic at M ~ 64) or none (parallelism from
+              # narrow column tiles instead): other arithmetic, compared among themselves
+              "sk2048": dict(split_k=2048),
+              "sk2048m16": dict(split_k=2048, block_m=16),
+              "sk2048m16n64s6": dict(split_k=2048, block_m=16, block_n=64, num_stages=6),
+              "sk2048m32": dict(split_k=2048, block_m=32),
+              "sk2048n64s6": dict(split_k=2048, block_n=64, num_stages=6),
+              "sk0m16n32s8": dict(split_k=0, block_m=16, block_n=32, num_stages=8),
+              "sk0m16n32k128s6": dict(split_k=0, block_m=16, block_n=32, block_k=128, num_stages=6),
+              "sk0n32k128s6": dict(split_k=0, block_n=32, block_k=128, num_stages=6),
+              "sk0n32s8": dict(split_k=0, block_n=32, num_stages=8),
+              "sk0m32n32s8": dict(split_k=0, block_m=32, block_n=32, num_stages=8),
+              "sk0wide": dict(split_k=0, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+              "sk2048wide": dict(split_k=2048, block_m=128, block_n=256, block_k=64, num_warps=8,
+                                 num_stages=3, flat=False),
               # what a 512 split would cost at large M (the production large-M tile)
               "sk512wide": dict(split_k=512, block_m=128, block_n=256, block_k=64, num_warps=8,
                                 num_stages=3, flat=False)},
