@@ -45,6 +45,7 @@ for s in "$@"; do case $s in
   smallm3) step smallm3 200 python3 scripts/bi_matmul_bench.py --configs m16,m16n64s6,m32,m32n64s6,m32k128s4,k128s4,n64s6 --shapes qkv,o,gate_up,down --ms 1,8,16,32,64,128,256 --no-norms --reps 10 ;;
   smallm4) step smallm4 200 python3 scripts/bi_matmul_bench.py --configs sk2048,sk2048m16,sk2048m16n64s6,sk2048m32,sk2048n64s6,sk0m16n32s8,sk0m16n32k128s6,sk0n32k128s6,sk0n32s8,sk0m32n32s8 --shapes qkv,o,down --ms 1,8,64,256 --no-norms --reps 10 ;;
   bigm4) step bigm4 90 python3 scripts/bi_matmul_bench.py --configs sk0wide,sk2048wide --shapes qkv,o,down --ms 4096 --no-norms --reps 10 ;;
+  smallm5) step smallm5 200 python3 scripts/bi_matmul_bench.py --configs n64s6,k128s4,m16,m16n64s6,m32,m128w8nest4 --shapes qkv,o,gate_up,down --ms 16,32,48,96,128,256 --no-norms --reps 10 ;;
   bigm) step bigm 90 python3 scripts/bi_matmul_bench.py --configs sk512wide --shapes qkv,o,gate_up,down --ms 256,4096 --no-norms --reps 10 ;;
   attnsweep) step attnsweep 200 python3 scripts/gpu_attention_bench.py --sweep ;;
   prof8det) step prof8det 120 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --enable-deterministic-inference --profile 30 ;;

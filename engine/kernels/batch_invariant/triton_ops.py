@@ -25,12 +25,14 @@ from engine.kernels.batch_invariant.triton_matmul import MatmulConfig
 _HALF = ("bf16", "fp16")
 
 # Qwen3-8B (hidden 4096, q 32x128 + kv 2x8x128, intermediate 12288, vocab 151936), bf16/fp16.
-# (N, K): config. Small-M parallelism comes from split_k: N/block_n tiles x K/split_k splits.
+# (N, K): config. Small-M parallelism comes from split_k: N/block_n tiles x K/split_k splits; at
+# M ~ 64 every split costs an fp32 partial of M x N written and read, so qkv and down use 2048
+# (qkv M=64: 1.41 -> 1.19x cuBLAS, down 1.45 -> 1.24x; scripts/bi_matmul_bench.py, docs/benchmarks.md).
 _HALF_TABLE: dict[tuple[int, int], MatmulConfig] = {
-    (6144, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
+    (6144, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=2048, num_warps=4, num_stages=4),
     (4096, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
     (24576, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=2048, num_warps=4, num_stages=4),
-    (4096, 12288): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
+    (4096, 12288): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=2048, num_warps=4, num_stages=4),
     (151936, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=0, num_warps=4, num_stages=4),
 }
 
@@ -59,16 +61,22 @@ def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
 
 
 # (N, K): tiers (first M that uses it, tile), ascending; below the first tier the table entry's
-# own tile. Picked per M from scripts/bi_matmul_bench.py --configs on the H200 (graph-timed, cold
-# L2, docs/benchmarks.md); every tile here gave the table tile's bits at every M.
+# own tile, and {} is that tile again. Picked per M from scripts/bi_matmul_bench.py --configs on
+# the H200 (graph-timed, cold L2, docs/benchmarks.md); every tile here gave the table tile's bits
+# at every M. Small M: 16-row tiles (mma.sync rather than wgmma; same bits, measured) stream the
+# weight at 0.97-1.1x cuBLAS where the 64-row wgmma tile took 1.2-1.4x.
 # block_k explicit: a table entry's block_k=128 with this tile would need 288 KB of shared memory
 _WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flat=False)  # 1.07-1.14x
+_M16 = dict(block_m=16)
+_M16N64 = dict(block_m=16, block_n=64, num_stages=6)
+_N64 = dict(block_n=64, num_stages=6)
 _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
-    (6144, 4096): ((1024, _WIDE),),
-    (4096, 4096): ((1, dict(block_k=128)), (1024, _WIDE)),
-    (24576, 4096): ((256, dict(block_m=128, num_warps=8, num_stages=4, flat=False)), (1024, _WIDE)),
-    (4096, 12288): ((32, dict(block_n=64, num_stages=6)), (128, dict(block_k=128, num_stages=4)),
-                    (1024, _WIDE)),
+    (6144, 4096): ((1, _M16N64), (48, _N64), (256, {}), (1024, _WIDE)),
+    (4096, 4096): ((1, _M16N64), (32, dict(block_k=128)), (128, _N64), (256, dict(block_k=128)),
+                   (1024, _WIDE)),
+    (24576, 4096): ((1, _M16), (32, dict(block_m=32)), (96, {}),
+                    (256, dict(block_m=128, num_warps=8, num_stages=4, flat=False)), (1024, _WIDE)),
+    (4096, 12288): ((1, _M16), (32, {}), (1024, _WIDE)),
     (151936, 4096): ((128, dict(block_m=128, block_n=256, num_warps=8, num_stages=4)),),
 }
 
