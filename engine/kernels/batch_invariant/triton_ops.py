@@ -70,13 +70,13 @@ _WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, fl
 _M16 = dict(block_m=16)
 _M16N64 = dict(block_m=16, block_n=64, num_stages=6)
 _N64 = dict(block_n=64, num_stages=6)
+_K128 = dict(block_k=128)
+_NEST = dict(block_m=128, num_warps=8, num_stages=4, flat=False)
 _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
-    (6144, 4096): ((1, _M16N64), (48, _N64), (256, {}), (1024, _WIDE)),
-    (4096, 4096): ((1, _M16N64), (32, dict(block_k=128)), (128, _N64), (256, dict(block_k=128)),
-                   (1024, _WIDE)),
-    (24576, 4096): ((1, _M16), (32, dict(block_m=32)), (96, {}),
-                    (256, dict(block_m=128, num_warps=8, num_stages=4, flat=False)), (1024, _WIDE)),
-    (4096, 12288): ((1, _M16), (32, {}), (1024, _WIDE)),
+    (6144, 4096): ((1, _M16N64), (32, _K128), (128, _N64), (256, {}), (1024, _WIDE)),
+    (4096, 4096): ((1, _M16N64), (32, _K128), (80, _N64), (256, _K128), (1024, _WIDE)),
+    (24576, 4096): ((1, _M16), (32, dict(block_m=32)), (96, _NEST), (1024, _WIDE)),
+    (4096, 12288): ((1, _M16), (32, {}), (128, _N64), (256, _K128), (1024, _WIDE)),
     (151936, 4096): ((128, dict(block_m=128, block_n=256, num_warps=8, num_stages=4)),),
 }
 
