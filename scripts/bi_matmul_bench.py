@@ -49,6 +49,12 @@ CANDIDATES = {
               "m128w8nest3": dict(block_m=128, num_warps=8, num_stages=3, flat=False),
               "m128n256w8nest": dict(block_m=128, block_n=256, num_warps=8, num_stages=3, flat=False),
               "m256w8nest": dict(block_m=256, num_warps=8, num_stages=3, flat=False),
+              # M ~ 256 on wide N (gate_up): compute bound, wave quantization decides
+              "m64n256w8nest": dict(block_n=256, num_warps=8, num_stages=4, flat=False),
+              "m64n256w4nest": dict(block_n=256, num_warps=4, num_stages=4, flat=False),
+              "m128n256w8nest4": dict(block_m=128, block_n=256, num_warps=8, num_stages=4, flat=False),
+              "m128w8nest4g4": dict(block_m=128, num_warps=8, num_stages=4, flat=False, group_m=4),
+              "m128w4nest4": dict(block_m=128, num_warps=4, num_stages=4, flat=False),
               # other arithmetic (more, shorter splits: more programs at M = 1..64); "same" is
               # False by design: a candidate for the table entry itself, every tier re-checked
               "sk512": dict(split_k=512),
