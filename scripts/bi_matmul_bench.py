@@ -55,6 +55,11 @@ CANDIDATES = {
               "m128n256w8nest4": dict(block_m=128, block_n=256, num_warps=8, num_stages=4, flat=False),
               "m128w8nest4g4": dict(block_m=128, num_warps=8, num_stages=4, flat=False, group_m=4),
               "m128w4nest4": dict(block_m=128, num_warps=4, num_stages=4, flat=False),
+              "m128k128w8nest3": dict(block_m=128, block_k=128, num_warps=8, num_stages=3, flat=False),
+              "m128k128w4nest3": dict(block_m=128, block_k=128, num_warps=4, num_stages=3, flat=False),
+              "m128w8nest5": dict(block_m=128, num_warps=8, num_stages=5, flat=False),
+              "m128w8nest4g16": dict(block_m=128, num_warps=8, num_stages=4, flat=False, group_m=16),
+              "m64n256k128w4nest2": dict(block_n=256, block_k=128, num_warps=4, num_stages=2, flat=False),
               # other arithmetic (more, shorter splits: more programs at M = 1..64); "same" is
               # False by design: a candidate for the table entry itself, every tier re-checked
               "sk512": dict(split_k=512),
