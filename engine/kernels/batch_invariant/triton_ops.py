@@ -71,7 +71,7 @@ _M16 = dict(block_m=16)
 _M16N64 = dict(block_m=16, block_n=64, num_stages=6)
 _N64 = dict(block_n=64, num_stages=6)
 _K128 = dict(block_k=128)
-_NEST = dict(block_m=128, num_warps=8, num_stages=4, flat=False)
+_NEST = dict(block_m=128, num_warps=8, num_stages=5, flat=False)  # gate_up M=256: 1.30 -> 1.17x
 _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
     (6144, 4096): ((1, _M16N64), (32, _K128), (128, _N64), (256, {}), (1024, _WIDE)),
     (4096, 4096): ((1, _M16N64), (32, _K128), (80, _N64), (256, _K128), (1024, _WIDE)),
