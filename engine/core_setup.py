@@ -51,15 +51,15 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     if backend == "flashinfer":  # fail before the model loads
-        from engine.attention.flashinfer import check_dtype
+        from engine.attention.flashinfer import check_model
 
-        check_dtype(dtype)
+        check_model(dtype, head_dim)
     deterministic = args.enable_deterministic_inference
     model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len)
     kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
     # +1 row: the chunked request holds a row while it is neither running nor waiting

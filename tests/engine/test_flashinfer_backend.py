@@ -44,6 +44,16 @@ def test_float32_is_refused(monkeypatch):
         _check(torch.float32, torch.device("cuda"))
 
 
+def test_unsupported_head_dim_is_refused_before_the_model_loads(tiny_model_dir):
+    from engine.core_setup import build_core_parts
+
+    # the tiny model's head_dim (16) is not one flashinfer builds kernels for
+    args = ServerArgs(model_path=tiny_model_dir, attention_backend="flashinfer", dtype="bfloat16",
+                      device="cpu")
+    with pytest.raises(ValueError, match=r"supports head_dim 64, 128, 256, this model has 16"):
+        build_core_parts(args)
+
+
 # ---- a stand-in flashinfer -----------------------------------------------------------------------
 PLANS = []  # every plan() call, to count them
 
