@@ -9,6 +9,8 @@ Timing: CUDA graphs of R back-to-back calls (launch overhead out, as in CUDA-gra
 median of --reps replays divided by R; eager per-call events too. L2: each of the R calls uses
 its own weight/input copy, with all copies together >= 3x the L2, so weights come from HBM.
 --configs sweeps candidate tile configs per shape (one compile per config and schedule);
+same_bits_as_reference: the candidate's output equals, bit for bit, that of the first config run
+with the same arithmetic (split_k, dot precision); None for that first config itself.
 --dry-run runs it all on the CPU in Triton's interpreter at tiny shapes (checks the script only).
 
     python scripts/bi_matmul_bench.py [--configs [NAMES]] [--shapes qkv,o] [--ms 1,64] [--dry-run]
@@ -162,7 +164,7 @@ def bench_config(name, N, K, cfg, ws, xs, ref, base_out, args):
     w0, x0 = ws[0], xs[0]
     full = triton_ops.bi_linear(x0, w0, config=cfg)
     rel = ((full.float() - ref).norm() / ref.norm()).item()
-    same_as_default = None if base_out is None else torch.equal(full, base_out)  # first of its arithmetic
+    same_as_ref = None if base_out is None else torch.equal(full, base_out)  # first of its arithmetic
     rows = []
     for M in args.ms:
         out = triton_ops.bi_linear(x0[:M], w0, config=cfg)
@@ -171,7 +173,7 @@ def bench_config(name, N, K, cfg, ws, xs, ref, base_out, args):
         cfg_m = cfg or triton_ops.matmul_config(N, K, torch.bfloat16, M)  # None: the table's M tiers
         sched = triton_matmul.choose_schedule(M, N, K, cfg_m, x0.device)
         row = dict(shape=name, N=N, K=K, M=M, config=dataclasses.asdict(cfg_m), schedule=sched,
-                   rel_err=rel, same_bits_as_default=same_as_default)
+                   rel_err=rel, same_bits_as_reference=same_as_ref)
         both = cfg_m.num_splits(K) > 1 and M <= 256
         for s in ("par", "seq") if both else ():
             inv &= torch.equal(triton_ops.bi_linear(x0[:M], w0, config=cfg, schedule=s), full[:M])
@@ -306,7 +308,7 @@ def print_tables(rows, norm_rows, sweep: bool) -> None:
               f"{r['cublas_us']:8.1f} {r['ratio']:6.2f} {r.get('par_us', float('nan')):8.1f} "
               f"{r.get('seq_us', float('nan')):8.1f} {r['tbps']:5.2f} {r['tflops']:7.1f} "
               f"{100 * r['roofline_us'] / r['ours_us']:5.0f} {'yes' if r['invariant'] else 'NO '} "
-              f"{r['rel_err']:.1e} {r['same_bits_as_default']}")
+              f"{r['rel_err']:.1e} {r['same_bits_as_reference']}")
     for r in norm_rows:
         print(f"{r['op']:13s} M={r['M']:5d} ours {r['ours_us']:8.1f} torch {r['torch_us']:8.1f} "
               f"ratio {r['ratio']:.2f} inv {'yes' if r['invariant'] else 'NO'}")
@@ -315,7 +317,7 @@ def print_tables(rows, norm_rows, sweep: bool) -> None:
         for (shape, cname), rs in by_cfg.items():
             ratios = " ".join(f"{r['M']}:{r['ratio']:.2f}{'' if r['invariant'] else '!'}" for r in rs)
             print(f"{shape:8s} {cname:11s} {ratios}"
-                  + f"  worst {worst[(shape, cname)]:.2f} same {rs[0]['same_bits_as_default']}"
+                  + f"  worst {worst[(shape, cname)]:.2f} same {rs[0]['same_bits_as_reference']}"
                   + ("  <- best" if best.get(shape) == cname else ""))
 
 

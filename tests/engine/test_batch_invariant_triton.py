@@ -143,6 +143,9 @@ def test_m_tiers_change_only_the_tile():
         x, w = _rand(41, 200), _rand(72, 200, seed=1)
         full = triton_ops.bi_linear(x, w)  # M=41: the last tier's tile
         assert torch.equal(triton_ops.bi_linear(x[:16], w), full[:16]) or DEV == "cpu"
+        triton_ops.set_m_tiers(*key, ((17, dict(block_m=32)), (40, {})))  # {}: the table tile again
+        assert triton_ops.matmul_config(*key, M=40) == triton_ops.matmul_config(*key)
+        assert triton_ops.matmul_config(*key, M=17).block_m == 32
         with pytest.raises(ValueError, match="split_k"):
             triton_ops.set_m_tiers(*key, ((17, dict(split_k=128)),))
         with pytest.raises(ValueError, match="multiple of block_k"):

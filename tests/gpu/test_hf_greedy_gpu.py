@@ -43,7 +43,7 @@ def prompts(tiny) -> list[list[int]]:
 def hf_outputs(tiny, prompts) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).cuda().eval()
     outs = []
     with torch.no_grad():
@@ -54,6 +54,7 @@ def hf_outputs(tiny, prompts) -> list[list[int]]:
             outs.append(out[0, len(p):].tolist())
     del model
     torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     return outs
 
 
@@ -66,7 +67,9 @@ def test_greedy_equals_hf_in_float32(tiny, prompts, hf_outputs, backend, determi
                  enable_deterministic_inference=deterministic, chunked_prefill_size=64,
                  cuda_graph_max_bs=32, max_total_tokens=16384)
     try:
-        params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
+        # min_new_tokens bans EOS as HF's does (ignore_eos alone would let EOS be picked)
+        params = {"max_new_tokens": MAX_NEW, "min_new_tokens": MAX_NEW, "temperature": 0.0,
+                  "ignore_eos": True}
         first = eng.generate(input_ids=prompts[:12], sampling_params=params)
         again = eng.generate(input_ids=prompts[12:], sampling_params=params)  # extend cached prefixes
         outs = [o["output_ids"] for o in first + again]

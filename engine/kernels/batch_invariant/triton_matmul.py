@@ -185,7 +185,7 @@ def _bi_mm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, str
     rows = off_m + tl.arange(0, BLOCK_M)
     cols = off_n + tl.arange(0, BLOCK_N)
     if PARALLEL:
-        # total is 0 + p_split here; the sum over splits below adds these in split order.
+        # total is p_split here; the sum over splits below adds 0 + p_0 + p_1 ... in split order.
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(ws_ptr + (split * M).to(tl.int64) * N + offs, total, mask=mask)

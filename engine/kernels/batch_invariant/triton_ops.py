@@ -7,9 +7,10 @@ same table. M may choose only the tile (`M_TIERS`: from some M on, another tile 
 stages), because on sm_90 the tile does not change a bit: every output element is the
 same chain of k16 tensor-core steps, with the same split boundaries, whichever tile holds it.
 Measured, not assumed: scripts/bi_matmul_bench.py compares every candidate tile's output with
-the table tile's, bit for bit, on all five Qwen3-8B shapes at M in {1, 8, 64, 256, 4096}
-(block_m 64/128/256, block_n 32..256, block_k 64/128, 4 or 8 warps, flat or nested loops: all
-identical), and tests/gpu/test_batch_invariant_gpu.py checks rows across the switch point.
+the table tile's, bit for bit, on all five Qwen3-8B shapes at M from 1 to 4096 (block_m
+16/32/64/128/256, block_n 32..256, block_k 64/128, 4 or 8 warps, 2-8 stages, flat or nested
+loops: all identical), and tests/gpu/test_batch_invariant_gpu.py checks rows across every tier
+switch. Those measurements were in bf16, so the tiers serve bf16 only; fp16 keeps the table tile.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _HALF = ("bf16", "fp16")
 # Qwen3-8B (hidden 4096, q 32x128 + kv 2x8x128, intermediate 12288, vocab 151936), bf16/fp16.
 # (N, K): config. Small-M parallelism comes from split_k: N/block_n tiles x K/split_k splits; at
 # M ~ 64 every split costs an fp32 partial of M x N written and read, so qkv and down use 2048
-# (qkv M=64: 1.41 -> 1.19x cuBLAS, down 1.45 -> 1.24x; scripts/bi_matmul_bench.py, docs/benchmarks.md).
+# (qkv M=64: 1.41 -> 1.15-1.18x cuBLAS, down 1.45 -> 1.20-1.24x; docs/benchmarks.md).
 _HALF_TABLE: dict[tuple[int, int], MatmulConfig] = {
     (6144, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=2048, num_warps=4, num_stages=4),
     (4096, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
@@ -63,8 +64,8 @@ def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
 # (N, K): tiers (first M that uses it, tile), ascending; below the first tier the table entry's
 # own tile, and {} is that tile again. Picked per M from scripts/bi_matmul_bench.py --configs on
 # the H200 (graph-timed, cold L2, docs/benchmarks.md); every tile here gave the table tile's bits
-# at every M. Small M: 16-row tiles (mma.sync rather than wgmma; same bits, measured) stream the
-# weight at 0.97-1.1x cuBLAS where the 64-row wgmma tile took 1.2-1.4x.
+# at every M. Small M: 16-row tiles (below wgmma's 64 rows; same bits, measured) take 0.9-1.11x
+# cuBLAS's time at M = 1-8 where the 64-row wgmma tile took 1.2-1.4x.
 # block_k explicit: a table entry's block_k=128 with this tile would need 288 KB of shared memory
 _WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flat=False)  # 1.07-1.14x
 _M16 = dict(block_m=16)
@@ -81,7 +82,7 @@ _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
 }
 
 M_TIERS: dict[tuple[int, int, str], tuple[tuple[int, dict], ...]] = {
-    (n, k, dt): tiers for (n, k), tiers in _HALF_TIERS.items() for dt in _HALF
+    (n, k, "bf16"): tiers for (n, k), tiers in _HALF_TIERS.items()  # measured in bf16 only
 }
 TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m")
 
