@@ -119,3 +119,16 @@ PREFILL = [(s, 0, n) for s, n in enumerate(PROMPTS)]
 
 def qwen3_8b_scene() -> AttentionScene:
     return AttentionScene(LENS, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+
+
+def worst_mixed_then_decode(scene: AttentionScene, backend) -> tuple[float, float]:
+    """-> (error on the MIXED batch, worst error over STEPS decode steps after a full PREFILL),
+    both relative to the torch backend."""
+    mixed = worst_vs_torch(scene, backend, MIXED)
+    scene.run(backend, PREFILL)
+    decode = 0.0
+    for step in range(STEPS):
+        items = [(s, n + step, 1) for s, n in enumerate(PROMPTS)]
+        decode = max(decode, worst_vs_torch(scene, backend, items, decode=True))
+    print(f"  worst decode rel err over {STEPS} steps: {decode:.2e}")
+    return mixed, decode

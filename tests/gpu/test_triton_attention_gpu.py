@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from engine.attention.triton import TritonAttentionBackend  # noqa: E402
 from engine.testing.attention_scene import (  # noqa: E402
-    LENS, MIXED, PREFILL, PROMPTS, STEPS, cuda_timer as timed, qwen3_8b_scene, rel_err, worst_vs_torch)
+    LENS, MIXED, cuda_timer as timed, qwen3_8b_scene, rel_err, worst_mixed_then_decode)
 
 @pytest.fixture(scope="module")
 def scene():
@@ -29,15 +29,9 @@ def backend(deterministic: bool) -> TritonAttentionBackend:
 @pytest.mark.parametrize("deterministic", [False, True], ids=["normal", "det"])
 def test_extend_and_64_decode_steps_match_torch(scene, deterministic):
     with timed(f"vs torch, deterministic={deterministic}"):
-        tb = backend(deterministic)
-        assert worst_vs_torch(scene, tb, MIXED) <= 1e-2
-        scene.run(tb, PREFILL)
-        worst = 0.0
-        for step in range(STEPS):
-            items = [(s, n + step, 1) for s, n in enumerate(PROMPTS)]
-            worst = max(worst, worst_vs_torch(scene, tb, items, decode=True))
-        print(f"  worst decode rel err over {STEPS} steps: {worst:.2e}")
-        assert worst <= 1e-2
+        mixed, decode = worst_mixed_then_decode(scene, backend(deterministic))
+        assert mixed <= 1e-2
+        assert decode <= 1e-2
 
 
 def test_batch_invariance_bitwise(scene):
