@@ -15,7 +15,8 @@ Plans: plan() runs flashinfer's scheduler on host copies of the indptr arrays. T
 from the ForwardBatch's host lists in pinned memory, so their copies to the device do not wait
 for the GPU (one flashinfer makes itself, of a pageable qo_indptr in eager decode, may: graph
 replays skip it). One plan per batch, made at the first layer call (the query head count, dtype
-and scale are known there) and reused by the other layers.
+and scale are known there) and reused by the other layers. A wrapper's next plan waits for its
+previous plan's copy out of the wrapper's one pinned buffer (an event per wrapper).
 
 The page table is built at layer 0, which starts every forward pass. CUDA graphs (decode only):
 one wrapper per captured batch size over static indptr / indices / last_page_len buffers; the
@@ -90,6 +91,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._ones: Optional[torch.Tensor] = None
         self.plan: Optional[_Plan] = None
         self.graph: Optional[_GraphState] = None
+        self._copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan's copy
 
     # ---- per batch -----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -125,6 +127,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             _check(dtype, self.workspace.device)
         bs = plan.kv_lens.numel()
         last_page_len = self._host_ones(bs)
+        # plan() writes the wrapper's pinned host buffer, then copies it to the device without
+        # waiting; under overlap scheduling the previous plan's copy may still be queued behind
+        # the running batch, so wait for it (it has almost always run: this costs ~nothing)
+        copied = self._copied.get(id(plan.wrapper))
+        if copied is not None:
+            copied.synchronize()
         if plan.decode:
             plan.wrapper.plan(plan.kv_indptr, plan.kv_indices, last_page_len, num_heads, num_kv_heads,
                               head_dim, 1, q_data_type=q_dtype, kv_data_type=kv_dtype,
@@ -135,6 +143,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                               num_heads, num_kv_heads, head_dim, 1, causal=True, sm_scale=scaling,
                               q_data_type=q_dtype, kv_data_type=kv_dtype, seq_lens=plan.kv_lens)
         plan.key = key
+        if self.workspace.is_cuda:  # (the CPU tests' stand-in flashinfer has no copies)
+            self._copied.setdefault(id(plan.wrapper), torch.cuda.Event()).record()
         if plan.decode and plan.wrapper.is_cuda_graph_enabled:
             self.graph.key = key
 

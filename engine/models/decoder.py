@@ -188,9 +188,11 @@ class DecoderForCausalLM(nn.Module):
         """-> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions, forward_batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab], written into `out` when given (the
+        float32 cast is that copy, so a caller's buffer costs nothing extra)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     # ---- weight loading: the single place that knows HF names -> engine parameters ----
 

@@ -9,8 +9,10 @@ per-batch metadata in static buffers it refreshes before each replay
 (`init_forward_metadata_replay`, given the device and the host seq_lens); the sampler stays
 outside the graph.
 
-Memory: each captured size keeps its own float32 logits output [bs, vocab] alive (SGLang does the
-same); at max_bs 256 and a 152k vocabulary that is ~2.6 GB in all.
+Memory: every graph writes its float32 logits into one shared [max_bs, vocab] buffer (a graph per
+size keeping its own output would hold ~6 GB at max_bs 512 and a 152k vocabulary). Sharing is
+safe because everything runs on one stream: a step's sampling reads the buffer before the next
+replay, enqueued after it, writes it.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ class CudaGraphRunner:
             self.max_bs, req_to_token.shape[1], cfg.num_attention_heads,
             getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim_of(cfg), device)
+        self.logits = torch.empty(self.max_bs, cfg.vocab_size, dtype=torch.float32, device=device)
         self.num_replays = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self._capture_all()
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
@@ -65,7 +67,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """-> float32 logits [bs, vocab] of the batch's rows (a view of the graph's output)."""
+        """-> float32 logits [bs, vocab] of the batch's rows (a view of the shared buffer, valid
+        until the next replay)."""
         fb = forward_batch
         bs = fb.batch_size
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
@@ -82,7 +85,7 @@ class CudaGraphRunner:
             fb.seq_lens_cpu + [1] * (padded - bs))
         self.graphs[padded].replay()
         self.num_replays += 1
-        return self.outputs[padded][:bs]
+        return self.logits[:bs]
 
     # ---- capture -------------------------------------------------------------------------------
     def _capture_all(self) -> None:
@@ -96,29 +99,30 @@ class CudaGraphRunner:
         with torch.inference_mode():
             for bs in bar:
                 bar.set_postfix(bs=bs)
-                self.graphs[bs], self.outputs[bs] = self._capture(bs, stream, pool)
+                self.graphs[bs] = self._capture(bs, stream, pool)
         used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
         logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s, %.2f GB",
                     len(self.graphs), self.capture_bs[0], self.max_bs,
                     time.perf_counter() - start, used)
 
-    def _capture(self, bs: int, stream: torch.cuda.Stream, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bs: int, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
         fb = self._static_batch(bs)
         self.attn_backend.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
-
-        def run() -> torch.Tensor:
-            return self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
-
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(stream):  # warm-up: kernel compiles, cuBLAS workspaces
             for _ in range(2):
-                run()
+                self._forward(fb)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = run()
+            self._forward(fb)
         torch.cuda.synchronize(self.device)
-        return graph, out
+        return graph
+
+    def _forward(self, fb: ForwardBatch) -> None:
+        """The captured work: model and logits, into the shared buffer's first bs rows."""
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        self.model.compute_logits(hidden, out=self.logits[:fb.batch_size])
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(

@@ -58,6 +58,7 @@ class ModelRunner:
 
             self.cuda_graph = CudaGraphRunner(model, self.attn_backend, kv_pool, self.req_to_token,
                                               self.device, config.cuda_graph_max_bs)
+        self.sampler.warmup(self.device, config.vocab_size)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:

@@ -42,6 +42,16 @@ class Sampler:
         self._compiled: Optional[Callable] = None
         self._log_softmax = log_softmax
 
+    def warmup(self, device: torch.device, vocab_size: int) -> None:
+        """Compile the fused noise kernel now rather than on the first sampled request (a
+        rollout's first step would stall for seconds). Batch 1 and 2: compile specialises 1."""
+        if not self._compile or device.type != "cuda":
+            return
+        fn = self._gumbel_argmax(device)
+        for bs in (1, 2):
+            zeros = torch.zeros(bs, dtype=torch.int64, device=device)
+            fn(torch.zeros(bs, vocab_size, device=device), zeros, zeros)
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         raw = logits.float()
         penalised = apply_penalties(raw, batch)
