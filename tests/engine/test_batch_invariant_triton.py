@@ -146,6 +146,11 @@ def test_m_tiers_change_only_the_tile():
         triton_ops.set_m_tiers(*key, ((17, dict(block_m=32)), (40, {})))  # {}: the table tile again
         assert triton_ops.matmul_config(*key, M=40) == triton_ops.matmul_config(*key)
         assert triton_ops.matmul_config(*key, M=17).block_m == 32
+        triton_ops.set_m_tiers(*key, ((17, dict(par_max_tiles=1)),))  # a tier may force "seq"
+        seq = triton_ops.matmul_config(*key, M=17)
+        assert triton_matmul.choose_schedule(17, 72, 200, seq, x.device) == "seq"
+        x_seq = triton_ops.bi_linear(x[:17], w)
+        assert torch.equal(x_seq, triton_ops.bi_linear(x[:17], w, config=seq, schedule="par"))
         with pytest.raises(ValueError, match="split_k"):
             triton_ops.set_m_tiers(*key, ((17, dict(split_k=128)),))
         with pytest.raises(ValueError, match="multiple of block_k"):

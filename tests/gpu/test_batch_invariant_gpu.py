@@ -20,7 +20,8 @@ if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
-MS = (1, 8, 16, 32, 48, 64, 96, 128, 256, 1024, 2048)  # crosses the schedule and every tier switch
+MS = (1, 8, 16, 32, 48, 64, 65, 96, 128, 129, 160, 193, 224, 256, 257, 320, 321, 385, 448, 513, 640, 1024,
+      2048)  # crosses the schedule and every tier switch
 
 
 def _ops():

@@ -65,26 +65,37 @@ def default_config(N: int, K: int, dtype_key: str) -> MatmulConfig:
 # own tile, and {} is that tile again. Picked per M from scripts/bi_matmul_bench.py --configs on
 # the H200 (graph-timed, cold L2, docs/benchmarks.md); every tile here gave the table tile's bits
 # at every M. Small M: 16-row tiles (below wgmma's 64 rows; same bits, measured) take 0.9-1.11x
-# cuBLAS's time at M = 1-8 where the 64-row wgmma tile took 1.2-1.4x.
+# cuBLAS's time at M = 1-8 where the 64-row wgmma tile took 1.2-1.4x. M 65-1023: picked on a
+# grid of 16 Ms (64..1024, a point per 64-row step), fourth session: a tile is fast only on
+# some steps of M (tile count vs 132 SMs), so the best one changes every 64-128 rows.
 # block_k explicit: a table entry's block_k=128 with this tile would need 288 KB of shared memory
 _WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flat=False)  # 1.07-1.14x
 _M16 = dict(block_m=16)
 _M16N64 = dict(block_m=16, block_n=64, num_stages=6)
-_N64 = dict(block_n=64, num_stages=6)
 _K128 = dict(block_k=128)
 _NEST = dict(block_m=128, num_warps=8, num_stages=5, flat=False)  # gate_up M=256: 1.30 -> 1.17x
+_N256 = dict(block_n=256, num_warps=8, num_stages=4, flat=False)
+# "seq" even where the tile count alone would pick "par" (same bits; schedule only): with 64-128
+# output tiles the split partials' round trip cost more than the SMs it filled (measured: down
+# M=96 52.6 -> 44.0 us, qkv 26.5 -> 19.8 us)
+_SEQ = dict(par_max_tiles=1)
+_K128_SEQ = {**_K128, **_SEQ}
 _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
-    (6144, 4096): ((1, _M16N64), (32, _K128), (128, _N64), (256, {}), (1024, _WIDE)),
-    (4096, 4096): ((1, _M16N64), (32, _K128), (80, _N64), (256, _K128), (1024, _WIDE)),
-    (24576, 4096): ((1, _M16), (32, dict(block_m=32)), (96, _NEST), (1024, _WIDE)),
-    (4096, 12288): ((1, _M16), (32, {}), (128, _N64), (256, _K128), (1024, _WIDE)),
+    (6144, 4096): ((1, _M16N64), (32, _K128), (65, _K128_SEQ), (193, {}), (321, _K128), (513, _NEST),
+                   (1024, _WIDE)),
+    (4096, 4096): ((1, _M16N64), (32, _K128), (65, _K128_SEQ), (385, _NEST), (513, _K128),
+                   (1024, _WIDE)),
+    (24576, 4096): ((1, _M16), (32, dict(block_m=32)), (96, _NEST), (129, _K128), (193, _NEST),
+                    (257, _N256), (321, _NEST), (1024, _WIDE)),
+    (4096, 12288): ((1, _M16), (32, {}), (65, _K128_SEQ), (385, _NEST), (513, _K128), (1024, _WIDE)),
     (151936, 4096): ((128, dict(block_m=128, block_n=256, num_warps=8, num_stages=4)),),
 }
 
 M_TIERS: dict[tuple[int, int, str], tuple[tuple[int, dict], ...]] = {
     (n, k, "bf16"): tiers for (n, k), tiers in _HALF_TIERS.items()  # measured in bf16 only
 }
-TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m")
+# what a tier may change: the tile, and par_max_tiles (the schedule: "par" and "seq" give the same bits)
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m", "par_max_tiles")
 
 
 def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None,
