@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n", type=int, default=None,
                    help=f"grpo: samples per prompt, sharing it (default {GRPO_DEFAULT_N})")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompts' random token ids")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (what --compare-hf checks); 1.0 samples as RL rollouts do")
     m = p.add_argument_group("model")
     add_preset_argument(m)
     r = p.add_argument_group("measurement")
@@ -72,6 +74,9 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         if args.runs < 1 or (args.hf_runs is not None and args.hf_runs < 1) or args.warmup_runs < 0:
             raise SystemExit("tandem bench: --runs and --hf-runs must be >= 1, --warmup-runs >= 0")
+        if args.compare_hf and args.temperature != 0.0:
+            raise SystemExit("tandem bench: --compare-hf runs greedy generation; drop --temperature "
+                             "(or --compare-hf to measure sampling alone)")
         self.args = args
         self.engine_kwargs, self.model_label = _engine_kwargs(args)
         self.n = args.n or (GRPO_DEFAULT_N if args.workload == "grpo" else 1)
@@ -188,7 +193,7 @@ class Bench:
         a = self.args
         try:
             return build_workload(a.workload, a.num_prompts, a.input_len, a.output_len,
-                                  vocab_size, a.random_range_ratio, self.n, seed)
+                                  vocab_size, a.random_range_ratio, self.n, seed, a.temperature)
         except ValueError as exc:
             raise SystemExit(f"tandem bench: {exc}") from exc
 

@@ -19,6 +19,7 @@ class Workload:
     input_ids: list[list[int]]  # one per request; grpo repeats each prompt n times, adjacently
     output_lens: list[int]
     n: int  # samples per distinct prompt (1 for random)
+    temperature: float = 0.0  # 0: greedy, so the HF comparison can check the tokens; RL samples at 1
 
     @property
     def num_requests(self) -> int:
@@ -46,12 +47,13 @@ class Workload:
         return sum(self.output_lens)
 
     def sampling_params(self) -> list[dict]:
-        # greedy so the HF comparison can check it produced the same tokens
-        return [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in self.output_lens]
+        return [{"max_new_tokens": n, "temperature": self.temperature, "ignore_eos": True}
+                for n in self.output_lens]
 
     def describe(self) -> dict:
         return {
             "kind": self.kind, "num_prompts": self.num_prompts, "n": self.n,
+            "temperature": self.temperature,
             "num_requests": self.num_requests,
             "input_tokens": self.total_input_tokens, "output_tokens": self.total_output_tokens,
             "mean_input_len": self.total_input_tokens / self.num_requests,
@@ -60,7 +62,8 @@ class Workload:
 
 
 def build_workload(kind: str, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
-                   range_ratio: float = 1.0, n: int = 1, seed: int = 0) -> Workload:
+                   range_ratio: float = 1.0, n: int = 1, seed: int = 0,
+                   temperature: float = 0.0) -> Workload:
     if kind not in WORKLOADS:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {kind!r}")
     if kind == "random" and n != 1:
@@ -69,12 +72,14 @@ def build_workload(kind: str, num_prompts: int, input_len: int, output_len: int,
         raise ValueError("num_prompts, input_len, output_len and n must be >= 1")
     if not 0.0 <= range_ratio <= 1.0:
         raise ValueError(f"random_range_ratio must be in [0, 1], got {range_ratio}")
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab_size) for _ in range(length)]
                for length in _lengths(rng, input_len, range_ratio, num_prompts)]
     input_ids = [ids for ids in prompts for _ in range(n)]
     output_lens = _lengths(rng, output_len, range_ratio, len(input_ids))
-    return Workload(kind, input_ids, output_lens, n)
+    return Workload(kind, input_ids, output_lens, n, temperature)
 
 
 def _lengths(rng: random.Random, length: int, ratio: float, count: int) -> list[int]:

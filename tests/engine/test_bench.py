@@ -47,7 +47,9 @@ def test_random_workload_with_hf_and_roofline(tmp_path, capsys):
 
 def test_grpo_workload_shares_prompts(tmp_path):
     result = _bench(tmp_path, "--workload", "grpo", "--num-prompts", "2", "--n", "4",
-                    "--input-len", "64", "--output-len", "4", "--stream-mode", "final")
+                    "--input-len", "64", "--output-len", "4", "--stream-mode", "final",
+                    "--temperature", "1.0")  # sampled, as GRPO rollouts are
+    assert result["workload"]["temperature"] == 1.0
     med = result["tandem"]["median"]
     assert med["output_tokens"] == 2 * 4 * 4 and med["input_tokens"] == 2 * 4 * 64
     assert med["cache_hit_rate"] > 0.5  # 3 of every 4 samples read the prompt from the tree
@@ -71,6 +73,16 @@ def test_grpo_repeats_each_prompt_adjacently():
     assert w.unique_input_lens == [10, 10, 10]
     with pytest.raises(ValueError, match="grpo"):
         build_workload("random", 3, 10, 5, vocab_size=1000, n=2)
+
+
+def test_temperature_reaches_the_requests_and_bad_values_are_named(tmp_path):
+    w = build_workload("grpo", 2, 10, 5, vocab_size=1000, n=3, temperature=0.7)
+    assert {p["temperature"] for p in w.sampling_params()} == {0.7}
+    assert {p["temperature"] for p in build_workload("random", 2, 10, 5, 1000).sampling_params()} == {0.0}
+    with pytest.raises(ValueError, match="temperature"):
+        build_workload("random", 2, 10, 5, vocab_size=1000, temperature=-1.0)
+    with pytest.raises(SystemExit, match="--compare-hf runs greedy"):
+        _bench(tmp_path, "--num-prompts", "2", "--compare-hf", "--temperature", "1.0")
 
 
 def test_hf_names_round_trip_through_load_weights(engine):
