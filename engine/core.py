@@ -16,6 +16,7 @@ from engine.config import ServerArgs
 from engine.core_setup import CoreParts, build_core_parts
 from engine.determinism.recorder import Recorder
 from engine.finish import check_finished
+from engine.generation_control import CONTROL_MESSAGES, GenerationControl
 from engine.request import Req, ReqInput
 from engine.output import build_output
 from engine.runner.pending_result import PendingResult
@@ -64,6 +65,8 @@ class EngineCore:
         self.runner = self.parts.runner
         self.tokenizer = self.parts.tokenizer
         self.weight_version = "default"
+        self.paused = False  # pause_generation: no new forward passes until continue_generation
+        self.control = GenerationControl(self)
         self.stats = CoreStats()
         # overlap scheduling: on by default on CUDA (SGLang's choice); the CPU gains nothing
         self.overlap = self.runner.device.type == "cuda" and not server_args.disable_overlap_schedule
@@ -80,6 +83,8 @@ class EngineCore:
             return self._abort(msg)
         if isinstance(msg, FlushCacheReq):
             return self.scheduler.flush_cache()
+        if isinstance(msg, CONTROL_MESSAGES):
+            return self.control.handle(msg)
         raise TypeError(f"unknown message type {type(msg).__name__}")
 
     def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
@@ -96,19 +101,32 @@ class EngineCore:
             req = self.scheduler.abort_request(rid, msg.message)
             if req is not None and req.finished:  # it was waiting: finished right away
                 outputs.append(self._finish_output(req))
+        if self.paused and self._inflight is None:  # no step will release the running ones
+            self.scheduler.finish_marked_aborts()
+            outputs += [self._finish_output(r) for r in self.scheduler.pop_finished()]
         return outputs
+
+    def abort_all(self, message: str) -> list[ReqOutput]:
+        return self._abort(AbortReq(None, message))
 
     def _all_rids(self) -> list[str]:
         s = self.scheduler
         return [r.rid for r in list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self._inflight is not None or (not self.paused and self.scheduler.has_work())
+
+    def drain(self) -> list[ReqOutput]:
+        """Finish the launched (overlap) batch: afterwards nothing runs on the device."""
+        inflight, self._inflight = self._inflight, None
+        return self._process(inflight) if inflight is not None else []
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         """One scheduling round. With overlap, a decode step is launched before the previous
         step's tokens are read back, so host work hides behind the device's."""
+        if self.paused:
+            return self.drain()
         inflight, self._inflight = self._inflight, None
         ahead = self.scheduler.schedule_lookahead(inflight.batch) if inflight is not None else None
         if ahead is not None:
@@ -140,6 +158,7 @@ class EngineCore:
         self._record_logprobs(batch, result)
         outputs: list[ReqOutput] = []
         for req in grown:
+            req.note_weight_version(self.weight_version)
             outputs.extend(self._after_token(req))
         for req in self._prompt_only(batch):  # max_new_tokens=0: prompt logprobs, no output
             req.finished_reason = {"type": "length", "length": 0}

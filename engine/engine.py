@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional, Union
 
 from engine.config import ServerArgs
 from engine.core import AbortReq, EngineCore, FlushCacheReq, ReqOutput
+from engine.generation_control import (ContinueReq, PauseReq, Reply, SetWeightVersionReq, UpdateWeightsReq,
+                                       check_pause_mode)
 from engine.generate_stream import GenerateStream
 from engine.request_builder import RequestBuilder
 
@@ -90,6 +92,42 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._call(FlushCacheReq())
 
+    # ---- RL control: pause, weight updates (engine/generation_control.py) ---------------------
+    def pause_generation(self, mode: str = "abort") -> None:
+        """abort: in-flight requests end with finish_reason abort; retract: they go back to the
+        queue (KV freed to the cache) and resume on continue; in_place: they keep their KV.
+        Requests sent while paused wait in the queue."""
+        self._call(PauseReq(check_pause_mode(mode)))
+
+    def continue_generation(self) -> None:
+        self._call(ContinueReq())
+
+    def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None,
+                                   flush_cache: bool = True, weight_version: Optional[str] = None
+                                   ) -> tuple[bool, str]:
+        """named_tensors: [(HF name, tensor)], any subset of the weights (e.g. one bucket).
+        -> (success, message); a bad name or shape changes nothing and says which."""
+        if load_format not in (None, "direct"):
+            raise ValueError(f"load_format {load_format!r} is not supported here; use None or 'direct'")
+        named = list(named_tensors)
+        if not all(isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str) for t in named):
+            raise ValueError("named_tensors must be a list of (name, tensor) pairs")
+        return self._call(UpdateWeightsReq(named, None, flush_cache, weight_version))
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 weight_version: Optional[str] = None, flush_cache: bool = True
+                                 ) -> tuple[bool, str]:
+        """Every weight from a safetensors checkpoint of the same architecture -> (success, message)."""
+        if load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {load_format!r} is not supported for disk updates; use 'auto'")
+        return self._call(UpdateWeightsReq(None, str(model_path), flush_cache, weight_version))
+
+    def get_weight_version(self) -> str:
+        return self.core.weight_version
+
+    def update_weight_version(self, new_version: str) -> str:
+        return self._call(SetWeightVersionReq(str(new_version)))
+
     def check_integrity(self) -> None:
         """Asserts free + cached + in use == pool size (runs on the core thread)."""
         self._call(lambda core: core.check_integrity())
@@ -142,6 +180,9 @@ class Engine:
                 logger.exception("engine could not take message %s", type(msg).__name__)
                 self._fail_message(msg, exc)
             return
+        if isinstance(result, Reply):  # a control message: deliver what it finished, then answer
+            self._dispatch(result.outputs)
+            result = result.value
         if fut is not None:
             fut.set_result(result)
         elif isinstance(result, list):

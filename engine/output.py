@@ -19,7 +19,9 @@ def build_output(req: Req, core: "EngineCore") -> dict[str, Any]:
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finished_reason,
         "e2e_latency": time.perf_counter() - req.created_time,
-        "weight_version": core.weight_version,
+        # the weights of the last output token (the current ones before any); per token: spans
+        "weight_version": req.weight_spans[-1][0] if req.weight_spans else core.weight_version,
+        "weight_versions": _weight_spans(req),
         "sampling_seed": req.seed,
         "num_retractions": req.num_retractions,
     }
@@ -43,3 +45,9 @@ def _logprob_fields(req: Req, core: "EngineCore") -> dict[str, Any]:
             [[lp, tok, None] for lp, tok in (entry or [])] for entry in req.output_top_logprobs
         ]
     return fields
+
+
+def _weight_spans(req: Req) -> list[dict[str, Any]]:
+    """[{"version", "start", "end"}]: output tokens [start, end) came from that weight version."""
+    starts = [start for _, start in req.weight_spans[1:]] + [len(req.output_ids)]
+    return [{"version": v, "start": start, "end": end} for (v, start), end in zip(req.weight_spans, starts)]

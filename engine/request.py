@@ -74,7 +74,7 @@ class Req:
 
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
-    weight_versions: list[str] = field(default_factory=list)
+    weight_spans: list[tuple[str, int]] = field(default_factory=list)  # (version, first output index)
 
     @classmethod
     def from_input(cls, msg: ReqInput) -> "Req":
@@ -89,6 +89,11 @@ class Req:
             logprob_distribution=msg.logprob_distribution,
             stream=msg.stream,
         )
+
+    def note_weight_version(self, version: str) -> None:
+        """Called as each output token is committed: opens a span when the weights changed."""
+        if not self.weight_spans or self.weight_spans[-1][0] != version:
+            self.weight_spans.append((version, len(self.output_ids) - 1))
 
     # ---- lengths -------------------------------------------------------------------------------
     @property

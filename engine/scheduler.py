@@ -89,7 +89,7 @@ class Scheduler:
         done, self.finished_here = self.finished_here, []
         return done
 
-    def _finish_marked_aborts(self) -> None:
+    def finish_marked_aborts(self) -> None:
         for req in [r for r in self._active() if r.to_abort is not None]:
             self.release(req)
             req.finished_reason = {"type": "abort", "message": req.to_abort}
@@ -100,7 +100,7 @@ class Scheduler:
 
     # ---- schedule ------------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduleBatch]:
-        self._finish_marked_aborts()
+        self.finish_marked_aborts()
         batch = self._prefill_batch()
         if batch is not None:
             return batch
@@ -282,6 +282,14 @@ class Scheduler:
             old = self.forecast.after_retraction(self.running)
             logger.warning("KV cache pool is full. Retract %d requests. new_token_ratio: %.4f -> %.4f",
                            retracted, old, self.new_token_ratio)
+
+    def retract_all(self) -> None:
+        """Every running request and the chunked one back to the front of the queue, in their
+        order, keeping their outputs; their KV goes to the tree, evictable (pause, mode retract)."""
+        active = self._active()
+        self.running, self.chunked_req = [], None
+        for req in reversed(active):
+            self._retract(req)
 
     def _retract(self, req: Req) -> None:
         self.tree_cache.cache_finished_req(req)  # its KV stays in the tree, evictable

@@ -196,11 +196,16 @@ class DecoderForCausalLM(nn.Module):
 
     # ---- weight loading: the single place that knows HF names -> engine parameters ----
 
-    def check_weights(self, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
-        """Raise ValueError naming the first tensor whose name or shape does not fit."""
+    def check_weights(self, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> set[WeightKey]:
+        """Raise ValueError naming the first tensor whose name or shape does not fit; returns
+        the keys the tensors would write (see `missing_weights`), without writing any."""
         params = dict(self.named_parameters())
+        covered: set[WeightKey] = set()
         for name, shape in named_shapes:
-            self._resolve(name, tuple(shape), params)
+            target = self._resolve(name, tuple(shape), params)
+            if target is not None:
+                covered |= self._keys_covered(*target)
+        return covered
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[WeightKey]:
         """Copy HF-named tensors into parameters (dtype cast). Every tensor is checked before

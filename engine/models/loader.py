@@ -83,7 +83,8 @@ def safetensors_files(model_path: str) -> list[str]:
 
 
 def load_safetensors(model: nn.Module, model_path: str) -> None:
-    """Check every tensor's name and shape first (headers only), then load file by file."""
+    """Check every tensor's name and shape, and that none is missing, from the headers alone;
+    only then load file by file (a bad checkpoint leaves the model as it was)."""
     from safetensors import safe_open
 
     files = safetensors_files(model_path)
@@ -91,15 +92,13 @@ def load_safetensors(model: nn.Module, model_path: str) -> None:
     for path in files:
         with safe_open(path, framework="pt") as f:
             shapes += [(name, f.get_slice(name).get_shape()) for name in f.keys()]
-    model.check_weights(shapes)
-    loaded: set = set()
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            loaded |= model.load_weights((name, f.get_tensor(name)) for name in f.keys())
-    missing = model.missing_weights(loaded)
+    missing = model.missing_weights(model.check_weights(shapes))
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {model_path!r} is missing weights: {shown}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            model.load_weights((name, f.get_tensor(name)) for name in f.keys())
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -1,0 +1,181 @@
+"""Weight updates and pause/continue on the CPU engine (engine/generation_control.py).
+
+Oracle: an engine started on the new checkpoint. A request that spans an update must equal, token
+for token, old-weights decoding up to the update and then the new weights' continuation of
+prompt + those tokens; bad payloads change nothing and leave the engine serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+
+import pytest
+
+from tests.engine.conftest import random_prompts
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory) -> str:
+    """Same architecture and tokenizer, other weights."""
+    from engine.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), preset="tiny", seed=1))
+
+
+@pytest.fixture(scope="module")
+def other_engine(other_model_dir):
+    from engine import Engine
+
+    eng = Engine(model_path=other_model_dir, dtype="float32", device="cpu")
+    yield eng
+    eng.shutdown()
+
+
+def _named_tensors(model_dir: str) -> list:
+    from safetensors.torch import load_file
+
+    from engine.models.loader import safetensors_files
+
+    return [item for path in safetensors_files(model_dir) for item in load_file(path).items()]
+
+
+def _ids(outs: list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def test_update_from_tensor_equals_an_engine_started_on_those_weights(engine_factory, other_model_dir,
+                                                                      other_engine):
+    eng = engine_factory()
+    prompts = random_prompts(3, eng.core.parts.vocab_size, lengths=(5, 40), seed=1)
+    before = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    ok, message = eng.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v1")
+    assert ok and message == "Success. Weight version updated to v1.", message
+    after = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert _ids(after) == _ids(other_engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    assert _ids(after) != _ids(before)
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in after)  # the stale cache was flushed
+    assert after[0]["meta_info"]["weight_version"] == "v1" == eng.get_weight_version()
+    assert after[0]["meta_info"]["weight_versions"] == [{"version": "v1", "start": 0, "end": 8}]
+    assert before[0]["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 8}]
+    eng.check_integrity()
+
+
+def test_bad_payloads_change_nothing_and_name_the_problem(engine_factory, other_model_dir):
+    eng = engine_factory()
+    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=2)
+    before = _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY))
+    good = _named_tensors(other_model_dir)
+    name, tensor = good[0]
+    cases = {
+        "unknown weight 'model.layers.0.mlp.nope.weight'": good[:3] + [("model.layers.0.mlp.nope.weight", tensor)],
+        f"weight {name!r} has shape": good[:3] + [(name, tensor[:1])],
+    }
+    for expected, payload in cases.items():
+        ok, message = eng.update_weights_from_tensor(payload, weight_version="bad")
+        assert not ok and expected in message and message.startswith("Weights not updated"), message
+    with pytest.raises(ValueError, match="flattened_bucket"):
+        eng.update_weights_from_tensor(good, load_format="flattened_bucket")
+    with pytest.raises(ValueError, match=r"\(name, tensor\) pairs"):
+        eng.update_weights_from_tensor([tensor])
+    assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == before  # untouched, serving
+    assert eng.get_weight_version() == "default" and not eng.core.paused
+    eng.check_integrity()
+
+
+def test_update_from_disk_checks_the_whole_checkpoint_first(engine_factory, other_model_dir, other_engine,
+                                                            tmp_path):
+    from safetensors.torch import save_file
+
+    eng = engine_factory()
+    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=3)
+    before = _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY))
+    partial = tmp_path / "partial"
+    shutil.copytree(other_model_dir, partial, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = dict(_named_tensors(other_model_dir))
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    del tensors[dropped]
+    save_file(tensors, str(partial / "model.safetensors"))
+    ok, message = eng.update_weights_from_disk(str(partial))
+    assert not ok and "missing weights" in message and dropped in message, message
+    ok, message = eng.update_weights_from_disk(str(tmp_path / "nowhere"))
+    assert not ok and "nowhere" in message, message
+    assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == before
+    ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="step-2")
+    assert ok, message
+    expected = _ids(other_engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
+    eng.check_integrity()
+
+
+def _act_mid_stream(eng, prompt: list[int], action, after_tokens: int = 3) -> dict:
+    """Streams one long request; runs `action` (blocking, off the event loop) once it has
+    `after_tokens` tokens; returns the final output."""
+    async def run() -> dict:
+        last, acted = None, False
+        async for chunk in eng.async_generate(input_ids=prompt, sampling_params=LONG, stream=True):
+            last = chunk
+            if not acted and len(chunk["output_ids"]) >= after_tokens:
+                acted = True
+                await asyncio.to_thread(action)
+        return last
+
+    return asyncio.run(run())
+
+
+def test_pause_abort_ends_running_requests_and_queues_new_ones(engine_factory):
+    eng = engine_factory()
+    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=4)[0]
+    final = _act_mid_stream(eng, prompt, lambda: eng.pause_generation("abort"))
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 <= len(final["output_ids"]) < LONG["max_new_tokens"]
+    done = threading.Event()
+    waiting = threading.Thread(target=lambda: (eng.generate(input_ids=prompt, sampling_params=GREEDY), done.set()))
+    waiting.start()
+    time.sleep(0.3)
+    assert not done.is_set(), "a request ran while the engine was paused"
+    eng.continue_generation()
+    waiting.join(timeout=30)
+    assert done.is_set()
+    with pytest.raises(ValueError, match="pause mode must be one of abort, retract, in_place"):
+        eng.pause_generation("later")
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_request_spanning_an_update_switches_weights_at_the_pause(engine_factory, other_model_dir,
+                                                                    other_engine, mode):
+    eng = engine_factory()
+    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=5)[0]
+    replies = []
+
+    def update() -> None:
+        eng.pause_generation(mode)
+        replies.append(eng.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v2"))
+        eng.continue_generation()
+
+    final = _act_mid_stream(eng, prompt, update)
+    ok, message = replies[0]
+    if mode == "retract":  # nothing holds KV: the cache flush succeeds
+        assert ok, message
+    else:  # in_place keeps the running request's KV, so the flush is refused (weights are new)
+        assert not ok and message.startswith("Weights were updated, but the cache was not flushed"), message
+    out = final["output_ids"]
+    assert len(out) == LONG["max_new_tokens"] and final["meta_info"]["finish_reason"]["type"] == "length"
+    spans = final["meta_info"]["weight_versions"]
+    k = spans[0]["end"]
+    assert spans == [{"version": "default", "start": 0, "end": k},
+                     {"version": "v2", "start": k, "end": len(out)}] and k >= 3
+    assert final["meta_info"]["weight_version"] == "v2"
+    if mode == "retract":  # re-prefilled with the new weights: their continuation of prompt + out[:k]
+        params = dict(LONG, max_new_tokens=len(out) - k)
+        assert out[k:] == other_engine.generate(input_ids=prompt + out[:k], sampling_params=params)["output_ids"]
+        assert final["meta_info"]["num_retractions"] == 1
+    # in_place: the new weights attend over KV the old ones wrote (SGLang's in_place too), so
+    # no engine started on either checkpoint is an oracle for the tokens after k
+    eng.check_integrity()
