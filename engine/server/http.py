@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.server.control_routes import add_control_routes
 from engine.server.metrics import metrics_text
 from engine.server.openai import OpenAIServing
 from engine.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -84,6 +85,7 @@ def create_app(engine: Any, api_key: Optional[str] = None) -> FastAPI:
         engine.abort_request(req.rid or None, abort_all=req.abort_all)
         return Response(status_code=200)
 
+    add_control_routes(app, engine)
     return app
 
 

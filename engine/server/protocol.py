@@ -32,6 +32,23 @@ class AbortRequest(_Strict):
     abort_all: bool = False
 
 
+class PauseGenerationRequest(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsFromDiskRequest(_Strict):
+    model_path: str
+    load_format: Optional[str] = None
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class UpdateWeightVersionRequest(_Strict):
+    new_version: str
+    abort_all_requests: bool = True
+
+
 class _OpenAISampling(BaseModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 

@@ -16,6 +16,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory) -> str:
+    """The tiny model's architecture and tokenizer with other weights: a weight update's source."""
+    from engine.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), preset="tiny", seed=1))
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

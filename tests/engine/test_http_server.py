@@ -88,3 +88,32 @@ def test_api_key_guards_routes(engine):
         assert c.post("/flush_cache").status_code == 401
         ok = c.post("/flush_cache", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+        assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 401
+        assert not engine.core.paused
+
+
+def test_rl_control_routes(engine_factory, other_model_dir, tmp_path):
+    eng = engine_factory()  # its own engine: these routes change its weights
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}
+    with TestClient(create_app(eng)) as c:
+        before = c.post("/generate", json=body).json()["output_ids"]
+        paused = c.post("/pause_generation", json={"mode": "retract"})
+        assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
+        assert eng.core.paused
+        bad = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and bad.json()["success"] is False and "none" in bad.json()["message"]
+        good = c.post("/update_weights_from_disk", json={"model_path": other_model_dir, "weight_version": "s1"})
+        assert good.status_code == 200, good.json()
+        assert good.json() == {"success": True, "message": "Success. Weight version updated to s1.",
+                               "num_paused_requests": 0}
+        resumed = c.post("/continue_generation")
+        assert resumed.json() == {"message": "Generation continued successfully.", "status": "ok"}
+        after = c.post("/generate", json=body).json()
+        assert after["output_ids"] != before and after["meta_info"]["weight_version"] == "s1"
+        version = c.post("/update_weight_version", json={"new_version": "s2"})
+        assert version.json() == {"success": True, "message": "Weight version updated to s2", "new_version": "s2"}
+        assert c.get("/model_info").json()["weight_version"] == "s2"
+        wrong = c.post("/pause_generation", json={"mode": "later"})
+        assert wrong.status_code == 400 and "mode" in wrong.json()["message"]
+        assert not eng.core.paused
+    eng.check_integrity()

@@ -21,14 +21,6 @@ LONG = {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def other_model_dir(tmp_path_factory) -> str:
-    """Same architecture and tokenizer, other weights."""
-    from engine.testing.tiny_model import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), preset="tiny", seed=1))
-
-
-@pytest.fixture(scope="module")
 def other_engine(other_model_dir):
     from engine import Engine
 

@@ -1,0 +1,46 @@
+"""The RL control routes: pause / continue generation, weight updates, weight version.
+
+Bodies and replies follow SGLang's (shared/reference/sglang-rl-api.md 1.5, 1.6, 1.9), so RL
+clients written for it work unchanged. Each call blocks until the core thread has run it between
+two steps, so it runs off the event loop; with --api-key set, these routes need the key like
+every route but /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from engine.server.protocol import (PauseGenerationRequest, UpdateWeightsFromDiskRequest,
+                                    UpdateWeightVersionRequest)
+
+
+def add_control_routes(app: FastAPI, engine: Any) -> None:
+    @app.post("/pause_generation")
+    async def pause_generation(req: PauseGenerationRequest) -> dict:
+        await asyncio.to_thread(engine.pause_generation, req.mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict:
+        await asyncio.to_thread(engine.continue_generation)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        if req.abort_all_requests:
+            engine.abort_request(abort_all=True)
+        ok, message = await asyncio.to_thread(engine.update_weights_from_disk, req.model_path,
+                                              req.load_format, req.weight_version, req.flush_cache)
+        body = {"success": ok, "message": message, "num_paused_requests": 0}
+        return JSONResponse(body, status_code=200 if ok else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(req: UpdateWeightVersionRequest) -> dict:
+        if req.abort_all_requests:
+            engine.abort_request(abort_all=True)
+        version = await asyncio.to_thread(engine.update_weight_version, req.new_version)
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
