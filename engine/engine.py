@@ -105,10 +105,16 @@ class Engine:
     def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None,
                                    flush_cache: bool = True, weight_version: Optional[str] = None
                                    ) -> tuple[bool, str]:
-        """named_tensors: [(HF name, tensor)], any subset of the weights (e.g. one bucket).
+        """named_tensors: [(HF name, tensor)], any subset of the weights; with
+        load_format="flattened_bucket", a weight_sync FlattenedBucket or its payload dict.
         -> (success, message); a bad name or shape changes nothing and says which."""
-        if load_format not in (None, "direct"):
-            raise ValueError(f"load_format {load_format!r} is not supported here; use None or 'direct'")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or "
+                             "'flattened_bucket'")
+        if load_format == "flattened_bucket":
+            from weight_sync.bucket import FlattenedBucket
+
+            named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
         named = list(named_tensors)
         if not all(isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str) for t in named):
             raise ValueError("named_tensors must be a list of (name, tensor) pairs")

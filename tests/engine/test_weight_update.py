@@ -71,12 +71,33 @@ def test_bad_payloads_change_nothing_and_name_the_problem(engine_factory, other_
     for expected, payload in cases.items():
         ok, message = eng.update_weights_from_tensor(payload, weight_version="bad")
         assert not ok and expected in message and message.startswith("Weights not updated"), message
-    with pytest.raises(ValueError, match="flattened_bucket"):
+    with pytest.raises(ValueError, match="'safetensors' is not supported"):
+        eng.update_weights_from_tensor(good, load_format="safetensors")
+    with pytest.raises(ValueError, match="flattened_tensor"):
         eng.update_weights_from_tensor(good, load_format="flattened_bucket")
     with pytest.raises(ValueError, match=r"\(name, tensor\) pairs"):
         eng.update_weights_from_tensor([tensor])
     assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == before  # untouched, serving
     assert eng.get_weight_version() == "default" and not eng.core.paused
+    eng.check_integrity()
+
+
+def test_update_from_flattened_buckets(engine_factory, other_model_dir, other_engine):
+    from weight_sync.bucket import FlattenedBucket
+
+    eng = engine_factory()
+    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=6)
+    named = _named_tensors(other_model_dir)
+    eng.pause_generation("retract")
+    for i in range(0, len(named), 7):  # buckets of 7 tensors, mixed dtypes allowed
+        payload = FlattenedBucket.pack(named[i:i + 7]).to_payload()
+        ok, message = eng.update_weights_from_tensor(payload, load_format="flattened_bucket",
+                                                     flush_cache=False)
+        assert ok, message
+    assert eng.flush_cache()
+    eng.continue_generation()
+    expected = _ids(other_engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
     eng.check_integrity()
 
 

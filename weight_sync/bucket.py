@@ -1,0 +1,84 @@
+"""FlattenedBucket: many tensors packed into one flat uint8 buffer + metadata, unpacked as views.
+
+One buffer per transfer instead of one per tensor: one IPC handle, one NCCL broadcast. The format
+is SGLang's FlattenedTensorBucket (`load_format="flattened_bucket"`: a dict {"flattened_tensor",
+"metadata"}, offsets and sizes in bytes), so a payload built for SGLang loads here too. Buckets of
+mixed dtypes are fine; callers choose the bucket size (verl and slime use hundreds of MB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlattenedTensorMetadata:
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int  # bytes into the flat buffer
+    end_idx: int
+    numel: int  # bytes (SGLang's field name and unit)
+
+
+class FlattenedBucket:
+    def __init__(self, flattened_tensor: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> None:
+        if flattened_tensor.dtype != torch.uint8 or flattened_tensor.dim() != 1:
+            raise ValueError(f"a flattened bucket is a 1-D uint8 tensor; got {flattened_tensor.dtype} "
+                             f"with shape {list(flattened_tensor.shape)}")
+        for m in metadata:
+            nbytes = m.dtype.itemsize * _numel(m.shape)
+            if not 0 <= m.start_idx <= m.end_idx <= flattened_tensor.numel() or m.end_idx - m.start_idx != nbytes:
+                raise ValueError(f"bucket entry {m.name!r}: bytes [{m.start_idx}, {m.end_idx}) do not hold "
+                                 f"{list(m.shape)} {m.dtype} in a buffer of {flattened_tensor.numel()} bytes")
+        self.flattened_tensor = flattened_tensor
+        self.metadata = metadata
+
+    @classmethod
+    def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> "FlattenedBucket":
+        """One copy of every tensor into a fresh buffer on the tensors' device."""
+        parts, metadata, offset = [], [], 0
+        for name, tensor in named_tensors:
+            flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset,
+                                                    offset + flat.numel(), flat.numel()))
+            parts.append(flat)
+            offset += flat.numel()
+        buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        return cls(buffer, metadata)
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> "FlattenedBucket":
+        """The {"flattened_tensor", "metadata"} dict SGLang's format sends (or a bucket)."""
+        if isinstance(payload, FlattenedBucket):
+            return payload
+        if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+            raise ValueError('a flattened_bucket payload is {"flattened_tensor": uint8 tensor, '
+                             '"metadata": [FlattenedTensorMetadata, ...]}')
+        return cls(payload["flattened_tensor"], list(payload["metadata"]))
+
+    def to_payload(self) -> dict:
+        return {"flattened_tensor": self.flattened_tensor, "metadata": self.metadata}
+
+    def unpack(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) per entry: a view into the buffer, or a copy where the entry's offset is
+        not a multiple of its dtype's size (mixed-dtype buckets pack without padding)."""
+        out = []
+        for m in self.metadata:
+            raw = self.flattened_tensor[m.start_idx:m.end_idx]
+            if m.start_idx % m.dtype.itemsize:
+                raw = raw.clone()
+            out.append((m.name, raw.view(m.dtype).view(m.shape)))
+        return out
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        if d < 0:
+            raise ValueError(f"negative dimension in shape {list(shape)}")
+        n *= d
+    return n
