@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from engine.server.protocol import (PauseGenerationRequest, UpdateWeightsFromDiskRequest,
-                                    UpdateWeightVersionRequest)
+                                    UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 
 
 def add_control_routes(app: FastAPI, engine: Any) -> None:
@@ -37,6 +37,28 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
                                               req.load_format, req.weight_version, req.flush_cache)
         body = {"success": ok, "message": message, "num_paused_requests": 0}
         return JSONResponse(body, status_code=200 if ok else 400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
+        """Tensors by reference (weight_sync.cuda_ipc): the sender is on this machine and keeps
+        them alive until this returns. Unpickled through the allowlist only."""
+        if not req.serialized_named_tensors:
+            raise ValueError("serialized_named_tensors is empty: send one payload per rank")
+        if req.abort_all_requests:
+            engine.abort_request(abort_all=True)
+
+        def load() -> tuple[bool, str]:
+            from weight_sync.cuda_ipc import deserialize
+
+            try:
+                payload = deserialize(req.serialized_named_tensors[0])
+                return engine.update_weights_from_tensor(payload, req.load_format, req.flush_cache,
+                                                         req.weight_version)
+            except ValueError as exc:  # refused payload, bad pairs, unknown load_format
+                return False, str(exc)
+
+        ok, message = await asyncio.to_thread(load)
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest) -> dict:

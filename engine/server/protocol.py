@@ -44,6 +44,14 @@ class UpdateWeightsFromDiskRequest(_Strict):
     abort_all_requests: bool = False
 
 
+class UpdateWeightsFromTensorRequest(_Strict):
+    serialized_named_tensors: list[str]  # one per tensor-parallel rank (base64); one rank here
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+
+
 class UpdateWeightVersionRequest(_Strict):
     new_version: str
     abort_all_requests: bool = True

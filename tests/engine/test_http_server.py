@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -116,4 +117,35 @@ def test_rl_control_routes(engine_factory, other_model_dir, tmp_path):
         wrong = c.post("/pause_generation", json={"mode": "later"})
         assert wrong.status_code == 400 and "mode" in wrong.json()["message"]
         assert not eng.core.paused
+    eng.check_integrity()
+
+
+def test_update_weights_from_tensor_route(engine_factory, other_model_dir):
+    import pickle
+
+    from safetensors.torch import load_file
+
+    from engine.models.loader import safetensors_files
+    from weight_sync.bucket import FlattenedBucket
+    from weight_sync.cuda_ipc import serialize
+
+    eng = engine_factory()
+    named = [kv for path in safetensors_files(other_model_dir) for kv in load_file(path).items()]
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}
+    with TestClient(create_app(eng)) as c:
+        before = c.post("/generate", json=body).json()["output_ids"]
+        evil = base64.b64encode(pickle.dumps(eval)).decode()
+        refused = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+        assert refused.status_code == 400 and "names builtins.eval" in refused.json()["message"]
+        assert c.post("/generate", json=body).json()["output_ids"] == before
+        bucket = serialize(FlattenedBucket.pack(named).to_payload(), as_text=True)
+        resp = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [bucket],
+                                                          "load_format": "flattened_bucket",
+                                                          "weight_version": "ipc-1"})
+        assert resp.status_code == 200 and resp.json() == {"success": True,
+                                                           "message": "Success. Weight version updated to ipc-1."}
+        after = c.post("/generate", json=body).json()
+        assert after["output_ids"] != before and after["meta_info"]["weight_version"] == "ipc-1"
+        plain = serialize(named, as_text=True)  # [(name, tensor)] without a bucket
+        assert c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [plain]}).status_code == 200
     eng.check_integrity()
