@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional, Union
 
 from engine.config import ServerArgs
 from engine.core import AbortReq, EngineCore, FlushCacheReq, ReqOutput
-from engine.generation_control import (ContinueReq, PauseReq, Reply, SetWeightVersionReq, UpdateWeightsReq,
-                                       check_pause_mode)
+from engine.generation_control import (ContinueReq, DestroyWeightsGroupReq, FromGroup, InitWeightsGroupReq,
+                                       PauseReq, Reply, SetWeightVersionReq, UpdateWeightsReq, check_pause_mode)
 from engine.generate_stream import GenerateStream
 from engine.request_builder import RequestBuilder
 
@@ -127,6 +127,28 @@ class Engine:
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r} is not supported for disk updates; use 'auto'")
         return self._call(UpdateWeightsReq(None, str(model_path), flush_cache, weight_version))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> tuple[bool, str]:
+        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0 and
+        joins at the same time); backend 'gloo' on the CPU."""
+        return self._call(InitWeightsGroupReq(master_address, int(master_port), int(rank_offset),
+                                              int(world_size), group_name, backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: Optional[str] = None,
+                                        load_format: Optional[str] = None) -> tuple[bool, str]:
+        """Receive one broadcast per name from the group's rank 0, then load them (checked
+        before any write) -> (success, message)."""
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r} is not supported for distributed updates; use None")
+        source = FromGroup(list(names), list(dtypes), [list(s) for s in shapes], group_name)
+        return self._call(UpdateWeightsReq(None, None, flush_cache, weight_version, source))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        return self._call(DestroyWeightsGroupReq(group_name))
 
     def get_weight_version(self) -> str:
         return self.core.weight_version

@@ -14,7 +14,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.server.protocol import (PauseGenerationRequest, UpdateWeightsFromDiskRequest,
+from engine.server.protocol import (InitWeightsUpdateGroupRequest, PauseGenerationRequest,
+                                    UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                                     UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 
 
@@ -58,7 +59,23 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
                 return False, str(exc)
 
         ok, message = await asyncio.to_thread(load)
-        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+        return _reply(ok, message)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        ok, message = await asyncio.to_thread(
+            engine.init_weights_update_group, req.master_address, req.master_port, req.rank_offset,
+            req.world_size, req.group_name, req.backend)
+        return _reply(ok, message)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        if req.abort_all_requests:
+            engine.abort_request(abort_all=True)
+        ok, message = await asyncio.to_thread(
+            engine.update_weights_from_distributed, req.names, req.dtypes, req.shapes, req.group_name,
+            req.flush_cache, req.weight_version, req.load_format)
+        return _reply(ok, message)
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest) -> dict:
@@ -66,3 +83,7 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
             engine.abort_request(abort_all=True)
         version = await asyncio.to_thread(engine.update_weight_version, req.new_version)
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+
+def _reply(ok: bool, message: str) -> JSONResponse:
+    return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)

@@ -52,6 +52,26 @@ class UpdateWeightsFromTensorRequest(_Strict):
     weight_version: Optional[str] = None
 
 
+class InitWeightsUpdateGroupRequest(_Strict):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(_Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+
+
 class UpdateWeightVersionRequest(_Strict):
     new_version: str
     abort_all_requests: bool = True

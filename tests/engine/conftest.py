@@ -24,6 +24,16 @@ def other_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def other_engine(other_model_dir):
+    """An engine started on other_model_dir: the oracle for a weight update to those weights."""
+    from engine import Engine
+
+    eng = Engine(model_path=other_model_dir, dtype="float32", device="cpu")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -149,3 +149,16 @@ def test_update_weights_from_tensor_route(engine_factory, other_model_dir):
         plain = serialize(named, as_text=True)  # [(name, tensor)] without a bucket
         assert c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [plain]}).status_code == 200
     eng.check_integrity()
+
+
+def test_distributed_update_routes_name_bad_arguments(engine_factory):
+    eng = engine_factory()
+    with TestClient(create_app(eng)) as c:
+        bad = c.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                          "rank_offset": 1, "world_size": 2, "backend": "mpi"})
+        assert bad.status_code == 400 and "backend must be one of nccl, gloo" in bad.json()["message"]
+        body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
+        missing = c.post("/update_weights_from_distributed", json=body)
+        assert missing.status_code == 400 and "init_weights_update_group first" in missing.json()["message"]
+        wrong = c.post("/update_weights_from_distributed", json={**body, "shapes": "64"})
+        assert wrong.status_code == 400 and "shapes" in wrong.json()["message"]

@@ -20,15 +20,6 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def other_engine(other_model_dir):
-    from engine import Engine
-
-    eng = Engine(model_path=other_model_dir, dtype="float32", device="cpu")
-    yield eng
-    eng.shutdown()
-
-
 def _named_tensors(model_dir: str) -> list:
     from safetensors.torch import load_file
 
