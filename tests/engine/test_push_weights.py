@@ -58,6 +58,9 @@ def test_push_equals_an_engine_on_the_pushed_weights(engine_factory, other_model
     assert _ids(eng, prompts) == _ids(other_engine, prompts)
     assert eng.get_weight_version() == "v-" + transport and not eng.core.paused
     eng.check_integrity()
+    if group is not None:  # both ends, while both are alive
+        assert eng.destroy_weights_update_group("push")[0]
+        group.destroy()
 
 
 def test_a_refused_bucket_raises_and_leaves_the_engine_serving(engine_factory, other_model_dir):

@@ -32,6 +32,8 @@ TRAINER = textwrap.dedent("""
         group.broadcast(tensor.contiguous(), src=0)
     group.broadcast(torch.ones(3), src=0)  # the second update: one tensor, an unknown name
     print("trainer done", flush=True)
+    import os
+    os._exit(0)  # skip the gloo group's teardown at exit: the test is over, its peer may be gone
 """)
 
 
@@ -69,7 +71,7 @@ def test_broadcast_update_equals_an_engine_on_the_new_weights(engine_factory, ot
         assert not ok and "unknown weight 'model.nope.weight'" in message, message
         assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)] == after
         out, _ = trainer.communicate(timeout=60)
-        assert trainer.returncode == 0 and "trainer done" in out, out
+        assert trainer.returncode == 0 and "trainer done" in out, (trainer.returncode, out)
     finally:
         trainer.kill()
     ok, message = eng.update_weights_from_distributed(["x"], ["float32"], [[1]], "other")
