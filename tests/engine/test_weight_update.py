@@ -183,3 +183,35 @@ def test_a_request_spanning_an_update_switches_weights_at_the_pause(engine_facto
     # in_place: the new weights attend over KV the old ones wrote (SGLang's in_place too), so
     # no engine started on either checkpoint is an oracle for the tokens after k
     eng.check_integrity()
+
+
+def test_retract_during_a_chunked_prefill_resumes_it(engine_factory):
+    """Pause with mode retract while a long prompt is half prefilled (driven step by step on the
+    core thread): it goes back to the queue, holds no KV, and finishes as if never paused."""
+    import queue
+
+    from engine.generation_control import PauseReq
+
+    eng = engine_factory(chunked_prefill_size=16)
+    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(100, 100), seed=10)[0]
+    expected = eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    eng.flush_cache()
+    (req,), _ = eng.builder.build(None, prompt, GREEDY, False, -1, 0, None, None)
+    results: "queue.Queue" = queue.Queue()
+    with eng._lock:
+        eng._sinks[req.rid] = results.put
+
+    def half_prefill_then_retract(core) -> tuple:
+        core.handle(req)
+        core.step()  # the first 16-token chunk
+        chunked = core.scheduler.chunked_req is not None
+        core.handle(PauseReq("retract"))
+        return chunked, core.scheduler.chunked_req, [r.rid for r in core.scheduler.waiting]
+
+    was_chunked, chunked_after, waiting = eng._call(half_prefill_then_retract)
+    assert was_chunked and chunked_after is None and waiting == [req.rid]
+    eng.check_integrity()
+    eng.continue_generation()
+    final = eng._wait_final(results)
+    assert final["output_ids"] == expected and final["meta_info"]["num_retractions"] == 1
+    eng.check_integrity()
