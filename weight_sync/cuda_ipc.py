@@ -3,43 +3,169 @@
 `serialize` pickles with torch's multiprocessing reductions (what SGLang's
 MultiprocessingSerializer does): a CUDA tensor becomes an IPC handle into the sender's memory (no
 copy), a CPU tensor a shared-memory file descriptor. The sender keeps the tensors alive until the
-receiver has loaded them. `deserialize` never runs plain `pickle.loads`: it accepts exactly the
-globals those reductions emit, plus the bucket metadata class, and refuses any other by name
-(os.system, builtins.eval, torch.hub.load, ... all stop here). Both accept base64 text, the
-form the HTTP route carries.
+receiver has loaded them. Both accept base64 text, the form the HTTP route carries.
+
+`deserialize` never runs plain `pickle.loads`. A payload may name only the globals those
+reductions emit (anything else, e.g. os.system, builtins.eval, torch.hub.load, is refused by
+name), and even those are not handed out as they are: each payload gets its own checked stand-ins.
+The rebuild functions become wrappers that check every argument's type before calling torch's
+(a tensor posing as a file descriptor, an fd fetched from anywhere but a local multiprocessing
+listener: refused); the classes they take (torch.Tensor, storages) become inert tokens; DupFd and
+the bucket metadata class become fresh subclasses. So a BUILD opcode aimed at a class or function
+changes only that payload's stand-in, never the process.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
-from typing import Any, Union
+import tempfile
+from typing import Any, Callable, Union
 
 import torch
 
-_REDUCTIONS = ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd", "rebuild_storage_filename",
-               "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child")
+_IMMUTABLE = {("torch", "Size"): torch.Size, ("torch", "device"): torch.device}
+_TOKENS = {("torch", "Tensor"): torch.Tensor, ("torch.nn.parameter", "Parameter"): torch.Tensor,
+           ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+           ("torch.storage", "TypedStorage"): torch.TypedStorage}
+_DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+_REBUILDS = ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd", "rebuild_storage_empty",
+             "rebuild_typed_storage", "rebuild_typed_storage_child")
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {("torch.multiprocessing.reductions", name) for name in _REDUCTIONS}
-    | {("torch", "Size"), ("torch", "Tensor"), ("torch", "device"),
-       ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-       ("multiprocessing.resource_sharer", "DupFd"), ("collections", "OrderedDict"),
-       ("weight_sync.bucket", "FlattenedTensorMetadata")}
-    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
-)
+    set(_IMMUTABLE) | set(_TOKENS) | {("torch", name) for name in _DTYPES}
+    | {("torch.multiprocessing.reductions", name) for name in _REBUILDS}
+    | {("multiprocessing.resource_sharer", "DupFd"), ("collections", "OrderedDict"),
+       ("weight_sync.bucket", "FlattenedTensorMetadata")})
 
 
 class RefusedPayload(ValueError):
     pass
 
 
+class _Token:
+    """Stands for an allowed class that payloads pass as an argument, never call or change."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+
+def _refuse(what: str) -> RefusedPayload:
+    return RefusedPayload(f"payload refused: {what}")
+
+
 class _AllowlistUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._stand_ins: dict[tuple[str, str], Any] = {}
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in ALLOWED_GLOBALS:
-            raise RefusedPayload(f"payload refused: it names {module}.{name}, which is not a tensor "
-                                 "reduction (weight payloads may hold only tensors, names and bucket metadata)")
-        return super().find_class(module, name)
+        key = (module, name)
+        if key not in ALLOWED_GLOBALS:
+            raise _refuse(f"it names {module}.{name}, which is not a tensor reduction (weight payloads "
+                          "may hold only tensors, names and bucket metadata)")
+        if key not in self._stand_ins:
+            self._stand_ins[key] = self._stand_in(key)
+        return self._stand_ins[key]
+
+    def _stand_in(self, key: tuple[str, str]) -> Any:
+        module, name = key
+        if key in _IMMUTABLE:
+            return _IMMUTABLE[key]
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        if key in _TOKENS:
+            return _Token(_TOKENS[key])
+        if module == "torch.multiprocessing.reductions":
+            return _checked_rebuild(name)
+        if key == ("collections", "OrderedDict"):
+            import collections
+
+            return collections.OrderedDict
+        if key == ("multiprocessing.resource_sharer", "DupFd"):
+            return _local_dup_fd_class()
+        from weight_sync.bucket import FlattenedTensorMetadata
+
+        return type("FlattenedTensorMetadata", (FlattenedTensorMetadata,), {})
+
+
+def _cls(token: Any, base: type) -> type:
+    if not isinstance(token, _Token) or not issubclass(token.cls, base):
+        raise _refuse(f"expected a {base.__name__} class argument, got {type(token).__name__}")
+    return token.cls
+
+
+def _check(value: Any, types: Union[type, tuple], what: str) -> Any:
+    if not isinstance(value, types) or isinstance(value, bool) and types is int:
+        raise _refuse(f"{what} has type {type(value).__name__}")
+    return value
+
+
+def _checked_rebuild(name: str) -> Callable:
+    from torch.multiprocessing import reductions as R
+
+    def rebuild_tensor(cls, storage, metadata):
+        _cls(cls, torch.Tensor)
+        _check(storage, torch.TypedStorage, "rebuild_tensor's storage")
+        offset, size, stride, requires_grad = _check(metadata, tuple, "rebuild_tensor's metadata")
+        for v in (offset, *size, *stride):
+            _check(v, int, "a tensor offset, size or stride")
+        return R.rebuild_tensor(torch.Tensor, storage, (offset, tuple(size), tuple(stride), bool(requires_grad)))
+
+    def rebuild_cuda_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype,
+                            storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
+                            requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+                            event_sync_required):
+        _cls(tensor_cls, torch.Tensor)
+        _cls(storage_cls, torch.UntypedStorage)
+        _check(dtype, torch.dtype, "dtype")
+        for v in (*tensor_size, *tensor_stride, tensor_offset, storage_device, storage_size_bytes,
+                  storage_offset_bytes, ref_counter_offset):
+            _check(v, int, "a CUDA tensor's size, stride, offset or device")
+        for v in (storage_handle, ref_counter_handle, event_handle):
+            _check(v, (bytes, type(None)), "a CUDA IPC handle")
+        return R.rebuild_cuda_tensor(torch.Tensor, tuple(tensor_size), tuple(tensor_stride), tensor_offset,
+                                     torch.UntypedStorage, dtype, storage_device, storage_handle,
+                                     storage_size_bytes, storage_offset_bytes, bool(requires_grad),
+                                     ref_counter_handle, ref_counter_offset, event_handle,
+                                     bool(event_sync_required))
+
+    def rebuild_storage_fd(cls, df, size):
+        _cls(cls, torch.UntypedStorage)
+        if not getattr(type(df), "_tandem_checked", False):
+            raise _refuse(f"a shared-memory descriptor has type {type(df).__name__}")
+        return R.rebuild_storage_fd(torch.UntypedStorage, df, _check(size, int, "a storage size"))
+
+    def rebuild_storage_empty(cls):
+        return R.rebuild_storage_empty(_cls(cls, torch.UntypedStorage))
+
+    def rebuild_typed_storage(storage, dtype):
+        _check(storage, torch.UntypedStorage, "a typed storage's storage")
+        return R.rebuild_typed_storage(storage, _check(dtype, torch.dtype, "dtype"))
+
+    def rebuild_typed_storage_child(storage, storage_type):
+        _check(storage, torch.UntypedStorage, "a typed storage's storage")
+        return R.rebuild_typed_storage_child(storage, _cls(storage_type, torch.TypedStorage))
+
+    return locals()[name]
+
+
+def _local_dup_fd_class() -> type:
+    """DupFd whose detach() fetches a descriptor only from a multiprocessing listener socket on
+    this machine (where a sender's resource sharer lives), never from an address a payload chose."""
+    from multiprocessing.resource_sharer import DupFd
+
+    listeners = os.path.join(tempfile.gettempdir(), "pymp-")
+
+    def detach(self) -> int:
+        ident = getattr(self, "_id", None)
+        address = ident[0] if isinstance(ident, tuple) and len(ident) == 2 else None
+        if not (isinstance(address, str) and address.startswith(listeners) and isinstance(ident[1], int)):
+            raise _refuse(f"a shared-memory descriptor points at {address!r}, not a local multiprocessing listener")
+        return DupFd.detach(self)
+
+    return type("DupFd", (DupFd,), {"detach": detach, "_tandem_checked": True})
 
 
 def serialize(obj: Any, as_text: bool = False) -> Union[bytes, str]:
@@ -56,16 +182,14 @@ def serialize(obj: Any, as_text: bool = False) -> Union[bytes, str]:
 
 def deserialize(data: Union[bytes, str]) -> Any:
     """The object `serialize` wrote, through the allowlist; base64 text is decoded first."""
-    import torch.multiprocessing  # noqa: F401
-
     if isinstance(data, str):
         try:
             data = base64.b64decode(data, validate=True)
         except ValueError as exc:
-            raise RefusedPayload(f"payload refused: not base64 ({exc})") from exc
+            raise _refuse(f"not base64 ({exc})") from exc
     try:
-        return _AllowlistUnpickler(io.BytesIO(data)).load()
+        return _AllowlistUnpickler(data).load()
     except RefusedPayload:
         raise
-    except Exception as exc:  # truncated or corrupt pickle, dead sender, bad IPC handle
+    except Exception as exc:  # truncated or corrupt pickle, dead sender, bad IPC handle, wrong arity
         raise RefusedPayload(f"payload could not be read: {type(exc).__name__}: {exc}") from exc

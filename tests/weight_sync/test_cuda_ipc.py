@@ -55,3 +55,47 @@ def test_corrupt_payloads_are_named():
         deserialize(data[: len(data) // 2])
     with pytest.raises(RefusedPayload, match="not base64"):
         deserialize("not base64 !!")
+
+
+class _Call:
+    """Pickles as f(*args): how a hostile payload chains allowed globals."""
+
+    def __init__(self, f, *args):
+        self.f, self.args = f, args
+
+    def __reduce__(self):
+        return (self.f, self.args)
+
+
+def test_allowed_globals_cannot_be_chained_into_an_attack(tmp_path):
+    from multiprocessing.resource_sharer import DupFd
+
+    import torch.multiprocessing.reductions as R
+
+    victim = open(tmp_path / "victim", "w")  # noqa: SIM115
+    fd = victim.fileno()
+    raw = _Call(torch.storage.UntypedStorage, list(fd.to_bytes(8, "little")))  # a tensor posing as an fd
+    fake_fd = _Call(R.rebuild_tensor, torch.Tensor, _Call(R.rebuild_typed_storage, raw, torch.int64),
+                    (0, (), (), False))
+    with pytest.raises(RefusedPayload):
+        deserialize(pickle.dumps([("w", _Call(R.rebuild_storage_fd, torch.storage.UntypedStorage, fake_fd, 0))]))
+    os.fstat(fd)  # still open
+    victim.close()
+    remote = DupFd.__new__(DupFd)
+    remote._id = (("127.0.0.1", 9), 1)  # would make the server connect out
+    with pytest.raises(RefusedPayload, match="not a local multiprocessing listener"):
+        deserialize(pickle.dumps(_Call(R.rebuild_storage_fd, torch.storage.UntypedStorage, remote, 4)))
+    # BUILD aimed at an allowed class: it reaches only this payload's stand-in
+    patch = (b"\x80\x04ctorch.storage\nUntypedStorage\nN}X\x12\x00\x00\x00_new_shared_fd_cpuNs\x86b"
+             b"cweight_sync.bucket\nFlattenedTensorMetadata\nN}X\x08\x00\x00\x00__init__Ns\x86b\x86.")
+    deserialize(patch)
+    assert torch.storage.UntypedStorage._new_shared_fd_cpu is not None
+    back = deserialize(serialize(_named()))  # later payloads still load
+    assert torch.equal(back[0][1], _named()[0][1])
+
+
+def test_parameters_travel_as_plain_tensors():
+    params = list(torch.nn.Linear(3, 2).named_parameters())
+    back = deserialize(serialize(params))
+    assert [n for n, _ in back] == ["weight", "bias"]
+    assert all(type(t) is torch.Tensor and torch.equal(t, p.detach()) for (_, t), (_, p) in zip(back, params))
