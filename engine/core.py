@@ -101,9 +101,8 @@ class EngineCore:
             req = self.scheduler.abort_request(rid, msg.message)
             if req is not None and req.finished:  # it was waiting: finished right away
                 outputs.append(self._finish_output(req))
-        if self.paused and self._inflight is None:  # no step will release the running ones
-            self.scheduler.finish_marked_aborts()
-            outputs += [self._finish_output(r) for r in self.scheduler.pop_finished()]
+        if self.paused:  # no step will release the running ones
+            outputs += self.drain()
         return outputs
 
     def abort_all(self, message: str) -> list[ReqOutput]:
@@ -117,9 +116,19 @@ class EngineCore:
         return self._inflight is not None or (not self.paused and self.scheduler.has_work())
 
     def drain(self) -> list[ReqOutput]:
-        """Finish the launched (overlap) batch: afterwards nothing runs on the device."""
+        """Finish the launched (overlap) batch and end the requests aborted while it ran: afterwards
+        nothing runs on the device and no request waits for a step to be released. A batch that
+        fails here fails its requests, as a failed step does."""
         inflight, self._inflight = self._inflight, None
-        return self._process(inflight) if inflight is not None else []
+        outputs: list[ReqOutput] = []
+        if inflight is not None:
+            try:
+                outputs = self._process(inflight)
+            except Exception as exc:
+                logger.exception("the launched batch failed while draining; failing its requests")
+                outputs = self.fail_current_batch(f"engine error: {type(exc).__name__}: {exc}")
+        self.scheduler.finish_marked_aborts()
+        return outputs + [self._finish_output(r) for r in self.scheduler.pop_finished()]
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:

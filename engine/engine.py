@@ -13,6 +13,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
+import torch
+
 from engine.config import ServerArgs
 from engine.core import AbortReq, EngineCore, FlushCacheReq, ReqOutput
 from engine.generation_control import (ContinueReq, DestroyWeightsGroupReq, FromGroup, InitWeightsGroupReq,
@@ -116,8 +118,11 @@ class Engine:
 
             named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
         named = list(named_tensors)
-        if not all(isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str) for t in named):
-            raise ValueError("named_tensors must be a list of (name, tensor) pairs")
+        bad = next((t for t in named if not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)
+                                             and isinstance(t[1], torch.Tensor))), None)
+        if bad is not None:
+            raise ValueError(f"named_tensors must be (name, tensor) pairs; got a {type(bad).__name__}"
+                             + (f" holding {type(bad[1]).__name__}" if isinstance(bad, tuple) and len(bad) == 2 else ""))
         return self._call(UpdateWeightsReq(named, None, flush_cache, weight_version))
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,

@@ -11,12 +11,14 @@ stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
 
+logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still "
                "running; pause with mode='retract' or 'abort' first, or flush the cache later.")
@@ -125,29 +127,33 @@ class GenerationControl:
         return Reply(None, outputs)
 
     def _update_weights(self, msg: UpdateWeightsReq) -> Reply:
-        core = self.core
-        outputs = core.drain()
+        outputs = self.core.drain()  # the drained tokens are the old weights'; delivered whatever follows
         try:
-            if msg.from_group is not None:  # received in full first: the trainer sends them all anyway
-                try:
-                    msg.named_tensors = self._receive(msg.from_group)
-                except RuntimeError as exc:  # the trainer left or timed out mid-broadcast
-                    raise ValueError(f"broadcast from group {msg.from_group.group_name!r} failed: {exc}") from exc
-            if msg.model_path is not None:
-                from engine.models.loader import load_safetensors
+            value = self._load(msg)
+        except (ValueError, OSError) as exc:  # names, shapes, dtypes, completeness: checked before writing
+            value = (False, f"Weights not updated: {exc}")
+        except Exception as exc:  # e.g. a corrupt file or a failed copy: still answered
+            logger.exception("weight update failed")
+            value = (False, f"Weight update failed (weights may be partly written): {type(exc).__name__}: {exc}")
+        return Reply(value, outputs)
 
-                load_safetensors(core.runner.model, msg.model_path)
-            else:
-                core.runner.model.load_weights(msg.named_tensors)
-        except (ValueError, OSError) as exc:  # checked before any parameter was written
-            return Reply((False, f"Weights not updated: {exc}"), outputs)
+    def _load(self, msg: UpdateWeightsReq) -> tuple[bool, str]:
+        core = self.core
+        if msg.from_group is not None:  # received in full first: the trainer sends them all anyway
+            msg.named_tensors = self._receive(msg.from_group)
+        if msg.model_path is not None:
+            from engine.models.loader import load_safetensors
+
+            load_safetensors(core.runner.model, msg.model_path)
+        else:
+            core.runner.model.load_weights(msg.named_tensors)
         message = "Success."
-        if msg.weight_version is not None:
+        if msg.weight_version is not None:  # the version names the weights now loaded, flushed or not
             core.weight_version = str(msg.weight_version)
             message += f" Weight version updated to {core.weight_version}."
         if msg.flush_cache and not core.scheduler.flush_cache():
-            return Reply((False, NOT_FLUSHED), outputs)
-        return Reply((True, message), outputs)
+            return False, NOT_FLUSHED
+        return True, message
 
     def _init_group(self, msg: InitWeightsGroupReq) -> tuple[bool, str]:
         """Blocks until the trainer (rank 0) joins: it calls the same rendezvous at the same time."""
@@ -163,6 +169,8 @@ class GenerationControl:
         return True, "Succeeded to initialize custom process group."
 
     def _receive(self, src: FromGroup) -> list:
+        """Every dtype and shape is checked before the first receive: a malformed list cannot be
+        received in step with the trainer (a name is checked after, with the tensors in hand)."""
         import torch
 
         from weight_sync.nccl import parse_dtype
@@ -172,7 +180,20 @@ class GenerationControl:
             raise ValueError(f"no weight update group {src.group_name!r}: call init_weights_update_group first")
         if not len(src.names) == len(src.dtypes) == len(src.shapes):
             raise ValueError(f"names, dtypes and shapes differ in length "
-                             f"({len(src.names)}, {len(src.dtypes)}, {len(src.shapes)})")
+                             f"({len(src.names)}, {len(src.dtypes)}, {len(src.shapes)}); nothing was "
+                             "received, so the trainer's broadcasts are now out of step with this engine")
+        try:
+            specs = [(str(name), parse_dtype(dtype), tuple(int(d) for d in shape))
+                     for name, dtype, shape in zip(src.names, src.dtypes, src.shapes)]
+            bad = next((name for name, _, shape in specs if any(d < 0 for d in shape)), None)
+            if bad is not None:
+                raise ValueError(f"weight {bad!r} has a negative dimension")
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{exc}; nothing was received, so the trainer's broadcasts are now out of "
+                             "step with this engine") from exc
         device = self.core.runner.device
-        return [(name, group.broadcast(torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device)))
-                for name, dtype, shape in zip(src.names, src.dtypes, src.shapes)]
+        try:
+            return [(name, group.broadcast(torch.empty(shape, dtype=dtype, device=device)))
+                    for name, dtype, shape in specs]
+        except RuntimeError as exc:  # the trainer left or timed out mid-broadcast
+            raise ValueError(f"broadcast from group {src.group_name!r} failed: {exc}") from exc

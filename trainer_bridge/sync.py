@@ -5,6 +5,8 @@ buckets of at most `bucket_bytes` through the chosen transport -> the last bucke
 radix cache and sets the weight version -> continue, in a `finally`: an engine is never left
 paused. A refused bucket raises WeightSyncError with the engine's message; the version is then
 not bumped, and buckets before it stay loaded, so the caller retries the whole push.
+pause_mode "in_place" keeps running requests and their KV, so it cannot flush: the prefix cache
+keeps old-weight KV too (flush it once those requests finish); "abort" ends them.
 
 Transports ("tensor": FlattenedBucket payloads, in-process or by reference on one machine;
 "distributed": a broadcast from this trainer, rank 0 of `group`; "disk": a safetensors directory)
@@ -34,19 +36,20 @@ def push_weights(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
     if transport == "distributed" and group is None:
         raise ValueError("transport 'distributed' needs group: this trainer's weight_sync.nccl.WeightGroup (rank 0)")
     named = [(name, t.detach()) for name, t in named_tensors]
-    engine.pause_generation(pause_mode)
+    flush = pause_mode != "in_place"  # in_place keeps running requests' KV, so the cache cannot flush
     try:
+        engine.pause_generation(pause_mode)
         if transport == "disk":
-            _check(*_via_disk(engine, named, weight_version))
+            _check(*_via_disk(engine, named, weight_version, flush))
             return
         buckets = list(_buckets(named, bucket_bytes))
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
             version = weight_version if last else None
             if transport == "tensor":
-                _check(*_via_tensor(engine, bucket, last, version))
+                _check(*_via_tensor(engine, bucket, last and flush, version))
             else:
-                _check(*_via_broadcast(engine, bucket, last, version, group, group_name))
+                _check(*_via_broadcast(engine, bucket, last and flush, version, group, group_name))
     finally:
         engine.continue_generation()
 
@@ -95,9 +98,9 @@ def _via_broadcast(engine: Any, bucket: list, last: bool, version: Optional[str]
     return reply[0] if reply else (False, "the engine's receive call raised (see its log)")
 
 
-def _via_disk(engine: Any, named: list, version: str) -> tuple[bool, str]:
+def _via_disk(engine: Any, named: list, version: str, flush: bool) -> tuple[bool, str]:
     from safetensors.torch import save_file
 
     with tempfile.TemporaryDirectory(prefix="tandem-weights-") as path:
         save_file({n: t.contiguous().cpu() for n, t in named}, f"{path}/model.safetensors")
-        return engine.update_weights_from_disk(path, weight_version=version)
+        return engine.update_weights_from_disk(path, weight_version=version, flush_cache=flush)

@@ -26,10 +26,15 @@ class FlattenedTensorMetadata:
 
 class FlattenedBucket:
     def __init__(self, flattened_tensor: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> None:
-        if flattened_tensor.dtype != torch.uint8 or flattened_tensor.dim() != 1:
-            raise ValueError(f"a flattened bucket is a 1-D uint8 tensor; got {flattened_tensor.dtype} "
-                             f"with shape {list(flattened_tensor.shape)}")
+        if not isinstance(flattened_tensor, torch.Tensor) or flattened_tensor.dtype != torch.uint8 \
+                or flattened_tensor.dim() != 1:
+            raise ValueError(f"a flattened bucket is a 1-D uint8 tensor; got {_describe(flattened_tensor)}")
         for m in metadata:
+            if not (isinstance(m, FlattenedTensorMetadata) and isinstance(m.name, str)
+                    and isinstance(m.dtype, torch.dtype) and isinstance(m.start_idx, int)
+                    and isinstance(m.end_idx, int)):
+                raise ValueError(f"bucket metadata entries must be FlattenedTensorMetadata(name: str, shape, "
+                                 f"dtype: torch.dtype, start_idx: int, end_idx: int, numel); got {m!r}")
             nbytes = m.dtype.itemsize * _numel(m.shape)
             if not 0 <= m.start_idx <= m.end_idx <= flattened_tensor.numel() or m.end_idx - m.start_idx != nbytes:
                 raise ValueError(f"bucket entry {m.name!r}: bytes [{m.start_idx}, {m.end_idx}) do not hold "
@@ -78,7 +83,11 @@ class FlattenedBucket:
 def _numel(shape: Iterable[int]) -> int:
     n = 1
     for d in shape:
-        if d < 0:
-            raise ValueError(f"negative dimension in shape {list(shape)}")
+        if not isinstance(d, int) or d < 0:
+            raise ValueError(f"shape {list(shape)} has a dimension that is not a non-negative int")
         n *= d
     return n
+
+
+def _describe(x: Any) -> str:
+    return f"{x.dtype} with shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

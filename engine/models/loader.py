@@ -90,8 +90,16 @@ def load_safetensors(model: nn.Module, model_path: str) -> None:
     files = safetensors_files(model_path)
     shapes = []
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            shapes += [(name, f.get_slice(name).get_shape()) for name in f.keys()]
+        try:
+            f = safe_open(path, framework="pt")
+        except Exception as exc:  # SafetensorError: a truncated or foreign file
+            raise ValueError(f"cannot read {path!r} as safetensors: {exc}") from exc
+        with f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                if not tensor.get_dtype().startswith(("F", "BF")):  # safetensors' names: F32, BF16, I64, ...
+                    raise ValueError(f"weight {name!r} in {path!r} has non-floating dtype {tensor.get_dtype()}")
+                shapes.append((name, tensor.get_shape()))
     missing = model.missing_weights(model.check_weights(shapes))
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")

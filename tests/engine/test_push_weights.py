@@ -96,3 +96,10 @@ def test_policy_to_engine_push_keeps_rollouts_on_policy(engine_factory, tiny_mod
         policy_lps = policy.rollout_logprobs(prompts, [o["output_ids"] for o in outs])
     for a, b in zip(engine_lps, policy_lps):
         assert torch.equal(a, b.float()), (a - b).abs().max()
+
+
+def test_in_place_push_keeps_running_requests_and_sets_the_version(engine_factory, other_model_dir):
+    eng = engine_factory()
+    push_weights(eng, _named(other_model_dir), "in-place-1", pause_mode="in_place")
+    assert eng.get_weight_version() == "in-place-1" and not eng.core.paused
+    eng.check_integrity()

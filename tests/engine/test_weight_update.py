@@ -132,8 +132,10 @@ def _act_mid_stream(eng, prompt: list[int], action, after_tokens: int = 3) -> di
     return asyncio.run(run())
 
 
-def test_pause_abort_ends_running_requests_and_queues_new_ones(engine_factory):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_pause_abort_ends_running_requests_and_queues_new_ones(engine_factory, overlap):
     eng = engine_factory()
+    eng.core.overlap = overlap  # a launched batch is in flight when the pause arrives: it is drained
     prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=4)[0]
     final = _act_mid_stream(eng, prompt, lambda: eng.pause_generation("abort"))
     assert final["meta_info"]["finish_reason"]["type"] == "abort"
@@ -151,10 +153,12 @@ def test_pause_abort_ends_running_requests_and_queues_new_ones(engine_factory):
     eng.check_integrity()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_a_request_spanning_an_update_switches_weights_at_the_pause(engine_factory, other_model_dir,
-                                                                    other_engine, mode):
+                                                                    other_engine, mode, overlap):
     eng = engine_factory()
+    eng.core.overlap = overlap
     prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=5)[0]
     replies = []
 
@@ -214,4 +218,85 @@ def test_retract_during_a_chunked_prefill_resumes_it(engine_factory):
     eng.continue_generation()
     final = eng._wait_final(results)
     assert final["output_ids"] == expected and final["meta_info"]["num_retractions"] == 1
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_an_abort_just_before_a_pause_is_answered_at_the_pause(engine_factory, mode):
+    from engine.core import AbortReq
+    from engine.generation_control import PauseReq
+
+    eng = engine_factory()
+    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=11)[0]
+    (req,), _ = eng.builder.build(None, prompt, LONG, False, -1, 0, None, None)
+
+    def abort_then_pause(core) -> tuple:
+        core.handle(req)
+        core.step()
+        core.step()
+        outputs = core.handle(AbortReq(req.rid)) + core.handle(PauseReq(mode)).outputs
+        return outputs, core.scheduler.has_work()
+
+    outputs, has_work = eng._call(abort_then_pause)
+    assert [(o.rid, o.finished, o.output["meta_info"]["finish_reason"]["type"]) for o in outputs] == \
+        [(req.rid, True, "abort")]
+    assert not has_work and eng.flush_cache()  # nothing holds KV: a weight update could flush
+    eng.continue_generation()
+    eng.check_integrity()
+
+
+def test_a_failing_update_still_answers_the_drained_batch(engine_factory, monkeypatch):
+    """Overlap on: the update arrives while a batch is launched; that batch finishes a request,
+    then loading fails. The request's answer still goes out with the failure reply."""
+    from engine.generation_control import UpdateWeightsReq
+
+    eng = engine_factory()
+    eng.core.overlap = True
+    one = dict(GREEDY, max_new_tokens=1)
+    (req,), _ = eng.builder.build(None, [5, 6, 7, 8], one, False, -1, 0, None, None)
+
+    def broken(_):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(eng.core.runner.model, "load_weights", broken)
+    answers: list = []
+    with eng._lock:
+        eng._sinks[req.rid] = answers.append
+
+    def launch_then_update(core):
+        core.handle(req)
+        core.step()  # launched, not yet read back
+        assert core._inflight is not None and not answers
+        return core.handle(UpdateWeightsReq(named_tensors=[]))  # the Reply: its outputs are delivered
+
+    assert eng._call(launch_then_update) == (
+        False, "Weight update failed (weights may be partly written): RuntimeError: device lost")
+    assert [(a.rid, a.finished, len(a.output["output_ids"])) for a in answers] == [(req.rid, True, 1)]
+    assert not eng.core.paused
+    eng.check_integrity()
+
+
+def test_a_non_float_tensor_in_a_later_shard_is_refused_before_any_write(engine_factory, other_model_dir,
+                                                                         tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    eng = engine_factory()
+    before = _ids(eng.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY))
+    tensors = dict(_named_tensors(other_model_dir))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    shards = tmp_path / "sharded"
+    shutil.copytree(other_model_dir, shards, ignore=shutil.ignore_patterns("*.safetensors"))
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    assert "model.norm.weight" in second
+    for file, part in (("a.safetensors", first), ("b.safetensors", second)):
+        save_file({n: tensors[n] for n in part}, str(shards / file))
+    index = {"weight_map": {n: "a.safetensors" for n in first} | {n: "b.safetensors" for n in second}}
+    (shards / "model.safetensors.index.json").write_text(json.dumps(index))
+    ok, message = eng.update_weights_from_disk(str(shards))
+    assert not ok and "'model.norm.weight'" in message and "non-floating dtype I32" in message, message
+    assert _ids(eng.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)) == before
     eng.check_integrity()
