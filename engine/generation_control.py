@@ -12,6 +12,7 @@ stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -95,6 +96,8 @@ class GenerationControl:
     def __init__(self, core: "EngineCore") -> None:
         self.core = core
         self.groups: dict[str, Any] = {}  # group name -> weight_sync.nccl.WeightGroup
+        self.num_updates = 0  # successful loads (a bucket each), for /metrics
+        self.update_seconds = 0.0  # time in them: receive + load + flush
 
     def handle(self, msg: Any) -> Reply:
         if isinstance(msg, PauseReq):
@@ -128,8 +131,13 @@ class GenerationControl:
 
     def _update_weights(self, msg: UpdateWeightsReq) -> Reply:
         outputs = self.core.drain()  # the drained tokens are the old weights'; delivered whatever follows
+        start = time.perf_counter()
         try:
             value = self._load(msg)
+            self.num_updates += 1
+            self.update_seconds += time.perf_counter() - start
+            logger.info("weights updated in %.3f s: version %s%s", time.perf_counter() - start,
+                        self.core.weight_version, "" if value[0] else f" ({value[1]})")
         except (ValueError, OSError) as exc:  # names, shapes, dtypes, completeness: checked before writing
             value = (False, f"Weights not updated: {exc}")
         except Exception as exc:  # e.g. a corrupt file or a failed copy: still answered

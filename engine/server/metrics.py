@@ -29,6 +29,16 @@ class EngineCollector:
         yield GaugeMetricFamily("tandem_num_running_reqs", "requests decoding", value=len(sched.running))
         yield GaugeMetricFamily("tandem_num_waiting_reqs", "requests queued", value=len(sched.waiting))
         yield GaugeMetricFamily("tandem_new_token_ratio", "admission forecast ratio", value=sched.new_token_ratio)
+        control = core.control
+        yield CounterMetricFamily("tandem_weight_updates", "weight loads (one per bucket or checkpoint)",
+                                  value=control.num_updates)
+        yield CounterMetricFamily("tandem_weight_update_seconds", "engine time in weight loads (receive, load, flush)",
+                                  value=control.update_seconds)
+        yield GaugeMetricFamily("tandem_generation_paused", "1 while pause_generation holds", value=float(core.paused))
+        version = GaugeMetricFamily("tandem_weight_version", "the loaded weight version (as a label)",
+                                    labels=["version"])
+        version.add_metric([core.weight_version], 1.0)
+        yield version
         used = sched.allocator.size - sched.allocator.available_size()
         yield GaugeMetricFamily("tandem_kv_token_usage", "share of KV slots in use or cached",
                                 value=used / max(sched.allocator.size, 1))

@@ -111,6 +111,8 @@ def test_rl_control_routes(engine_factory, other_model_dir, tmp_path):
         assert resumed.json() == {"message": "Generation continued successfully.", "status": "ok"}
         after = c.post("/generate", json=body).json()
         assert after["output_ids"] != before and after["meta_info"]["weight_version"] == "s1"
+        text = c.get("/metrics").text
+        assert "tandem_weight_updates_total 1.0" in text and 'tandem_weight_version{version="s1"} 1.0' in text
         version = c.post("/update_weight_version", json={"new_version": "s2"})
         assert version.json() == {"success": True, "message": "Weight version updated to s2", "new_version": "s2"}
         assert c.get("/model_info").json()["weight_version"] == "s2"
