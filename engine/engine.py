@@ -117,7 +117,10 @@ class Engine:
             from weight_sync.bucket import FlattenedBucket
 
             named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
-        named = list(named_tensors)
+        try:
+            named = list(named_tensors)
+        except TypeError:
+            raise ValueError(f"named_tensors must be (name, tensor) pairs; got {type(named_tensors).__name__}") from None
         bad = next((t for t in named if not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)
                                              and isinstance(t[1], torch.Tensor))), None)
         if bad is not None:

@@ -60,7 +60,8 @@ class FlattenedBucket:
         """The {"flattened_tensor", "metadata"} dict SGLang's format sends (or a bucket)."""
         if isinstance(payload, FlattenedBucket):
             return payload
-        if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+        if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"} \
+                or not isinstance(payload["metadata"], (list, tuple)):
             raise ValueError('a flattened_bucket payload is {"flattened_tensor": uint8 tensor, '
                              '"metadata": [FlattenedTensorMetadata, ...]}')
         return cls(payload["flattened_tensor"], list(payload["metadata"]))
@@ -80,10 +81,12 @@ class FlattenedBucket:
         return out
 
 
-def _numel(shape: Iterable[int]) -> int:
+def _numel(shape: Any) -> int:
+    if not isinstance(shape, (tuple, list)):  # torch.Size is a tuple
+        raise ValueError(f"a bucket entry's shape must be a tuple of ints, got {type(shape).__name__}")
     n = 1
     for d in shape:
-        if not isinstance(d, int) or d < 0:
+        if type(d) is not int or d < 0:
             raise ValueError(f"shape {list(shape)} has a dimension that is not a non-negative int")
         n *= d
     return n

@@ -9,9 +9,10 @@ receiver has loaded them. Both accept base64 text, the form the HTTP route carri
 reductions emit (anything else, e.g. os.system, builtins.eval, torch.hub.load, is refused by
 name), and even those are not handed out as they are: each payload gets its own checked stand-ins.
 The rebuild functions become wrappers that check every argument's type before calling torch's
-(a tensor posing as a file descriptor, an fd fetched from anywhere but a local multiprocessing
-listener: refused); the classes they take (torch.Tensor, storages) become inert tokens; DupFd and
-the bucket metadata class become fresh subclasses. So a BUILD opcode aimed at a class or function
+(a tensor posing as a file descriptor, a view past its storage, an fd fetched from anywhere but
+a sender's multiprocessing listener of this user: refused); the classes they take (torch.Tensor,
+storages) become inert tokens; DupFd (which a payload may describe but not create) and the bucket
+metadata class become fresh subclasses. So a BUILD opcode aimed at a class or function
 changes only that payload's stand-in, never the process.
 """
 
@@ -31,6 +32,7 @@ _TOKENS = {("torch", "Tensor"): torch.Tensor, ("torch.nn.parameter", "Parameter"
            ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
            ("torch.storage", "TypedStorage"): torch.TypedStorage}
 _DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+_CUDA_REF_COUNTER_SLOTS = 10000  # torch's CUDA IPC ref-counter file (CUDA_IPC_REF_COUNTER_FILE_SIZE)
 _REBUILDS = ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd", "rebuild_storage_empty",
              "rebuild_typed_storage", "rebuild_typed_storage_child")
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
@@ -110,7 +112,13 @@ def _checked_rebuild(name: str) -> Callable:
         _check(storage, torch.TypedStorage, "rebuild_tensor's storage")
         offset, size, stride, requires_grad = _check(metadata, tuple, "rebuild_tensor's metadata")
         for v in (offset, *size, *stride):
-            _check(v, int, "a tensor offset, size or stride")
+            if _check(v, int, "a tensor offset, size or stride") < 0:
+                raise _refuse("a negative tensor offset, size or stride")
+        # within the storage: never grow it (a grown storage holds uninitialised memory)
+        last = offset + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else -1
+        elements = storage._size()  # TypedStorage.size() without its deprecation warning
+        if len(size) != len(stride) or last >= elements:
+            raise _refuse(f"a tensor of size {list(size)} reaches past its storage of {elements} elements")
         return R.rebuild_tensor(torch.Tensor, storage, (offset, tuple(size), tuple(stride), bool(requires_grad)))
 
     def rebuild_cuda_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype,
@@ -122,7 +130,10 @@ def _checked_rebuild(name: str) -> Callable:
         _check(dtype, torch.dtype, "dtype")
         for v in (*tensor_size, *tensor_stride, tensor_offset, storage_device, storage_size_bytes,
                   storage_offset_bytes, ref_counter_offset):
-            _check(v, int, "a CUDA tensor's size, stride, offset or device")
+            if _check(v, int, "a CUDA tensor's size, stride, offset or device") < 0:
+                raise _refuse("a negative CUDA tensor size, stride, offset or device")
+        if ref_counter_offset >= _CUDA_REF_COUNTER_SLOTS:  # torch decrements that slot, unchecked
+            raise _refuse(f"ref_counter_offset {ref_counter_offset} is outside the ref-counter file")
         for v in (storage_handle, ref_counter_handle, event_handle):
             _check(v, (bytes, type(None)), "a CUDA IPC handle")
         return R.rebuild_cuda_tensor(torch.Tensor, tuple(tensor_size), tuple(tensor_stride), tensor_offset,
@@ -152,20 +163,44 @@ def _checked_rebuild(name: str) -> Callable:
 
 
 def _local_dup_fd_class() -> type:
-    """DupFd whose detach() fetches a descriptor only from a multiprocessing listener socket on
-    this machine (where a sender's resource sharer lives), never from an address a payload chose."""
+    """DupFd that a payload can only describe, never create (creating one registers a descriptor
+    of this process for sharing), and whose detach() fetches a descriptor only from a sender's
+    multiprocessing listener: a socket in a pymp-* directory directly under the temp dir that this
+    user owns with mode 0700, as multiprocessing makes them, so no other user can plant one."""
     from multiprocessing.resource_sharer import DupFd
 
-    listeners = os.path.join(tempfile.gettempdir(), "pymp-")
+    def new(cls, *args):
+        if args:
+            raise _refuse("a payload may not create a shared-memory descriptor")
+        return object.__new__(cls)
+
+    def init(self, *args):
+        raise _refuse("a payload may not create a shared-memory descriptor")
 
     def detach(self) -> int:
         ident = getattr(self, "_id", None)
         address = ident[0] if isinstance(ident, tuple) and len(ident) == 2 else None
-        if not (isinstance(address, str) and address.startswith(listeners) and isinstance(ident[1], int)):
+        if not (isinstance(address, str) and isinstance(ident[1], int) and _is_listener(address)):
             raise _refuse(f"a shared-memory descriptor points at {address!r}, not a local multiprocessing listener")
         return DupFd.detach(self)
 
-    return type("DupFd", (DupFd,), {"detach": detach, "_tandem_checked": True})
+    return type("DupFd", (DupFd,), {"__new__": new, "__init__": init, "detach": detach, "_tandem_checked": True})
+
+
+def _is_listener(address: str) -> bool:
+    import stat
+
+    path = os.path.realpath(address)
+    parent = os.path.dirname(path)
+    if os.path.dirname(parent) != os.path.realpath(tempfile.gettempdir()) or \
+            not os.path.basename(parent).startswith("pymp-"):
+        return False
+    try:
+        info, sock = os.stat(parent), os.stat(path)
+    except OSError:
+        return False
+    return (info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700
+            and sock.st_uid == os.getuid() and stat.S_ISSOCK(sock.st_mode))
 
 
 def serialize(obj: Any, as_text: bool = False) -> Union[bytes, str]:

@@ -164,3 +164,22 @@ def test_distributed_update_routes_name_bad_arguments(engine_factory):
         assert missing.status_code == 400 and "init_weights_update_group first" in missing.json()["message"]
         wrong = c.post("/update_weights_from_distributed", json={**body, "shapes": "64"})
         assert wrong.status_code == 400 and "shapes" in wrong.json()["message"]
+
+
+def test_update_with_abort_all_requests_ends_them_and_flushes(engine_factory, other_model_dir):
+    import threading
+    import time
+
+    eng = engine_factory()
+    long = {"max_new_tokens": 5000, "temperature": 0.0, "ignore_eos": True}
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(out=eng.generate(input_ids=[5, 6, 7], sampling_params=long)))
+    runner.start()
+    while not eng.core.scheduler.running:  # decoding, not paused
+        time.sleep(0.01)
+    with TestClient(create_app(eng)) as c:
+        resp = c.post("/update_weights_from_disk", json={"model_path": other_model_dir, "abort_all_requests": True})
+    runner.join(timeout=30)
+    assert resp.status_code == 200 and resp.json()["success"] is True, resp.json()  # flushed: nothing runs
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    eng.check_integrity()

@@ -99,7 +99,48 @@ def test_policy_to_engine_push_keeps_rollouts_on_policy(engine_factory, tiny_mod
 
 
 def test_in_place_push_keeps_running_requests_and_sets_the_version(engine_factory, other_model_dir):
+    import asyncio
+
     eng = engine_factory()
-    push_weights(eng, _named(other_model_dir), "in-place-1", pause_mode="in_place")
+    params = {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+
+    async def run() -> dict:  # the push lands while this request is decoding
+        last, pushed = None, False
+        async for chunk in eng.async_generate(input_ids=[5, 6, 7, 8], sampling_params=params, stream=True):
+            last = chunk
+            if not pushed and len(chunk["output_ids"]) >= 3:
+                pushed = True
+                await asyncio.to_thread(push_weights, eng, _named(other_model_dir), "in-place-1",
+                                        pause_mode="in_place")
+        return last
+
+    final = asyncio.run(run())
+    assert len(final["output_ids"]) == 200 and [s["version"] for s in final["meta_info"]["weight_versions"]] \
+        == ["default", "in-place-1"]
     assert eng.get_weight_version() == "in-place-1" and not eng.core.paused
+    eng.check_integrity()
+
+
+def test_a_failed_pause_or_drain_never_leaves_the_engine_paused(engine_factory, other_model_dir, monkeypatch):
+    from engine.runner.pending_result import PendingResult
+
+    eng = engine_factory()
+    eng.core.overlap = True  # the pause finds a launched batch, and reading it back fails
+
+    def lost(self):
+        raise RuntimeError("device lost")
+
+    answers: list = []
+    (req,), _ = eng.builder.build(None, [5, 6, 7], GREEDY, False, -1, 0, None, None)
+    with eng._lock:
+        eng._sinks[req.rid] = answers.append
+    eng._call(lambda core: (core.handle(req), core.step()))
+    monkeypatch.setattr(PendingResult, "resolve", lost)
+    push_weights(eng, _named(other_model_dir), "after-failure")
+    monkeypatch.undo()
+    assert [a.output["meta_info"]["finish_reason"]["type"] for a in answers] == ["abort"]
+    assert eng.get_weight_version() == "after-failure" and not eng.core.paused
+    with pytest.raises(ValueError, match="pause mode"):
+        push_weights(eng, _named(other_model_dir), "x", pause_mode="later")
+    assert not eng.core.paused
     eng.check_integrity()

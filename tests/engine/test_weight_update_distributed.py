@@ -67,7 +67,8 @@ def test_broadcast_update_equals_an_engine_on_the_new_weights(engine_factory, ot
         after = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
         assert after == [o["output_ids"] for o in other_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
         assert after != before and eng.get_weight_version() == "dist-1"
-        ok, message = eng.update_weights_from_distributed(["model.norm.weight"], ["float23"], [[64]], "wg")
+        ok, message = eng.update_weights_from_distributed(  # the bad dtype is second: still nothing received
+            ["model.norm.weight", "model.norm.weight"], ["float32", "float23"], [[64], [64]], "wg")
         assert not ok and "unknown dtype 'float23'" in message and "nothing was received" in message
         ok, message = eng.update_weights_from_distributed(["model.nope.weight"], ["float32"], [[3]], "wg")
         assert not ok and "unknown weight 'model.nope.weight'" in message, message

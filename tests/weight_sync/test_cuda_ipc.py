@@ -99,3 +99,33 @@ def test_parameters_travel_as_plain_tensors():
     back = deserialize(serialize(params))
     assert [n for n, _ in back] == ["weight", "bias"]
     assert all(type(t) is torch.Tensor and torch.equal(t, p.detach()) for (_, t), (_, p) in zip(back, params))
+
+
+def test_a_payload_cannot_create_descriptors_or_reach_past_storage(tmp_path):
+    from multiprocessing.resource_sharer import DupFd
+
+    import torch.multiprocessing.reductions as R
+
+    secret = open(tmp_path / "secret", "w+")  # noqa: SIM115
+    secret.write("API_KEY=hunter2\n")
+    secret.flush()
+    made_here = _Call(DupFd, secret.fileno())  # would register the server's own fd for sharing
+    leak = _Call(R.rebuild_storage_fd, torch.storage.UntypedStorage, made_here, 64)
+    with pytest.raises(RefusedPayload, match="may not create a shared-memory descriptor"):
+        deserialize(pickle.dumps(leak))
+    assert os.path.getsize(tmp_path / "secret") == 16  # not truncated or grown
+    secret.close()
+    planted = tmp_path / "pymp-fake"  # a look-alike listener outside the temp dir's pymp-* dirs
+    planted.mkdir()
+    fake = DupFd.__new__(DupFd)
+    fake._id = (str(planted / "listener-x"), 1)
+    with pytest.raises(RefusedPayload, match="not a local multiprocessing listener"):
+        deserialize(pickle.dumps(_Call(R.rebuild_storage_fd, torch.storage.UntypedStorage, fake, 4)))
+    empty = _Call(R.rebuild_typed_storage, _Call(R.rebuild_storage_empty, torch.storage.UntypedStorage),
+                  torch.float32)
+    grown = _Call(R.rebuild_tensor, torch.Tensor, empty, (0, (1024,), (1,), False))
+    with pytest.raises(RefusedPayload, match="reaches past its storage"):
+        deserialize(pickle.dumps(grown))
+    negative = _Call(R.rebuild_tensor, torch.Tensor, empty, (0, (2,), (-1,), False))
+    with pytest.raises(RefusedPayload, match="negative"):
+        deserialize(pickle.dumps(negative))
