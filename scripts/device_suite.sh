@@ -19,6 +19,7 @@ B="python3 -m engine.cli bench --skip-tokenizer-init"
 kit() { source .devkit/install.sh; }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
   gpudet) step gpudet 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_policy_parity_gpu.py ;;
+  wsync) step wsync 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py ;;
   hfgpu) step hfgpu 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hf_greedy_gpu.py ;;
   gputests) step gputests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   bimatmul) step bimatmul 90 python3 scripts/bi_matmul_bench.py ;;

@@ -1,0 +1,107 @@
+"""Weight updates on the GPU: in-process CUDA tensors under CUDA graphs, and CUDA IPC handles from
+a trainer process on the same GPU (weight_sync.cuda_ipc), each against an engine started on the
+new checkpoint (float32 tiny model: same kernels, same batch, so the same tokens). Run with -s for
+timings. Written in the fourth session after its device time ran out: not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[2]
+GREEDY = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 90))]
+TRAINER = """
+import sys, torch
+from safetensors.torch import load_file
+from engine.models.loader import safetensors_files
+from weight_sync.bucket import FlattenedBucket
+from weight_sync.cuda_ipc import serialize
+named = [(n, t.cuda()) for p in safetensors_files(sys.argv[1]) for n, t in load_file(p).items()]
+bucket = FlattenedBucket.pack(named)  # one CUDA buffer, one IPC handle
+print(serialize(bucket.to_payload(), as_text=True), flush=True)
+sys.stdin.readline()  # keep the tensors alive until the engine has loaded them
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[str, str]:
+    from engine.testing.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("wsync")
+    return (str(build_tiny_model(root / "a", preset="tiny", seed=0)),
+            str(build_tiny_model(root / "b", preset="tiny", seed=1)))
+
+
+def _engine(path: str):
+    from engine import Engine
+
+    return Engine(model_path=path, device="cuda", dtype="float32", cuda_graph_max_bs=8, max_total_tokens=8192)
+
+
+def _ids(eng) -> list[list[int]]:
+    return [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints) -> list[list[int]]:
+    eng = _engine(checkpoints[1])
+    try:
+        return _ids(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_in_process_cuda_tensors_under_graphs(checkpoints, expected):
+    from safetensors.torch import load_file
+
+    from engine.models.loader import safetensors_files
+
+    eng = _engine(checkpoints[0])
+    try:
+        before = _ids(eng)
+        named = [(n, t.cuda()) for p in safetensors_files(checkpoints[1]) for n, t in load_file(p).items()]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        ok, message = eng.update_weights_from_tensor(named, weight_version="gpu-1")
+        print(f"  in-process update: {(time.perf_counter() - start) * 1e3:.1f} ms")
+        assert ok, message
+        assert _ids(eng) == expected != before
+        assert eng.core.parts.runner.cuda_graph.num_replays > 0  # the graphs read the new weights
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_cuda_ipc_bucket_from_a_trainer_process(checkpoints, expected):
+    from weight_sync.cuda_ipc import deserialize
+
+    eng = _engine(checkpoints[0])
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, checkpoints[1]], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        payload = deserialize(trainer.stdout.readline().strip())
+        assert payload["flattened_tensor"].is_cuda
+        start = time.perf_counter()
+        ok, message = eng.update_weights_from_tensor(payload, load_format="flattened_bucket", weight_version="ipc-1")
+        print(f"  IPC bucket update: {(time.perf_counter() - start) * 1e3:.1f} ms")
+        assert ok, message
+        del payload
+        torch.cuda.ipc_collect()
+        assert _ids(eng) == expected
+        eng.check_integrity()
+    finally:
+        trainer.communicate("done\n", timeout=60)
+        eng.shutdown()
+    assert trainer.returncode == 0
