@@ -1,0 +1,98 @@
+"""RolloutManager: the samples of a batch of prompts, generated over several engines.
+
+Each prompt's n samples go to one engine as one request with `n` (distinct derived seeds; the
+samples share the prompt's KV through the radix cache). Prompts go to engines by a hash of their
+first `route_prefix` tokens, so prompts sharing a prefix (a system prompt, a few-shot header) meet
+on one engine and compute it once. Over-sampling: with `keep_groups`, the first keep_groups
+prompts whose samples all finish are kept and the rest aborted, so a long tail does not hold up
+the step (dynamic sampling as slime and DAPO do it). Engines are anything with Engine's
+`async_generate` and `abort_request` (an in-process Engine here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import uuid
+from typing import Any, Callable, Optional, Sequence
+
+from rollout.types import Sample
+
+
+class RolloutManager:
+    def __init__(self, engines: Sequence[Any], reward_fn: Optional[Callable[[Sample], float]] = None,
+                 route_prefix: int = 64) -> None:
+        if not engines:
+            raise ValueError("RolloutManager needs at least one engine")
+        self.engines = list(engines)
+        self.reward_fn = reward_fn
+        self.route_prefix = route_prefix
+        self._batch_ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:8]
+
+    def route(self, prompt_ids: Sequence[int]) -> int:
+        """The engine index for a prompt: a stable hash of its first route_prefix tokens."""
+        head = ",".join(map(str, prompt_ids[: self.route_prefix])).encode()
+        digest = hashlib.blake2b(head, digest_size=8).digest()  # (crc32's low bits are linear in the input)
+        return int.from_bytes(digest, "little") % len(self.engines)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Any, n: int = 1,
+                 labels: Optional[Sequence[Any]] = None, keep_groups: Optional[int] = None) -> list[list[Sample]]:
+        """-> one list of n Samples per kept prompt, in prompt order. sampling_params: one dict
+        for all prompts or one per prompt. Call from a thread without an event loop; inside one,
+        await `agenerate`."""
+        return asyncio.run(self.agenerate(prompts, sampling_params, n, labels, keep_groups))
+
+    async def agenerate(self, prompts: Sequence[Sequence[int]], sampling_params: Any, n: int = 1,
+                        labels: Optional[Sequence[Any]] = None,
+                        keep_groups: Optional[int] = None) -> list[list[Sample]]:
+        labels = list(labels) if labels is not None else [None] * len(prompts)
+        if len(labels) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(labels)} labels")
+        if keep_groups is not None and not 1 <= keep_groups <= len(prompts):
+            raise ValueError(f"keep_groups must be in [1, {len(prompts)}], got {keep_groups}")
+        per_prompt = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling_params")
+        batch = f"rollout-{self._tag}-{next(self._batch_ids)}"
+        tasks = {}
+        for g, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+            engine = self.engines[self.route(prompt)]
+            stream = engine.async_generate(input_ids=list(prompt), sampling_params={**params, "n": n},
+                                           return_logprob=True, rid=f"{batch}-{g}")
+            tasks[asyncio.ensure_future(_as_list(stream))] = (g, engine)
+        kept = await self._collect(tasks, keep_groups, n, batch)
+        groups = []
+        for g in sorted(kept):
+            samples = [Sample.from_output(out, g, i, list(prompts[g]), labels[g]) for i, out in enumerate(kept[g])]
+            if self.reward_fn is not None:
+                for s in samples:
+                    s.reward = float(self.reward_fn(s))
+            groups.append(samples)
+        return groups
+
+    @staticmethod
+    async def _collect(tasks: dict, keep_groups: Optional[int], n: int, batch: str) -> dict[int, list]:
+        """tasks: future -> (group, engine). -> group -> its n outputs, for the kept groups."""
+        if keep_groups is None:
+            return {tasks[t][0]: out for t, out in zip(tasks, await asyncio.gather(*tasks))}
+        kept: dict[int, list] = {}
+        pending = set(tasks)
+        while pending and len(kept) < keep_groups:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=lambda t: tasks[t][0]):
+                if len(kept) < keep_groups:
+                    kept[tasks[t][0]] = t.result()
+        for t in pending:  # the long tail: abort it, then wait until each engine has let it go
+            g, engine = tasks[t]
+            for rid in [f"{batch}-{g}"] if n == 1 else [f"{batch}-{g}-{i}" for i in range(n)]:
+                engine.abort_request(rid)
+        if pending:
+            await asyncio.wait(pending)
+        return kept
+
+
+async def _as_list(stream: Any) -> list[dict]:
+    out = await stream
+    return out if isinstance(out, list) else [out]
