@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine.testing.tiny_model import tiny_model_path
@@ -84,6 +84,9 @@ def test_ids_past_the_tokenizer_vocab_do_not_crash(tok):
                     max_size=40),
        chunk=st.integers(1, 4))
 def test_any_text_streams_exactly(tok, text, chunk):
+    # special-token strings encode to special ids, which decoding skips (tested above); hypothesis
+    # draws string constants from the source, so it does produce them
+    assume(not any(special in text for special in tok.all_special_tokens))
     ids = tok.encode(text, add_special_tokens=False)
     detok, pieces = _stream(tok, ids, chunk)
     assert "".join(pieces) == text
