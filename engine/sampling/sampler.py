@@ -14,6 +14,7 @@ token depends only on its own logits, seed and position, never on the batch.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -21,6 +22,8 @@ import torch
 from engine.sampling.logprobs import LogSoftmax, gather_token_logprobs, original_logprobs
 from engine.sampling.sampling_batch import SamplingBatch
 from engine.sampling.seeds import gumbel_argmax
+
+logger = logging.getLogger(__name__)
 
 
 class SampleOutput(NamedTuple):
@@ -47,10 +50,14 @@ class Sampler:
         rollout's first step would stall for seconds). Batch 1 and 2: compile specialises 1."""
         if not self._compile or device.type != "cuda":
             return
-        fn = self._gumbel_argmax(device)
-        for bs in (1, 2):
-            zeros = torch.zeros(bs, dtype=torch.int64, device=device)
-            fn(torch.zeros(bs, vocab_size, device=device), zeros, zeros)
+        try:
+            fn = self._gumbel_argmax(device)
+            for bs in (1, 2):
+                zeros = torch.zeros(bs, dtype=torch.int64, device=device)
+                fn(torch.zeros(bs, vocab_size, device=device), zeros, zeros)
+        except Exception as exc:  # no working compiler here: the eager reference gives the same tokens
+            logger.warning("sampler: torch.compile failed (%s: %s); sampling runs eager", type(exc).__name__, exc)
+            self._compile, self._compiled = False, None
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         raw = logits.float()

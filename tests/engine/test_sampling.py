@@ -8,7 +8,7 @@ import torch
 from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs
 from engine.sampling.sampler import Sampler, apply_penalties
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
-from engine.sampling.seeds import derive_seed, lowbias32, uniform_noise
+from engine.sampling.seeds import derive_seed, gumbel_argmax, lowbias32, uniform_noise
 from engine.sampling_params import SamplingParams
 
 V = 64
@@ -305,3 +305,18 @@ def test_logprob_helpers():
     values, top_ids = top_logprobs(logits, 3)
     assert values.shape == (4, 3) and torch.equal(top_ids[:, 0], lp.argmax(-1))
     assert torch.equal(values, lp.gather(1, top_ids))
+
+
+def test_a_failing_compile_at_warmup_falls_back_to_eager(monkeypatch):
+    sampler = Sampler()
+
+    def broken_compiler(device):
+        def fn(*args):
+            raise RuntimeError("no compiler")
+        return fn
+
+    monkeypatch.setattr(sampler, "_gumbel_argmax", broken_compiler)
+    sampler.warmup(torch.device("cuda"), vocab_size=10)  # only builds device objects: no CUDA needed
+    assert sampler._compile is False
+    monkeypatch.undo()
+    assert sampler._gumbel_argmax(torch.device("cuda")) is gumbel_argmax  # eager from now on
