@@ -117,16 +117,7 @@ class Engine:
             from weight_sync.bucket import FlattenedBucket
 
             named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
-        try:
-            named = list(named_tensors)
-        except TypeError:
-            raise ValueError(f"named_tensors must be (name, tensor) pairs; got {type(named_tensors).__name__}") from None
-        bad = next((t for t in named if not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)
-                                             and isinstance(t[1], torch.Tensor))), None)
-        if bad is not None:
-            raise ValueError(f"named_tensors must be (name, tensor) pairs; got a {type(bad).__name__}"
-                             + (f" holding {type(bad[1]).__name__}" if isinstance(bad, tuple) and len(bad) == 2 else ""))
-        return self._call(UpdateWeightsReq(named, None, flush_cache, weight_version))
+        return self._call(UpdateWeightsReq(_named_pairs(named_tensors), None, flush_cache, weight_version))
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None, flush_cache: bool = True
@@ -252,3 +243,17 @@ class Engine:
             except Exception:  # e.g. the caller's event loop is gone; the engine must live on
                 logger.warning("dropping output for %s: its receiver is gone", out.rid)
                 self.core.handle(AbortReq(out.rid, "receiver gone"))
+
+
+def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
+    """list of (name, tensor), or a ValueError naming what was passed instead."""
+    try:
+        named = list(named_tensors)
+    except TypeError:
+        raise ValueError(f"named_tensors must be (name, tensor) pairs; got {type(named_tensors).__name__}") from None
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            held = f" holding {type(item[1]).__name__}" if isinstance(item, tuple) and len(item) == 2 else ""
+            raise ValueError(f"named_tensors must be (name, tensor) pairs; got a {type(item).__name__}{held}")
+    return named

@@ -134,10 +134,11 @@ class GenerationControl:
         start = time.perf_counter()
         try:
             value = self._load(msg)
+            elapsed = time.perf_counter() - start
             self.num_updates += 1
-            self.update_seconds += time.perf_counter() - start
-            logger.info("weights updated in %.3f s: version %s%s", time.perf_counter() - start,
-                        self.core.weight_version, "" if value[0] else f" ({value[1]})")
+            self.update_seconds += elapsed
+            logger.info("weights updated in %.3f s: version %s%s", elapsed, self.core.weight_version,
+                        "" if value[0] else f" ({value[1]})")
         except (ValueError, OSError) as exc:  # names, shapes, dtypes, completeness: checked before writing
             value = (False, f"Weights not updated: {exc}")
         except Exception as exc:  # e.g. a corrupt file or a failed copy: still answered
@@ -147,14 +148,13 @@ class GenerationControl:
 
     def _load(self, msg: UpdateWeightsReq) -> tuple[bool, str]:
         core = self.core
-        if msg.from_group is not None:  # received in full first: the trainer sends them all anyway
-            msg.named_tensors = self._receive(msg.from_group)
         if msg.model_path is not None:
             from engine.models.loader import load_safetensors
 
             load_safetensors(core.runner.model, msg.model_path)
-        else:
-            core.runner.model.load_weights(msg.named_tensors)
+        else:  # a group's tensors are received in full first: the trainer sends them all anyway
+            named = self._receive(msg.from_group) if msg.from_group is not None else msg.named_tensors
+            core.runner.model.load_weights(named)
         message = "Success."
         if msg.weight_version is not None:  # the version names the weights now loaded, flushed or not
             core.weight_version = str(msg.weight_version)

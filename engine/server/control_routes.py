@@ -32,12 +32,10 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
-        if req.abort_all_requests:
-            engine.abort_request(abort_all=True)
+        _abort_all_first(engine, req)
         ok, message = await asyncio.to_thread(engine.update_weights_from_disk, req.model_path,
                                               req.load_format, req.weight_version, req.flush_cache)
-        body = {"success": ok, "message": message, "num_paused_requests": 0}
-        return JSONResponse(body, status_code=200 if ok else 400)
+        return _reply(ok, message, num_paused_requests=0)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
@@ -45,8 +43,7 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
         them alive until this returns. Unpickled through the allowlist only."""
         if not req.serialized_named_tensors:
             raise ValueError("serialized_named_tensors is empty: send one payload per rank")
-        if req.abort_all_requests:
-            engine.abort_request(abort_all=True)
+        _abort_all_first(engine, req)
 
         def load() -> tuple[bool, str]:
             from weight_sync.cuda_ipc import deserialize
@@ -70,8 +67,7 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
-        if req.abort_all_requests:
-            engine.abort_request(abort_all=True)
+        _abort_all_first(engine, req)
         ok, message = await asyncio.to_thread(
             engine.update_weights_from_distributed, req.names, req.dtypes, req.shapes, req.group_name,
             req.flush_cache, req.weight_version, req.load_format)
@@ -79,11 +75,16 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest) -> dict:
-        if req.abort_all_requests:
-            engine.abort_request(abort_all=True)
+        _abort_all_first(engine, req)
         version = await asyncio.to_thread(engine.update_weight_version, req.new_version)
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
 
-def _reply(ok: bool, message: str) -> JSONResponse:
-    return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+def _abort_all_first(engine: Any, req: Any) -> None:
+    """SGLang's abort_all_requests: queued ahead of the update on the core's inbox."""
+    if req.abort_all_requests:
+        engine.abort_request(abort_all=True)
+
+
+def _reply(ok: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
