@@ -7,7 +7,7 @@ __all__ = ["Engine", "ServerArgs", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:  # lazy, so `import engine.config` stays light
     if name == "Engine":
-        from engine.engine import Engine
+        from engine.api.engine import Engine
 
         return Engine
     if name == "ServerArgs":

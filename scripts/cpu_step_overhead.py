@@ -23,9 +23,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
 
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.config import ServerArgs
-    from engine.request import ReqInput
+    from engine.scheduler.request import ReqInput
     from engine.sampling_params import SamplingParams
     from engine.testing.tiny_model import tiny_model_path
 

@@ -15,7 +15,7 @@ step() {  # name, seconds, command...
   { echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; cat "/tmp/$name.log"; } >> "$OUT/suite.log"
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
 }
-B="python3 -m engine.cli bench --skip-tokenizer-init"
+B="python3 -m engine.cli.main bench --skip-tokenizer-init"
 kit() { source .devkit/install.sh; }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
   gpudet) step gpudet 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_policy_parity_gpu.py ;;
@@ -23,7 +23,7 @@ for s in "$@"; do case $s in
   hfgpu) step hfgpu 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hf_greedy_gpu.py ;;
   gputests) step gputests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   bimatmul) step bimatmul 90 python3 scripts/bi_matmul_bench.py ;;
-  det8) step det8 150 python3 -m engine.cli determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
+  det8) step det8 150 python3 -m engine.cli.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
   fusedbench) step fusedbench 60 python3 scripts/fused_kernels_bench.py --json "$OUT/fused-kernels.json" ;;
   fusedtests) step fusedtests 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_kernels_gpu.py ;;

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.schedule_batch import ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
 
 
 @dataclass

@@ -22,7 +22,7 @@ from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, t
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
 from engine.runner.pending_result import PendingResult
-from engine.schedule_batch import ScheduleBatch
+from engine.scheduler.batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

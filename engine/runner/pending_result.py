@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from engine.schedule_batch import BatchResult, ScheduleBatch
+from engine.scheduler.batch import BatchResult, ScheduleBatch
 
 
 @dataclass

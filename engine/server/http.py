@@ -121,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine import Engine
-    from engine.server_args_cli import server_args_from_namespace
+    from engine.cli.server_args import server_args_from_namespace
 
     engine = Engine(**server_args_from_namespace(args))
     app = create_app(engine, api_key=engine.server_args.api_key)

@@ -21,7 +21,7 @@ def add_preset_argument(group: Any) -> None:
 
 def engine_kwargs_from_args(args: argparse.Namespace, command: str) -> tuple[dict[str, Any], str]:
     """-> (Engine kwargs from the ServerArgs flags on args, a label for the model)."""
-    from engine.server_args_cli import server_args_from_namespace
+    from engine.cli.server_args import server_args_from_namespace
 
     kwargs = server_args_from_namespace(args)
     preset = getattr(args, "preset", None)

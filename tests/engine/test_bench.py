@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from engine import cli
-from engine.bench.hf_weights import hf_named_tensors
-from engine.bench.roofline import DeviceRates, ModelShape, floor
-from engine.bench.stats import median_of_runs, percentile
-from engine.bench.tandem_run import TokenTrace
-from engine.bench.workload import build_workload
+from engine.cli import main as cli
+from engine.cli.bench.hf_weights import hf_named_tensors
+from engine.cli.bench.roofline import DeviceRates, ModelShape, floor
+from engine.cli.bench.stats import median_of_runs, percentile
+from engine.cli.bench.tandem_run import TokenTrace
+from engine.cli.bench.workload import build_workload
 
 TINY = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--runs", "1"]
 
@@ -119,7 +119,7 @@ def test_roofline_floor_arithmetic():
 def test_profile_report_on_cpu_and_format():
     import torch
 
-    from engine.bench.profile import format_profile, profile_run
+    from engine.cli.bench.profile import format_profile, profile_run
 
     skipped = profile_run(None, None, torch.device("cpu"), "final", 5)
     assert "CUDA" in skipped["skipped"] and format_profile(skipped).startswith("profile skipped")

@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from engine import cli
+from engine.cli import main as cli
 from engine.config import ServerArgs
-from engine.server_args_cli import flag_name, server_args_from_namespace
+from engine.cli.server_args import flag_name, server_args_from_namespace
 
 
 def _server_args(argv: list[str]) -> ServerArgs:
@@ -86,9 +86,9 @@ def test_dispatch_calls_handler_with_namespace(monkeypatch):
         seen["args"] = args
         return 0
 
-    fake = types.ModuleType("engine.cli_generate")
+    fake = types.ModuleType("engine.cli.generate")
     fake.run_generate = run_generate
-    monkeypatch.setitem(sys.modules, "engine.cli_generate", fake)
+    monkeypatch.setitem(sys.modules, "engine.cli.generate", fake)
     assert cli.main(["generate", "--model-path", "m", "--prompt", "hi"]) == 0
     assert seen["args"].prompt == ["hi"] and seen["args"].model_path == "m"
 

@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from engine.determinism.client import EngineClient, HttpClient
-from engine.determinism.harness import MODES, Harness, HarnessConfig, waves
-from engine.determinism.replay import Replayer
-from engine.cli import main
+from engine.cli.determinism.client import EngineClient, HttpClient
+from engine.cli.determinism.harness import MODES, Harness, HarnessConfig, waves
+from engine.cli.determinism.replay import Replayer
+from engine.cli.main import main
 
 SMALL = dict(trials=4, max_new_tokens=6, prompt_len=100, prefix_lens=(1, 63, 65, 130))
 

@@ -45,7 +45,7 @@ def test_float32_is_refused(monkeypatch):
 
 
 def test_unsupported_head_dim_is_refused_before_the_model_loads(tiny_model_dir):
-    from engine.core_setup import build_core_parts
+    from engine.core.setup import build_core_parts
 
     # the tiny model's head_dim (16) is not one flashinfer builds kernels for
     args = ServerArgs(model_path=tiny_model_dir, attention_backend="flashinfer", dtype="bfloat16",

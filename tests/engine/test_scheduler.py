@@ -9,11 +9,11 @@ import pytest
 from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.pool import ReqToTokenPool
 from engine.kv.radix_cache import RadixCache
-from engine.request import Req
+from engine.scheduler.request import Req
 from engine.runner.forward_batch import ForwardMode
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.schedule_policy import LPM_MAX_WAITING
+from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.policy import LPM_MAX_WAITING
 
 
 def make_scheduler(pool=1000, max_running=64, chunk=None, policy="fcfs", max_prefill=16384):

@@ -194,7 +194,7 @@ def test_retract_during_a_chunked_prefill_resumes_it(engine_factory):
     core thread): it goes back to the queue, holds no KV, and finishes as if never paused."""
     import queue
 
-    from engine.generation_control import PauseReq
+    from engine.core.control import PauseReq
 
     eng = engine_factory(chunked_prefill_size=16)
     prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(100, 100), seed=10)[0]
@@ -223,8 +223,8 @@ def test_retract_during_a_chunked_prefill_resumes_it(engine_factory):
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_an_abort_just_before_a_pause_is_answered_at_the_pause(engine_factory, mode):
-    from engine.core import AbortReq
-    from engine.generation_control import PauseReq
+    from engine.core.engine_core import AbortReq
+    from engine.core.control import PauseReq
 
     eng = engine_factory()
     prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=11)[0]
@@ -248,7 +248,7 @@ def test_an_abort_just_before_a_pause_is_answered_at_the_pause(engine_factory, m
 def test_a_failing_update_still_answers_the_drained_batch(engine_factory, monkeypatch):
     """Overlap on: the update arrives while a batch is launched; that batch finishes a request,
     then loading fails. The request's answer still goes out with the failure reply."""
-    from engine.generation_control import UpdateWeightsReq
+    from engine.core.control import UpdateWeightsReq
 
     eng = engine_factory()
     eng.core.overlap = True

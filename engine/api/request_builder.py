@@ -1,0 +1,121 @@
+"""RequestBuilder: turns generate() arguments into validated, tokenized ReqInput messages.
+
+Every check that can fail on user input happens here, in the caller's thread, so a bad request
+raises a ValueError naming the problem and never reaches the core.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any, Optional, Union
+
+from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
+from engine.scheduler.request import ReqInput
+from engine.sampling.seeds import derive_seed
+from engine.sampling_params import SamplingParams
+
+
+class RequestBuilder:
+    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, server_args: ServerArgs):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.default_distribution = server_args.logprob_distribution
+        # Unseeded requests draw their seed from here, so a whole run replays from --random-seed.
+        self._seed_rng = random.Random(server_args.random_seed)
+
+    def build(
+        self, prompt: Union[str, list[str], None], input_ids: Any, sampling_params: Any,
+        return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
+        logprob_distribution: Optional[str], rid: Any, stream: bool = False,
+    ) -> tuple[list[ReqInput], bool]:
+        """Returns one ReqInput per (prompt, sample) pair, prompt-major, and whether the caller
+        passed a single prompt (so the result is a dict rather than a list)."""
+        prompts, single = self._token_lists(prompt, input_ids)
+        params = self._sampling_params(sampling_params, len(prompts))
+        rids = self._rids(rid, len(prompts))
+        distribution = logprob_distribution or self.default_distribution
+        if distribution not in LOGPROB_DISTRIBUTIONS:
+            raise ValueError(f"logprob_distribution must be one of {LOGPROB_DISTRIBUTIONS}; got {distribution!r}")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num must be an int in [0, {self.vocab_size}], got {top_logprobs_num!r}")
+        out: list[ReqInput] = []
+        for ids, p, base_rid in zip(prompts, params, rids):
+            self._check_logprob_start(logprob_start_len, len(ids))
+            base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
+            for i in range(p.n):
+                seed = base_seed if p.n == 1 else derive_seed(base_seed, i)
+                out.append(ReqInput(
+                    rid=base_rid if p.n == 1 else f"{base_rid}-{i}", input_ids=ids, sampling_params=p,
+                    seed=seed, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num, logprob_distribution=distribution, stream=stream,
+                ))
+        return out, single and params[0].n == 1
+
+    # ---- pieces --------------------------------------------------------------------------------
+    def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+        if prompt is not None and input_ids is not None:
+            raise ValueError("pass either prompt (text) or input_ids, not both")
+        if prompt is None and input_ids is None:
+            raise ValueError("one of prompt (text) or input_ids is required")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            if self.tokenizer is None:
+                raise ValueError("this engine was started with skip_tokenizer_init; pass input_ids")
+            lists = [self._encode(t) for t in texts]
+        else:
+            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+            lists = [list(input_ids)] if single else [list(x) if isinstance(x, (list, tuple)) else x for x in input_ids]
+        if not lists:
+            raise ValueError("prompt or input_ids is empty: give at least one token")
+        for ids in lists:
+            self._check_ids(ids)
+        return lists, single
+
+    def _encode(self, text: str) -> list[int]:
+        if text == "":
+            raise ValueError("prompt is empty; give at least one token of text")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_ids(self, ids: Any) -> None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("input_ids must be a list of ints (or a list of such lists)")
+        if not ids:
+            raise ValueError("prompt is empty: input_ids has no tokens")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.context_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len} "
+                             f"(shorten the prompt or raise --context-length)")
+
+    def _sampling_params(self, raw: Any, n_prompts: int) -> list[SamplingParams]:
+        if isinstance(raw, list):
+            if len(raw) != n_prompts:
+                raise ValueError(f"sampling_params has {len(raw)} entries for {n_prompts} prompts")
+            items = raw
+        else:
+            items = [raw] * n_prompts
+        out = []
+        for item in items:
+            params = item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item)
+            params.validate(self.vocab_size)
+            out.append(params)
+        return out
+
+    def _rids(self, rid: Any, n: int) -> list[str]:
+        if rid is None:
+            return [uuid.uuid4().hex for _ in range(n)]
+        rids = [rid] if isinstance(rid, str) else list(rid)
+        if len(rids) != n:
+            raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
+        return [str(r) for r in rids]
+
+    @staticmethod
+    def _check_logprob_start(start: int, prompt_len: int) -> None:
+        if not isinstance(start, int) or not -1 <= start < prompt_len:
+            raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {prompt_len}), got {start!r}")

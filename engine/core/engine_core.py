@@ -1,0 +1,258 @@
+"""EngineCore: scheduler + model runner behind a narrow message interface.
+
+The front end (Engine) sends ReqInput / AbortReq / FlushCacheReq messages through `handle` and
+calls `step`, which returns ReqOutput messages. Nothing else crosses, so the core can later move
+into its own process unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from engine.config import ServerArgs
+from engine.core.setup import CoreParts, build_core_parts
+from engine.cli.determinism.recorder import Recorder
+from engine.scheduler.finish import check_finished
+from engine.core.control import CONTROL_MESSAGES, GenerationControl
+from engine.scheduler.request import Req, ReqInput
+from engine.core.output import build_output
+from engine.runner.pending_result import PendingResult
+from engine.scheduler.batch import BatchResult, ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AbortReq:
+    rid: Optional[str] = None  # None: abort everything
+    message: str = "aborted by request"
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class ReqOutput:
+    rid: str
+    finished: bool
+    output: dict[str, Any]  # SGLang's {"text", "output_ids", "meta_info"}, cumulative so far
+
+
+Message = Union[ReqInput, AbortReq, FlushCacheReq]
+
+
+@dataclass
+class CoreStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_lookahead_steps: int = 0  # decode steps launched before the previous step was read
+    num_mixed_steps: int = 0  # prefill passes that carried decode rows (--enable-mixed-chunk)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class EngineCore:
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.parts: CoreParts = build_core_parts(server_args)
+        self.scheduler = self.parts.scheduler
+        self.runner = self.parts.runner
+        self.tokenizer = self.parts.tokenizer
+        self.weight_version = "default"
+        self.paused = False  # pause_generation: no new forward passes until continue_generation
+        self.control = GenerationControl(self)
+        self.stats = CoreStats()
+        # overlap scheduling: on by default on CUDA (SGLang's choice); the CPU gains nothing
+        self.overlap = self.runner.device.type == "cuda" and not server_args.disable_overlap_schedule
+        self._inflight: Optional[PendingResult] = None  # launched, result not read yet
+        self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
+        self._processing: Optional[ScheduleBatch] = None
+        self.recorder = Recorder.maybe_open(server_args.record_path)  # --record-path: for replay
+
+    # ---- messages ------------------------------------------------------------------------------
+    def handle(self, msg: Message) -> Any:
+        if isinstance(msg, ReqInput):
+            return self._add_request(msg)
+        if isinstance(msg, AbortReq):
+            return self._abort(msg)
+        if isinstance(msg, FlushCacheReq):
+            return self.scheduler.flush_cache()
+        if isinstance(msg, CONTROL_MESSAGES):
+            return self.control.handle(msg)
+        raise TypeError(f"unknown message type {type(msg).__name__}")
+
+    def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
+        req = Req.from_input(msg)
+        if self.tokenizer is not None:
+            req.detokenizer = self.parts.make_detokenizer(req)
+        self.scheduler.add_request(req)
+        return []
+
+    def _abort(self, msg: AbortReq) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        rids = [msg.rid] if msg.rid is not None else self._all_rids()
+        for rid in rids:
+            req = self.scheduler.abort_request(rid, msg.message)
+            if req is not None and req.finished:  # it was waiting: finished right away
+                outputs.append(self._finish_output(req))
+        if self.paused:  # no step will release the running ones
+            outputs += self.drain()
+        return outputs
+
+    def abort_all(self, message: str) -> list[ReqOutput]:
+        return self._abort(AbortReq(None, message))
+
+    def _all_rids(self) -> list[str]:
+        s = self.scheduler
+        return [r.rid for r in list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])]
+
+    def has_work(self) -> bool:
+        return self._inflight is not None or (not self.paused and self.scheduler.has_work())
+
+    def drain(self) -> list[ReqOutput]:
+        """Finish the launched (overlap) batch and end the requests aborted while it ran: afterwards
+        nothing runs on the device and no request waits for a step to be released. A batch that
+        fails here fails its requests, as a failed step does."""
+        inflight, self._inflight = self._inflight, None
+        outputs: list[ReqOutput] = []
+        if inflight is not None:
+            try:
+                outputs = self._process(inflight)
+            except Exception as exc:
+                logger.exception("the launched batch failed while draining; failing its requests")
+                outputs = self.fail_current_batch(f"engine error: {type(exc).__name__}: {exc}")
+        self.scheduler.finish_marked_aborts()
+        return outputs + [self._finish_output(r) for r in self.scheduler.pop_finished()]
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        """One scheduling round. With overlap, a decode step is launched before the previous
+        step's tokens are read back, so host work hides behind the device's."""
+        if self.paused:
+            return self.drain()
+        inflight, self._inflight = self._inflight, None
+        ahead = self.scheduler.schedule_lookahead(inflight.batch) if inflight is not None else None
+        if ahead is not None:
+            self.stats.num_lookahead_steps += 1
+            self._inflight = self._launch(ahead, inflight)
+            return self._process(inflight)
+        outputs = self._process(inflight) if inflight is not None else []
+        batch = self.scheduler.schedule()
+        outputs += [self._finish_output(r) for r in self.scheduler.pop_finished()]
+        if batch is not None:
+            pending = self._launch(batch)
+            if self.overlap:
+                self._inflight = pending
+            else:
+                outputs += self._process(pending)
+        return outputs
+
+    def _launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:
+        self._uncommitted.append(batch)
+        return self.runner.launch(batch, inflight)
+
+    def _process(self, pending: PendingResult) -> list[ReqOutput]:
+        batch = pending.batch
+        result = pending.resolve()
+        self._record_stats(batch)
+        grown = self.scheduler.commit(batch, result.next_token_ids)
+        self._uncommitted.remove(batch)
+        self._processing = batch
+        self._record_logprobs(batch, result)
+        outputs: list[ReqOutput] = []
+        for req in grown:
+            req.note_weight_version(self.weight_version)
+            outputs.extend(self._after_token(req))
+        for req in self._prompt_only(batch):  # max_new_tokens=0: prompt logprobs, no output
+            req.finished_reason = {"type": "length", "length": 0}
+            self.scheduler.release(req)
+            outputs.append(self._finish_output(req))
+        self._processing = None
+        return outputs
+
+    @staticmethod
+    def _prompt_only(batch: ScheduleBatch) -> list[Req]:
+        if batch.forward_mode.is_decode:
+            return []
+        return [r for r in batch.reqs if not r.finished and not r.is_chunked and r.sampling_params.max_new_tokens == 0]
+
+    def _after_token(self, req: Req) -> list[ReqOutput]:
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        if req.detokenizer is not None and (req.stream or req.sampling_params.stop):
+            self._detokenize(req)  # text is needed now; otherwise once, at the end
+        reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len)
+        if reason is None:
+            return [ReqOutput(req.rid, False, build_output(req, self))] if req.stream else []
+        req.finished_reason = reason
+        self.scheduler.release(req)
+        return [self._finish_output(req)]
+
+    def _finish_output(self, req: Req) -> ReqOutput:
+        if req.detokenizer is not None and req.stop_text_len is None:
+            self._detokenize(req)
+            req.text += req.detokenizer.flush()
+        if self.recorder is not None:
+            self.recorder.record(req, self)
+        return ReqOutput(req.rid, True, build_output(req, self))
+
+    @staticmethod
+    def _detokenize(req: Req) -> None:
+        new_ids = req.output_ids[req.detokenized_len :]
+        if new_ids:
+            req.text += req.detokenizer.add(new_ids)
+            req.detokenized_len = len(req.output_ids)
+
+    def _record_logprobs(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        kept = batch.samples_kept()
+        for i, req in enumerate(batch.reqs):
+            if not req.return_logprob:
+                continue
+            if req.wants_input_logprobs:
+                req.input_logprobs.extend(result.input_logprobs[i])
+                if not req.is_chunked:
+                    req.input_logprobs_done = True
+            if kept[i]:
+                req.output_logprobs.append(result.logprobs[i])
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(result.top_logprobs[i])
+
+    def _record_stats(self, batch: ScheduleBatch) -> None:
+        self.stats.num_steps += 1
+        if batch.forward_mode.is_decode:
+            self.stats.num_generated_tokens += batch.batch_size
+        else:
+            n = batch.num_prefill_rows
+            self.stats.num_prefill_tokens += sum(batch.extend_lens[:n])
+            self.stats.num_cached_tokens += sum(batch.prefix_lens[:n])
+            self.stats.num_generated_tokens += batch.num_decode_rows
+            self.stats.num_mixed_steps += batch.num_decode_rows > 0
+
+    def fail_current_batch(self, message: str) -> list[ReqOutput]:
+        """After a failed step: end the requests of every launched batch with an error and give
+        back their KV (slots of batches that never committed included)."""
+        failed = []
+        for batch in self._uncommitted:
+            failed += self.scheduler.fail_batch(batch, message, slots_committed=False)
+        if self._processing is not None:
+            failed += self.scheduler.fail_batch(self._processing, message, slots_committed=True)
+            # requests that finished just before the failure may not have been answered yet: a
+            # second final answer for a request is dropped by the front end, a missing one hangs
+            failed += [r for r in self._processing.reqs if r.finished and r not in failed]
+        self._uncommitted, self._processing, self._inflight = [], None, None
+        return [self._error_output(r, message) for r in failed]
+
+    def _error_output(self, req: Req, message: str) -> ReqOutput:
+        """A final answer built without the detokenizer or recorder (either may be what failed)."""
+        if req.finished_reason is None or req.finished_reason.get("type") != "abort":
+            req.finished_reason = {"type": "abort", "message": message}
+        return ReqOutput(req.rid, True, build_output(req, self))
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

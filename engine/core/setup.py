@@ -1,0 +1,145 @@
+"""Builds the parts of an EngineCore from ServerArgs: model, pools, caches, scheduler, runner.
+
+Derived values (pool size, chunk size, running-request cap, context length) are computed here,
+once, and announced in one start-up line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import AutoConfig
+
+from engine.config import ServerArgs
+from engine.kv.allocator import TokenSlotAllocator
+from engine.kv.chunk_cache import ChunkCache
+from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.kv.radix_cache import RadixCache
+from engine.models.loader import load_model, resolve_dtype
+from engine.scheduler.request import Req
+from engine.runner.memory import MemoryPlan, plan_memory
+from engine.runner.model_runner import ModelRunner, RunnerConfig
+from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("tandem")
+GRAPH_BACKENDS = ("triton", "flashinfer")  # attention backends with CUDA-graph decode
+
+
+@dataclass
+class CoreParts:
+    scheduler: Scheduler
+    runner: ModelRunner
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    context_len: int
+    vocab_size: int
+    memory: MemoryPlan
+    make_detokenizer: Callable[[Req], Any]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_core_parts(args: ServerArgs) -> CoreParts:
+    hf_config = AutoConfig.from_pretrained(args.model_path)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, hf_config, device)
+    backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if backend == "flashinfer":  # fail before the model loads
+        from engine.attention.flashinfer import check_model
+
+        check_model(dtype, head_dim)
+    deterministic = args.enable_deterministic_inference
+    model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
+    context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
+    memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len)
+    kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+    # +1 row: the chunked request holds a row while it is neither running nor waiting
+    req_pool = ReqToTokenPool(memory.max_running_requests + 1, context_len + 1, "cpu")
+    allocator = TokenSlotAllocator(memory.max_total_num_tokens)
+    cache = ChunkCache(allocator, req_pool) if args.disable_radix_cache else RadixCache(allocator, req_pool)
+    scheduler = Scheduler(_scheduler_config(args, memory), cache, allocator, req_pool)
+    tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args)
+    eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
+    vocab_size = int(hf_config.vocab_size)
+    runner_cfg = RunnerConfig(device, dtype, backend, eos, vocab_size,
+                              cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend, memory),
+                              deterministic=deterministic)
+    runner = ModelRunner(runner_cfg, model, kv_pool, req_pool)
+    logger.info(
+        "tandem ready: model=%s device=%s dtype=%s max_total_num_tokens=%d chunked_prefill_size=%s "
+        "max_running_requests=%d context_len=%d available_mem=%.2f GB",
+        args.model_path, device, str(dtype).replace("torch.", ""), memory.max_total_num_tokens,
+        memory.chunked_prefill_size, memory.max_running_requests, context_len, memory.available_gb,
+    )
+    return CoreParts(scheduler, runner, tokenizer, eos, context_len, vocab_size, memory,
+                     lambda req: _make_detokenizer(tokenizer, req))
+
+
+def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: str, memory: MemoryPlan) -> int:
+    """Largest decode batch captured in a CUDA graph; 0 = no graphs."""
+    if device.type != "cuda" or backend not in GRAPH_BACKENDS or args.disable_cuda_graph:
+        return 0
+    # H200-class memory: decode large GRPO groups (32 prompts x 16 samples) in one graph; the
+    # 51 graphs to bs 512 hold ~6 GB (each size keeps its own logits), which 80 GB GPUs lack
+    big = torch.cuda.get_device_properties(device).total_memory >= 120 * 2**30
+    return min(args.cuda_graph_max_bs or (512 if big else 256), memory.max_running_requests)
+
+
+def _scheduler_config(args: ServerArgs, memory: MemoryPlan) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running_requests=memory.max_running_requests,
+        chunked_prefill_size=memory.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        schedule_policy=args.schedule_policy,
+        schedule_conservativeness=args.schedule_conservativeness,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+    )
+
+
+def _load_tokenizer(args: ServerArgs) -> Any:
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(args.tokenizer_path or args.model_path)
+
+
+def _eos_token_ids(model_path: str, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (hf_config, _generation_config(model_path)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def _generation_config(model_path: str) -> Optional[Any]:
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
+
+
+def _make_detokenizer(tokenizer: Any, req: Req) -> Any:
+    from engine.tokenizer import IncrementalDetokenizer
+
+    params = req.sampling_params
+    return IncrementalDetokenizer(
+        tokenizer,
+        prompt_ids=req.origin_input_ids,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+    )
