@@ -39,6 +39,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     enable_mixed_chunk: bool = False
     cuda_graph_max_bs: Optional[int] = None
+    core_process: bool = False  # run the scheduler + model in their own process
     # outputs
     skip_tokenizer_init: bool = False
     logprob_distribution: str = "original"
@@ -71,6 +72,14 @@ class ServerArgs:
             raise ValueError("schedule_conservativeness must be > 0")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, with secrets left out (for /get_server_info)."""
+        out = dataclasses.asdict(self)
+        for secret in ("api_key", "admin_api_key"):
+            if out.get(secret) is not None:
+                out[secret] = "<set>"
+        return out
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":

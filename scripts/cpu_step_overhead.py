@@ -25,7 +25,7 @@ def main() -> None:
 
     from engine.core.engine_core import EngineCore
     from engine.config import ServerArgs
-    from engine.scheduler.request import ReqInput
+    from engine.core.messages import ReqInput
     from engine.sampling_params import SamplingParams
     from engine.testing.tiny_model import tiny_model_path
 

@@ -10,9 +10,13 @@ group of a process that also trains, or runs tensor parallelism, stays its own.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+from weight_sync.base import LoadContext, WeightSource
 
 BACKENDS = ("nccl", "gloo")
 
@@ -56,3 +60,44 @@ def parse_dtype(dtype) -> torch.dtype:
     if not isinstance(found, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as 'bfloat16'")
     return found
+
+
+@dataclass
+class GroupSource(WeightSource):
+    """Tensors the trainer (rank 0 of `group_name`) broadcasts, one per name, in this order."""
+    kind: ClassVar[str] = "distributed"
+    names: list
+    dtypes: list
+    shapes: list
+    group_name: str = "weight_update_group"
+
+    def load_into(self, model: Any, ctx: LoadContext) -> None:
+        model.load_weights(self.receive(ctx))
+
+    def receive(self, ctx: LoadContext) -> list:
+        """Every dtype and shape is checked before the first receive: a malformed list cannot be
+        received in step with the trainer (a name is checked after, with the tensors in hand)."""
+        group = ctx.groups.get(self.group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {self.group_name!r}: call init_weights_update_group first")
+        specs = self._specs()
+        try:
+            return [(name, group.broadcast(torch.empty(shape, dtype=dtype, device=ctx.device)))
+                    for name, dtype, shape in specs]
+        except RuntimeError as exc:  # the trainer left or timed out mid-broadcast
+            raise ValueError(f"broadcast from group {self.group_name!r} failed: {exc}") from exc
+
+    def _specs(self) -> list:
+        out_of_step = "nothing was received, so the trainer's broadcasts are now out of step with this engine"
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(self.names)}, "
+                             f"{len(self.dtypes)}, {len(self.shapes)}); {out_of_step}")
+        try:
+            specs = [(str(name), parse_dtype(dtype), tuple(int(d) for d in shape))
+                     for name, dtype, shape in zip(self.names, self.dtypes, self.shapes)]
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{exc}; {out_of_step}") from exc
+        bad = next((name for name, _, shape in specs if any(d < 0 for d in shape)), None)
+        if bad is not None:
+            raise ValueError(f"weight {bad!r} has a negative dimension; {out_of_step}")
+        return specs

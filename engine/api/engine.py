@@ -1,7 +1,8 @@
-"""Engine: the in-process API (mirrors sglang.Engine). Drives an EngineCore on a worker thread.
+"""Engine: the in-process API (mirrors sglang.Engine), in front of an EngineCore.
 
 Callers validate and tokenize in their own thread (bad input raises ValueError there and never
-reaches the core); the worker thread owns the core and is the only one that touches it.
+reaches the core); the core runs on a worker thread or in its own process (`core_process`) and
+is reached only by the messages of engine/core/messages.py.
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ import asyncio
 import logging
 import queue
 import threading
-from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-from engine.config import ServerArgs
-from engine.core.engine_core import AbortReq, EngineCore, FlushCacheReq, ReqOutput
-from engine.core.control import (ContinueReq, DestroyWeightsGroupReq, FromGroup, InitWeightsGroupReq,
-                                       PauseReq, Reply, SetWeightVersionReq, UpdateWeightsReq, check_pause_mode)
+from engine.api.core_client import CoreClient, ThreadCoreClient
 from engine.api.generate_stream import GenerateStream
+from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
+from engine.config import ServerArgs
+from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
+                                  FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
+                                  ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
+                                  UpdateWeightsReq, check_memory_tags, check_pause_mode)
 
 logger = logging.getLogger("tandem")
 
@@ -31,15 +34,33 @@ class Engine:
     def __init__(self, **kwargs: Any) -> None:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
         self.server_args = ServerArgs.from_kwargs(**kwargs)
-        self.core = EngineCore(self.server_args)
-        self.builder = RequestBuilder(self.core.tokenizer, self.core.parts.vocab_size,
-                                      self.core.parts.context_len, self.server_args)
-        self._inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
         self._sinks: dict[str, Sink] = {}
+        self._inputs: dict[str, ReqInput] = {}  # kept for the recorder only
         self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="tandem-core", daemon=True)
-        self._thread.start()
+        self.client: CoreClient = self._start_core()
+        self.info: CoreInfo = self.client.info
+        self.tokenizer = self._load_tokenizer()
+        self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len, self.server_args)
+        self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
+
+    def _start_core(self) -> CoreClient:
+        if self.server_args.core_process:
+            from engine.api.process_client import ProcessCoreClient
+
+            return ProcessCoreClient(self.server_args, self._dispatch)
+        return ThreadCoreClient(self.server_args, self._dispatch)
+
+    def _load_tokenizer(self) -> Any:
+        if self.server_args.skip_tokenizer_init:
+            return None
+        from engine.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.info.tokenizer_path)
+
+    @property
+    def local_core(self) -> Any:
+        """The EngineCore when it runs on a thread here: for white-box tests only."""
+        return getattr(self.client, "core", None)
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(
@@ -80,16 +101,18 @@ class Engine:
             if out.finished:
                 return out.output
 
-    def _submit(self, req_input: Any, sink: Sink) -> None:
+    def _submit(self, req_input: ReqInput, sink: Sink) -> None:
         with self._lock:
             if req_input.rid in self._sinks:
                 raise ValueError(f"rid {req_input.rid!r} is already in flight; rids must be unique")
             self._sinks[req_input.rid] = sink
-        self._inbox.put((req_input, None))
+            if self.recorder is not None:
+                self._inputs[req_input.rid] = req_input
+        self.client.send(req_input)
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        self._inbox.put((AbortReq(None if abort_all else rid), None))
+        self.client.send(AbortReq(None if abort_all else rid))
 
     def flush_cache(self) -> bool:
         return self._call(FlushCacheReq())
@@ -113,11 +136,13 @@ class Engine:
         if load_format not in (None, "direct", "flattened_bucket"):
             raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or "
                              "'flattened_bucket'")
+        from weight_sync.base import TensorSource
+
         if load_format == "flattened_bucket":
             from weight_sync.bucket import FlattenedBucket
 
             named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
-        return self._call(UpdateWeightsReq(_named_pairs(named_tensors), None, flush_cache, weight_version))
+        return self._call(UpdateWeightsReq(TensorSource(_named_pairs(named_tensors)), flush_cache, weight_version))
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None, flush_cache: bool = True
@@ -125,7 +150,9 @@ class Engine:
         """Every weight from a safetensors checkpoint of the same architecture -> (success, message)."""
         if load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {load_format!r} is not supported for disk updates; use 'auto'")
-        return self._call(UpdateWeightsReq(None, str(model_path), flush_cache, weight_version))
+        from weight_sync.disk import DiskSource
+
+        return self._call(UpdateWeightsReq(DiskSource(str(model_path)), flush_cache, weight_version))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -143,31 +170,65 @@ class Engine:
         before any write) -> (success, message)."""
         if load_format is not None:
             raise ValueError(f"load_format {load_format!r} is not supported for distributed updates; use None")
-        source = FromGroup(list(names), list(dtypes), [list(s) for s in shapes], group_name)
-        return self._call(UpdateWeightsReq(None, None, flush_cache, weight_version, source))
+        from weight_sync.nccl import GroupSource
+
+        source = GroupSource(list(names), list(dtypes), [list(s) for s in shapes], group_name)
+        return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
         return self._call(DestroyWeightsGroupReq(group_name))
 
     def get_weight_version(self) -> str:
-        return self.core.weight_version
+        return self._call(GetWeightVersionReq())
 
     def update_weight_version(self, new_version: str) -> str:
         return self._call(SetWeightVersionReq(str(new_version)))
 
+    # ---- colocated memory ----------------------------------------------------------------------
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> tuple[bool, str]:
+        """Free the GPU memory of `tags` (weights, kv_cache, cuda_graph; None = all) for a
+        colocated trainer. Generation waits until everything is resumed."""
+        return self._call(ReleaseMemoryReq(check_memory_tags(tags)))
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> tuple[bool, str]:
+        """Bring `tags` back (weights first and KV last lets a weight update land between)."""
+        return self._call(ResumeMemoryReq(check_memory_tags(tags)))
+
+    # ---- state ---------------------------------------------------------------------------------
+    def get_stats(self) -> StatsSnapshot:
+        return self._call(StatsReq())
+
+    def get_server_info(self) -> dict[str, Any]:
+        """SGLang's shape: the server args, the derived limits and the internal states."""
+        stats = self.get_stats()
+        info = self.info
+        return {
+            **self.server_args.to_dict(),
+            "version": _version(), "weight_version": stats.weight_version,
+            "max_total_num_tokens": info.max_total_num_tokens, "context_len": info.context_len,
+            "chunked_prefill_size": info.chunked_prefill_size, "max_running_requests": info.max_running_requests,
+            "vocab_size": info.vocab_size, "device": info.device, "dtype": info.dtype,
+            "attention_backend": info.attention_backend,
+            "internal_states": [{"num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
+                                 "paused": stats.paused, "memory_released": list(stats.memory_released),
+                                 "kv_token_usage": stats.kv_tokens_used / max(stats.kv_tokens_total, 1)}],
+        }
+
     def check_integrity(self) -> None:
-        """Asserts free + cached + in use == pool size (runs on the core thread)."""
-        self._call(lambda core: core.check_integrity())
+        """Asserts free + cached + in use == pool size (checked on the core)."""
+        self._call(CheckIntegrityReq())
+
+    def is_alive(self) -> bool:
+        return self.client.is_alive()
 
     def _call(self, msg: Any) -> Any:
-        fut: Future = Future()
-        self._inbox.put((msg, fut))
-        return fut.result()
+        return self.client.call(msg)
 
     def shutdown(self) -> None:
-        self._stopped.set()
-        self._inbox.put((None, None))
-        self._thread.join(timeout=30)
+        self.client.shutdown()
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -175,74 +236,41 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    # ---- worker thread -------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stopped.is_set():
-            block = not self.core.has_work()
-            self._drain_inbox(block)
-            if self.core.has_work():
-                self._dispatch(self._safe_step())
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(*item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, msg: Any, fut: Optional[Future]) -> None:
-        if msg is None:
-            return
-        try:
-            result = msg(self.core) if callable(msg) else self.core.handle(msg)
-        except Exception as exc:  # a failing message must not kill the worker
-            if fut is not None:
-                fut.set_exception(exc)
-            else:
-                logger.exception("engine could not take message %s", type(msg).__name__)
-                self._fail_message(msg, exc)
-            return
-        if isinstance(result, Reply):  # a control message: deliver what it finished, then answer
-            self._dispatch(result.outputs)
-            result = result.value
-        if fut is not None:
-            fut.set_result(result)
-        elif isinstance(result, list):
-            self._dispatch(result)
-
-    def _fail_message(self, msg: Any, exc: Exception) -> None:
-        rid = getattr(msg, "rid", None)
-        if rid is None:
-            return
-        reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
-        output = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}}
-        self._dispatch([ReqOutput(rid, True, output)])
-
-    def _safe_step(self) -> list[ReqOutput]:
-        try:
-            return self.core.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the requests of that batch")
-            return self.core.fail_current_batch(f"engine error: {type(exc).__name__}: {exc}")
-
+    # ---- outputs (on the client's thread) ------------------------------------------------------
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
+            req_input = None
             with self._lock:
                 sink = self._sinks.get(out.rid)
                 if out.finished:
                     self._sinks.pop(out.rid, None)
+                    req_input = self._inputs.pop(out.rid, None)
+            if out.finished and self.recorder is not None and req_input is not None:
+                self.recorder.record(req_input, out.output)
             if sink is None:
                 continue
             try:
                 sink(out)
             except Exception:  # e.g. the caller's event loop is gone; the engine must live on
                 logger.warning("dropping output for %s: its receiver is gone", out.rid)
-                self.core.handle(AbortReq(out.rid, "receiver gone"))
+                self.client.send(AbortReq(out.rid, "receiver gone"))
+
+    def fail_all_requests(self, message: str) -> None:
+        """The core died: every request in flight ends with an error instead of waiting forever."""
+        with self._lock:
+            rids = list(self._sinks)
+        reason = {"type": "abort", "message": message}
+        self._dispatch([ReqOutput(rid, True, {"text": "", "output_ids": [],
+                                              "meta_info": {"id": rid, "finish_reason": reason}}) for rid in rids])
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tandem")
+    except Exception:
+        return "0.1.0"
 
 
 def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from engine.core.engine_core import ReqOutput
-from engine.scheduler.request import ReqInput
+from engine.core.messages import ReqOutput
+from engine.core.messages import ReqInput
 
 
 class GenerateStream:

@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
-from engine.scheduler.request import ReqInput
+from engine.core.messages import ReqInput
 from engine.sampling.seeds import derive_seed
 from engine.sampling_params import SamplingParams
 

@@ -13,83 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
+
+from engine.core.messages import (ContinueReq, DestroyWeightsGroupReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
+                                  Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateWeightsReq, check_memory_tags,
+                                  check_pause_mode)
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
-PAUSE_MODES = ("abort", "retract", "in_place")
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still "
                "running; pause with mode='retract' or 'abort' first, or flush the cache later.")
-
-
-@dataclass
-class PauseReq:
-    mode: str = "abort"
-
-
-@dataclass
-class ContinueReq:
-    pass
-
-
-@dataclass
-class FromGroup:
-    """Tensors the trainer (rank 0 of `group_name`) broadcasts, one per name, in this order."""
-    names: list[str]
-    dtypes: list[Any]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-
-
-@dataclass
-class UpdateWeightsReq:
-    """Exactly one source: HF-named tensors, a safetensors checkpoint directory, or a group."""
-    named_tensors: Optional[list] = None
-    model_path: Optional[str] = None
-    flush_cache: bool = True
-    weight_version: Optional[str] = None
-    from_group: Optional[FromGroup] = None
-
-
-@dataclass
-class InitWeightsGroupReq:
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
-
-
-@dataclass
-class DestroyWeightsGroupReq:
-    group_name: str = "weight_update_group"
-
-
-@dataclass
-class SetWeightVersionReq:
-    new_version: str
-
-
-@dataclass
-class Reply:
-    """A control message's return value, plus the outputs it produced (tokens of the drained
-    batch, requests it aborted) for the front end to deliver."""
-    value: Any
-    outputs: list = field(default_factory=list)
-
-
-CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
-                    DestroyWeightsGroupReq)
-
-
-def check_pause_mode(mode: str) -> str:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
-    return mode
 
 
 class GenerationControl:
@@ -117,7 +52,29 @@ class GenerationControl:
             if group is not None:
                 group.destroy()
             return Reply((group is not None, f"group {msg.group_name!r} " + ("destroyed" if group else "not found")))
+        if isinstance(msg, ReleaseMemoryReq):
+            return self._release(check_memory_tags(msg.tags))
+        if isinstance(msg, ResumeMemoryReq):
+            return self._resume(check_memory_tags(msg.tags))
         raise TypeError(f"unknown control message {type(msg).__name__}")
+
+    def _release(self, tags: list[str]) -> Reply:
+        """Generation stops while anything is released (requests wait in the queue); the KV it
+        held is stale afterwards, so running requests are retracted and the cache flushed."""
+        core = self.core
+        outputs = core.drain()
+        if "kv_cache" in tags:
+            core.scheduler.retract_all()
+            core.scheduler.flush_cache()
+        core.runner.release_memory(tags)
+        core.memory_released.update(tags)
+        return Reply((True, f"released {', '.join(tags)}"), outputs)
+
+    def _resume(self, tags: list[str]) -> Reply:
+        core = self.core
+        core.runner.resume_memory(tags)
+        core.memory_released.difference_update(tags)
+        return Reply((True, f"resumed {', '.join(tags)}"))
 
     def _pause(self, mode: str) -> Reply:
         core = self.core
@@ -147,14 +104,12 @@ class GenerationControl:
         return Reply(value, outputs)
 
     def _load(self, msg: UpdateWeightsReq) -> tuple[bool, str]:
-        core = self.core
-        if msg.model_path is not None:
-            from engine.models.loader import load_safetensors
+        from weight_sync.base import LoadContext
 
-            load_safetensors(core.runner.model, msg.model_path)
-        else:  # a group's tensors are received in full first: the trainer sends them all anyway
-            named = self._receive(msg.from_group) if msg.from_group is not None else msg.named_tensors
-            core.runner.model.load_weights(named)
+        core = self.core
+        if "weights" in core.memory_released:
+            raise ValueError("weights are released: call resume_memory_occupation(tags=['weights']) first")
+        msg.source.load_into(core.runner.model, LoadContext(core.runner.device, self.groups))
         message = "Success."
         if msg.weight_version is not None:  # the version names the weights now loaded, flushed or not
             core.weight_version = str(msg.weight_version)
@@ -175,33 +130,3 @@ class GenerationControl:
         except (ValueError, RuntimeError) as exc:  # bad arguments, rendezvous timeout, no NCCL
             return False, f"Failed to init weight update group {msg.group_name!r}: {exc}"
         return True, "Succeeded to initialize custom process group."
-
-    def _receive(self, src: FromGroup) -> list:
-        """Every dtype and shape is checked before the first receive: a malformed list cannot be
-        received in step with the trainer (a name is checked after, with the tensors in hand)."""
-        import torch
-
-        from weight_sync.nccl import parse_dtype
-
-        group = self.groups.get(src.group_name)
-        if group is None:
-            raise ValueError(f"no weight update group {src.group_name!r}: call init_weights_update_group first")
-        if not len(src.names) == len(src.dtypes) == len(src.shapes):
-            raise ValueError(f"names, dtypes and shapes differ in length "
-                             f"({len(src.names)}, {len(src.dtypes)}, {len(src.shapes)}); nothing was "
-                             "received, so the trainer's broadcasts are now out of step with this engine")
-        try:
-            specs = [(str(name), parse_dtype(dtype), tuple(int(d) for d in shape))
-                     for name, dtype, shape in zip(src.names, src.dtypes, src.shapes)]
-            bad = next((name for name, _, shape in specs if any(d < 0 for d in shape)), None)
-            if bad is not None:
-                raise ValueError(f"weight {bad!r} has a negative dimension")
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{exc}; nothing was received, so the trainer's broadcasts are now out of "
-                             "step with this engine") from exc
-        device = self.core.runner.device
-        try:
-            return [(name, group.broadcast(torch.empty(shape, dtype=dtype, device=device)))
-                    for name, dtype, shape in specs]
-        except RuntimeError as exc:  # the trainer left or timed out mid-broadcast
-            raise ValueError(f"broadcast from group {src.group_name!r} failed: {exc}") from exc

@@ -10,40 +10,24 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from engine.config import ServerArgs
-from engine.core.setup import CoreParts, build_core_parts
-from engine.cli.determinism.recorder import Recorder
-from engine.scheduler.finish import check_finished
-from engine.core.control import CONTROL_MESSAGES, GenerationControl
-from engine.scheduler.request import Req, ReqInput
+from engine.core.control import GenerationControl
+from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
+                                  FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
+                                  ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
+                                  UpdateWeightsReq)
 from engine.core.output import build_output
+from engine.core.setup import CoreParts, build_core_parts
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
+from engine.scheduler.finish import check_finished
+from engine.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class AbortReq:
-    rid: Optional[str] = None  # None: abort everything
-    message: str = "aborted by request"
-
-
-@dataclass
-class FlushCacheReq:
-    pass
-
-
-@dataclass
-class ReqOutput:
-    rid: str
-    finished: bool
-    output: dict[str, Any]  # SGLang's {"text", "output_ids", "meta_info"}, cumulative so far
-
-
-Message = Union[ReqInput, AbortReq, FlushCacheReq]
+CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
+                    DestroyWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq)
 
 
 @dataclass
@@ -73,19 +57,49 @@ class EngineCore:
         self._inflight: Optional[PendingResult] = None  # launched, result not read yet
         self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
         self._processing: Optional[ScheduleBatch] = None
-        self.recorder = Recorder.maybe_open(server_args.record_path)  # --record-path: for replay
+        self.memory_released: set[str] = set()  # release_memory_occupation tags not yet resumed
 
     # ---- messages ------------------------------------------------------------------------------
-    def handle(self, msg: Message) -> Any:
+    def handle(self, msg: Any) -> Any:
         if isinstance(msg, ReqInput):
             return self._add_request(msg)
         if isinstance(msg, AbortReq):
             return self._abort(msg)
-        if isinstance(msg, FlushCacheReq):
-            return self.scheduler.flush_cache()
         if isinstance(msg, CONTROL_MESSAGES):
             return self.control.handle(msg)
+        if isinstance(msg, FlushCacheReq):
+            return self.scheduler.flush_cache()
+        if isinstance(msg, GetWeightVersionReq):
+            return self.weight_version
+        if isinstance(msg, StatsReq):
+            return self.snapshot()
+        if isinstance(msg, CheckIntegrityReq):
+            return self.scheduler.check_integrity()
         raise TypeError(f"unknown message type {type(msg).__name__}")
+
+    def info(self) -> CoreInfo:
+        p, args = self.parts, self.server_args
+        return CoreInfo(
+            model_path=args.model_path, tokenizer_path=args.tokenizer_path or args.model_path,
+            vocab_size=p.vocab_size, context_len=p.context_len, eos_token_ids=p.eos_token_ids,
+            device=str(self.runner.device), dtype=str(self.runner.config.dtype).replace("torch.", ""),
+            attention_backend=self.runner.config.attention_backend,
+            max_total_num_tokens=p.memory.max_total_num_tokens, chunked_prefill_size=p.memory.chunked_prefill_size,
+            max_running_requests=p.memory.max_running_requests, available_gb=p.memory.available_gb)
+
+    def snapshot(self) -> StatsSnapshot:
+        st, sched = self.stats, self.scheduler
+        return StatsSnapshot(
+            num_steps=st.num_steps, num_prefill_tokens=st.num_prefill_tokens, num_cached_tokens=st.num_cached_tokens,
+            num_generated_tokens=st.num_generated_tokens, num_lookahead_steps=st.num_lookahead_steps,
+            num_mixed_steps=st.num_mixed_steps, num_retractions=sched.num_retractions,
+            num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting),
+            new_token_ratio=float(sched.new_token_ratio),
+            kv_tokens_used=sched.allocator.size - sched.allocator.available_size(),
+            kv_tokens_total=sched.allocator.size, num_weight_updates=self.control.num_updates,
+            weight_update_seconds=self.control.update_seconds, paused=self.paused,
+            memory_released=tuple(sorted(self.memory_released)), weight_version=self.weight_version,
+            uptime_s=time.perf_counter() - st.started)
 
     def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
         req = Req.from_input(msg)
@@ -101,7 +115,7 @@ class EngineCore:
             req = self.scheduler.abort_request(rid, msg.message)
             if req is not None and req.finished:  # it was waiting: finished right away
                 outputs.append(self._finish_output(req))
-        if self.paused:  # no step will release the running ones
+        if not self.generating:  # no step will release the running ones
             outputs += self.drain()
         return outputs
 
@@ -113,7 +127,12 @@ class EngineCore:
         return [r.rid for r in list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])]
 
     def has_work(self) -> bool:
-        return self._inflight is not None or (not self.paused and self.scheduler.has_work())
+        return self._inflight is not None or (self.generating and self.scheduler.has_work())
+
+    @property
+    def generating(self) -> bool:
+        """False while paused or while any memory is released: requests wait in the queue."""
+        return not self.paused and not self.memory_released
 
     def drain(self) -> list[ReqOutput]:
         """Finish the launched (overlap) batch and end the requests aborted while it ran: afterwards
@@ -134,7 +153,7 @@ class EngineCore:
     def step(self) -> list[ReqOutput]:
         """One scheduling round. With overlap, a decode step is launched before the previous
         step's tokens are read back, so host work hides behind the device's."""
-        if self.paused:
+        if not self.generating:
             return self.drain()
         inflight, self._inflight = self._inflight, None
         ahead = self.scheduler.schedule_lookahead(inflight.batch) if inflight is not None else None
@@ -198,8 +217,6 @@ class EngineCore:
         if req.detokenizer is not None and req.stop_text_len is None:
             self._detokenize(req)
             req.text += req.detokenizer.flush()
-        if self.recorder is not None:
-            self.recorder.record(req, self)
         return ReqOutput(req.rid, True, build_output(req, self))
 
     @staticmethod

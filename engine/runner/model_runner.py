@@ -165,3 +165,17 @@ def _plain_greedy(req) -> bool:
     p = req.sampling_params
     return (p.is_greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)
+
+    # ---- colocated memory (engine/runner/memory_saver.py does the GPU work) --------------------
+    def release_memory(self, tags: list[str]) -> None:
+        if self.device.type != "cuda":
+            logger.info("release_memory_occupation(%s): nothing to free on %s (a no-op off the GPU)",
+                        ",".join(tags), self.device.type)
+            return
+        raise NotImplementedError("GPU memory release is not built yet")
+
+    def resume_memory(self, tags: list[str]) -> None:
+        if self.device.type != "cuda":
+            logger.info("resume_memory_occupation(%s): nothing to restore on %s", ",".join(tags), self.device.type)
+            return
+        raise NotImplementedError("GPU memory resume is not built yet")

@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from engine.sampling_params import SamplingParams
 
-
-class ReqState(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class ReqInput:
-    """What the front end hands the core: a tokenized, validated request (a plain message)."""
-
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    logprob_distribution: str = "original"
-    stream: bool = False
+if TYPE_CHECKING:
+    from engine.core.messages import ReqInput
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects, never by value
@@ -45,7 +26,6 @@ class Req:
     logprob_distribution: str = "original"
     stream: bool = False
 
-    state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping (see engine/kv): what this round computes and what it already owns
     fill_ids: list[int] = field(default_factory=list)
@@ -77,7 +57,7 @@ class Req:
     weight_spans: list[tuple[str, int]] = field(default_factory=list)  # (version, first output index)
 
     @classmethod
-    def from_input(cls, msg: ReqInput) -> "Req":
+    def from_input(cls, msg: "ReqInput") -> "Req":
         return cls(
             rid=msg.rid,
             origin_input_ids=list(msg.input_ids),

@@ -19,7 +19,7 @@ from engine.kv.pool import ReqToTokenPool
 from engine.scheduler.lookahead import lookahead_rows
 from engine.scheduler.new_token_ratio import NewTokenRatio
 from engine.scheduler.prefill_adder import PrefillAdder
-from engine.scheduler.request import Req, ReqState
+from engine.scheduler.request import Req
 from engine.runner.forward_batch import ForwardMode
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.policy import order_waiting
@@ -65,7 +65,6 @@ class Scheduler:
 
     # ---- queue ---------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        req.state = ReqState.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -208,7 +207,6 @@ class Scheduler:
         for req, start, n in zip(reqs, prefix_lens, extend_lens):
             self.req_to_token_pool.write(req.req_pool_idx, start, slots[offset : offset + n])
             req.fill_ids = req.fill_ids[: start + n]
-            req.state = ReqState.RUNNING
             offset += n
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, slots)
 
@@ -296,7 +294,6 @@ class Scheduler:
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node, req.kv_committed_len, req.is_chunked = None, 0, False
         req.num_retractions += 1
-        req.state = ReqState.WAITING
         self.waiting.appendleft(req)
 
     # ---- results -------------------------------------------------------------------------------
@@ -330,7 +327,6 @@ class Scheduler:
             self.chunked_req = None
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
-        req.state = ReqState.FINISHED
 
     def fail_batch(self, batch: ScheduleBatch, message: str, slots_committed: bool) -> list[Req]:
         """Ends the requests of a batch whose forward pass failed, without leaking KV slots."""

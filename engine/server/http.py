@@ -7,6 +7,7 @@ api key set, every route but /health needs `Authorization: Bearer <key>`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import json
 import logging
@@ -44,11 +45,11 @@ def create_app(engine: Any, api_key: Optional[str] = None) -> FastAPI:
     @app.get("/model_info")
     async def model_info() -> dict:
         return {"model_path": model_name, "tokenizer_path": engine.server_args.tokenizer_path or model_name,
-                "is_generation": True, "weight_version": engine.core.weight_version}
+                "is_generation": True, "weight_version": await asyncio.to_thread(engine.get_weight_version)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(metrics_text(engine), media_type="text/plain; version=0.0.4")
+        return Response(await asyncio.to_thread(metrics_text, engine), media_type="text/plain; version=0.0.4")
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> Any:

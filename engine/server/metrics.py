@@ -15,8 +15,7 @@ class EngineCollector:
         self.engine = engine
 
     def collect(self):
-        core = self.engine.core
-        stats, sched = core.stats, core.scheduler
+        stats = self.engine.get_stats()
         yield CounterMetricFamily("tandem_prompt_tokens", "prompt tokens computed (cache misses)",
                                   value=stats.num_prefill_tokens)
         yield CounterMetricFamily("tandem_cached_tokens", "prompt tokens served from the radix cache",
@@ -25,23 +24,23 @@ class EngineCollector:
                                   value=stats.num_generated_tokens)
         yield CounterMetricFamily("tandem_forward_steps", "forward passes run", value=stats.num_steps)
         yield CounterMetricFamily("tandem_retractions", "requests retracted when KV ran out",
-                                  value=sched.num_retractions)
-        yield GaugeMetricFamily("tandem_num_running_reqs", "requests decoding", value=len(sched.running))
-        yield GaugeMetricFamily("tandem_num_waiting_reqs", "requests queued", value=len(sched.waiting))
-        yield GaugeMetricFamily("tandem_new_token_ratio", "admission forecast ratio", value=sched.new_token_ratio)
-        control = core.control
+                                  value=stats.num_retractions)
+        yield GaugeMetricFamily("tandem_num_running_reqs", "requests decoding", value=stats.num_running_reqs)
+        yield GaugeMetricFamily("tandem_num_waiting_reqs", "requests queued", value=stats.num_waiting_reqs)
+        yield GaugeMetricFamily("tandem_new_token_ratio", "admission forecast ratio", value=stats.new_token_ratio)
         yield CounterMetricFamily("tandem_weight_updates", "weight loads (one per bucket or checkpoint)",
-                                  value=control.num_updates)
+                                  value=stats.num_weight_updates)
         yield CounterMetricFamily("tandem_weight_update_seconds", "engine time in weight loads (receive, load, flush)",
-                                  value=control.update_seconds)
-        yield GaugeMetricFamily("tandem_generation_paused", "1 while pause_generation holds", value=float(core.paused))
+                                  value=stats.weight_update_seconds)
+        yield GaugeMetricFamily("tandem_generation_paused", "1 while pause_generation holds", value=float(stats.paused))
+        yield GaugeMetricFamily("tandem_memory_released", "1 while any memory is released for a colocated trainer",
+                                value=float(bool(stats.memory_released)))
         version = GaugeMetricFamily("tandem_weight_version", "the loaded weight version (as a label)",
                                     labels=["version"])
-        version.add_metric([core.weight_version], 1.0)
+        version.add_metric([stats.weight_version], 1.0)
         yield version
-        used = sched.allocator.size - sched.allocator.available_size()
         yield GaugeMetricFamily("tandem_kv_token_usage", "share of KV slots in use or cached",
-                                value=used / max(sched.allocator.size, 1))
+                                value=stats.kv_tokens_used / max(stats.kv_tokens_total, 1))
 
 
 def metrics_text(engine: Any) -> bytes:

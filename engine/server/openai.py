@@ -45,7 +45,7 @@ class OpenAIServing:
                 "model": self.model_name, "choices": choices, "usage": _usage(outs)}
 
     def _completion_logprobs(self, out: dict) -> dict:
-        tok = self.engine.core.tokenizer
+        tok = self.engine.tokenizer
         entries = out["meta_info"].get("output_token_logprobs", [])
         tokens = [tok.decode([t]) if tok is not None else str(t) for _, t, _ in entries]
         return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries]}
@@ -59,7 +59,7 @@ class OpenAIServing:
     def _chat_inputs(self, req: ChatCompletionRequest) -> dict:
         from engine.tokenizer import apply_chat_template
 
-        tok = self.engine.core.tokenizer
+        tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
         ids = apply_chat_template(tok, [m.model_dump() for m in req.messages])

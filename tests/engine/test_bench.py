@@ -86,7 +86,7 @@ def test_temperature_reaches_the_requests_and_bad_values_are_named(tmp_path):
 
 
 def test_hf_names_round_trip_through_load_weights(engine):
-    model = engine.core.runner.model
+    model = engine.local_core.runner.model
     names = dict(hf_named_tensors(model))
     assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.0.mlp.up_proj.weight" in names
     assert not any("qkv_proj" in n or "gate_up_proj" in n for n in names)

@@ -48,11 +48,11 @@ def test_capture_batch_sizes():
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "normal"])
 def test_replayed_decode_equals_eager(engine_factory, deterministic):
     eng = engine_factory(attention_backend="triton", enable_deterministic_inference=deterministic)
-    prompts = random_prompts(5, eng.core.parts.vocab_size, lengths=(3, 40), seed=3)
+    prompts = random_prompts(5, eng.local_core.parts.vocab_size, lengths=(3, 40), seed=3)
     params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
     runs = []
     for graphs in (False, True):
-        runner = eng.core.parts.runner
+        runner = eng.local_core.parts.runner
         runner.cuda_graph = (EagerGraphRunner(runner.model, runner.attn_backend, runner.kv_pool,
                                               runner.req_to_token, runner.device, max_bs=8)
                              if graphs else None)

@@ -44,7 +44,7 @@ def other_params(rng: random.Random) -> dict:
 def run_in_batch(eng, target: list[int], params: dict, size: int, seed: int) -> dict:
     """The target among size - 1 random other requests, at a random position."""
     rng = random.Random(seed)
-    others = random_prompts(size - 1, eng.core.parts.vocab_size, lengths=(1, 160), seed=seed)
+    others = random_prompts(size - 1, eng.local_core.parts.vocab_size, lengths=(1, 160), seed=seed)
     at = rng.randrange(size)
     prompts = others[:at] + [target] + others[at:]
     plist = [other_params(rng) for _ in others]
@@ -60,7 +60,7 @@ def det_engine(engine_factory):
 
 @pytest.fixture(scope="module")
 def target(det_engine) -> list[int]:
-    return random_prompts(1, det_engine.core.parts.vocab_size, lengths=(150, 150), seed=77)[0]
+    return random_prompts(1, det_engine.local_core.parts.vocab_size, lengths=(150, 150), seed=77)[0]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def policy(tiny_model_dir):
 
 
 def test_policy_recomputes_rollout_logprobs_exactly(det_engine, target, reference, policy):
-    batch = random_prompts(6, det_engine.core.parts.vocab_size, lengths=(1, 140), seed=31)
+    batch = random_prompts(6, det_engine.local_core.parts.vocab_size, lengths=(1, 140), seed=31)
     params = [{**SAMPLED, "sampling_seed": i, "max_new_tokens": 8 + 5 * i} for i in range(6)]
     outs = det_engine.generate(input_ids=batch, sampling_params=params, return_logprob=True)
     prompts = batch + [target, target]

@@ -69,7 +69,7 @@ def test_harness_over_http(det_engine):
 
     with TestClient(create_app(det_engine)) as http:
         client = HttpClient(http=http)
-        assert client.model_info()["vocab_size"] == det_engine.core.parts.vocab_size  # from config.json
+        assert client.model_info()["vocab_size"] == det_engine.local_core.parts.vocab_size  # from config.json
         results = Harness(client, HarnessConfig(**SMALL)).run(["radix", "p_vs_d"])
     assert all(r.passed and r.max_unique == 1 and r.max_delta == 0.0 for r in results), results
 

@@ -10,7 +10,7 @@ from tests.engine.conftest import random_prompts
 
 
 def test_sampling_seed_same_alone_and_in_batch(engine):
-    vocab = engine.core.parts.vocab_size
+    vocab = engine.local_core.parts.vocab_size
     target = random_prompts(1, vocab, lengths=(20, 20), seed=11)[0]
     others = random_prompts(15, vocab, lengths=(1, 60), seed=12)
     params = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 1234, "ignore_eos": True}
@@ -74,7 +74,7 @@ def test_stop_strings_trim_text(engine):
 def test_text_prompt_round_trip(engine):
     out = engine.generate(prompt=["Hello world", "数学 🙂"], sampling_params={"max_new_tokens": 8, "temperature": 0})
     assert len(out) == 2 and all(isinstance(o["text"], str) for o in out)
-    tok = engine.core.tokenizer
+    tok = engine.local_core.tokenizer
     for o in out:
         assert o["text"] == tok.decode(o["output_ids"], skip_special_tokens=True) or o["meta_info"]["finish_reason"]["type"] == "stop"
 
@@ -148,7 +148,7 @@ def test_unknown_server_arg_is_named(tiny_model_dir):
 
 
 def test_special_tokens_kept_when_asked(engine):
-    tok = engine.core.tokenizer
+    tok = engine.local_core.tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True, "min_new_tokens": 0}
     # force the special token by giving it as a stop token we then keep via no_stop_trim
@@ -171,8 +171,8 @@ def test_cli_generate_prints_text(tiny_model_dir, capsys):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_failed_forward_aborts_its_batch_without_leaking(engine_factory, overlap):
     eng = engine_factory()
-    eng.core.overlap = overlap
-    real_launch = eng.core.runner.launch
+    eng.local_core.overlap = overlap
+    real_launch = eng.local_core.runner.launch
     calls = {"n": 0}
 
     def flaky(batch, inflight=None):
@@ -181,7 +181,7 @@ def test_failed_forward_aborts_its_batch_without_leaking(engine_factory, overlap
             raise RuntimeError("injected failure")
         return real_launch(batch, inflight)
 
-    eng.core.runner.launch = flaky
+    eng.local_core.runner.launch = flaky
     outs = eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 8, "ignore_eos": True})
     reasons = [o["meta_info"]["finish_reason"] for o in outs]
     assert all(r["type"] == "abort" and "injected failure" in r["message"] for r in reasons)
@@ -196,19 +196,19 @@ def test_failed_forward_aborts_its_batch_without_leaking(engine_factory, overlap
 def test_overlap_schedule_gives_the_same_outputs(engine_factory, engine, server_kwargs):
     """Overlap bookkeeping (lookahead decode steps launched before the last tokens are read)
     runs on the CPU too when forced; outputs must match the plain loop exactly."""
-    vocab = engine.core.parts.vocab_size
+    vocab = engine.local_core.parts.vocab_size
     prompts = random_prompts(24, vocab, lengths=(4, 30), seed=21)
     params = [{"max_new_tokens": 5 + i % 13, "temperature": 1.0 if i % 3 else 0.0, "sampling_seed": i,
                "stop_token_ids": [7] if i % 5 == 0 else None} for i in range(24)]
     plain = engine_factory(enable_deterministic_inference=True, **server_kwargs)
     overlapped = engine_factory(enable_deterministic_inference=True, **server_kwargs)
-    overlapped.core.overlap = True
+    overlapped.local_core.overlap = True
     want = plain.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     got = overlapped.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert [o["meta_info"]["output_token_logprobs"] for o in got] == [o["meta_info"]["output_token_logprobs"] for o in want]
     assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in want]
-    assert overlapped.core.stats.num_lookahead_steps > 3 and plain.core.stats.num_lookahead_steps == 0
+    assert overlapped.local_core.stats.num_lookahead_steps > 3 and plain.local_core.stats.num_lookahead_steps == 0
     overlapped.check_integrity()
 
 
@@ -222,7 +222,7 @@ def test_prompt_logprobs_only_with_zero_new_tokens(engine):
 
 def test_failure_while_answering_does_not_hang(engine_factory):
     eng = engine_factory()
-    real = eng.core._finish_output
+    real = eng.local_core._finish_output
     calls = {"n": 0}
 
     def broken(req):
@@ -231,7 +231,7 @@ def test_failure_while_answering_does_not_hang(engine_factory):
             raise RuntimeError("answer failed")
         return real(req)
 
-    eng.core._finish_output = broken
+    eng.local_core._finish_output = broken
     out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     eng.check_integrity()
@@ -253,7 +253,7 @@ def test_engine_survives_a_caller_whose_loop_closed(engine):
 def test_mixed_chunk_gives_the_same_outputs(engine_factory, engine):
     """Decode rows riding in prefill passes change nothing, bit for bit, in deterministic mode;
     prompts arrive in two waves so the second wave's chunks carry the first wave's decodes."""
-    vocab = engine.core.parts.vocab_size
+    vocab = engine.local_core.parts.vocab_size
     first, second = random_prompts(6, vocab, lengths=(5, 20), seed=31), random_prompts(6, vocab, lengths=(60, 120), seed=32)
     params = {"max_new_tokens": 30, "temperature": 1.0, "sampling_seed": 4, "ignore_eos": True}
 
@@ -270,5 +270,5 @@ def test_mixed_chunk_gives_the_same_outputs(engine_factory, engine):
     mixed = run(mixed_engine)
     assert [o["output_ids"] for o in mixed] == [o["output_ids"] for o in plain]
     assert [o["meta_info"]["output_token_logprobs"] for o in mixed] == [o["meta_info"]["output_token_logprobs"] for o in plain]
-    assert mixed_engine.core.stats.num_mixed_steps > 0
+    assert mixed_engine.local_core.stats.num_mixed_steps > 0
     mixed_engine.check_integrity()

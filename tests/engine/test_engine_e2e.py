@@ -21,7 +21,7 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def prompts(engine):
-    return random_prompts(20, engine.core.parts.vocab_size, lengths=(1, 100), seed=1)
+    return random_prompts(20, engine.local_core.parts.vocab_size, lengths=(1, 100), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_prompt_logprobs_match_hf(engine, hf_model, prompts):
 
 def test_shared_prefix_hits_cache(engine_factory, engine):
     eng = engine_factory()
-    vocab = engine.core.parts.vocab_size
+    vocab = engine.local_core.parts.vocab_size
     prefix = random_prompts(1, vocab, lengths=(200, 200), seed=7)[0]
     first, second = prefix + [11, 12, 13], prefix + [21, 22]
     cold = engine_factory(disable_radix_cache=True).generate(input_ids=second, sampling_params=GREEDY)
@@ -97,13 +97,13 @@ def test_shared_prefix_hits_cache(engine_factory, engine):
 
 
 def test_retraction_under_small_pool(engine_factory, engine):
-    vocab = engine.core.parts.vocab_size
+    vocab = engine.local_core.parts.vocab_size
     reqs = random_prompts(32, vocab, lengths=(4, 24), seed=3)
     params = {"max_new_tokens": 24, "temperature": 0.0}  # no ignore_eos: admission is optimistic
     alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in reqs]
     small = engine_factory(max_total_tokens=300, chunked_prefill_size=64)
     outs = small.generate(input_ids=reqs, sampling_params=params)
-    assert small.core.scheduler.num_retractions > 0
+    assert small.local_core.scheduler.num_retractions > 0
     assert [o["output_ids"] for o in outs] == alone
     assert any(o["meta_info"]["num_retractions"] > 0 for o in outs)
     small.check_integrity()

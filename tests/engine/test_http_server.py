@@ -90,7 +90,7 @@ def test_api_key_guards_routes(engine):
         ok = c.post("/flush_cache", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
         assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 401
-        assert not engine.core.paused
+        assert not engine.local_core.paused
 
 
 def test_rl_control_routes(engine_factory, other_model_dir, tmp_path):
@@ -100,7 +100,7 @@ def test_rl_control_routes(engine_factory, other_model_dir, tmp_path):
         before = c.post("/generate", json=body).json()["output_ids"]
         paused = c.post("/pause_generation", json={"mode": "retract"})
         assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
-        assert eng.core.paused
+        assert eng.local_core.paused
         bad = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none")})
         assert bad.status_code == 400 and bad.json()["success"] is False and "none" in bad.json()["message"]
         good = c.post("/update_weights_from_disk", json={"model_path": other_model_dir, "weight_version": "s1"})
@@ -118,7 +118,7 @@ def test_rl_control_routes(engine_factory, other_model_dir, tmp_path):
         assert c.get("/model_info").json()["weight_version"] == "s2"
         wrong = c.post("/pause_generation", json={"mode": "later"})
         assert wrong.status_code == 400 and "mode" in wrong.json()["message"]
-        assert not eng.core.paused
+        assert not eng.local_core.paused
     eng.check_integrity()
 
 
@@ -175,7 +175,7 @@ def test_update_with_abort_all_requests_ends_them_and_flushes(engine_factory, ot
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(out=eng.generate(input_ids=[5, 6, 7], sampling_params=long)))
     runner.start()
-    while not eng.core.scheduler.running:  # decoding, not paused
+    while not eng.local_core.scheduler.running:  # decoding, not paused
         time.sleep(0.01)
     with TestClient(create_app(eng)) as c:
         resp = c.post("/update_weights_from_disk", json={"model_path": other_model_dir, "abort_all_requests": True})

@@ -193,7 +193,7 @@ def test_policy_with_triton_attention_recomputes_rollout_logprobs(engine_factory
 
     eng = engine_factory(enable_deterministic_inference=True, attention_backend="triton",
                          chunked_prefill_size=48)
-    prompts = random_prompts(3, eng.core.parts.vocab_size, lengths=(20, 90), seed=8)
+    prompts = random_prompts(3, eng.local_core.parts.vocab_size, lengths=(20, 90), seed=8)
     params = [{"max_new_tokens": 6, "temperature": t, "sampling_seed": i, "ignore_eos": True}
               for i, t in enumerate((0.0, 1.0, 1.0))]
     outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)

@@ -51,12 +51,12 @@ def _trainer_group(eng, name: str):
 @pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
 def test_push_equals_an_engine_on_the_pushed_weights(engine_factory, other_model_dir, other_engine, transport):
     eng = engine_factory()
-    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=8)
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=8)
     group = _trainer_group(eng, "push") if transport == "distributed" else None
     push_weights(eng, _named(other_model_dir), "v-" + transport, transport=transport,
                  bucket_bytes=64 << 10, group=group, group_name="push")  # many buckets
     assert _ids(eng, prompts) == _ids(other_engine, prompts)
-    assert eng.get_weight_version() == "v-" + transport and not eng.core.paused
+    assert eng.get_weight_version() == "v-" + transport and not eng.local_core.paused
     eng.check_integrity()
     if group is not None:  # both ends, while both are alive
         assert eng.destroy_weights_update_group("push")[0]
@@ -69,7 +69,7 @@ def test_a_refused_bucket_raises_and_leaves_the_engine_serving(engine_factory, o
     named.insert(len(named) // 2, ("model.layers.0.mlp.nope.weight", torch.ones(2)))
     with pytest.raises(WeightSyncError, match="unknown weight 'model.layers.0.mlp.nope.weight'"):
         push_weights(eng, named, "never", bucket_bytes=64 << 10)
-    assert not eng.core.paused and eng.get_weight_version() == "default"
+    assert not eng.local_core.paused and eng.get_weight_version() == "default"
     assert len(_ids(eng, [[5, 6, 7]])[0]) == 8
     with pytest.raises(ValueError, match="needs group"):
         push_weights(eng, named, "v", transport="distributed")
@@ -86,7 +86,7 @@ def test_policy_to_engine_push_keeps_rollouts_on_policy(engine_factory, tiny_mod
         for p in policy.model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
     push_weights(eng, policy.model.named_parameters(), "step-1", bucket_bytes=256 << 10)
-    prompts = random_prompts(3, eng.core.parts.vocab_size, lengths=(5, 90), seed=9)
+    prompts = random_prompts(3, eng.local_core.parts.vocab_size, lengths=(5, 90), seed=9)
     params = [{"max_new_tokens": 12, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 7 + i}
               for i in range(len(prompts))]
     outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
@@ -117,7 +117,7 @@ def test_in_place_push_keeps_running_requests_and_sets_the_version(engine_factor
     final = asyncio.run(run())
     assert len(final["output_ids"]) == 200 and [s["version"] for s in final["meta_info"]["weight_versions"]] \
         == ["default", "in-place-1"]
-    assert eng.get_weight_version() == "in-place-1" and not eng.core.paused
+    assert eng.get_weight_version() == "in-place-1" and not eng.local_core.paused
     eng.check_integrity()
 
 
@@ -125,7 +125,7 @@ def test_a_failed_pause_or_drain_never_leaves_the_engine_paused(engine_factory, 
     from engine.runner.pending_result import PendingResult
 
     eng = engine_factory()
-    eng.core.overlap = True  # the pause finds a launched batch, and reading it back fails
+    eng.local_core.overlap = True  # the pause finds a launched batch, and reading it back fails
 
     def lost(self):
         raise RuntimeError("device lost")
@@ -139,8 +139,8 @@ def test_a_failed_pause_or_drain_never_leaves_the_engine_paused(engine_factory, 
     push_weights(eng, _named(other_model_dir), "after-failure")
     monkeypatch.undo()
     assert [a.output["meta_info"]["finish_reason"]["type"] for a in answers] == ["abort"]
-    assert eng.get_weight_version() == "after-failure" and not eng.core.paused
+    assert eng.get_weight_version() == "after-failure" and not eng.local_core.paused
     with pytest.raises(ValueError, match="pause mode"):
         push_weights(eng, _named(other_model_dir), "x", pause_mode="later")
-    assert not eng.core.paused
+    assert not eng.local_core.paused
     eng.check_integrity()

@@ -35,7 +35,7 @@ def _ids(outs: list[dict]) -> list[list[int]]:
 def test_update_from_tensor_equals_an_engine_started_on_those_weights(engine_factory, other_model_dir,
                                                                       other_engine):
     eng = engine_factory()
-    prompts = random_prompts(3, eng.core.parts.vocab_size, lengths=(5, 40), seed=1)
+    prompts = random_prompts(3, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=1)
     before = eng.generate(input_ids=prompts, sampling_params=GREEDY)
     ok, message = eng.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v1")
     assert ok and message == "Success. Weight version updated to v1.", message
@@ -51,7 +51,7 @@ def test_update_from_tensor_equals_an_engine_started_on_those_weights(engine_fac
 
 def test_bad_payloads_change_nothing_and_name_the_problem(engine_factory, other_model_dir):
     eng = engine_factory()
-    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=2)
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=2)
     before = _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY))
     good = _named_tensors(other_model_dir)
     name, tensor = good[0]
@@ -69,7 +69,7 @@ def test_bad_payloads_change_nothing_and_name_the_problem(engine_factory, other_
     with pytest.raises(ValueError, match=r"\(name, tensor\) pairs"):
         eng.update_weights_from_tensor([tensor])
     assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == before  # untouched, serving
-    assert eng.get_weight_version() == "default" and not eng.core.paused
+    assert eng.get_weight_version() == "default" and not eng.local_core.paused
     eng.check_integrity()
 
 
@@ -77,7 +77,7 @@ def test_update_from_flattened_buckets(engine_factory, other_model_dir, other_en
     from weight_sync.bucket import FlattenedBucket
 
     eng = engine_factory()
-    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=6)
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=6)
     named = _named_tensors(other_model_dir)
     eng.pause_generation("retract")
     for i in range(0, len(named), 7):  # buckets of 7 tensors, mixed dtypes allowed
@@ -97,7 +97,7 @@ def test_update_from_disk_checks_the_whole_checkpoint_first(engine_factory, othe
     from safetensors.torch import save_file
 
     eng = engine_factory()
-    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=3)
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=3)
     before = _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY))
     partial = tmp_path / "partial"
     shutil.copytree(other_model_dir, partial, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -135,8 +135,8 @@ def _act_mid_stream(eng, prompt: list[int], action, after_tokens: int = 3) -> di
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_pause_abort_ends_running_requests_and_queues_new_ones(engine_factory, overlap):
     eng = engine_factory()
-    eng.core.overlap = overlap  # a launched batch is in flight when the pause arrives: it is drained
-    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=4)[0]
+    eng.local_core.overlap = overlap  # a launched batch is in flight when the pause arrives: it is drained
+    prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(5, 20), seed=4)[0]
     final = _act_mid_stream(eng, prompt, lambda: eng.pause_generation("abort"))
     assert final["meta_info"]["finish_reason"]["type"] == "abort"
     assert 3 <= len(final["output_ids"]) < LONG["max_new_tokens"]
@@ -158,8 +158,8 @@ def test_pause_abort_ends_running_requests_and_queues_new_ones(engine_factory, o
 def test_a_request_spanning_an_update_switches_weights_at_the_pause(engine_factory, other_model_dir,
                                                                     other_engine, mode, overlap):
     eng = engine_factory()
-    eng.core.overlap = overlap
-    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=5)[0]
+    eng.local_core.overlap = overlap
+    prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(5, 20), seed=5)[0]
     replies = []
 
     def update() -> None:
@@ -194,10 +194,10 @@ def test_retract_during_a_chunked_prefill_resumes_it(engine_factory):
     core thread): it goes back to the queue, holds no KV, and finishes as if never paused."""
     import queue
 
-    from engine.core.control import PauseReq
+    from engine.core.messages import PauseReq
 
     eng = engine_factory(chunked_prefill_size=16)
-    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(100, 100), seed=10)[0]
+    prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(100, 100), seed=10)[0]
     expected = eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     eng.flush_cache()
     (req,), _ = eng.builder.build(None, prompt, GREEDY, False, -1, 0, None, None)
@@ -223,11 +223,11 @@ def test_retract_during_a_chunked_prefill_resumes_it(engine_factory):
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_an_abort_just_before_a_pause_is_answered_at_the_pause(engine_factory, mode):
-    from engine.core.engine_core import AbortReq
-    from engine.core.control import PauseReq
+    from engine.core.messages import AbortReq
+    from engine.core.messages import PauseReq
 
     eng = engine_factory()
-    prompt = random_prompts(1, eng.core.parts.vocab_size, lengths=(5, 20), seed=11)[0]
+    prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(5, 20), seed=11)[0]
     (req,), _ = eng.builder.build(None, prompt, LONG, False, -1, 0, None, None)
 
     def abort_then_pause(core) -> tuple:
@@ -248,17 +248,18 @@ def test_an_abort_just_before_a_pause_is_answered_at_the_pause(engine_factory, m
 def test_a_failing_update_still_answers_the_drained_batch(engine_factory, monkeypatch):
     """Overlap on: the update arrives while a batch is launched; that batch finishes a request,
     then loading fails. The request's answer still goes out with the failure reply."""
-    from engine.core.control import UpdateWeightsReq
+    from engine.core.messages import UpdateWeightsReq
+    from weight_sync.base import TensorSource
 
     eng = engine_factory()
-    eng.core.overlap = True
+    eng.local_core.overlap = True
     one = dict(GREEDY, max_new_tokens=1)
     (req,), _ = eng.builder.build(None, [5, 6, 7, 8], one, False, -1, 0, None, None)
 
     def broken(_):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(eng.core.runner.model, "load_weights", broken)
+    monkeypatch.setattr(eng.local_core.runner.model, "load_weights", broken)
     answers: list = []
     with eng._lock:
         eng._sinks[req.rid] = answers.append
@@ -267,12 +268,12 @@ def test_a_failing_update_still_answers_the_drained_batch(engine_factory, monkey
         core.handle(req)
         core.step()  # launched, not yet read back
         assert core._inflight is not None and not answers
-        return core.handle(UpdateWeightsReq(named_tensors=[]))  # the Reply: its outputs are delivered
+        return core.handle(UpdateWeightsReq(TensorSource([])))  # the Reply: its outputs are delivered
 
     assert eng._call(launch_then_update) == (
         False, "Weight update failed (weights may be partly written): RuntimeError: device lost")
     assert [(a.rid, a.finished, len(a.output["output_ids"])) for a in answers] == [(req.rid, True, 1)]
-    assert not eng.core.paused
+    assert not eng.local_core.paused
     eng.check_integrity()
 
 

@@ -49,7 +49,7 @@ def test_broadcast_update_equals_an_engine_on_the_new_weights(engine_factory, ot
     from engine.models.loader import safetensors_files
 
     eng = engine_factory()
-    prompts = random_prompts(2, eng.core.parts.vocab_size, lengths=(5, 40), seed=7)
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=7)
     before = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
     named = [kv for path in safetensors_files(other_model_dir) for kv in load_file(path).items()]
     port = _free_port()

@@ -36,9 +36,9 @@ def generate_all(model_path: str, graphs: bool, **kwargs) -> tuple[list[dict], f
                  **kwargs)
     ready = time.perf_counter() - start
     try:
-        runner = eng.core.parts.runner
+        runner = eng.local_core.parts.runner
         assert (runner.cuda_graph is not None) == graphs
-        vocab = eng.core.parts.vocab_size
+        vocab = eng.local_core.parts.vocab_size
         params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
         outs = []
         for bs in BATCHES:

@@ -137,7 +137,7 @@ def generate(model_path: str, backend: str) -> tuple[list[dict], int]:
     eng = Engine(model_path=model_path, device="cuda", dtype="bfloat16", attention_backend=backend,
                  cuda_graph_max_bs=8, chunked_prefill_size=64, max_total_tokens=16384)
     try:
-        vocab = eng.core.parts.vocab_size
+        vocab = eng.local_core.parts.vocab_size
         rng = random.Random(0)
         params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
         outs, last = [], []
@@ -149,7 +149,7 @@ def generate(model_path: str, backend: str) -> tuple[list[dict], int]:
         again = [p[: len(p) // 2] + [rng.randrange(3, vocab) for _ in range(9)] for p in last]
         outs += eng.generate(input_ids=again, sampling_params=params, return_logprob=True,
                              top_logprobs_num=2)
-        graphs = eng.core.parts.runner.cuda_graph
+        graphs = eng.local_core.parts.runner.cuda_graph
         assert graphs is not None
         return outs, graphs.num_replays
     finally:

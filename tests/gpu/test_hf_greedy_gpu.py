@@ -74,7 +74,7 @@ def test_greedy_equals_hf_in_float32(tiny, prompts, hf_outputs, backend, determi
         again = eng.generate(input_ids=prompts[12:], sampling_params=params)  # extend cached prefixes
         outs = [o["output_ids"] for o in first + again]
         cached = sum(o["meta_info"]["cached_tokens"] for o in again)
-        graphs = eng.core.parts.runner.cuda_graph
+        graphs = eng.local_core.parts.runner.cuda_graph
     finally:
         eng.shutdown()
         torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ def run(model_path: str, overlap: bool) -> tuple[list[dict], int]:
                    "ignore_eos": i % 3 == 0} for i in range(48)]
         outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         eng.check_integrity()
-        return outs, eng.core.stats.num_lookahead_steps
+        return outs, eng.local_core.stats.num_lookahead_steps
     finally:
         eng.shutdown()
         torch.cuda.empty_cache()

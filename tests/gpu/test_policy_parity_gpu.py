@@ -43,7 +43,7 @@ def rollouts(model_path):
     eng = Engine(model_path=model_path, device="cuda", dtype="bfloat16", enable_deterministic_inference=True,
                  chunked_prefill_size=128, max_total_tokens=32768)
     try:
-        vocab = eng.core.parts.vocab_size
+        vocab = eng.local_core.parts.vocab_size
         rng = random.Random(11)
         prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
         params = [{"max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 1.0 if i % 2 else 0.0,

@@ -21,7 +21,7 @@ def test_first_sampled_requests_do_not_compile(tmp_path):
     path = str(build_tiny_model(tmp_path / "tiny", preset="tiny"))
     eng = Engine(model_path=path, device="cuda", cuda_graph_max_bs=8, max_total_tokens=8192)
     try:
-        assert eng.core.parts.runner.sampler._compiled is not None, "not compiled at start-up"
+        assert eng.local_core.parts.runner.sampler._compiled is not None, "not compiled at start-up"
         params = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
         for bs in (1, 3):  # compile specialises batch 1; 3 takes the dynamic-shape kernel
             start = time.perf_counter()

@@ -78,7 +78,7 @@ def test_in_process_cuda_tensors_under_graphs(checkpoints, expected):
         print(f"  in-process update: {(time.perf_counter() - start) * 1e3:.1f} ms")
         assert ok, message
         assert _ids(eng) == expected != before
-        assert eng.core.parts.runner.cuda_graph.num_replays > 0  # the graphs read the new weights
+        assert eng.local_core.parts.runner.cuda_graph.num_replays > 0  # the graphs read the new weights
         eng.check_integrity()
     finally:
         eng.shutdown()

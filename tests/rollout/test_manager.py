@@ -61,7 +61,7 @@ def test_over_sampling_keeps_the_first_groups_and_aborts_the_rest(engines):
     assert [g[0].group for g in groups] == [0, 2]  # the two short ones; the long tail was aborted
     assert all(s.status == "truncated" and len(s.response_ids) == 4 for g in groups for s in g)
     for eng in engines:  # nothing of the tail is still running
-        assert not eng.core.scheduler.has_work()
+        assert not eng.local_core.scheduler.has_work()
         eng.check_integrity()
     with pytest.raises(ValueError, match="keep_groups"):
         manager.generate(prompts, short, keep_groups=7)

@@ -141,7 +141,7 @@ class Bench:
             if rates is not None:
                 self._add_roofline(result, engine, workload, rates)
             # only the weights outlive the engine (for the HF copy); the KV pool goes with it
-            self._engine_model = engine.core.runner.model if self.args.compare_hf else None
+            self._engine_model = engine.local_core.runner.model if self.args.compare_hf else None
         finally:
             engine.shutdown()
         del engine
@@ -220,7 +220,7 @@ class Bench:
     def _describe_engine(self, result: dict, engine: Any, workload: Workload) -> None:
         import dataclasses
 
-        cfg, memory = engine.core.runner.config, engine.core.parts.memory
+        cfg, memory = engine.local_core.runner.config, engine.local_core.parts.memory
         result.update(
             workload=workload.describe(), dtype=str(cfg.dtype).replace("torch.", ""),
             attention_backend=cfg.attention_backend,
@@ -233,7 +233,7 @@ class Bench:
     def _add_roofline(self, result: dict, engine: Any, workload: Workload, rates: Any) -> None:
         from engine.cli.bench.roofline import floor, max_decode_batch, model_shape
 
-        model, memory = engine.core.runner.model, engine.core.parts.memory
+        model, memory = engine.local_core.runner.model, engine.local_core.parts.memory
         shape = model_shape(model, model.config, memory.bytes_per_token)
         batch = max_decode_batch(workload, memory.max_running_requests, memory.max_total_num_tokens)
         result["roofline"] = floor(workload, shape, rates, batch)

@@ -71,11 +71,11 @@ def run_once(engine: Any, workload: Workload, device: torch.device, stream: bool
     from engine.cli.bench import device as dev
 
     engine.flush_cache()  # each run starts cold: no hits from an earlier run's prompts
-    retractions_before = engine.core.scheduler.num_retractions
+    retractions_before = engine.get_stats().num_retractions
     dev.reset_peak_memory(device)
     finals, traces, wall = asyncio.run(_submit_all(engine, workload, stream))
     metrics = _metrics(workload, finals, traces, wall)
-    metrics["retractions"] = engine.core.scheduler.num_retractions - retractions_before
+    metrics["retractions"] = engine.get_stats().num_retractions - retractions_before
     metrics["peak_memory_gb"] = dev.peak_memory_gb(device)
     return RunOutcome(metrics, [f["output_ids"] for f in finals])
 

@@ -1,5 +1,5 @@
-"""Determinism tooling: the `tandem determinism` harness, request recording and `tandem replay`.
+"""Determinism tooling: the `tandem determinism` harness, and `tandem replay`.
 
-Nothing here is imported by the engine except `recorder` (when --record-path is set); the
+Nothing here is imported by the engine (the recorder is engine/api/recorder.py); the
 in-process paths never import fastapi, pydantic or httpx.
 """

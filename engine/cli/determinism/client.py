@@ -63,10 +63,10 @@ class EngineClient:
 
     def model_info(self) -> dict[str, Any]:
         eng = self.engine
-        return {"model_path": eng.server_args.model_path, "weight_version": eng.core.weight_version,
-                "vocab_size": eng.core.parts.vocab_size,
+        return {"model_path": eng.server_args.model_path, "weight_version": eng.get_weight_version(),
+                "vocab_size": eng.info.vocab_size,
                 "deterministic": eng.server_args.enable_deterministic_inference,
-                "chunked_prefill_size": eng.core.parts.memory.chunked_prefill_size}
+                "chunked_prefill_size": eng.info.chunked_prefill_size}
 
     def close(self) -> None:
         if self._owned:

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 
 from engine.cli.determinism.client import GenerationClient
 from engine.cli.determinism.compare import first_bit_diff, first_diff
-from engine.cli.determinism.recorder import REQUIRED_FIELDS
+from engine.api.recorder import REQUIRED_FIELDS
 
 _LIST_FIELDS = ("input_ids", "output_ids")
 

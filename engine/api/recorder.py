@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore
-    from engine.scheduler.request import Req
+from engine.core.messages import ReqInput
 
 logger = logging.getLogger("tandem")
 
@@ -24,37 +22,43 @@ REQUIRED_FIELDS = (
 )
 
 
-def record_of(req: "Req", model_path: str, weight_version: str) -> dict[str, Any]:
+def record_of(req: ReqInput, output: dict[str, Any], model_path: str) -> dict[str, Any]:
+    meta = output["meta_info"]
+    logprobs = meta.get("output_token_logprobs")
     return {
         "rid": req.rid,
         "model_path": model_path,
-        "weight_version": weight_version,
-        "input_ids": list(req.origin_input_ids),
+        "weight_version": meta.get("weight_version"),
+        "input_ids": list(req.input_ids),
         "sampling_params": req.sampling_params.to_dict(),
         "sampling_seed": req.seed,
         "return_logprob": req.return_logprob,
-        "logprob_start_len": req.logprob_start_len,
-        "top_logprobs_num": req.top_logprobs_num,
+        "logprob_start_len": req.logprob_start_len if req.return_logprob else -1,
+        "top_logprobs_num": req.top_logprobs_num if req.return_logprob else 0,
         "logprob_distribution": req.logprob_distribution,
-        "output_ids": list(req.output_ids),
-        "output_token_logprobs": list(req.output_logprobs) if req.return_logprob else None,
-        "finish_reason": req.finished_reason,
+        "output_ids": list(output["output_ids"]),
+        "output_token_logprobs": [entry[0] for entry in logprobs] if req.return_logprob and logprobs else
+                                 ([] if req.return_logprob else None),
+        "finish_reason": meta.get("finish_reason"),
     }
 
 
 class Recorder:
-    def __init__(self, path: str) -> None:
+    """An output sink the Engine installs: one line per finished request."""
+
+    def __init__(self, path: str, model_path: str) -> None:
         self.path = path
+        self.model_path = model_path
         self._file = open(path, "a", encoding="utf-8")
         self._failed = False
 
     @classmethod
-    def maybe_open(cls, path: Optional[str]) -> Optional["Recorder"]:
-        return cls(path) if path else None
+    def maybe_open(cls, path: Optional[str], model_path: str) -> Optional["Recorder"]:
+        return cls(path, model_path) if path else None
 
-    def record(self, req: "Req", core: "EngineCore") -> None:
+    def record(self, req: ReqInput, output: dict[str, Any]) -> None:
         try:
-            line = json.dumps(record_of(req, core.server_args.model_path, core.weight_version), default=str)
+            line = json.dumps(record_of(req, output, self.model_path), default=str)
             self._file.write(line + "\n")
             self._file.flush()
         except Exception as exc:  # disk full, file closed, odd values: keep serving

@@ -1,0 +1,181 @@
+"""Every message that crosses into or out of the engine core, in one module.
+
+The front end (engine.api.Engine) talks to an EngineCore only with these: small dataclasses that
+pickle, so the core can run on a thread or in its own process unchanged. Requests go in through
+`EngineCore.handle`; `step` hands back ReqOutputs; control messages answer with a Reply (a value
+plus the outputs the message finished). Nothing outside the core reads core attributes: stats,
+info and the weight version come back as messages too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from engine.sampling_params import SamplingParams
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def check_pause_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+    return mode
+
+
+def check_memory_tags(tags: Optional[list[str]]) -> list[str]:
+    """None means every tag; an unknown tag is a ValueError naming the known ones."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    tags = [tags] if isinstance(tags, str) else list(tags)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tag {bad[0]!r}; tags are {', '.join(MEMORY_TAGS)}")
+    return tags
+
+
+# ---- generation ------------------------------------------------------------------------------
+@dataclass
+class ReqInput:
+    """A tokenized, validated request (the front end checks everything before sending it)."""
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    logprob_distribution: str = "original"
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: Optional[str] = None  # None: abort everything
+    message: str = "aborted by request"
+
+
+@dataclass
+class ReqOutput:
+    rid: str
+    finished: bool
+    output: dict[str, Any]  # SGLang's {"text", "output_ids", "meta_info"}, cumulative so far
+
+
+# ---- control ---------------------------------------------------------------------------------
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class PauseReq:
+    mode: str = "abort"
+
+
+@dataclass
+class ContinueReq:
+    pass
+
+
+@dataclass
+class UpdateWeightsReq:
+    """One source (a weight_sync.base.WeightSource: tensors, a checkpoint, a broadcast group)."""
+    source: Any
+    flush_cache: bool = True
+    weight_version: Optional[str] = None
+
+
+@dataclass
+class InitWeightsGroupReq:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class DestroyWeightsGroupReq:
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class SetWeightVersionReq:
+    new_version: str
+
+
+@dataclass
+class GetWeightVersionReq:
+    pass
+
+
+@dataclass
+class ReleaseMemoryReq:
+    tags: Optional[list[str]] = None  # None: weights, kv_cache and cuda_graph
+
+
+@dataclass
+class ResumeMemoryReq:
+    tags: Optional[list[str]] = None
+
+
+@dataclass
+class StatsReq:
+    pass
+
+
+@dataclass
+class CheckIntegrityReq:
+    """Asserts free + cached + in use == pool size; the AssertionError comes back to the caller."""
+
+
+@dataclass
+class Reply:
+    """A control message's return value, plus the outputs it produced (tokens of the drained
+    batch, requests it aborted) for the front end to deliver."""
+    value: Any
+    outputs: list = field(default_factory=list)
+
+
+# ---- what the core reports -------------------------------------------------------------------
+@dataclass(frozen=True)
+class CoreInfo:
+    """Fixed at start-up: what the front end needs to build requests and answer info routes."""
+    model_path: str
+    tokenizer_path: str
+    vocab_size: int
+    context_len: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: str
+    attention_backend: str
+    max_total_num_tokens: int
+    chunked_prefill_size: Optional[int]
+    max_running_requests: int
+    available_gb: float
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """Counters and gauges at one moment, for /metrics, /get_server_info, /v1/loads and bench."""
+    num_steps: int
+    num_prefill_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+    num_lookahead_steps: int
+    num_mixed_steps: int
+    num_retractions: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    new_token_ratio: float
+    kv_tokens_used: int
+    kv_tokens_total: int
+    num_weight_updates: int
+    weight_update_seconds: float
+    paused: bool
+    memory_released: tuple[str, ...]
+    weight_version: str
+    uptime_s: float

@@ -1,0 +1,79 @@
+"""CoreWorker: the loop that drives one EngineCore, on a thread or in the core's own process.
+
+It takes messages while there is nothing to run (blocking briefly) and between steps (without
+blocking), steps while there is work, and hands every output and reply to the two callbacks it
+was given: the front end's dispatcher on a thread, a pipe back to the front end in a process.
+A failing message or step never kills the loop: the requests it concerned get an error answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from engine.core.engine_core import EngineCore
+from engine.core.messages import ReqOutput, Reply
+
+logger = logging.getLogger("tandem")
+
+Emit = Callable[[list[ReqOutput]], None]
+Answer = Callable[[int, bool, Any], None]  # (call id, ok, value or exception)
+NextMessage = Callable[[bool], Optional[tuple[Any, Optional[int]]]]  # block? -> (msg, call id) | None
+
+STOP = "stop"  # the message that ends the loop
+
+
+class CoreWorker:
+    def __init__(self, core: EngineCore, emit: Emit, answer: Answer) -> None:
+        self.core = core
+        self.emit = emit
+        self.answer = answer
+
+    def run(self, next_message: NextMessage) -> None:
+        while True:
+            block = not self.core.has_work()
+            item = next_message(block)
+            while item is not None:
+                if item[0] == STOP:
+                    return
+                self.handle(*item)
+                item = next_message(False)
+            if self.core.has_work():
+                self._emit(self._safe_step())
+
+    def handle(self, msg: Any, call_id: Optional[int]) -> None:
+        try:  # a plain function only comes from tests, on a thread: it runs on the core thread
+            result = msg(self.core) if callable(msg) else self.core.handle(msg)
+        except Exception as exc:  # a failing message must not kill the worker
+            if call_id is not None:
+                self.answer(call_id, False, exc)
+            else:
+                logger.exception("engine could not take message %s", type(msg).__name__)
+                self._emit(_failed_request(msg, exc))
+            return
+        if isinstance(result, Reply):  # a control message: deliver what it finished, then answer
+            self._emit(result.outputs)
+            result = result.value
+        if call_id is not None:
+            self.answer(call_id, True, result)
+        elif isinstance(result, list):
+            self._emit(result)
+
+    def _safe_step(self) -> list[ReqOutput]:
+        try:
+            return self.core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests of that batch")
+            return self.core.fail_current_batch(f"engine error: {type(exc).__name__}: {exc}")
+
+    def _emit(self, outputs: list[ReqOutput]) -> None:
+        if outputs:
+            self.emit(outputs)
+
+
+def _failed_request(msg: Any, exc: Exception) -> list[ReqOutput]:
+    rid = getattr(msg, "rid", None)
+    if rid is None:
+        return []
+    reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
+    return [ReqOutput(rid, True, {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}})]

@@ -1,0 +1,60 @@
+"""The two ends of a weight update, each behind a small base class and a registry by name.
+
+WeightSource (engine side): where an update's tensors come from. One source rides in an
+UpdateWeightsReq into the core, which calls `load_into` between two steps; a source checks every
+name, shape and dtype before it writes a parameter (the model's `load_weights` does for pairs).
+WeightSender (trainer side): moves a bucket of (name, tensor) to an engine over one transport.
+A new transport is one module here with a source and a sender, registered by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+
+SOURCES: dict[str, type["WeightSource"]] = {}
+SENDERS: dict[str, type["WeightSender"]] = {}
+
+
+@dataclass
+class LoadContext:
+    """What a source may use on the core: the device and the open broadcast groups."""
+    device: torch.device
+    groups: dict[str, Any] = field(default_factory=dict)
+
+
+class WeightSource:
+    kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            SOURCES[cls.kind] = cls
+
+    def load_into(self, model: Any, ctx: LoadContext) -> None:
+        raise NotImplementedError
+
+
+class WeightSender:
+    """Trainer side: `send` one bucket; the last bucket of an update flushes and sets the version."""
+    kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            SENDERS[cls.kind] = cls
+
+    def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
+        raise NotImplementedError
+
+
+@dataclass
+class TensorSource(WeightSource):
+    """HF-named tensors handed over in memory (in process, or by reference across processes)."""
+    kind: ClassVar[str] = "tensor"
+    named_tensors: list
+
+    def load_into(self, model: Any, ctx: LoadContext) -> None:
+        model.load_weights(self.named_tensors)
