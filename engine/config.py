@@ -47,8 +47,15 @@ class ServerArgs:
     # server
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: Optional[str] = None
+    api_key: Optional[str] = None  # generation and info routes (or env TANDEM_API_KEY)
+    admin_api_key: Optional[str] = None  # control routes: pause, weights, abort, flush (or env TANDEM_ADMIN_API_KEY)
     log_level: str = "info"
+    # request limits (HTTP and in-process): a request past one is a 400 naming the limit
+    max_n: int = 1024  # samples per prompt
+    max_batch_requests: int = 8192  # prompts x n in one call
+    max_body_bytes: int = 1 << 30  # any HTTP body (weight payloads are the big ones)
+    max_generate_body_bytes: int = 256 << 20  # /generate and /v1/* bodies
+    health_check_timeout: float = 20.0  # /health_generate: seconds for a 1-token probe to answer
 
     def __post_init__(self) -> None:
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -66,6 +73,11 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
+        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.health_check_timeout <= 0:
+            raise ValueError(f"health_check_timeout must be > 0 seconds, got {self.health_check_timeout}")
         if self.max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.schedule_conservativeness <= 0:
