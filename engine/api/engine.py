@@ -20,6 +20,7 @@ from engine.api.generate_stream import GenerateStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs
+from engine.core.messages import GetWeightsByNameReq, WeightsChecksumReq
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
@@ -213,6 +214,15 @@ class Engine:
                                  "paused": stats.paused, "memory_released": list(stats.memory_released),
                                  "kv_token_usage": stats.kv_tokens_used / max(stats.kv_tokens_total, 1)}],
         }
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of the parameter an HF checkpoint name loads into."""
+        return self._call(GetWeightsByNameReq(str(name), truncate_size))
+
+    def get_weights_checksum(self) -> str:
+        """sha256 hex over every parameter (SGLang's compute_weights_checksum): equal for equal
+        weights on any engine; engine.core.weight_queries.weights_checksum hashes a trainer's."""
+        return self._call(WeightsChecksumReq())
 
     def check_integrity(self) -> None:
         """Asserts free + cached + in use == pool size (checked on the core)."""

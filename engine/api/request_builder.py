@@ -22,6 +22,8 @@ class RequestBuilder:
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.default_distribution = server_args.logprob_distribution
+        self.max_n = server_args.max_n
+        self.max_batch_requests = server_args.max_batch_requests
         # Unseeded requests draw their seed from here, so a whole run replays from --random-seed.
         self._seed_rng = random.Random(server_args.random_seed)
 
@@ -34,6 +36,7 @@ class RequestBuilder:
         passed a single prompt (so the result is a dict rather than a list)."""
         prompts, single = self._token_lists(prompt, input_ids)
         params = self._sampling_params(sampling_params, len(prompts))
+        self._check_counts(params)
         rids = self._rids(rid, len(prompts))
         distribution = logprob_distribution or self.default_distribution
         if distribution not in LOGPROB_DISTRIBUTIONS:
@@ -51,6 +54,7 @@ class RequestBuilder:
                     seed=seed, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, logprob_distribution=distribution, stream=stream,
                 ))
+        self._check_unique_rids(out)
         return out, single and params[0].n == 1
 
     # ---- pieces --------------------------------------------------------------------------------
@@ -114,6 +118,25 @@ class RequestBuilder:
         if len(rids) != n:
             raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
         return [str(r) for r in rids]
+
+    def _check_counts(self, params: list[SamplingParams]) -> None:
+        too_many = [p.n for p in params if p.n > self.max_n]
+        if too_many:
+            raise ValueError(f"n={too_many[0]} is over the limit of {self.max_n} samples per prompt "
+                             "(--max-n)")
+        total = sum(p.n for p in params)
+        if total > self.max_batch_requests:
+            raise ValueError(f"this call asks for {total} requests (prompts x n); the limit is "
+                             f"{self.max_batch_requests} (--max-batch-requests): split it")
+
+    @staticmethod
+    def _check_unique_rids(reqs: list[ReqInput]) -> None:
+        """Checked before anything is submitted, so a refused batch leaves nothing running."""
+        seen: set[str] = set()
+        for r in reqs:
+            if r.rid in seen:
+                raise ValueError(f"rid {r.rid!r} appears twice in this batch; rids must be unique")
+            seen.add(r.rid)
 
     @staticmethod
     def _check_logprob_start(start: int, prompt_len: int) -> None:

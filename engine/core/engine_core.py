@@ -18,8 +18,10 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
                                   UpdateWeightsReq)
+from engine.core.messages import GetWeightsByNameReq, WeightsChecksumReq
 from engine.core.output import build_output
 from engine.core.setup import CoreParts, build_core_parts
+from engine.core.weight_queries import weights_by_name, weights_checksum
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -75,6 +77,10 @@ class EngineCore:
             return self.snapshot()
         if isinstance(msg, CheckIntegrityReq):
             return self.scheduler.check_integrity()
+        if isinstance(msg, GetWeightsByNameReq):
+            return weights_by_name(self.runner.model, msg.name, msg.truncate_size)
+        if isinstance(msg, WeightsChecksumReq):
+            return weights_checksum(self.runner.model.named_parameters())
         raise TypeError(f"unknown message type {type(msg).__name__}")
 
     def info(self) -> CoreInfo:

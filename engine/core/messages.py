@@ -128,6 +128,18 @@ class StatsReq:
 
 
 @dataclass
+class GetWeightsByNameReq:
+    """The first `truncate_size` rows of a parameter, by its HF name (a nested float list)."""
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class WeightsChecksumReq:
+    """sha256 over every parameter (engine/core/weight_queries.py says how)."""
+
+
+@dataclass
 class CheckIntegrityReq:
     """Asserts free + cached + in use == pool size; the AssertionError comes back to the caller."""
 

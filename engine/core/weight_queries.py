@@ -1,0 +1,49 @@
+"""Read-only views of the loaded weights: a parameter's first values by its HF name (SGLang's
+/get_weights_by_name) and a checksum of every parameter (SGLang's get_weights_checksum).
+
+Both run on the core, between steps, so they see the weights the next step uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def weights_checksum(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over (name, raw bytes) pairs sorted by name: SGLang's compute_weights_checksum, so
+    a trainer can hash its own tensors (under the engine's names, stacked q/k/v and gate/up) and
+    compare. Equal for equal weights on any device; dtype and layout are part of the bytes."""
+    hasher = hashlib.sha256()
+    for name, tensor in sorted(named_params, key=lambda item: item[0]):
+        hasher.update(name.encode())
+        hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return hasher.hexdigest()
+
+
+def weights_by_name(model: nn.Module, name: str, truncate_size: int = 100) -> list:
+    """The first `truncate_size` rows (or values, for 1-D) of the parameter an HF checkpoint name
+    loads into, as float lists; q/k/v and gate/up names read their slice of the stacked weight,
+    a tied lm_head reads the embedding."""
+    if not isinstance(truncate_size, int) or truncate_size < 0:
+        raise ValueError(f"truncate_size must be a non-negative int, got {truncate_size!r}")
+    tensor = _resolve(model, name)
+    return tensor[:truncate_size].detach().float().cpu().tolist()
+
+
+def _resolve(model: nn.Module, name: str) -> torch.Tensor:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name in params:
+        return params[name]
+    for stacked, ckpt_name, shard_id in getattr(model, "stacked_params_mapping", []):
+        if f".{ckpt_name}." not in name:
+            continue
+        param_name = name.replace(f".{ckpt_name}.", f".{stacked}.")
+        if param_name in params:
+            module = model.get_submodule(param_name.rsplit(".", 1)[0])
+            return params[param_name][module.shard_slice(shard_id)]
+    raise ValueError(f"no parameter named {name!r}: give an HF checkpoint name such as "
+                     "'model.layers.0.self_attn.q_proj.weight' or 'lm_head.weight'")
