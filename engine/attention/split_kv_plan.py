@@ -13,27 +13,18 @@ attention), a short tile and length-proportional splits for decode.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from engine.runner.device_copy import h2d
+from engine.kernels.device_copy import h2d
+from engine.kernels.split_kv_tile import KernelConfig, Tile, fit_shared_memory, next_pow2  # noqa: F401
 
 SINGLE_SPLIT = 1 << 30  # a split size no sequence reaches: the whole key range is one split
 MAX_LANES = 32  # programs per (q block, kv head) along the split axis
 PROGRAMS_PER_SM = 4  # decode spreads splits over lanes until about this many programs per SM
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    block_m: int  # tile rows: q tokens x query heads of one kv group
-    block_n: int  # keys per inner step
-    num_warps: int
-    num_stages: int
-    fp_fusion: bool = True  # False: no mul+add contraction the compiler could place differently
 
 
 # Measured on the H200 (scripts/gpu_attention_bench.py --sweep, Qwen3-8B heads): decode is a
@@ -50,55 +41,11 @@ DEFAULT_CONFIGS = {
 MIN_DECODE_SPLIT = 128
 
 
-@dataclass(frozen=True)
-class Tile:
-    """Kernel shape for one model: rows = block_t tokens x g_pad heads; block_t | block_n."""
-
-    group: int
-    g_pad: int
-    block_t: int
-    block_n: int
-    config: KernelConfig
-
-    @classmethod
-    def build(cls, config: KernelConfig, group: int, split: int,
-              kv_row_bytes: Optional[int] = None, smem_limit: Optional[int] = None) -> "Tile":
-        """kv_row_bytes (head_dim x element size) and smem_limit (the device's per-block shared
-        memory) shrink the config until its K/V stages fit (fit_shared_memory)."""
-        if kv_row_bytes and smem_limit:
-            config = fit_shared_memory(config, kv_row_bytes, smem_limit)
-        g_pad = next_pow2(group)
-        block_n = min(config.block_n, split)  # splits start on a key-block boundary
-        block_t = max(1, min(config.block_m // g_pad, block_n))
-        return cls(group, g_pad, block_t, block_n, config)
-
-
-def fit_shared_memory(config: KernelConfig, kv_row_bytes: int, smem_limit: int) -> KernelConfig:
-    """The tiles above were tuned for bf16, head_dim 128 on the H200 (~200 KB of K/V stages);
-    fp32 K/V or a wider head would not compile. Drop to 2 stages, then halve block_n, until
-    stages x block_n rows of K and V plus the q and p tiles fit. A function of (config, dtype,
-    head_dim, device) only, so engine and trainer on one GPU model pick the same tile (block_n
-    is part of a deterministic row's arithmetic)."""
-    def need(c: KernelConfig) -> int:
-        return (c.num_stages * 2 * c.block_n + c.block_m) * kv_row_bytes + c.block_m * c.block_n * 4
-
-    while need(config) > smem_limit and (config.num_stages > 2 or config.block_n > 16):
-        if config.num_stages > 2:
-            config = dataclasses.replace(config, num_stages=2)
-        else:
-            config = dataclasses.replace(config, block_n=config.block_n // 2)
-    return config
-
-
 def shared_memory_limit(device: torch.device) -> Optional[int]:
     """Per-block shared memory (opt-in maximum) of a CUDA device; None elsewhere (interpreter)."""
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def decode_lanes(batch_size: int, num_kv_heads: int, num_sms: int) -> int:

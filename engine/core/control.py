@@ -13,22 +13,37 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.core.messages import (ContinueReq, DestroyWeightsGroupReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateWeightsReq, check_memory_tags,
                                   check_pause_mode)
 
 if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore
+    from engine.runner.model_runner import ModelRunner
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still "
                "running; pause with mode='retract' or 'abort' first, or flush the cache later.")
 
 
+class ControlledCore(Protocol):
+    """What control reads and changes of the EngineCore (which imports this module, so no import
+    back): its pause flag, weight version and released memory, its parts, and two of its steps."""
+    paused: bool
+    weight_version: str
+    memory_released: set[str]
+    scheduler: "Scheduler"
+    runner: "ModelRunner"
+
+    def drain(self) -> list: ...
+
+    def abort_all(self, message: str) -> list: ...
+
+
 class GenerationControl:
-    def __init__(self, core: "EngineCore") -> None:
+    def __init__(self, core: ControlledCore) -> None:
         self.core = core
         self.groups: dict[str, Any] = {}  # group name -> weight_sync.nccl.WeightGroup
         self.num_updates = 0  # successful loads (a bucket each), for /metrics

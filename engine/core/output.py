@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from engine.scheduler.request import Req
 
-if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore
+
+class CoreView(Protocol):
+    """What an output reads of the EngineCore (which imports this module, so no import back)."""
+    weight_version: str
 
 
-def build_output(req: Req, core: "EngineCore") -> dict[str, Any]:
+def build_output(req: Req, core: CoreView) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": req.rid,
         "prompt_tokens": len(req.origin_input_ids),
@@ -30,7 +32,7 @@ def build_output(req: Req, core: "EngineCore") -> dict[str, Any]:
     return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
-def _logprob_fields(req: Req, core: "EngineCore") -> dict[str, Any]:
+def _logprob_fields(req: Req, core: CoreView) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "logprob_distribution": req.logprob_distribution,
         "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)],

@@ -4,7 +4,7 @@ one launch, in place on the strided q/k views of the qkv GEMM output.
 Replaces, per layer on CUDA: two row copies (q/k views are not reshapeable), two norm launches and
 ~14 torch rotary launches (cos/sin casts, neg, cat, two muls, add, for q and for k).
 
-Same bits as the unfused CUDA path (bi.rms_norm per head, then layers.apply_rotary): each value is
+Same bits as the unfused CUDA path (bi.rms_norm per head, then rotary.apply_rotary): each value is
 rounded to the model dtype where a torch op rounds (norm cast, weight multiply, cos/sin cast, each
 rotary product, their sum), fp contraction is off, and the sum of squares is triton_norm's
 expression at triton_norm's block and warp count, one program per (token, head) row as triton_norm
@@ -110,9 +110,9 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out) -> None:
 
 
 def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps=1e-6):
-    """The unfused torch path (RMSNorm then layers.apply_rotary); its autograd is the backward."""
+    """The unfused torch path (RMSNorm then rotary.apply_rotary); its autograd is the backward."""
     from engine.kernels.batch_invariant.ops import rms_norm_reference
-    from engine.models.layers import apply_rotary
+    from engine.kernels.rotary import apply_rotary
 
     def one(x, w):
         return apply_rotary(x if w is None else rms_norm_reference(x, w, eps), cos, sin)

@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.split_kv_plan import Tile
+from engine.kernels.split_kv_tile import Tile
 
-# rows of the int32 block table [5, stride], one column per q block (see split_kv_plan);
+# rows of the int32 block table [5, stride], one column per q block (engine/attention/split_kv_plan.py);
 # constexpr because compiled kernels may only read constexpr globals
 BLK_SEQ = tl.constexpr(0)  # index into req_pool_indices
 BLK_TOK = tl.constexpr(1)  # first q row of the block

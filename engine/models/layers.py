@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import batch_invariant as bi
+from engine.kernels.rotary import apply_rotary  # noqa: F401  (the models' rotary; re-exported)
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -150,15 +151,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_pos: Optional[int
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim] float32, cast to x's dtype first (as HF)."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class SiluAndMul(nn.Module):

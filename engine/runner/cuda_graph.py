@@ -133,7 +133,6 @@ class CudaGraphRunner:
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs],
             extend_prefix_lens=self.positions[:bs],  # decode: prefix = position of the new token
-            extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=self.device),
             seq_lens_cpu=[1] * bs,  # values are only known at replay; nothing reads these
             extend_prefix_lens_cpu=[0] * bs,
             extend_seq_lens_cpu=[1] * bs,

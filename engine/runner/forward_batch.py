@@ -1,30 +1,23 @@
 """ForwardBatch: the device-side description of one forward pass, passed explicitly.
 
-Every forward is an "extend": each sequence i appends extend_seq_lens[i] new tokens after
+Every forward is an "extend": each sequence i appends extend_seq_lens_cpu[i] new tokens after
 extend_prefix_lens[i] tokens whose KV is already in the pool. A decode step is the case where
-every sequence extends by one token.
+every sequence extends by one token. ForwardMode (engine/scheduler/forward_mode.py) is the
+scheduler's; it is re-exported here for the runner's callers.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.scheduler.forward_mode import ForwardMode
+
 if TYPE_CHECKING:
     from engine.attention.base import AttentionBackend
     from engine.kv.pool import KVPool
-
-
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill (possibly chunked, possibly over a cached prefix)
-    DECODE = "decode"  # one new token per sequence
-
-    @property
-    def is_decode(self) -> bool:
-        return self is ForwardMode.DECODE
 
 
 @dataclass
@@ -36,7 +29,6 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor  # [B] int64, row of req_to_token for each sequence
     seq_lens: torch.Tensor  # [B] int64, prefix + new tokens
     extend_prefix_lens: torch.Tensor  # [B] int64, tokens already in the pool
-    extend_seq_lens: torch.Tensor  # [B] int64, new tokens this pass
     # host copies, so backends can loop without syncing the device
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]

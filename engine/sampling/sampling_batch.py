@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from engine.runner.device_copy import h2d
+from engine.kernels.device_copy import h2d
 from engine.sampling.seeds import to_int64
 from engine.sampling_params import SamplingParams
 
@@ -57,10 +57,6 @@ class SamplingBatch:
     @property
     def batch_size(self) -> int:
         return self.seeds.shape[0]
-
-    @property
-    def need_penalties(self) -> bool:
-        return self.need_repetition or self.need_freq_presence
 
     @classmethod
     def build(

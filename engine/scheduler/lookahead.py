@@ -7,16 +7,21 @@ those values to build the step. That is only safe when nothing about step N+1 de
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol, Sequence
 
+from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.request import Req
 
-if TYPE_CHECKING:
-    from engine.scheduler.batch import ScheduleBatch
-    from engine.scheduler.scheduler import Scheduler
+
+class SchedulerView(Protocol):
+    """What lookahead reads of the Scheduler (which imports this module, so no import back)."""
+    waiting: Sequence[Req]
+    running: list[Req]
+    chunked_req: Optional[Req]
+    allocator: Any  # engine.kv.allocator.TokenSlotAllocator: available_size()
 
 
-def lookahead_rows(scheduler: "Scheduler", inflight: "ScheduleBatch") -> Optional[list[int]]:
+def lookahead_rows(scheduler: SchedulerView, inflight: ScheduleBatch) -> Optional[list[int]]:
     """Rows of `inflight` to continue, or None when the step must wait for its tokens: new work
     to admit, aborts, memory pressure (evict or retract only once the real tokens are in), or
     sampling state that reads the unknown token."""

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.core.messages import ReqInput
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects, never by value
@@ -57,7 +54,8 @@ class Req:
     weight_spans: list[tuple[str, int]] = field(default_factory=list)  # (version, first output index)
 
     @classmethod
-    def from_input(cls, msg: "ReqInput") -> "Req":
+    def from_input(cls, msg: Any) -> "Req":
+        """msg: an engine.core.messages.ReqInput, read by field (the scheduler sits below the core)."""
         return cls(
             rid=msg.rid,
             origin_input_ids=list(msg.input_ids),

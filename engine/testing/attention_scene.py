@@ -54,7 +54,6 @@ class AttentionScene:
             req_pool_indices=dev([s + 1 for s, *_ in items]),
             seq_lens=dev([a + n for _, a, n in items]),
             extend_prefix_lens=dev([a for _, a, _ in items]),
-            extend_seq_lens=dev([n for *_, n in items]),
             seq_lens_cpu=[a + n for _, a, n in items],
             extend_prefix_lens_cpu=[a for _, a, _ in items],
             extend_seq_lens_cpu=[n for *_, n in items],

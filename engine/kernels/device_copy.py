@@ -4,6 +4,7 @@ A copy from pageable host memory makes CUDA wait for all work already queued on 
 before it starts, so one innocent `torch.tensor(..., device="cuda")` per step serialises the
 host with the GPU and defeats overlap scheduling. Pinned memory + non_blocking avoids that; the
 pinned snapshot is owned by torch's caching host allocator until the copy has run.
+A leaf (torch only), so the runner, sampling and the attention plans share it.
 """
 
 from __future__ import annotations
