@@ -1,0 +1,186 @@
+"""EngineActor: a Ray actor that owns one Engine (and optionally its HTTP server).
+
+The Engine is created inside the actor, on the GPU share Ray gave it (`num_gpus` may be
+fractional, so a colocated trainer actor shares the GPU; 0 on the CPU). The actor is an async
+actor: every method is a coroutine on one event loop, generate awaits Engine.async_generate (so
+many generates run at once) and every blocking Engine call (pause, weight updates, release)
+runs on a worker thread, so a weight update never stalls the generates around it.
+
+Weight payloads arrive by reference: CPU tensors through Ray's object store (shared memory; pass
+an ObjectRef from `ray.put` to reach several engines with one copy), or
+`weight_sync.cuda_ipc.serialize` bytes (CUDA IPC handles from a colocated trainer, shared-memory
+descriptors on the CPU), unpickled here through the allowlist. Talk to it through
+rollout.ray_client.RayClient; `start_engine_actors` starts a local Ray cluster if none runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Optional
+
+logger = logging.getLogger("tandem")
+
+
+class EngineActor:
+    """Ray turns this into an actor with `ray.remote(EngineActor)` (see engine_actor_class)."""
+
+    def __init__(self, engine_kwargs: dict) -> None:
+        from engine import Engine
+
+        self.engine = Engine(**engine_kwargs)
+        self._http: Optional[tuple[Any, threading.Thread]] = None
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                       logprob_start_len=-1, top_logprobs_num=0, rid=None):
+        """Engine.generate's dicts; many calls run at once (bad input raises ValueError here)."""
+        return await self.engine.async_generate(prompt=prompt, sampling_params=sampling_params,
+                                                input_ids=input_ids, return_logprob=return_logprob,
+                                                logprob_start_len=logprob_start_len,
+                                                top_logprobs_num=top_logprobs_num, rid=rid)
+
+    async def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        self.engine.abort_request(rid, abort_all=abort_all)
+
+    async def flush_cache(self) -> bool:
+        return await asyncio.to_thread(self.engine.flush_cache)
+
+    # ---- pause and weights ---------------------------------------------------------------------
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await asyncio.to_thread(self.engine.pause_generation, mode)
+
+    async def continue_generation(self) -> None:
+        await asyncio.to_thread(self.engine.continue_generation)
+
+    async def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
+                                         flush_cache: bool = True, weight_version: Optional[str] = None):
+        """named_tensors: [(name, tensor)] or a flattened-bucket payload (through Ray), or the
+        bytes/text of weight_sync.cuda_ipc.serialize of either. -> (success, message); a refused
+        payload changes nothing and says why."""
+        def load() -> tuple[bool, str]:
+            payload = named_tensors
+            try:
+                if isinstance(payload, (bytes, str)):
+                    from weight_sync.cuda_ipc import deserialize
+
+                    payload = deserialize(payload)
+                return self.engine.update_weights_from_tensor(payload, load_format, flush_cache, weight_version)
+            except ValueError as exc:  # refused payload, bad pairs or bucket, unknown load_format
+                return False, str(exc)
+
+        return await asyncio.to_thread(load)
+
+    async def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                       weight_version: Optional[str] = None, flush_cache: bool = True):
+        return await self._reply(self.engine.update_weights_from_disk, model_path, load_format,
+                                 weight_version, flush_cache)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl"):
+        return await self._reply(self.engine.init_weights_update_group, master_address, master_port,
+                                 rank_offset, world_size, group_name, backend)
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                              flush_cache=True, weight_version=None, load_format=None):
+        return await self._reply(self.engine.update_weights_from_distributed, names, dtypes, shapes,
+                                 group_name, flush_cache, weight_version, load_format)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
+        return await self._reply(self.engine.destroy_weights_update_group, group_name)
+
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None):
+        return await self._reply(self.engine.release_memory_occupation, tags)
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None):
+        return await self._reply(self.engine.resume_memory_occupation, tags)
+
+    async def _reply(self, fn: Any, *args: Any) -> tuple[bool, str]:
+        """(success, message): bad arguments become a refusal the caller reads, as over HTTP."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except ValueError as exc:
+            return False, str(exc)
+
+    # ---- state ---------------------------------------------------------------------------------
+    async def get_weight_version(self) -> str:
+        return await asyncio.to_thread(self.engine.get_weight_version)
+
+    async def health(self) -> bool:
+        return bool(self.engine.is_alive())
+
+    async def get_server_info(self) -> dict:
+        return await asyncio.to_thread(self.engine.get_server_info)
+
+    async def check_integrity(self) -> None:
+        """Raises if free + cached + in-use KV slots != the pool size (tests, debugging)."""
+        await asyncio.to_thread(self.engine.check_integrity)
+
+    # ---- HTTP and lifetime ---------------------------------------------------------------------
+    async def serve_http(self, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None) -> str:
+        """Serve SGLang's routes for this engine on a thread (port 0: a free one) -> its URL."""
+        if self._http is not None:
+            raise ValueError("this engine actor already serves HTTP; one server per engine")
+        import socket
+
+        import uvicorn
+
+        from engine.server.http import create_app
+
+        sock = socket.socket()
+        sock.bind((host, port))  # bound here so the URL is known before the server runs
+        server = uvicorn.Server(uvicorn.Config(create_app(self.engine, api_key=api_key), log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="engine-http", daemon=True)
+        thread.start()
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"the HTTP server on {host}:{sock.getsockname()[1]} did not start (see the log)")
+            await asyncio.sleep(0.02)
+        self._http = (server, thread)
+        return f"http://{host}:{sock.getsockname()[1]}"
+
+    async def shutdown(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.should_exit = True
+            await asyncio.to_thread(thread.join, 10.0)
+            self._http = None
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+def engine_actor_class() -> Any:
+    """EngineActor as a Ray actor class (ray imported here, so the CPU path works without it)."""
+    import ray
+
+    return ray.remote(EngineActor)
+
+
+def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs: Any) -> None:
+    """Join the Ray cluster this process is in, or start a light local one (no dashboard)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(include_dashboard=False, num_cpus=num_cpus, configure_logging=False, **init_kwargs)
+
+
+def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] = None,
+                        num_cpus: float = 0) -> list[Any]:
+    """n engine actors, each owning an Engine(**engine_kwargs), ready when this returns.
+    num_gpus: Ray's GPU share per actor (fractional to colocate with a trainer); None: 1 when
+    the engine runs on CUDA, else 0. num_cpus: Ray's CPU accounting per actor (0: the engines do
+    not take CPU slots a small machine needs for trainer actors). For SGLang-route clients,
+    `ray.get(actor.serve_http.remote())` gives an actor's URL."""
+    if n < 1:
+        raise ValueError(f"start_engine_actors needs n >= 1, got {n}")
+    if num_gpus is None:
+        num_gpus = 0 if engine_kwargs.get("device", "cuda") == "cpu" else 1
+    ensure_ray()
+    import ray
+
+    cls = engine_actor_class().options(num_gpus=num_gpus, num_cpus=num_cpus)
+    actors = [cls.remote(dict(engine_kwargs)) for _ in range(n)]
+    ray.get([a.health.remote() for a in actors])  # surfaces a failed start-up here, with its error
+    return actors
