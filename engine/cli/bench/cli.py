@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from engine.cli.bench.tandem_run import STREAM_MODES
 from engine.cli.bench.workload import WORKLOADS, Workload, build_workload
-from engine.testing.preset_model import add_preset_argument, engine_kwargs_from_args
+from engine.cli.preset_model import add_preset_argument, engine_kwargs_from_args
 
 logger = logging.getLogger("tandem")
 GRPO_DEFAULT_N = 16

@@ -44,7 +44,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_target(p: argparse.ArgumentParser) -> None:
     from engine.cli.server_args import add_server_args
-    from engine.testing.preset_model import add_preset_argument
+    from engine.cli.preset_model import add_preset_argument
 
     t = p.add_argument_group("target", "a running server (--url), or an in-process engine")
     t.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:30000")
@@ -70,7 +70,7 @@ def make_client(args: argparse.Namespace, command: str) -> tuple[Any, str]:
 
         return HttpClient(args.url, api_key=args.api_key), args.url
     from engine.cli.determinism.client import EngineClient
-    from engine.testing.preset_model import engine_kwargs_from_args
+    from engine.cli.preset_model import engine_kwargs_from_args
 
     kwargs, label = engine_kwargs_from_args(args, command)
     return EngineClient(**kwargs), label

@@ -1,0 +1,300 @@
+"""The layering of the packages (DESIGN section 1), checked on the source with `ast`.
+
+Every import counts: at module level, inside functions (a lazy import is still a dependency) and
+inside `if TYPE_CHECKING:` blocks (a type hint names the module it depends on). One exemption,
+for type hints only: attention backends and models may name `engine.runner.forward_batch` under
+TYPE_CHECKING, because a ForwardBatch is the argument the runner hands down to them (DESIGN: "a
+ForwardBatch is passed explicitly into the model and the attention backend"); a runtime import
+of it from there is still a violation.
+
+Import cycles among engine modules are checked over module-level imports (TYPE_CHECKING blocks
+included, imports inside functions not: those are deliberate lazy imports), less the exemption.
+
+Each violation prints as `file:line imports X (rule)`.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "weight_sync", "rollout", "trainer_bridge", "recipes")
+FORWARD_BATCH = "engine.runner.forward_batch"
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str  # relative to the repository root
+    line: int
+    source: str  # importing module, e.g. engine.scheduler.batch
+    target: str  # imported module, e.g. engine.runner.forward_batch (or torch.cuda)
+    type_only: bool  # inside `if TYPE_CHECKING:`
+    in_function: bool
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, name: Optional[str]) -> str:
+    """`from module import name`: the submodule when `name` is one, else the module itself."""
+    if name and f"{module}.{name}" in MODULES:
+        return f"{module}.{name}"
+    if name and module == "torch" and name == "cuda":
+        return "torch.cuda"
+    return module
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+class _Collector(ast.NodeVisitor):
+    def __init__(self, source: str, path: str, is_package: bool) -> None:
+        self.source, self.path, self.is_package = source, path, is_package
+        self.type_only = False
+        self.depth = 0
+        self.found: list[Import] = []
+
+    def _add(self, line: int, target: str) -> None:
+        self.found.append(Import(self.path, line, self.source, target, self.type_only, self.depth > 0))
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            saved, self.type_only = self.type_only, True
+            for child in node.body:
+                self.visit(child)
+            self.type_only = saved
+            for child in node.orelse:
+                self.visit(child)
+        else:
+            self.generic_visit(node)
+
+    def _visit_function(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _visit_function
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(node.lineno, alias.name)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = node.module or ""
+        if node.level:  # relative: resolve against this module's package
+            package = self.source.split(".")
+            if not self.is_package:
+                package = package[:-1]
+            package = package[: len(package) - (node.level - 1)]
+            module = ".".join(package + ([module] if module else []))
+        for alias in node.names:
+            self._add(node.lineno, _resolve(module, alias.name))
+
+
+def _uses_torch_cuda(tree: ast.AST) -> list[int]:
+    """Lines that touch `torch.cuda` as an attribute (an import is caught as an import)."""
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "cuda"
+            and isinstance(n.value, ast.Name) and n.value.id == "torch"]
+
+
+def _collect() -> list[Import]:
+    found: list[Import] = []
+    for module, path in MODULES.items():
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text(), filename=rel)
+        collector = _Collector(module, rel, path.name == "__init__.py")
+        collector.visit(tree)
+        found += collector.found
+        found += [Import(rel, line, module, "torch.cuda", False, False) for line in _uses_torch_cuda(tree)]
+    return found
+
+
+IMPORTS = _collect()
+
+
+def _under(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _engine_target(target: str) -> str:
+    """`engine` itself re-exports the public API (Engine, ServerArgs, SamplingParams)."""
+    return "engine.api" if target == "engine" else target
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    applies: Callable[[str], bool]  # to the importing module
+    forbids: Callable[[Import], bool]
+
+
+def _forbid(*prefixes: str) -> Callable[[Import], bool]:
+    return lambda imp: _under(_engine_target(imp.target), *prefixes)
+
+
+def _only(*allowed: str) -> Callable[[Import], bool]:
+    """Anything of the engine outside `allowed` (modules or packages) is forbidden."""
+    return lambda imp: (_under(_engine_target(imp.target), "engine")
+                        and not _under(_engine_target(imp.target), *allowed))
+
+
+def _forward_batch_hint(imp: Import) -> bool:
+    return imp.type_only and imp.target == FORWARD_BATCH
+
+
+UPPER = ("engine.runner", "engine.core", "engine.api", "engine.server", "engine.cli")
+RULES = (
+    Rule("kernels are a leaf: they import nothing of the engine but engine.kernels",
+         lambda m: _under(m, "engine.kernels"), _only("engine.kernels")),
+    Rule("kv and scheduler are host-only bookkeeping: no CUDA, runner, models, server, api or core",
+         lambda m: _under(m, "engine.kv", "engine.scheduler"),
+         _forbid("torch.cuda", "engine.runner", "engine.models", "engine.server", "engine.api", "engine.core",
+                 "engine.attention", "engine.kernels")),
+    Rule("sampling, attention and models sit below the runner: no runner, core, api, server or cli",
+         lambda m: _under(m, "engine.sampling", "engine.attention", "engine.models"),
+         lambda imp: _forbid(*UPPER)(imp) and not _forward_batch_hint(imp)),
+    Rule("the runner sits below the core: no core, api, server or cli",
+         lambda m: _under(m, "engine.runner"), _forbid("engine.core", "engine.api", "engine.server", "engine.cli")),
+    Rule("the core sits below the API: no api, server or cli",
+         lambda m: _under(m, "engine.core"), _forbid("engine.api", "engine.server", "engine.cli")),
+    Rule("the API does not import the server or the cli",
+         lambda m: _under(m, "engine.api"), _forbid("engine.server", "engine.cli")),
+    Rule("the server talks to the Engine API only (api, config, sampling_params, core.messages, tokenizer)",
+         lambda m: _under(m, "engine.server"),
+         _only("engine.server", "engine.api", "engine.config", "engine.sampling_params", "engine.core.messages",
+               "engine.tokenizer")),
+    Rule("nothing imports the cli (tandem commands, bench, determinism tooling) but the cli",
+         lambda m: not _under(m, "engine.cli"), _forbid("engine.cli")),
+    Rule("the engine knows nothing of RL: no rollout, trainer_bridge or recipes",
+         lambda m: _under(m, "engine"), _forbid("rollout", "trainer_bridge", "recipes")),
+    Rule("weight_sync moves weights for both sides: no rollout, trainer_bridge or recipes",
+         lambda m: _under(m, "weight_sync"), _forbid("rollout", "trainer_bridge", "recipes")),
+    Rule("rollout and trainer_bridge are peers below recipes",
+         lambda m: _under(m, "rollout", "trainer_bridge"), _forbid("recipes")),
+)
+# The engine's server/tokenizer chat templates: engine.tokenizer is a top-level leaf (transformers
+# only), so the server may use it for apply_chat_template without reaching into the core.
+
+
+def layer_violations(imports: list[Import] = IMPORTS) -> list[str]:
+    out = []
+    for imp in imports:
+        for rule in RULES:
+            if rule.applies(imp.source) and rule.forbids(imp):
+                out.append(f"{imp.path}:{imp.line} imports {imp.target} ({rule.name})")
+    return out
+
+
+def import_cycles(imports: list[Import] = IMPORTS) -> list[list[str]]:
+    """Strongly connected components (size > 1, or a self-import) of the engine's module graph."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES if _under(m, "engine")}
+    for imp in imports:
+        if imp.in_function or imp.source not in graph or imp.target not in graph or _forward_batch_hint(imp):
+            continue
+        graph[imp.source].add(imp.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan; the graph is small, recursion is fine
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def _cycle_lines(cycles: list[list[str]], imports: list[Import]) -> list[str]:
+    out = []
+    for component in cycles:
+        members = set(component)
+        for imp in imports:
+            if imp.source in members and imp.target in members and not imp.in_function:
+                out.append(f"{imp.path}:{imp.line} imports {imp.target} (import cycle: {' <-> '.join(component)})")
+    return out
+
+
+def test_layers() -> None:
+    violations = layer_violations()
+    assert not violations, "layering violations:\n" + "\n".join(violations)
+
+
+def test_no_import_cycles_in_engine() -> None:
+    lines = _cycle_lines(import_cycles(), IMPORTS)
+    assert not lines, "import cycles:\n" + "\n".join(lines)
+
+
+def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """The collector finds imports in functions and TYPE_CHECKING blocks, relative ones and
+    `torch.cuda` use, and each rule fires on a planted violation."""
+    source = (
+        "from typing import TYPE_CHECKING\nimport torch\n"
+        "from engine.runner import forward_batch\n"
+        "if TYPE_CHECKING:\n    from engine.core.messages import ReqInput\n"
+        "def f():\n    from ..cli import main\n    return torch.cuda.is_available()\n"
+    )
+    collector = _Collector("engine.scheduler.fake", "engine/scheduler/fake.py", False)
+    tree = ast.parse(source)
+    collector.visit(tree)
+    found = collector.found + [Import("engine/scheduler/fake.py", n, "engine.scheduler.fake", "torch.cuda", False, False)
+                               for n in _uses_torch_cuda(tree)]
+    targets = {(imp.target, imp.type_only, imp.in_function) for imp in found}
+    assert ("engine.runner.forward_batch", False, False) in targets
+    assert ("engine.core.messages", True, False) in targets
+    assert ("engine.cli.main", False, True) in targets
+    assert ("torch.cuda", False, False) in targets
+    lines = layer_violations(found)
+    assert "engine/scheduler/fake.py:3 imports engine.runner.forward_batch" in "\n".join(lines)
+    assert any(line.startswith("engine/scheduler/fake.py:5 imports engine.core.messages") for line in lines)
+    assert any("engine/scheduler/fake.py:7 imports engine.cli.main" in line and "cli" in line for line in lines)
+    assert any(line.startswith("engine/scheduler/fake.py:8 imports torch.cuda") for line in lines)
+
+
+def test_the_cycle_check_finds_a_planted_cycle() -> None:
+    a = Import("engine/core/a.py", 1, "engine.core.engine_core", "engine.core.control", False, False)
+    b = Import("engine/core/b.py", 2, "engine.core.control", "engine.core.engine_core", True, False)
+    lazy = Import("engine/core/c.py", 3, "engine.core.control", "engine.core.output", False, True)
+    back = Import("engine/core/d.py", 4, "engine.core.output", "engine.core.control", False, False)
+    cycles = import_cycles([a, b, lazy, back])
+    assert cycles == [["engine.core.control", "engine.core.engine_core"]]  # the lazy import breaks the other
+    assert _cycle_lines(cycles, [a, b]) == [
+        "engine/core/a.py:1 imports engine.core.control (import cycle: engine.core.control <-> engine.core.engine_core)",
+        "engine/core/b.py:2 imports engine.core.engine_core (import cycle: engine.core.control <-> engine.core.engine_core)",
+    ]
