@@ -18,7 +18,7 @@ HANDLERS = {
     "tiny-model": ("engine.testing.tiny_model", "run"),
     "generate": ("engine.cli.generate", "run_generate"),
     "demo": ("engine.cli.generate", "run_demo"),
-    "serve": ("engine.server.http", "run_serve"),
+    "serve": ("engine.cli.serve", "run_serve"),
     "bench": ("engine.cli.bench.cli", "run_bench"),
     "determinism": ("engine.cli.determinism.cli", "run_determinism"),
     "replay": ("engine.cli.determinism.cli", "run_replay"),

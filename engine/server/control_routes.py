@@ -2,26 +2,36 @@
 
 Bodies and replies follow SGLang's (shared/reference/sglang-rl-api.md 1.5, 1.6, 1.9), so RL
 clients written for it work unchanged. Each call blocks until the core thread has run it between
-two steps, so it runs off the event loop; with --api-key set, these routes need the key like
-every route but /health.
+two steps, so it runs off the event loop. These routes take the admin key (engine/server/access.py).
+A payload that cannot be decoded is a 400 naming the problem, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import binascii
+import pickle
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.server.protocol import (InitWeightsUpdateGroupRequest, PauseGenerationRequest,
-                                    UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
-                                    UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
+from engine.server.protocol import (DestroyWeightsUpdateGroupRequest, InitWeightsUpdateGroupRequest,
+                                    PauseGenerationRequest, UnknownFields, UpdateWeightsFromDiskRequest,
+                                    UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest,
+                                    UpdateWeightVersionRequest)
+from engine.server.served_model import ServedModel
+
+# what a hostile or broken payload can raise while it is decoded (pickle allowlist, base64,
+# bucket metadata with missing fields or nested too deep): the client's fault, so a 400
+PAYLOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, EOFError,
+                  binascii.Error, pickle.UnpicklingError)
 
 
-def add_control_routes(app: FastAPI, engine: Any) -> None:
+def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: UnknownFields) -> None:
     @app.post("/pause_generation")
     async def pause_generation(req: PauseGenerationRequest) -> dict:
+        unknown.note("/pause_generation", req)
         await asyncio.to_thread(engine.pause_generation, req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -32,15 +42,19 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        unknown.note("/update_weights_from_disk", req)
         _abort_all_first(engine, req)
         ok, message = await asyncio.to_thread(engine.update_weights_from_disk, req.model_path,
                                               req.load_format, req.weight_version, req.flush_cache)
+        if ok:  # SGLang's /model_info then shows the new checkpoint
+            served.model_path = req.model_path
         return _reply(ok, message, num_paused_requests=0)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:
         """Tensors by reference (weight_sync.cuda_ipc): the sender is on this machine and keeps
         them alive until this returns. Unpickled through the allowlist only."""
+        unknown.note("/update_weights_from_tensor", req)
         if not req.serialized_named_tensors:
             raise ValueError("serialized_named_tensors is empty: send one payload per rank")
         _abort_all_first(engine, req)
@@ -52,14 +66,15 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
                 payload = deserialize(req.serialized_named_tensors[0])
                 return engine.update_weights_from_tensor(payload, req.load_format, req.flush_cache,
                                                          req.weight_version)
-            except ValueError as exc:  # refused payload, bad pairs, unknown load_format
-                return False, str(exc)
+            except PAYLOAD_ERRORS as exc:  # refused payload, bad pairs or metadata, unknown load_format
+                return False, _payload_error(exc)
 
         ok, message = await asyncio.to_thread(load)
         return _reply(ok, message)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        unknown.note("/init_weights_update_group", req)
         ok, message = await asyncio.to_thread(
             engine.init_weights_update_group, req.master_address, req.master_port, req.rank_offset,
             req.world_size, req.group_name, req.backend)
@@ -67,10 +82,16 @@ def add_control_routes(app: FastAPI, engine: Any) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        unknown.note("/update_weights_from_distributed", req)
         _abort_all_first(engine, req)
         ok, message = await asyncio.to_thread(
             engine.update_weights_from_distributed, req.names, req.dtypes, req.shapes, req.group_name,
             req.flush_cache, req.weight_version, req.load_format)
+        return _reply(ok, message)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
+        ok, message = await asyncio.to_thread(engine.destroy_weights_update_group, req.group_name)
         return _reply(ok, message)
 
     @app.post("/update_weight_version")
@@ -84,6 +105,14 @@ def _abort_all_first(engine: Any, req: Any) -> None:
     """SGLang's abort_all_requests: queued ahead of the update on the core's inbox."""
     if req.abort_all_requests:
         engine.abort_request(abort_all=True)
+
+
+def _payload_error(exc: Exception) -> str:
+    if isinstance(exc, ValueError):
+        return str(exc)
+    if isinstance(exc, RecursionError):
+        return "the payload is nested too deeply to decode"
+    return f"the payload could not be decoded ({type(exc).__name__}: {exc}); send what weight_sync.cuda_ipc.serialize makes"
 
 
 def _reply(ok: bool, message: str, **extra: Any) -> JSONResponse:

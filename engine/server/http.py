@@ -1,102 +1,55 @@
 """The HTTP server: SGLang's native routes plus the OpenAI-compatible ones, over one Engine.
 
-Bad input comes back as 400 with SGLang's error body and the engine keeps serving. With an
-api key set, every route but /health needs `Authorization: Bearer <key>`.
+Bad input comes back as 400 with SGLang's error body and the engine keeps serving. Unknown
+request fields are ignored, as SGLang does. Keys (engine/server/access.py): `api_key` guards
+generation and info routes, `admin_api_key` the control routes; /health stays open. Bodies are
+size-limited (engine/server/body_limit.py). `tandem serve` (engine/cli/serve.py) runs it.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import hmac
-import json
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from engine.server.access import AccessMiddleware, AccessPolicy
+from engine.server.body_limit import BodyLimitMiddleware
 from engine.server.control_routes import add_control_routes
-from engine.server.metrics import metrics_text
+from engine.server.disconnect import ClientGone
+from engine.server.errors import error_response
+from engine.server.generate_routes import add_generate_routes
+from engine.server.info_routes import add_info_routes
+from engine.server.maintenance_routes import add_maintenance_routes
 from engine.server.openai import OpenAIServing
-from engine.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from engine.server.protocol import UnknownFields
+from engine.server.served_model import ServedModel
 
 logger = logging.getLogger("tandem")
-OPEN_ROUTES = {"/health", "/health_generate"}
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs show why
 
 
-def error_response(message: str, code: int = 400) -> JSONResponse:
-    kind = "Bad Request" if code == 400 else "Unauthorized" if code == 401 else "Error"
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": code}
-    return JSONResponse(body, status_code=code)
-
-
-def create_app(engine: Any, api_key: Optional[str] = None) -> FastAPI:
+def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Optional[str] = None) -> FastAPI:
     app = FastAPI(title="tandem")
-    model_name = engine.server_args.model_path
-    openai = OpenAIServing(engine, model_name)
-    _install_error_handlers(app, api_key)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/model_info")
-    async def model_info() -> dict:
-        return {"model_path": model_name, "tokenizer_path": engine.server_args.tokenizer_path or model_name,
-                "is_generation": True, "weight_version": await asyncio.to_thread(engine.get_weight_version)}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await asyncio.to_thread(metrics_text, engine), media_type="text/plain; version=0.0.4")
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest) -> Any:
-        kwargs = req.model_dump(exclude={"text", "stream"}) | {"prompt": req.text}
-        if req.stream:
-            stream = engine.async_generate(**kwargs, stream=True)
-            return StreamingResponse(_sse(stream), media_type="text/event-stream")
-        return await engine.async_generate(**kwargs)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        if req.stream:
-            return StreamingResponse(openai.completion_stream(req), media_type="text/event-stream")
-        return await openai.completion(req)
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Any:
-        if req.stream:
-            return StreamingResponse(openai.chat_stream(req), media_type="text/event-stream")
-        return await openai.chat(req)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "tandem"}]}
-
-    @app.post("/flush_cache")
-    async def flush_cache() -> Response:
-        ok = engine.flush_cache()
-        msg = "Cache flushed." if ok else "Cache not flushed: requests are running."
-        return Response(msg, status_code=200 if ok else 400)
-
-    @app.post("/abort_request")
-    async def abort_request(req: AbortRequest) -> Response:
-        engine.abort_request(req.rid or None, abort_all=req.abort_all)
-        return Response(status_code=200)
-
-    add_control_routes(app, engine)
+    served = ServedModel.of(engine)
+    unknown = UnknownFields()
+    _install_error_handlers(app)
+    add_info_routes(app, engine, served)
+    add_generate_routes(app, engine, OpenAIServing(engine, served.name), unknown)
+    add_control_routes(app, engine, served, unknown)
+    add_maintenance_routes(app, engine, unknown)
+    args = engine.server_args
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes,
+                       max_generate_bytes=args.max_generate_body_bytes)
+    app.add_middleware(AccessMiddleware, policy=AccessPolicy(api_key, admin_api_key))  # outermost
     return app
 
 
-async def _sse(stream: AsyncIterator[dict]) -> AsyncIterator[str]:
-    async for chunk in stream:
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"
+def _install_error_handlers(app: FastAPI) -> None:
+    from engine.api.core_client import CoreDead
 
-
-def _install_error_handlers(app: FastAPI, api_key: Optional[str]) -> None:
     @app.exception_handler(ValueError)
     async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc))
@@ -106,29 +59,11 @@ def _install_error_handlers(app: FastAPI, api_key: Optional[str]) -> None:
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
         return error_response("; ".join(parts) or "invalid request")
 
-    if api_key is None:
-        return
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, _: ClientGone) -> Response:
+        logger.info("%s: the client left; its requests were aborted", request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
-        if request.url.path not in OPEN_ROUTES:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given, f"Bearer {api_key}"):
-                return error_response("missing or wrong api key (Authorization: Bearer <key>)", 401)
-        return await call_next(request)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from engine import Engine
-    from engine.cli.server_args import server_args_from_namespace
-
-    engine = Engine(**server_args_from_namespace(args))
-    app = create_app(engine, api_key=engine.server_args.api_key)
-    logger.info("serving on http://%s:%d", engine.server_args.host, engine.server_args.port)
-    try:
-        uvicorn.run(app, host=engine.server_args.host, port=engine.server_args.port, log_level="warning")
-    finally:
-        engine.shutdown()
-    return 0
+    @app.exception_handler(CoreDead)
+    async def on_core_dead(_: Request, exc: CoreDead) -> JSONResponse:
+        return error_response(f"the engine is not running: {exc}", 503)

@@ -1,97 +1,156 @@
-"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of Engine.async_generate."""
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of Engine.async_generate.
+
+`submit_*` validates and submits (a bad request raises ValueError before any response starts,
+so a streamed request gets its 400 too); `*_response` shapes the final outputs; `*_events`
+turns the cumulative engine chunks into OpenAI SSE events. Choices are prompt-major:
+index = prompt * n + sample, as in SGLang.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
+from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, output_entries,
+                                           token_decoder)
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
 
 
 def _finish_reason(meta: dict) -> Optional[str]:
     reason = meta.get("finish_reason")
-    if reason is None:
-        return None
-    return {"length": "length", "stop": "stop", "abort": "abort"}.get(reason["type"], reason["type"])
+    return None if reason is None else reason["type"]
 
 
-def _usage(outs: list[dict]) -> dict:
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs) // max(len(outs), 1) if outs else 0
-    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+def usage(metas: list[dict], n: int) -> dict:
+    """Each prompt counted once (outputs are prompt-major, n per prompt)."""
+    prompt = sum(m["prompt_tokens"] for m in metas[::max(n, 1)])
+    completion = sum(m["completion_tokens"] for m in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _metadata(meta: dict) -> dict:
+    """SGLang 0.5.x's response metadata: the weights that produced choice 0."""
+    return {"weight_version": meta.get("weight_version"), "weight_versions": meta.get("weight_versions")}
 
 
 class OpenAIServing:
     def __init__(self, engine: Any, model_name: str):
         self.engine = engine
         self.model_name = model_name
+        self.decode = token_decoder(engine.tokenizer)
 
     # ---- completions ---------------------------------------------------------------------------
-    def _completion_inputs(self, req: CompletionRequest) -> dict:
+    def submit_completion(self, req: CompletionRequest) -> Any:
         prompt = req.prompt
         key = "input_ids" if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str) else "prompt"
-        return {key: prompt, "sampling_params": openai_sampling_params(req, req.max_tokens),
-                "return_logprob": req.logprobs is not None, "top_logprobs_num": req.logprobs or 0}
+        wants_logprobs = req.logprobs is not None
+        return self.engine.async_generate(
+            **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
+            return_logprob=wants_logprobs or req.echo, logprob_start_len=0 if req.echo and wants_logprobs else -1,
+            top_logprobs_num=req.logprobs or 0, stream=req.stream)
 
-    async def completion(self, req: CompletionRequest) -> dict:
-        outs = await self.engine.async_generate(**self._completion_inputs(req))
-        outs = outs if isinstance(outs, list) else [outs]
-        choices = [{"index": i, "text": o["text"], "finish_reason": _finish_reason(o["meta_info"]),
-                    "logprobs": self._completion_logprobs(o) if req.logprobs is not None else None}
-                   for i, o in enumerate(outs)]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": _usage(outs)}
-
-    def _completion_logprobs(self, out: dict) -> dict:
+    def _prompt_texts(self, req: CompletionRequest) -> list[str]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], str):
+            return list(prompt)
+        lists = [prompt] if prompt and isinstance(prompt[0], int) else prompt
         tok = self.engine.tokenizer
-        entries = out["meta_info"].get("output_token_logprobs", [])
-        tokens = [tok.decode([t]) if tok is not None else str(t) for _, t, _ in entries]
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries]}
+        return [tok.decode(ids) if tok is not None else "" for ids in lists]
 
-    async def completion_stream(self, req: CompletionRequest) -> AsyncIterator[str]:
-        chunks = self.engine.async_generate(**self._completion_inputs(req), stream=True)
-        async for line in self._stream(chunks, "cmpl", "text_completion", lambda delta: {"text": delta}):
-            yield line
+    def completion_response(self, req: CompletionRequest, outs: Any) -> dict:
+        outs = outs if isinstance(outs, list) else [outs]
+        prompts = self._prompt_texts(req) if req.echo else []
+        choices = []
+        for i, o in enumerate(outs):
+            meta, head = o["meta_info"], prompts[i // req.n] if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                entries, tops = echo_entries(meta) if req.echo else output_entries(meta)
+                logprobs = completion_logprobs(entries, tops, self.decode)
+            choices.append({"index": i, "text": head + o["text"], "logprobs": logprobs,
+                            "finish_reason": _finish_reason(meta), "matched_stop": None})
+        metas = [o["meta_info"] for o in outs]
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
+                "metadata": _metadata(metas[0])}
+
+    def completion_events(self, req: CompletionRequest, stream: Any) -> AsyncIterator[str]:
+        prompts = self._prompt_texts(req) if req.echo else []
+
+        def delta(index: int, text: str, meta: dict, sent_tokens: int, first: bool) -> dict:
+            head = prompts[index // req.n] if req.echo and first else ""
+            choice: dict = {"text": head + text}
+            if req.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(*output_entries(meta, sent_tokens), self.decode)
+            return choice
+
+        return self._events(stream, req, "cmpl", "text_completion", delta)
 
     # ---- chat ----------------------------------------------------------------------------------
-    def _chat_inputs(self, req: ChatCompletionRequest) -> dict:
+    def submit_chat(self, req: ChatCompletionRequest) -> Any:
         from engine.tokenizer import apply_chat_template
 
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
-        ids = apply_chat_template(tok, [m.model_dump() for m in req.messages])
+        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        ids = apply_chat_template(tok, messages)
         max_tokens = req.max_completion_tokens or req.max_tokens or 128
-        return {"input_ids": ids, "sampling_params": openai_sampling_params(req, max_tokens),
-                "return_logprob": req.logprobs, "top_logprobs_num": req.top_logprobs}
+        return self.engine.async_generate(
+            input_ids=ids, sampling_params=openai_sampling_params(req, max_tokens),
+            return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+            stream=req.stream)
 
-    async def chat(self, req: ChatCompletionRequest) -> dict:
-        outs = await self.engine.async_generate(**self._chat_inputs(req))
+    def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]
-        choices = [{"index": i, "message": {"role": "assistant", "content": o["text"]},
-                    "finish_reason": _finish_reason(o["meta_info"])} for i, o in enumerate(outs)]
+        choices = []
+        for i, o in enumerate(outs):
+            meta = o["meta_info"]
+            logprobs = chat_logprobs(*output_entries(meta), self.decode) if req.logprobs else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": o["text"]},
+                            "logprobs": logprobs, "finish_reason": _finish_reason(meta), "matched_stop": None})
+        metas = [o["meta_info"] for o in outs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": _usage(outs)}
+                "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
+                "metadata": _metadata(metas[0])}
 
-    async def chat_stream(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        chunks = self.engine.async_generate(**self._chat_inputs(req), stream=True)
-        as_delta = lambda delta: {"delta": {"role": "assistant", "content": delta}}  # noqa: E731
-        async for line in self._stream(chunks, "chatcmpl", "chat.completion.chunk", as_delta):
-            yield line
+    def chat_events(self, req: ChatCompletionRequest, stream: Any) -> AsyncIterator[str]:
+        def delta(index: int, text: str, meta: dict, sent_tokens: int, first: bool) -> dict:
+            message = {"role": "assistant", "content": text} if first else {"content": text}
+            choice: dict = {"delta": message}
+            if req.logprobs:
+                choice["logprobs"] = chat_logprobs(*output_entries(meta, sent_tokens), self.decode)
+            return choice
 
-    async def _stream(self, chunks: AsyncIterator[dict], prefix: str, kind: str, shape) -> AsyncIterator[str]:
-        """Cumulative engine chunks -> OpenAI SSE events carrying only the new text."""
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        sent: dict[int, int] = {}
+        return self._events(stream, req, "chatcmpl", "chat.completion.chunk", delta)
+
+    # ---- streaming -----------------------------------------------------------------------------
+    async def _events(self, chunks: Any, req: Any, prefix: str, kind: str,
+                      delta: Callable[[int, str, dict, int, bool], dict]) -> AsyncIterator[str]:
+        """Cumulative engine chunks -> one event per chunk with only what is new; then, with
+        stream_options.include_usage, a usage event with no choices; then [DONE]."""
+        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        sent_chars: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finals: dict[int, dict] = {}
         async for chunk in chunks:
-            index = chunk.get("index", 0)
-            delta = chunk["text"][sent.get(index, 0):]
-            sent[index] = len(chunk["text"])
-            choice = {"index": index, **shape(delta), "finish_reason": _finish_reason(chunk["meta_info"])}
-            yield _sse({"id": rid, "object": kind, "created": int(time.time()),
-                        "model": self.model_name, "choices": [choice]})
+            index, meta = chunk.get("index", 0), chunk["meta_info"]
+            first = index not in sent_chars
+            text = chunk["text"][sent_chars.get(index, 0):]
+            choice = {"index": index, **delta(index, text, meta, sent_tokens.get(index, 0), first),
+                      "finish_reason": _finish_reason(meta)}
+            sent_chars[index], sent_tokens[index] = len(chunk["text"]), len(chunk["output_ids"])
+            if choice["finish_reason"] is not None:
+                finals[index] = meta
+            yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]})
+        if req.include_usage:
+            metas = [finals[i] for i in sorted(finals)]
+            yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                        "usage": usage(metas, req.n)})
         yield "data: [DONE]\n\n"
 
 

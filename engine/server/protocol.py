@@ -1,42 +1,70 @@
 """Request bodies of the HTTP routes (pydantic), with SGLang's and OpenAI's field names.
 
+Unknown fields are accepted and ignored, as SGLang does (clients send fields of newer or forked
+versions: Miles' `return_routed_experts`, `selector`, ...); `UnknownFields` logs each name once.
 Sampling fields are checked by SamplingParams, not here, so the error messages are the same as
 for the in-process API.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+
+logger = logging.getLogger("tandem")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    """Unknown fields are kept aside (model_extra) so they can be logged, then ignored."""
+
+    model_config = ConfigDict(extra="allow")
 
 
-class GenerateRequest(_Strict):
+class UnknownFields:
+    """Logs each ignored field name once (per server), at debug level."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def note(self, route: str, req: BaseModel) -> None:
+        for name in (req.model_extra or {}):
+            if name not in self.seen:
+                self.seen.add(name)
+                logger.debug("%s: ignoring unknown field %r (not used by tandem)", route, name)
+
+
+class GenerateRequest(_Lenient):
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: Optional[int] = None
+    top_logprobs_num: Optional[int] = None
     logprob_distribution: Optional[str] = None
+    return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": self.sampling_params,
+                "return_logprob": self.return_logprob,
+                "logprob_start_len": -1 if self.logprob_start_len is None else self.logprob_start_len,
+                "top_logprobs_num": self.top_logprobs_num or 0,
+                "logprob_distribution": self.logprob_distribution, "rid": self.rid}
 
-class AbortRequest(_Strict):
+
+class AbortRequest(_Lenient):
     rid: str = ""
     abort_all: bool = False
 
 
-class PauseGenerationRequest(_Strict):
+class PauseGenerationRequest(_Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class UpdateWeightsFromDiskRequest(_Strict):
+class UpdateWeightsFromDiskRequest(_Lenient):
     model_path: str
     load_format: Optional[str] = None
     weight_version: Optional[str] = None
@@ -44,7 +72,7 @@ class UpdateWeightsFromDiskRequest(_Strict):
     abort_all_requests: bool = False
 
 
-class UpdateWeightsFromTensorRequest(_Strict):
+class UpdateWeightsFromTensorRequest(_Lenient):
     serialized_named_tensors: list[str]  # one per tensor-parallel rank (base64); one rank here
     load_format: Optional[str] = None
     flush_cache: bool = True
@@ -52,7 +80,7 @@ class UpdateWeightsFromTensorRequest(_Strict):
     weight_version: Optional[str] = None
 
 
-class InitWeightsUpdateGroupRequest(_Strict):
+class InitWeightsUpdateGroupRequest(_Lenient):
     master_address: str
     master_port: int
     rank_offset: int
@@ -61,7 +89,11 @@ class InitWeightsUpdateGroupRequest(_Strict):
     backend: str = "nccl"
 
 
-class UpdateWeightsFromDistributedRequest(_Strict):
+class DestroyWeightsUpdateGroupRequest(_Lenient):
+    group_name: str = "weight_update_group"
+
+
+class UpdateWeightsFromDistributedRequest(_Lenient):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -72,15 +104,30 @@ class UpdateWeightsFromDistributedRequest(_Strict):
     load_format: Optional[str] = None
 
 
-class UpdateWeightVersionRequest(_Strict):
+class UpdateWeightVersionRequest(_Lenient):
     new_version: str
     abort_all_requests: bool = True
 
 
-class _OpenAISampling(BaseModel):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+class GetWeightsByNameRequest(_Lenient):
+    name: str
+    truncate_size: int = 100
 
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+class StartProfileRequest(_Lenient):
+    output_dir: Optional[str] = None
+    num_steps: Optional[int] = None
+    activities: Optional[list[str]] = None
+    with_stack: Optional[bool] = None
+    record_shapes: Optional[bool] = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Lenient):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[str] = None
     temperature: float = 1.0
@@ -90,22 +137,41 @@ class _OpenAISampling(BaseModel):
     n: int = 1
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
+    stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int = 16
     logprobs: Optional[int] = None
+    echo: bool = False
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Optional[str]:
+        """OpenAI content parts [{"type": "text", "text": ...}] -> one string (text only)."""
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported; got type {part.get('type')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -113,7 +179,7 @@ class ChatCompletionRequest(_OpenAISampling):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: Optional[int] = None
 
 
 def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> dict:

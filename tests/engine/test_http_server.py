@@ -61,7 +61,7 @@ def test_openai_completion_and_chat(client):
 @pytest.mark.parametrize("body,needle", [
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 7}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
-    ({"input_ids": [1, 2], "unknown": 1}, "unknown"),
+    ({"input_ids": [1, 2], "sampling_params": {"unknown": 1}}, "unknown"),  # top-level ones are ignored
     ({"text": "hi", "input_ids": [1]}, "not both"),
 ])
 def test_bad_requests_get_400_and_server_keeps_serving(client, body, needle):

@@ -1,0 +1,111 @@
+"""Read-only routes: health, model and server info, weight version, loads, metrics, weights by
+name. Each answers from Engine API calls (run off the event loop when they wait on the core)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+import uuid
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.server.errors import error_response
+from engine.server.metrics import metrics_text
+from engine.server.protocol import GetWeightsByNameRequest
+from engine.server.served_model import ServedModel
+
+# keys slime's and Miles' launchers compare against what they asked for (one GPU, one engine)
+SINGLE_ENGINE_DEFAULTS = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1,
+                          "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1, "num_gpus": 1,
+                          "enable_memory_saver": False, "enable_return_routed_experts": False,
+                          "disaggregation_mode": "null", "encoder_only": False}
+
+
+def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
+    started = int(time.time())
+    timeout = engine.server_args.health_check_timeout
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """200 once a 1-token generation answers; 503 if the core is dead, hung or paused."""
+        return Response(status_code=200 if await _probe(engine, timeout) else 503)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {"model_path": served.model_path, "tokenizer_path": served.tokenizer_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": await asyncio.to_thread(engine.get_weight_version),
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "served_model_name": served.name}
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict:
+        return {"weight_version": await asyncio.to_thread(engine.get_weight_version)}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        info = await asyncio.to_thread(engine.get_server_info)
+        return {**SINGLE_ENGINE_DEFAULTS, **info, "model_path": served.model_path}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [served.card(started)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> Any:
+        if model_id != served.name:
+            body = {"message": f"The model '{model_id}' does not exist", "type": "invalid_request_error",
+                    "param": "model", "code": "model_not_found"}
+            return JSONResponse({"error": body}, status_code=404)
+        return served.card(started)
+
+    @app.get("/v1/loads")
+    async def loads() -> dict:
+        return _loads(await asyncio.to_thread(engine.get_stats))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await asyncio.to_thread(metrics_text, engine), media_type="text/plain; version=0.0.4")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(req: GetWeightsByNameRequest) -> Any:
+        try:
+            return await asyncio.to_thread(engine.get_weights_by_name, req.name, req.truncate_size)
+        except ValueError as exc:
+            return error_response(f"Get parameter by name failed: {exc}")
+
+
+async def _probe(engine: Any, timeout: float) -> bool:
+    if not engine.is_alive():
+        return False
+    rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+    stream = engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                                   rid=rid)
+    try:
+        out = await asyncio.wait_for(asyncio.ensure_future(stream), timeout)
+    except asyncio.TimeoutError:
+        engine.abort_request(rid)
+        return False
+    reason: Optional[dict] = out["meta_info"].get("finish_reason")
+    return reason is not None and reason.get("type") != "abort"
+
+
+def _loads(stats: Any) -> dict:
+    """SGLang's /v1/loads: one entry per data-parallel rank (one here). slime sums
+    num_total_reqs over `loads` until it reads 0 before a weight sync."""
+    running, waiting = stats.num_running_reqs, stats.num_waiting_reqs
+    load = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting, "num_used_tokens": stats.kv_tokens_used,
+            "max_total_num_tokens": stats.kv_tokens_total,
+            "token_usage": stats.kv_tokens_used / max(stats.kv_tokens_total, 1)}
+    return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "tandem",
+            "loads": [load], "aggregate": {k: load[k] for k in ("num_running_reqs", "num_waiting_reqs",
+                                                                 "num_total_reqs", "num_used_tokens")}}

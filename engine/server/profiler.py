@@ -1,0 +1,63 @@
+"""/start_profile and /stop_profile: a torch.profiler trace of the server process (the core's
+thread included; CPU always, CUDA when there is a GPU), written as a Chrome trace."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+ACTIVITIES = {"CPU": torch.profiler.ProfilerActivity.CPU, "GPU": torch.profiler.ProfilerActivity.CUDA,
+              "CUDA": torch.profiler.ProfilerActivity.CUDA}
+
+
+class Profiler:
+    def __init__(self) -> None:
+        self.profile: Optional[torch.profiler.profile] = None
+        self.output_dir = ""
+        self.last_trace: Optional[str] = None
+
+    @property
+    def running(self) -> bool:
+        return self.profile is not None
+
+    def start(self, output_dir: Optional[str] = None, activities: Optional[list[str]] = None,
+              with_stack: Optional[bool] = None, record_shapes: Optional[bool] = None) -> None:
+        if self.running:
+            raise ValueError("a profile is already running: POST /stop_profile first")
+        self.output_dir = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        os.makedirs(self.output_dir, exist_ok=True)
+        self.profile = torch.profiler.profile(activities=self._activities(activities),
+                                              with_stack=bool(with_stack), record_shapes=bool(record_shapes))
+        self.profile.start()
+
+    def stop(self) -> str:
+        """Stops and writes the trace; returns its path."""
+        if not self.running:
+            raise ValueError("no profile is running: POST /start_profile first")
+        profile, self.profile = self.profile, None
+        profile.stop()
+        path = os.path.join(self.output_dir, f"tandem-{int(time.time() * 1000)}.trace.json")
+        profile.export_chrome_trace(path)
+        self.last_trace = path
+        return path
+
+    async def stop_after_steps(self, engine: Any, num_steps: int, poll_s: float = 0.05) -> None:
+        """Stop once the core has run `num_steps` more forward passes (SGLang's num_steps)."""
+        start = (await asyncio.to_thread(engine.get_stats)).num_steps
+        while self.running and (await asyncio.to_thread(engine.get_stats)).num_steps < start + num_steps:
+            await asyncio.sleep(poll_s)
+        if self.running:
+            await asyncio.to_thread(self.stop)
+
+    @staticmethod
+    def _activities(names: Optional[list[str]]) -> list:
+        if not names:
+            return [ACTIVITIES["CPU"]] + ([ACTIVITIES["GPU"]] if torch.cuda.is_available() else [])
+        unknown = [n for n in names if n.upper() not in ACTIVITIES]
+        if unknown:
+            raise ValueError(f"unknown profiler activity {unknown[0]!r}; use CPU and/or GPU")
+        return sorted({ACTIVITIES[n.upper()] for n in names}, key=str)
