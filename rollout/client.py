@@ -13,6 +13,7 @@ on the CPU), so the sender must keep the tensors alive until the call returns, a
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional, Union
 
 Reply = tuple[bool, str]
@@ -32,7 +33,12 @@ class EngineClient:
         raise NotImplementedError
 
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """End request `rid` (SGLang matches it as a prefix: a group's samples too) or all."""
         raise NotImplementedError
+
+    async def async_abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """abort_request from an event loop (by default on a thread, so the loop keeps running)."""
+        await asyncio.to_thread(self.abort_request, rid, abort_all)
 
     def flush_cache(self) -> bool:
         raise NotImplementedError
@@ -107,6 +113,9 @@ class InProcessClient(EngineClient):
 
     def abort_request(self, rid=None, abort_all=False):
         self.engine.abort_request(rid, abort_all=abort_all)
+
+    async def async_abort_request(self, rid=None, abort_all=False):
+        self.engine.abort_request(rid, abort_all=abort_all)  # a message to the core: never blocks
 
     def flush_cache(self):
         return self.engine.flush_cache()

@@ -62,6 +62,11 @@ class HttpClient(EngineClient):
     def abort_request(self, rid=None, abort_all=False):
         self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
+    async def async_abort_request(self, rid=None, abort_all=False):
+        response = await self._async_client().post("/abort_request", json={"rid": rid or "", "abort_all": abort_all})
+        if response.status_code != 200:
+            raise RuntimeError(f"/abort_request failed with HTTP {response.status_code}: {_message(response)}")
+
     def flush_cache(self):
         return self._sync.post("/flush_cache").status_code == 200
 

@@ -5,8 +5,9 @@ samples share the prompt's KV through the radix cache). Prompts go to engines by
 first `route_prefix` tokens, so prompts sharing a prefix (a system prompt, a few-shot header) meet
 on one engine and compute it once. Over-sampling: with `keep_groups`, the first keep_groups
 prompts whose samples all finish are kept and the rest aborted, so a long tail does not hold up
-the step (dynamic sampling as slime and DAPO do it). Engines are anything with Engine's
-`async_generate` and `abort_request` (an in-process Engine here).
+the step (dynamic sampling as slime and DAPO do it). Engines are rollout.client EngineClients
+(in-process, HTTP or Ray engine actors, mixed as you like); an Engine is wrapped in an
+InProcessClient.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
+from rollout.client import EngineClient, as_client
 from rollout.types import Sample
 
 
@@ -25,7 +27,7 @@ class RolloutManager:
                  route_prefix: int = 64) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
-        self.engines = list(engines)
+        self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.reward_fn = reward_fn
         self.route_prefix = route_prefix
         self._batch_ids = itertools.count()
@@ -87,7 +89,7 @@ class RolloutManager:
         for t in pending:  # the long tail: abort it, then wait until each engine has let it go
             g, engine = tasks[t]
             for rid in [f"{batch}-{g}"] if n == 1 else [f"{batch}-{g}-{i}" for i in range(n)]:
-                engine.abort_request(rid)
+                await engine.async_abort_request(rid)
         if pending:
             await asyncio.wait(pending)
         return kept

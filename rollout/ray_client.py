@@ -49,6 +49,9 @@ class RayClient(EngineClient):
     def abort_request(self, rid=None, abort_all=False):
         self._get(self.actor.abort_request.remote(rid, abort_all))
 
+    async def async_abort_request(self, rid=None, abort_all=False):
+        await self.actor.abort_request.remote(rid, abort_all)
+
     def flush_cache(self):
         return self._get(self.actor.flush_cache.remote())
 
