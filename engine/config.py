@@ -6,8 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from engine.attention.registry import backend_names, deterministic_backends, get_backend_spec
+
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = backend_names()  # engine/attention/registry.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 LOGPROB_DISTRIBUTIONS = ("original", "processed")
@@ -64,9 +66,9 @@ class ServerArgs:
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.attention_backend == "flashinfer" and self.enable_deterministic_inference:
-            raise ValueError("attention_backend 'flashinfer' has no deterministic mode: "
-                             "deterministic inference needs the triton (GPU) or torch backend")
+            if self.enable_deterministic_inference and not get_backend_spec(self.attention_backend).supports_deterministic:
+                raise ValueError(f"attention_backend {self.attention_backend!r} has no deterministic mode: "
+                                 f"deterministic inference needs the {' or '.join(deterministic_backends())} backend")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking; got 0")
         for name in ("max_total_tokens", "max_running_requests", "context_length"):

@@ -25,14 +25,20 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.attention import torch_native, triton as triton_backend
 from engine.attention.base import AttentionBackend
 from engine.attention.deterministic import split_kv_attention
+from engine.attention.registry import default_backend, deterministic_backends, get_backend_spec
 from engine.attention.split_kv_plan import DEFAULT_CONFIGS, SplitKvPlan
 from engine.kernels.torch_backward import reference_grads
 
-KERNELS = ("torch", "triton")
-DEFAULT_SPLIT_SIZES = {"torch": torch_native.DEFAULT_SPLIT_SIZE, "triton": triton_backend.DEFAULT_SPLIT_SIZE}
+# The engine backends whose deterministic bits the trainer reproduces: every backend with a
+# deterministic mode (engine/attention/registry.py) needs a packed twin in PACKED_FORWARDS below.
+KERNELS = deterministic_backends()
+
+
+def default_split_size(kernel: str) -> int:
+    """The engine backend's deterministic split size (its class's default_split_size)."""
+    return get_backend_spec(kernel).load().default_split_size
 
 
 class PackedAttention(AttentionBackend):
@@ -47,28 +53,38 @@ class PackedAttention(AttentionBackend):
         self._split_size = split_size
 
     def kernel(self, device: torch.device) -> str:
-        return self.backend or ("triton" if device.type == "cuda" else "torch")
+        return self.backend or default_backend(device.type)
 
     def split_size(self, device: torch.device) -> int:
-        return self._split_size or DEFAULT_SPLIT_SIZES[self.kernel(device)]
+        return self._split_size or default_split_size(self.kernel(device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scaling: float, forward_batch: "PackedBatch") -> torch.Tensor:
-        if self.kernel(q.device) == "triton":
-            if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise RuntimeError("PackedAttention 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
-            meta = forward_batch.triton_metadata(self.split_size(q.device), q.device)
-            return _TritonAttention.apply(q, k, v, scaling, meta)
-        split = self.split_size(q.device)
-        outs = []
-        start = 0
-        for n in forward_batch.seq_lens_cpu:
-            end = start + n
-            positions = torch.arange(n, device=q.device)
-            outs.append(split_kv_attention(q[start:end], k[start:end], v[start:end], positions, scaling, split))
-            start = end
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.to(q.dtype)
+        kernel = self.kernel(q.device)
+        return PACKED_FORWARDS[kernel](q, k, v, scaling, self.split_size(q.device), forward_batch)
+
+
+def _torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, split: int,
+                   forward_batch: "PackedBatch") -> torch.Tensor:
+    """TorchNativeAttentionBackend's deterministic math, per sequence; differentiable as it is."""
+    outs = []
+    start = 0
+    for n in forward_batch.seq_lens_cpu:
+        end = start + n
+        positions = torch.arange(n, device=q.device)
+        outs.append(split_kv_attention(q[start:end], k[start:end], v[start:end], positions, scaling, split))
+        start = end
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.to(q.dtype)
+
+
+def _triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, split: int,
+                    forward_batch: "PackedBatch") -> torch.Tensor:
+    """TritonAttentionBackend's deterministic kernel; backward in float32 torch."""
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("PackedAttention 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+    meta = forward_batch.triton_metadata(split, q.device)
+    return _TritonAttention.apply(q, k, v, scaling, meta)
 
 
 @dataclass
@@ -144,3 +160,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
         outs.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scaling).transpose(0, 1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
+
+
+# engine backend -> the trainer's packed forward with the same bits (see KERNELS)
+PACKED_FORWARDS = {"torch": _torch_forward, "triton": _triton_forward}

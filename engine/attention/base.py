@@ -1,9 +1,13 @@
-"""Attention backends: one interface, registered by name, imported lazily."""
+"""AttentionBackend: the interface every attention backend implements.
+
+Backends are listed, with what they support, in engine/attention/registry.py (BackendSpec); that
+is where a new one is registered and how the runner creates one by name.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -29,43 +33,24 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    # Called by engine/runner/cuda_graph.py, only for backends whose BackendSpec says
+    # supports_cuda_graph: static buffers once, then a plan over them before capture and before
+    # every replay (in place, no host sync).
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int, num_heads: int,
+                              num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+        """Static metadata buffers for graphs of up to max_bs sequences of max_context_len tokens."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs "
+                                  "(its BackendSpec must say supports_cuda_graph=False)")
 
-_REGISTRY: dict[str, Callable[[], type[AttentionBackend]]] = {}
+    def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor,
+                                      seq_lens: torch.Tensor) -> None:
+        """Before capturing the graph of batch size bs: point the plan at the static buffers."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-
-def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) -> None:
-    _REGISTRY[name] = loader
-
-
-def create_attention_backend(name: str, **options: Any) -> AttentionBackend:
-    """options: backend settings such as deterministic=True (fixed KV splits, see DESIGN §4)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"attention_backend must be one of {sorted(_REGISTRY)}; got {name!r}")
-    return _REGISTRY[name]()(**options)
-
-
-def _load_torch_native() -> type[AttentionBackend]:
-    from engine.attention.torch_native import TorchNativeAttentionBackend
-
-    return TorchNativeAttentionBackend
-
-
-register_backend("torch", _load_torch_native)
-
-
-def _load_triton() -> type[AttentionBackend]:
-    from engine.attention.triton import TritonAttentionBackend
-
-    return TritonAttentionBackend
-
-
-register_backend("triton", _load_triton)
-
-
-def _load_flashinfer() -> type[AttentionBackend]:
-    from engine.attention.flashinfer import FlashInferAttentionBackend
-
-    return FlashInferAttentionBackend
-
-
-register_backend("flashinfer", _load_flashinfer)
+    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor,
+                                     seq_lens: torch.Tensor,
+                                     seq_lens_cpu: Optional[list[int]] = None) -> None:
+        """Before each replay: seq_lens [bs] on the device (padding rows included); seq_lens_cpu,
+        their host copy, for backends that plan on the host."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

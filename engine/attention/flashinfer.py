@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.attention.registry import get_backend_spec
 
 if TYPE_CHECKING:
     from engine.runner.forward_batch import ForwardBatch
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
 # float workspace shared by all wrappers: split-KV decode temporaries grow with batch x heads
 # (Qwen3-8B at bs 256 needed 160 MiB; 128 MiB, flashinfer's example size, overflowed)
 WORKSPACE_BYTES = 512 * 1024 * 1024
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer builds its attention kernels for
+SPEC = get_backend_spec("flashinfer")  # its dtypes and head sizes (those it builds kernels for)
+SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in SPEC.dtypes)
 INSTALL_HINT = ("attention_backend 'flashinfer' needs the flashinfer-python package (pip install "
                 "flashinfer-python; on the GPU machine, `source .devkit/install.sh`), or use "
                 "--attention-backend triton or torch")
@@ -214,20 +215,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
 
 def check_dtype(dtype: torch.dtype) -> None:
-    """Also called by core_setup before the model loads (flashinfer itself need not import)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"attention_backend 'flashinfer' supports float16 and bfloat16 only, got "
                          f"{dtype}: use --dtype bfloat16, or --attention-backend triton or torch")
-
-
-def check_model(dtype: torch.dtype, head_dim: int) -> None:
-    """core_setup's check before the model loads: flashinfer compiles its kernels only for some
-    head sizes, and another one fails deep inside its JIT at the first forward."""
-    check_dtype(dtype)
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"attention_backend 'flashinfer' supports head_dim "
-                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}, this model has {head_dim}: "
-                         "use --attention-backend triton or torch")
 
 
 def _check(dtype: torch.dtype, device: torch.device) -> None:

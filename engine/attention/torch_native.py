@@ -23,6 +23,8 @@ DEFAULT_SPLIT_SIZE = 64
 
 
 class TorchNativeAttentionBackend(AttentionBackend):
+    default_split_size = DEFAULT_SPLIT_SIZE  # read by the trainer's PackedAttention
+
     def __init__(self, deterministic: bool = False, split_size: int = DEFAULT_SPLIT_SIZE) -> None:
         if split_size < 1:
             raise ValueError(f"split_size must be positive, got {split_size}")

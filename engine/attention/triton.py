@@ -52,6 +52,8 @@ class _GraphState:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    default_split_size = DEFAULT_SPLIT_SIZE  # read by the trainer's PackedAttention
+
     def __init__(self, deterministic: bool = False, split_size: int = DEFAULT_SPLIT_SIZE,
                  num_sms: Optional[int] = None,
                  configs: Optional[dict[str, KernelConfig]] = None) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import AutoConfig
 
+from engine.attention.registry import BackendSpec, default_backend, get_backend_spec
 from engine.config import ServerArgs
 from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.chunk_cache import ChunkCache
@@ -25,7 +26,6 @@ from engine.runner.model_runner import ModelRunner, RunnerConfig
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("tandem")
-GRAPH_BACKENDS = ("triton", "flashinfer")  # attention backends with CUDA-graph decode
 
 
 @dataclass
@@ -50,13 +50,10 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     hf_config = AutoConfig.from_pretrained(args.model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+    backend = get_backend_spec(args.attention_backend or default_backend(device.type))
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    if backend == "flashinfer":  # fail before the model loads
-        from engine.attention.flashinfer import check_model
-
-        check_model(dtype, head_dim)
+    backend.check_model(str(dtype).removeprefix("torch."), head_dim, device.type)  # fail before the model loads
     deterministic = args.enable_deterministic_inference
     model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
@@ -70,7 +67,7 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args)
     eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
     vocab_size = int(hf_config.vocab_size)
-    runner_cfg = RunnerConfig(device, dtype, backend, eos, vocab_size,
+    runner_cfg = RunnerConfig(device, dtype, backend.name, eos, vocab_size,
                               cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend, memory),
                               deterministic=deterministic)
     runner = ModelRunner(runner_cfg, model, kv_pool, req_pool)
@@ -84,9 +81,9 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
                      lambda req: _make_detokenizer(tokenizer, req))
 
 
-def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: str, memory: MemoryPlan) -> int:
+def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: BackendSpec, memory: MemoryPlan) -> int:
     """Largest decode batch captured in a CUDA graph; 0 = no graphs."""
-    if device.type != "cuda" or backend not in GRAPH_BACKENDS or args.disable_cuda_graph:
+    if device.type != "cuda" or not backend.supports_cuda_graph or args.disable_cuda_graph:
         return 0
     # H200-class memory: decode large GRPO groups (32 prompts x 16 samples) in one graph; the
     # 51 graphs to bs 512 hold ~6 GB (each size keeps its own logits), which 80 GB GPUs lack

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from engine.attention.base import create_attention_backend
+from engine.attention.registry import create_attention_backend
 from engine.kernels import batch_invariant as bi
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d

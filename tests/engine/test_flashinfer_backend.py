@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from engine.attention.base import create_attention_backend
+from engine.attention.registry import create_attention_backend
 from engine.config import ServerArgs
 
 CPU = not torch.cuda.is_available()
