@@ -37,14 +37,15 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
         unknown.note("/start_profile", req)
         if req.num_steps is not None and req.num_steps <= 0:
             raise ValueError(f"num_steps must be positive, got {req.num_steps}")
-        profiler.start(req.output_dir, req.activities, req.with_stack, req.record_shapes)
+        start = (await asyncio.to_thread(engine.get_stats)).num_steps
+        await profiler.on_thread(profiler.start, req.output_dir, req.activities, req.with_stack, req.record_shapes)
         if req.num_steps:
-            task = asyncio.create_task(profiler.stop_after_steps(engine, req.num_steps))
+            task = asyncio.create_task(profiler.stop_after_steps(engine, start, req.num_steps))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         return PlainTextResponse("Start profiling.\n")
 
     @app.post("/stop_profile")
     async def stop_profile() -> Response:
-        path = await asyncio.to_thread(profiler.stop)
+        path = await profiler.on_thread(profiler.stop)
         return PlainTextResponse(f"Stop profiling. This will take some time.\nTrace: {path}\n")

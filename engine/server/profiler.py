@@ -1,11 +1,15 @@
 """/start_profile and /stop_profile: a torch.profiler trace of the server process (the core's
-thread included; CPU always, CUDA when there is a GPU), written as a Chrome trace."""
+thread included; CPU always, CUDA when there is a GPU), written as a Chrome trace.
+
+Kineto wants start and stop on one thread, so both run on this profiler's own worker thread
+(which also keeps the trace export off the event loop)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
@@ -19,6 +23,10 @@ class Profiler:
         self.profile: Optional[torch.profiler.profile] = None
         self.output_dir = ""
         self.last_trace: Optional[str] = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-profiler")
+
+    async def on_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     @property
     def running(self) -> bool:
@@ -31,7 +39,8 @@ class Profiler:
         self.output_dir = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
         os.makedirs(self.output_dir, exist_ok=True)
         self.profile = torch.profiler.profile(activities=self._activities(activities),
-                                              with_stack=bool(with_stack), record_shapes=bool(record_shapes))
+                                              with_stack=bool(with_stack), record_shapes=bool(record_shapes),
+                                              experimental_config=_all_threads())
         self.profile.start()
 
     def stop(self) -> str:
@@ -45,13 +54,12 @@ class Profiler:
         self.last_trace = path
         return path
 
-    async def stop_after_steps(self, engine: Any, num_steps: int, poll_s: float = 0.05) -> None:
-        """Stop once the core has run `num_steps` more forward passes (SGLang's num_steps)."""
-        start = (await asyncio.to_thread(engine.get_stats)).num_steps
+    async def stop_after_steps(self, engine: Any, start: int, num_steps: int, poll_s: float = 0.05) -> None:
+        """Stop once the core has run `num_steps` forward passes after step `start` (SGLang's num_steps)."""
         while self.running and (await asyncio.to_thread(engine.get_stats)).num_steps < start + num_steps:
             await asyncio.sleep(poll_s)
         if self.running:
-            await asyncio.to_thread(self.stop)
+            await self.on_thread(self.stop)
 
     @staticmethod
     def _activities(names: Optional[list[str]]) -> list:
@@ -61,3 +69,11 @@ class Profiler:
         if unknown:
             raise ValueError(f"unknown profiler activity {unknown[0]!r}; use CPU and/or GPU")
         return sorted({ACTIVITIES[n.upper()] for n in names}, key=str)
+
+
+def _all_threads() -> Any:
+    """The core runs on its own thread: without this only the caller's thread is traced."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # an older torch: this thread only
+        return None
