@@ -1,0 +1,201 @@
+"""SGLang drop-in: the bodies slime, Miles and SGLang's own tests send, and the reply fields they
+read (shared/reference/sglang-rl-api.md, addendum A1-A4)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from engine.server.http import create_app
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+def slime_body(input_ids: list[int]) -> dict:
+    """slime's rollout /generate body (slime/rollout/sglang_rollout.py)."""
+    return {"input_ids": input_ids, "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 4,
+                                "stop": None, "stop_token_ids": None, "skip_special_tokens": False,
+                                "no_stop_trim": True, "spaces_between_special_tokens": False,
+                                "ignore_eos": True}}
+
+
+def test_slime_generate_body_matches_in_process_api(client, engine):
+    resp = client.post("/generate", json=slime_body([5, 6, 7, 8]))
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    direct = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, return_logprob=True)
+    assert out["output_ids"] == direct["output_ids"]
+    assert [tok for _, tok, _ in out["meta_info"]["output_token_logprobs"]] == direct["output_ids"]
+    assert out["meta_info"]["weight_version"] == "default"
+
+
+def test_unknown_fields_are_ignored_and_logged_once(client, engine, caplog):
+    miles = {**slime_body([5, 6, 7, 8]), "return_routed_experts": False, "return_indexer_topk": False,
+             "routed_dp_rank": None, "extra_key": None, "some_future_field": {"x": 1}}
+    with caplog.at_level(logging.DEBUG, logger="tandem"):
+        first = client.post("/generate", json=miles)
+        second = client.post("/generate", json=miles)
+    assert first.status_code == second.status_code == 200, first.text
+    assert first.json()["output_ids"] == second.json()["output_ids"]
+    logged = [r.getMessage() for r in caplog.records if "some_future_field" in r.getMessage()]
+    assert len(logged) == 1 and "ignoring unknown field" in logged[0]
+    # Miles' weight-sync bodies carry `selector`
+    paused = client.post("/pause_generation", json={"mode": "retract", "selector": "all"})
+    assert paused.status_code == 200
+    assert client.post("/continue_generation", json={"selector": "all"}).status_code == 200
+
+
+def test_return_text_in_logprobs_and_input_logprobs(client, engine):
+    body = {"input_ids": [5, 6, 7], "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0,
+            "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    meta = client.post("/generate", json=body).json()["meta_info"]
+    tok = engine.tokenizer
+    assert [e[2] for e in meta["output_token_logprobs"]] == [tok.decode([e[1]]) for e in meta["output_token_logprobs"]]
+    assert meta["input_token_logprobs"][0][0] is None and [e[1] for e in meta["input_token_logprobs"]] == [5, 6, 7]
+    for pos in meta["output_top_logprobs"]:
+        assert len(pos) == 2 and all(isinstance(e[2], str) for e in pos)
+    # greedy: the chosen token is the top-1 entry, bit for bit (SGLang's run_logprob_check)
+    assert [pos[0] for pos in meta["output_top_logprobs"]] == meta["output_token_logprobs"]
+
+
+def test_flush_cache_get_and_post(client):
+    for method in ("GET", "POST"):
+        resp = client.request(method, "/flush_cache")
+        assert resp.status_code == 200 and resp.text.startswith("Cache flushed.")
+
+
+def test_info_routes(client, engine, tiny_model_dir):
+    info = client.get("/get_model_info").json()
+    assert info == client.get("/model_info").json()
+    assert info["model_path"] == tiny_model_dir and info["weight_version"] == "default"
+    assert client.get("/get_weight_version").json() == {"weight_version": "default"}
+    server = client.get("/get_server_info").json()
+    assert set(server) == set(client.get("/server_info").json())
+    # slime's and Miles' launchers compare these with what they asked for
+    assert server["enable_memory_saver"] is False and server["tp_size"] == 1 and server["dp_size"] == 1
+    assert server["context_len"] == engine.info.context_len and server["dtype"] == "float32"
+    assert server["api_key"] is None and "admin_api_key" in server
+
+
+def test_v1_models_and_card(client, engine, tiny_model_dir):
+    models = client.get("/v1/models").json()
+    card = models["data"][0]
+    assert card["id"] == tiny_model_dir and card["max_model_len"] == engine.info.context_len
+    assert client.get(f"/v1/models/{tiny_model_dir}").json() == card
+    missing = client.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_v1_loads_counts_requests(engine_factory):
+    """slime's abort_servers_until_idle sums num_total_reqs over `loads`."""
+    eng = engine_factory()
+    with TestClient(create_app(eng)) as c:
+        assert c.get("/v1/loads").json()["loads"][0]["num_total_reqs"] == 0
+        c.post("/pause_generation", json={"mode": "retract"})
+        worker = threading.Thread(target=eng.generate, kwargs={"input_ids": [[5, 6]] * 3, "sampling_params": GREEDY})
+        worker.start()
+        deadline = time.monotonic() + 10
+        while eng.get_stats().num_waiting_reqs < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        busy = c.get("/v1/loads").json()["loads"][0]
+        assert busy["num_waiting_reqs"] == 3 and busy["num_total_reqs"] == 3
+        c.post("/continue_generation")
+        worker.join(timeout=30)
+        assert c.get("/v1/loads").json()["loads"][0]["num_total_reqs"] == 0
+
+
+def test_health_generate(engine_factory):
+    eng = engine_factory(health_check_timeout=0.5)
+    with TestClient(create_app(eng)) as c:
+        assert c.get("/health_generate").status_code == 200
+        c.post("/pause_generation", json={"mode": "retract"})
+        assert c.get("/health_generate").status_code == 503  # the probe waits behind the pause
+        c.post("/continue_generation")
+        assert c.get("/health_generate").status_code == 200
+        assert eng.get_stats().num_waiting_reqs == 0  # the timed-out probe was aborted
+        eng.shutdown()
+        assert c.get("/health").status_code == 503
+        assert c.get("/health_generate").status_code == 503
+
+
+def test_get_weights_by_name_reads_hf_names(client, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from engine.models.loader import safetensors_files
+
+    checkpoint = {k: v for path in safetensors_files(tiny_model_dir) for k, v in load_file(path).items()}
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                 "model.norm.weight", "model.embed_tokens.weight"):
+        for method in ("GET", "POST"):  # SGLang's tests send a JSON body with GET
+            resp = client.request(method, "/get_weights_by_name", json={"name": name, "truncate_size": 3})
+            assert resp.status_code == 200, resp.text
+            assert torch.tensor(resp.json()).equal(checkpoint[name][:3].float())
+    assert len(client.post("/get_weights_by_name", json={"name": "model.norm.weight"}).json()) == min(
+        100, checkpoint["model.norm.weight"].shape[0])
+    missing = client.post("/get_weights_by_name", json={"name": "model.nope.weight"})
+    assert missing.status_code == 400 and "model.nope.weight" in missing.json()["message"]
+
+
+def test_weights_checksum_tracks_updates(engine_factory, other_model_dir, tiny_model_dir):
+    from engine import Engine
+    from engine.core.weight_queries import weights_checksum
+
+    a, b = engine_factory(), engine_factory()
+    assert a.get_weights_checksum() == b.get_weights_checksum()  # equal weights, equal hash
+    before = a.get_weights_checksum()
+    ok, message = a.update_weights_from_disk(other_model_dir)
+    assert ok, message
+    after = a.get_weights_checksum()
+    with Engine(model_path=other_model_dir, dtype="float32", device="cpu") as fresh:
+        assert after == fresh.get_weights_checksum() != before
+        oracle = weights_checksum(fresh.local_core.runner.model.named_parameters())  # white-box oracle
+    assert after == oracle and len(after) == 64
+
+
+def test_update_from_disk_updates_served_model_path(engine_factory, other_model_dir, tiny_model_dir):
+    eng = engine_factory()
+    with TestClient(create_app(eng)) as c:
+        resp = c.post("/update_weights_from_disk", json={"model_path": other_model_dir, "selector": "all"})
+        assert resp.status_code == 200 and resp.json()["success"], resp.text
+        assert c.get("/model_info").json()["model_path"] == other_model_dir
+        assert c.get("/get_server_info").json()["model_path"] == other_model_dir
+        assert c.get("/v1/models").json()["data"][0]["id"] == tiny_model_dir  # the served name stays
+
+
+def test_destroy_weights_update_group(client):
+    resp = client.post("/destroy_weights_update_group", json={"group_name": "never-made"})
+    assert resp.status_code == 400 and resp.json()["success"] is False and "never-made" in resp.json()["message"]
+
+
+def test_profile_writes_a_trace_with_the_core_ops(tmp_path, engine_factory):
+    eng = engine_factory()
+    with TestClient(create_app(eng)) as c:
+        assert c.post("/start_profile", json={"output_dir": str(tmp_path)}).text == "Start profiling.\n"
+        assert c.post("/start_profile", json={"output_dir": str(tmp_path)}).status_code == 400  # one at a time
+        c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY})
+        stop = c.post("/stop_profile")
+        assert stop.status_code == 200 and stop.text.startswith("Stop profiling.")
+        trace = json.loads((tmp_path / stop.text.split("Trace: ")[1].strip()).read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert "aten::mm" in names or "aten::addmm" in names  # the core thread's matmuls are in it
+        assert c.post("/stop_profile").status_code == 400
+        # num_steps: stops by itself after that many forward passes
+        c.post("/start_profile", json={"output_dir": str(tmp_path / "steps"), "num_steps": 2})
+        c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY})
+        deadline = time.monotonic() + 10
+        while not list((tmp_path / "steps").glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list((tmp_path / "steps").glob("*.json"))) == 1
+        assert c.post("/stop_profile").status_code == 400  # already stopped
+
+
+@pytest.mark.parametrize("path", ["/health", "/get_model_info", "/v1/models", "/v1/loads", "/get_server_info"])
+def test_read_routes_answer_200(client, path):
+    assert client.get(path).status_code == 200
