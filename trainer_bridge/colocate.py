@@ -1,0 +1,113 @@
+"""The colocated step: engines lend their GPU memory to the trainer, then take the new weights.
+
+engine release (weights, KV cache, CUDA graphs) -> train step in the freed memory -> engine
+resumes weights and CUDA graphs -> push the new weights (trainer_bridge.sync.push_weights) ->
+engine resumes its KV cache -> generation continues. Weights come back before the KV so the new
+weights land while the KV pool is still away (old weights, new weights and KV are never resident
+together: the OOM at wake users of other stacks report). Engines are rollout.client EngineClients
+(in process, HTTP, Ray actors); several are released, resumed and pushed to concurrently.
+
+An engine is never left released: if the train step or the push fails, every engine still gets
+its memory back (its weights then are whatever the release kept, so push before generating) and
+the error is raised.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+import torch
+
+from trainer_bridge.sync import push_weights
+
+T = TypeVar("T")
+WEIGHT_TAGS = ["weights", "cuda_graph"]  # back before the push: the push writes into the weights
+KV_TAGS = ["kv_cache"]  # back last
+
+
+class ColocateError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ColocatePhases:
+    """Seconds spent in each phase of one colocated step (slowest engine where several)."""
+    release: float
+    train: float
+    resume_weights: float
+    push: float
+    resume_kv: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    transport: str = "tensor"  # trainer_bridge.sync.TRANSPORTS; "tensor" is CUDA IPC on a GPU
+    pause_mode: str = "retract"
+    bucket_bytes: int = 512 << 20
+
+
+def colocated_step(engines: Sequence[Any], train_step: Callable[[], T],
+                   named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], weight_version: str,
+                   push: PushConfig = PushConfig()) -> tuple[T, ColocatePhases]:
+    """-> (train_step's result, the phase times). named_tensors is called once, after the train
+    step, and its tensors are pushed to every engine."""
+    if not engines:
+        raise ValueError("colocated_step needs at least one engine")
+    clock = _Clock()
+    resumed: list[str] = []
+    try:
+        with clock("release"):
+            _on_all(engines, lambda e: _memory(e.release_memory_occupation, None, "release"))
+        with clock("train"):
+            result = train_step()
+        with clock("resume_weights"):
+            _on_all(engines, lambda e: _memory(e.resume_memory_occupation, WEIGHT_TAGS, "resume"))
+        resumed += WEIGHT_TAGS
+        named = list(named_tensors())
+        with clock("push"):
+            _on_all(engines, lambda e: push_weights(e, named, weight_version, push.transport, push.pause_mode,
+                                                    push.bucket_bytes))
+    finally:
+        missing = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in resumed]
+        with clock("resume_kv"):
+            _on_all(engines, lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
+    return result, ColocatePhases(**clock.seconds)
+
+
+def _memory(verb: Callable, tags: Any, what: str) -> None:
+    ok, message = verb(tags)
+    if not ok:
+        raise ColocateError(f"engine refused to {what} memory {tags or 'all'}: {message}")
+
+
+def _on_all(engines: Sequence[Any], fn: Callable[[Any], Any]) -> None:
+    """fn on every engine at once; every engine gets its call even if one fails, then the first
+    failure is raised."""
+    if len(engines) == 1:
+        fn(engines[0])
+        return
+    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        futures = [pool.submit(fn, e) for e in engines]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.seconds = {"release": 0.0, "train": 0.0, "resume_weights": 0.0, "push": 0.0, "resume_kv": 0.0}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
