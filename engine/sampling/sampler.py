@@ -131,8 +131,11 @@ def _truncation_mask(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             ranks = torch.arange(x.shape[-1], device=x.device).unsqueeze(0)
             sorted_drop |= ranks >= batch.top_ks.unsqueeze(1)
         if batch.need_top_p:
+            # rows with top_p = 1 keep everything: their float32 cumsum can pass 1.0 in the tail,
+            # which would cut tokens only when a neighbour's top_p < 1 switches this step on
             mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            sorted_drop |= mass_before > batch.top_ps.unsqueeze(1)
+            cuts = (batch.top_ps < 1.0).unsqueeze(1)
+            sorted_drop |= (mass_before > batch.top_ps.unsqueeze(1)) & cuts
         drop = drop.scatter(1, order, sorted_drop)
     if batch.need_min_p:
         threshold = probs.max(dim=-1, keepdim=True).values * batch.min_ps.unsqueeze(1)

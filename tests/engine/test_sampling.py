@@ -202,6 +202,26 @@ def test_batch_independence(device):
     assert torch.equal(eager.next_token_ids, full.next_token_ids)  # compiled noise on CUDA
 
 
+def test_a_row_without_top_p_is_never_cut_when_a_neighbour_uses_it():
+    """float32 cumsum of a sorted softmax passes 1.0 in the tail (on every x86 capability), so a
+    top_p = 1 row must be exempt from the top-p cut rather than compared against 1.0; otherwise
+    its processed logprob depends on whether another row switched top-p on (issue 14, item 9)."""
+    from engine.sampling.sampler import _truncation_mask
+
+    torch.manual_seed(1)
+    vocab = 1000
+    logits = torch.randn(16, vocab) * 3
+    rows = [SamplingParams(temperature=0.7)] + [SamplingParams(temperature=0.7, top_p=0.9)] * 15
+    batch = _batch(rows, vocab=vocab)
+    x = logits / batch.temperatures
+    assert not _truncation_mask(x, batch)[0].any()
+    assert _truncation_mask(x, batch)[1:].any(dim=-1).all()  # the top_p rows are cut
+    alone = Sampler().sample(logits[:1], _batch(rows[:1], vocab=vocab))
+    together = Sampler().sample(logits, batch)
+    for a, b in zip(alone, together):
+        assert torch.equal(a[0], b[0])
+
+
 def test_seeded_sampling_repeats_and_varies():
     torch.manual_seed(2)
     logits = torch.randn(1, 5000).expand(64, -1).contiguous()
