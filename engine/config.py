@@ -28,6 +28,8 @@ class ServerArgs:
     mem_fraction_static: Optional[float] = None
     max_total_tokens: Optional[int] = None
     max_running_requests: Optional[int] = None
+    enable_memory_saver: bool = False  # weights/KV in torch-memory-saver regions (release_memory_occupation)
+    enable_weights_cpu_backup: bool = False  # keep a host copy of released weights (else the next update rewrites them)
     # scheduling
     chunked_prefill_size: Optional[int] = None  # None: chosen by device; -1: no chunking
     max_prefill_tokens: int = 16384

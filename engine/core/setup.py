@@ -22,6 +22,7 @@ from engine.kv.radix_cache import RadixCache
 from engine.models.loader import load_model, resolve_dtype
 from engine.scheduler.request import Req
 from engine.runner.memory import MemoryPlan, plan_memory
+from engine.runner.memory_saver import MemorySaver
 from engine.runner.model_runner import ModelRunner, RunnerConfig
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -55,10 +56,13 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     backend.check_model(str(dtype).removeprefix("torch."), head_dim, device.type)  # fail before the model loads
     deterministic = args.enable_deterministic_inference
-    model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
+    saver = MemorySaver(args.enable_memory_saver, device, weights_cpu_backup=args.enable_weights_cpu_backup)
+    with saver.region("weights"):  # release_memory_occupation frees these regions (runner/memory_saver.py)
+        model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
     memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len)
-    kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+    with saver.region("kv_cache"):
+        kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
     # +1 row: the chunked request holds a row while it is neither running nor waiting
     req_pool = ReqToTokenPool(memory.max_running_requests + 1, context_len + 1, "cpu")
     allocator = TokenSlotAllocator(memory.max_total_num_tokens)
@@ -70,7 +74,7 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     runner_cfg = RunnerConfig(device, dtype, backend.name, eos, vocab_size,
                               cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend, memory),
                               deterministic=deterministic)
-    runner = ModelRunner(runner_cfg, model, kv_pool, req_pool)
+    runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver)
     logger.info(
         "tandem ready: model=%s device=%s dtype=%s max_total_num_tokens=%d chunked_prefill_size=%s "
         "max_running_requests=%d context_len=%d available_mem=%.2f GB",

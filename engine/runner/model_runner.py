@@ -6,6 +6,7 @@ ForwardBatch, runs the model, samples, and computes the logprobs the requests as
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +19,7 @@ from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
 from engine.runner.forward_batch import ForwardBatch
 from engine.runner.logits_plan import LogitsPlan
+from engine.runner.memory_saver import MemorySaver
 from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
@@ -39,7 +41,8 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, model: torch.nn.Module, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool):
+    def __init__(self, config: RunnerConfig, model: torch.nn.Module, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
+                 memory_saver: Optional[MemorySaver] = None):
         self.config = config
         self.device = config.device
         self.model = model
@@ -52,12 +55,8 @@ class ModelRunner:
         # with just the entries each batch touches.
         host_table = req_to_token_pool.req_to_token
         self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
-        self.cuda_graph = None
-        if config.cuda_graph_max_bs > 0:
-            from engine.runner.cuda_graph import CudaGraphRunner
-
-            self.cuda_graph = CudaGraphRunner(model, self.attn_backend, kv_pool, self.req_to_token,
-                                              self.device, config.cuda_graph_max_bs)
+        self.memory_saver = memory_saver or MemorySaver(False, self.device)
+        self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
         self.sampler.warmup(self.device, config.vocab_size)
 
     @torch.inference_mode()
@@ -158,6 +157,54 @@ class ModelRunner:
             prompt_ids=req.origin_input_ids, output_ids=req.output_ids, suppress_ids=suppress,
         )
 
+    # ---- colocated memory (engine/runner/memory_saver.py) --------------------------------------
+    def release_memory(self, tags: list[str]) -> None:
+        """Free the GPU memory of `tags`. The core has drained the launched batch (and, for
+        kv_cache, retracted every request and flushed the cache) and runs nothing until resumed."""
+        saver = self.memory_saver
+        if not saver.enabled:
+            logger.info("release_memory_occupation(%s): nothing freed (%s)", ",".join(tags), self._why_no_op())
+            saver.paused.update(tags)
+            return
+        torch.cuda.synchronize(self.device)
+        if "cuda_graph" in tags and self.cuda_graph is not None:
+            self.cuda_graph = None  # the graphs, their memory pool and static buffers
+        for tag in tags:
+            saver.pause(tag)
+        gc.collect()
+        torch.cuda.empty_cache()  # graph pools and cached activations back to the driver
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Bring `tags` back (weights and KV at their old addresses). Graphs are captured again
+        once weights and KV are both resident (capture runs the model)."""
+        saver = self.memory_saver
+        if not saver.enabled:
+            logger.info("resume_memory_occupation(%s): nothing to restore (%s)", ",".join(tags), self._why_no_op())
+            saver.paused.difference_update(tags)
+            return
+        for tag in ("weights", "kv_cache", "cuda_graph"):  # weights first, KV last (SGLang's order)
+            if tag in tags:
+                saver.resume(tag)
+        if "weights" in tags and not saver.weights_cpu_backup:
+            logger.info("weights resumed without a CPU backup: their values are undefined until the next "
+                        "weight update (update_weights_from_tensor / _disk / _distributed)")
+        if self._graphs_wanted() and self.cuda_graph is None and not saver.paused:
+            self.cuda_graph = self._capture_graphs()
+
+    def _graphs_wanted(self) -> bool:
+        return self.config.cuda_graph_max_bs > 0
+
+    def _capture_graphs(self):
+        from engine.runner.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner(self.model, self.attn_backend, self.kv_pool, self.req_to_token, self.device,
+                               self.config.cuda_graph_max_bs)
+
+    def _why_no_op(self) -> str:
+        if self.device.type != "cuda":
+            return f"a no-op on {self.device.type}"
+        return "the memory saver is off: start the engine with enable_memory_saver=True to free GPU memory"
+
 
 def _plain_greedy(req) -> bool:
     """Greedy with nothing that reshapes the logits: argmax of the raw logits, and the processed
@@ -165,17 +212,3 @@ def _plain_greedy(req) -> bool:
     p = req.sampling_params
     return (p.is_greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)
-
-    # ---- colocated memory (engine/runner/memory_saver.py does the GPU work) --------------------
-    def release_memory(self, tags: list[str]) -> None:
-        if self.device.type != "cuda":
-            logger.info("release_memory_occupation(%s): nothing to free on %s (a no-op off the GPU)",
-                        ",".join(tags), self.device.type)
-            return
-        raise NotImplementedError("GPU memory release is not built yet")
-
-    def resume_memory(self, tags: list[str]) -> None:
-        if self.device.type != "cuda":
-            logger.info("resume_memory_occupation(%s): nothing to restore on %s", ",".join(tags), self.device.type)
-            return
-        raise NotImplementedError("GPU memory resume is not built yet")

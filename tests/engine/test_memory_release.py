@@ -1,0 +1,99 @@
+"""release/resume_memory_occupation on the CPU (the API and the core's choreography; the GPU
+freeing is tests/gpu/test_memory_saver_gpu.py), and MemorySaver's bookkeeping over a stand-in
+for torch-memory-saver."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.runner.memory_saver import MemorySaver
+from tests.engine.conftest import random_prompts
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_requests_wait_while_released_and_weights_refuse_updates(engine_factory, other_model_dir):
+    eng = engine_factory(enable_memory_saver=True)  # no effect off the GPU, but accepted
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(4, 20), seed=3)
+    before = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert eng.release_memory_occupation() == (True, "released weights, kv_cache, cuda_graph")
+    assert sorted(eng.get_stats().memory_released) == ["cuda_graph", "kv_cache", "weights"]
+    ok, message = eng.update_weights_from_disk(other_model_dir)
+    assert not ok and "weights are released" in message
+    done: list = []
+    waiter = threading.Thread(target=lambda: done.append(eng.generate(input_ids=prompts, sampling_params=GREEDY)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not done  # queued, not run, while anything is released
+    assert eng.resume_memory_occupation(["weights"]) == (True, "resumed weights")
+    waiter.join(0.3)
+    assert waiter.is_alive()  # kv_cache and cuda_graph still released
+    eng.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    waiter.join(60)
+    assert [o["output_ids"] for o in done[0]] == before  # weights kept on the CPU: same tokens
+    assert sorted(eng.get_stats().memory_released) == []
+    eng.check_integrity()
+
+
+def test_unknown_tags_are_named(engine):
+    with pytest.raises(ValueError, match="unknown memory tag 'gpu'; tags are weights, kv_cache, cuda_graph"):
+        engine.release_memory_occupation(["gpu"])
+    assert list(engine.get_stats().memory_released) == []
+
+
+class _FakeSaver:
+    """Records what MemorySaver asks of torch-memory-saver."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def region(self, tag: str, enable_cpu_backup: bool):
+        import contextlib
+
+        self.calls.append(("region", tag, enable_cpu_backup))
+        return contextlib.nullcontext()
+
+    def pause(self, tag: str) -> None:
+        self.calls.append(("pause", tag))
+
+    def resume(self, tag: str) -> None:
+        self.calls.append(("resume", tag))
+
+
+def _saver(backup: bool) -> tuple[MemorySaver, _FakeSaver]:
+    saver = MemorySaver(False, torch.device("cpu"), weights_cpu_backup=backup)
+    fake = _FakeSaver()
+    saver.enabled, saver._tms = True, fake
+    return saver, fake
+
+
+def test_memory_saver_tags_are_per_engine_and_paused_once():
+    saver, fake = _saver(backup=True)
+    other, _ = _saver(backup=False)
+    with saver.region("weights"), saver.region("kv_cache"):
+        pass
+    suffix = saver._suffix
+    assert suffix != other._suffix
+    assert fake.calls == [("region", "weights" + suffix, True), ("region", "kv_cache" + suffix, False)]
+    with pytest.raises(ValueError, match="no memory region for tag 'cuda_graph'"):
+        saver.region("cuda_graph")
+    fake.calls.clear()
+    for tag in ("kv_cache", "kv_cache", "cuda_graph", "weights"):
+        saver.pause(tag)
+    assert saver.paused == {"kv_cache", "cuda_graph", "weights"}
+    saver.resume("weights")
+    saver.resume("weights")
+    assert fake.calls == [("pause", "kv_cache" + suffix), ("pause", "weights" + suffix), ("resume", "weights" + suffix)]
+    assert saver.paused == {"kv_cache", "cuda_graph"}
+
+
+def test_memory_saver_off_the_gpu_allocates_plainly():
+    saver = MemorySaver(True, torch.device("cpu"))
+    assert not saver.enabled
+    with saver.region("weights"):
+        t = torch.ones(3)
+    saver.pause("weights")
+    assert torch.equal(t, torch.ones(3)) and saver.paused == {"weights"}
