@@ -9,6 +9,9 @@ A new transport is one module here with a source and a sender, registered by nam
 
 from __future__ import annotations
 
+import importlib
+import os
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -38,16 +41,43 @@ class WeightSource:
 
 
 class WeightSender:
-    """Trainer side: `send` one bucket; the last bucket of an update flushes and sets the version."""
+    """Trainer side: `send` one bucket of (name, tensor) to an engine and return its (ok, message);
+    the last bucket of an update flushes and sets the version. `bucketed` False: the transport
+    takes the whole update at once (a checkpoint), in one send."""
     kind: ClassVar[str] = ""
+    bucketed: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.kind:
             SENDERS[cls.kind] = cls
 
+    @classmethod
+    def from_options(cls, **options: Any) -> "WeightSender":
+        """Built by name (trainer_bridge.sync.push_weights): take the options this transport needs."""
+        return cls()
+
     def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
         raise NotImplementedError
+
+
+def transports() -> tuple[str, ...]:
+    """Every sender's name. Senders register as their modules load; each module of this package
+    is imported here, so a new transport is a new module and nothing else."""
+    for module in pkgutil.iter_modules(_package_path()):
+        importlib.import_module(f"{__package__}.{module.name}")
+    return tuple(SENDERS)
+
+
+def sender_for(transport: str, **options: Any) -> WeightSender:
+    names = transports()
+    if transport not in SENDERS:
+        raise ValueError(f"transport must be one of {', '.join(names)}; got {transport!r}")
+    return SENDERS[transport].from_options(**options)
+
+
+def _package_path() -> list[str]:
+    return [os.path.dirname(__file__)]
 
 
 @dataclass

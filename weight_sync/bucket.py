@@ -9,9 +9,11 @@ mixed dtypes are fine; callers choose the bucket size (verl and slime use hundre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable, Optional
 
 import torch
+
+from weight_sync.base import WeightSender
 
 
 @dataclass(frozen=True)
@@ -94,3 +96,14 @@ def _numel(shape: Any) -> int:
 
 def _describe(x: Any) -> str:
     return f"{x.dtype} with shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+class TensorSender(WeightSender):
+    """Each bucket packed into one FlattenedBucket and handed to `update_weights_from_tensor`
+    (in process; an HTTP or Ray client sends the payload by reference, cuda_ipc)."""
+    kind: ClassVar[str] = "tensor"
+
+    def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
+        payload = FlattenedBucket.pack(bucket).to_payload()
+        return engine.update_weights_from_tensor(payload, load_format="flattened_bucket", flush_cache=flush_cache,
+                                                 weight_version=weight_version)

@@ -10,13 +10,14 @@ group of a process that also trains, or runs tensor parallelism, stays its own.
 from __future__ import annotations
 
 import datetime
+import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
 
-from weight_sync.base import LoadContext, WeightSource
+from weight_sync.base import LoadContext, WeightSender, WeightSource
 
 BACKENDS = ("nccl", "gloo")
 
@@ -101,3 +102,31 @@ class GroupSource(WeightSource):
         if bad is not None:
             raise ValueError(f"weight {bad!r} has a negative dimension; {out_of_step}")
         return specs
+
+
+class GroupSender(WeightSender):
+    """Trainer side: this process is rank 0 of `group`; per bucket, the engine's receive call
+    (`update_weights_from_distributed`, which blocks) runs beside the broadcasts it waits for."""
+    kind: ClassVar[str] = "distributed"
+
+    def __init__(self, group: WeightGroup, group_name: str = "weight_update_group") -> None:
+        self.group, self.group_name = group, group_name
+
+    @classmethod
+    def from_options(cls, group: Any = None, group_name: str = "weight_update_group", **_: Any) -> "GroupSender":
+        if group is None:
+            raise ValueError("transport 'distributed' needs group: this trainer's weight_sync.nccl.WeightGroup (rank 0)")
+        return cls(group, group_name)
+
+    def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
+        reply: list = []
+        names = [n for n, _ in bucket]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        receiver = threading.Thread(target=lambda: reply.append(engine.update_weights_from_distributed(
+            names, dtypes, shapes, self.group_name, flush_cache=flush_cache, weight_version=weight_version)))
+        receiver.start()
+        for _, t in bucket:
+            self.group.broadcast(t.contiguous(), src=0)
+        receiver.join()
+        return reply[0] if reply else (False, "the engine's receive call raised (see its log)")
