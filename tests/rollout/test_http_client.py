@@ -1,0 +1,111 @@
+"""HttpClient against tandem's HTTP server (uvicorn on a free port, over an in-process engine).
+
+Oracles: in-process engines started on each checkpoint (greedy tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.rollout.conftest import ENGINE_KWARGS, GREEDY, PROMPTS, greedy_ids
+
+
+@pytest.fixture(scope="module")
+def served(model_a):
+    """(HttpClient, the Engine behind it) for an engine on checkpoint A served on a free port."""
+    import uvicorn
+
+    from engine import Engine
+    from engine.server.http import create_app
+    from rollout.client import HttpClient
+
+    engine = Engine(model_path=model_a, **ENGINE_KWARGS)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    client = HttpClient(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    yield client, engine
+    client.close()
+    server.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def test_generate_by_ids_and_text_equals_the_engine(served, oracle_a):
+    client, engine = served
+    assert client.health() and client.get_weight_version() == "default"
+    assert greedy_ids(client) == greedy_ids(oracle_a)
+    out = client.generate(prompt="hello world", sampling_params=GREEDY, return_logprob=True)
+    assert out["output_ids"] == oracle_a.generate(prompt="hello world", sampling_params=GREEDY)["output_ids"]
+    assert len(out["meta_info"]["output_token_logprobs"]) == 8
+
+    async def concurrent() -> list:
+        return await asyncio.gather(*[client.async_generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS])
+
+    assert [o["output_ids"] for o in asyncio.run(concurrent())] == greedy_ids(oracle_a)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        client.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": -1})
+    with pytest.raises(ValueError, match="exactly one"):
+        client.generate(sampling_params=GREEDY)
+    engine.check_integrity()
+
+
+def test_requests_wait_while_paused_and_run_on_continue(served, oracle_a):
+    client, _ = served
+    client.pause_generation(mode="retract")
+    done: list = []
+    waiter = threading.Thread(target=lambda: done.append(client.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)))
+    try:
+        waiter.start()
+        waiter.join(0.5)
+        assert not done  # queued behind the pause
+        assert client.get_server_info()["internal_states"][0]["paused"]
+    finally:
+        client.continue_generation()
+    waiter.join(30)
+    assert done[0]["output_ids"] == greedy_ids(oracle_a)[0]
+
+
+def test_weight_updates_from_disk_and_shared_memory_set_the_version(served, model_a, model_b, oracle_a, oracle_b):
+    from safetensors.torch import load_file
+
+    client, engine = served
+    try:
+        ok, message = client.update_weights_from_disk(model_b, weight_version="disk-b")
+        assert ok, message
+        assert greedy_ids(client) == greedy_ids(oracle_b) and client.get_weight_version() == "disk-b"
+        named_a = list(load_file(f"{model_a}/model.safetensors").items())  # serialized to shared memory
+        ok, message = client.update_weights_from_tensor(named_a, weight_version="shm-a")
+        assert ok, message
+        assert greedy_ids(client) == greedy_ids(oracle_a) and client.get_weight_version() == "shm-a"
+        ok, message = client.update_weights_from_tensor([("model.nope.weight", torch.ones(2))], weight_version="x")
+        assert not ok and "unknown weight 'model.nope.weight'" in message
+        assert client.get_weight_version() == "shm-a" and greedy_ids(client) == greedy_ids(oracle_a)
+    finally:
+        client.update_weights_from_disk(model_a, weight_version="default")
+    engine.check_integrity()
+
+
+def test_abort_and_flush(served):
+    client, engine = served
+
+    async def aborted() -> dict:
+        task = asyncio.ensure_future(client.async_generate(input_ids=[5, 6, 7], rid="long-one",
+                                                           sampling_params={**GREEDY, "max_new_tokens": 100000}))
+        await asyncio.sleep(0.5)
+        await client.async_abort_request("long-one")
+        return await task
+
+    out = asyncio.run(aborted())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 100000
+    assert client.flush_cache()
+    engine.check_integrity()
