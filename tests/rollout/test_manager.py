@@ -77,3 +77,25 @@ def test_rewards_by_dotted_path():
     for bad, needle in [("nope_module:f", "cannot import"), ("rollout.rewards:nope", "no function"), ("x", "use")]:
         with pytest.raises(ValueError, match=needle):
             load_reward(bad)
+
+
+def test_manager_over_a_ray_engine_actor_and_an_in_process_engine(engine_actor, oracle_a):
+    """Any EngineClients, mixed: samples equal those of in-process engines on the same checkpoint
+    (same seeds: the manager's rids and the requests' sampling seeds do not depend on the engine)."""
+    pytest.importorskip("ray")
+    from rollout.client import InProcessClient
+    from rollout.ray_client import RayClient
+
+    seeded = [dict(SAMPLED, sampling_seed=100 + g) for g in range(6)]
+    prompts = _prompts(6)
+    mixed = RolloutManager([RayClient(engine_actor), InProcessClient(oracle_a)])
+    assert {mixed.route(p) for p in prompts} == {0, 1}  # both kinds get work
+    groups = mixed.generate(prompts, seeded, n=2)
+    expected = RolloutManager([oracle_a]).generate(prompts, seeded, n=2)
+    assert [[s.response_ids for s in g] for g in groups] == [[s.response_ids for s in g] for g in expected]
+    assert all(s.rollout_logprobs == e.rollout_logprobs for g, eg in zip(groups, expected) for s, e in zip(g, eg))
+    short, tail = dict(SAMPLED, max_new_tokens=4), dict(SAMPLED, max_new_tokens=4000)
+    kept = mixed.generate(prompts, [short, tail, short, tail, tail, tail], n=2, keep_groups=2)
+    assert [g[0].group for g in kept] == [0, 2]
+    info = RayClient(engine_actor).get_server_info()["internal_states"][0]
+    assert info["num_running_reqs"] == info["num_waiting_reqs"] == 0  # the tail was aborted there too
