@@ -56,6 +56,7 @@ class ModelRunner:
         host_table = req_to_token_pool.req_to_token
         self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
         self.memory_saver = memory_saver or MemorySaver(False, self.device)
+        self._buffers_backup: dict[str, torch.Tensor] = {}  # model buffers while the weights are released
         self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
         self.sampler.warmup(self.device, config.vocab_size)
 
@@ -169,6 +170,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         if "cuda_graph" in tags and self.cuda_graph is not None:
             self.cuda_graph = None  # the graphs, their memory pool and static buffers
+        if "weights" in tags and "weights" not in saver.paused:
+            # buffers (rotary inv_freq) live in the weights region but no weight update rewrites them
+            self._buffers_backup = {name: buf.to("cpu", copy=True) for name, buf in self.model.named_buffers()}
         for tag in tags:
             saver.pause(tag)
         gc.collect()
@@ -185,6 +189,12 @@ class ModelRunner:
         for tag in ("weights", "kv_cache", "cuda_graph"):  # weights first, KV last (SGLang's order)
             if tag in tags:
                 saver.resume(tag)
+        if "weights" in tags and self._buffers_backup:
+            buffers = dict(self.model.named_buffers())
+            with torch.no_grad():
+                for name, saved in self._buffers_backup.items():
+                    buffers[name].copy_(saved)
+            self._buffers_backup = {}
         if "weights" in tags and not saver.weights_cpu_backup:
             logger.info("weights resumed without a CPU backup: their values are undefined until the next "
                         "weight update (update_weights_from_tensor / _disk / _distributed)")

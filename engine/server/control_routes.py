@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import binascii
 import pickle
-from typing import Any
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from engine.server.protocol import (DestroyWeightsUpdateGroupRequest, InitWeightsUpdateGroupRequest,
-                                    PauseGenerationRequest, UnknownFields, UpdateWeightsFromDiskRequest,
-                                    UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest,
-                                    UpdateWeightVersionRequest)
+                                    MemoryOccupationRequest, PauseGenerationRequest, UnknownFields,
+                                    UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
+                                    UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 from engine.server.served_model import ServedModel
 
 # what a hostile or broken payload can raise while it is decoded (pickle allowlist, base64,
@@ -99,6 +99,24 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
         _abort_all_first(engine, req)
         version = await asyncio.to_thread(engine.update_weight_version, req.new_version)
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(req: Optional[MemoryOccupationRequest] = None) -> JSONResponse:
+        """Free GPU memory by tag for a colocated trainer; requests wait until everything is resumed."""
+        return await _memory_call(engine.release_memory_occupation, req)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(req: Optional[MemoryOccupationRequest] = None) -> JSONResponse:
+        return await _memory_call(engine.resume_memory_occupation, req)
+
+
+async def _memory_call(verb: Callable[..., tuple[bool, str]], req: Optional[MemoryOccupationRequest]) -> JSONResponse:
+    tags = (req.tags if req is not None else None) or None  # SGLang: none or [] means every tag
+    try:
+        ok, message = await asyncio.to_thread(verb, tags)
+    except ValueError as exc:  # an unknown tag
+        ok, message = False, str(exc)
+    return _reply(ok, message)
 
 
 def _abort_all_first(engine: Any, req: Any) -> None:

@@ -109,6 +109,11 @@ class UpdateWeightVersionRequest(_Lenient):
     abort_all_requests: bool = True
 
 
+class MemoryOccupationRequest(_Lenient):
+    """/release_memory_occupation and /resume_memory_occupation (SGLang's body; none or [] = all tags)."""
+    tags: Optional[list[str]] = None
+
+
 class GetWeightsByNameRequest(_Lenient):
     name: str
     truncate_size: int = 100

@@ -97,3 +97,22 @@ def test_memory_saver_off_the_gpu_allocates_plainly():
         t = torch.ones(3)
     saver.pause("weights")
     assert torch.equal(t, torch.ones(3)) and saver.paused == {"weights"}
+
+
+def test_http_routes_take_sglang_bodies(engine):
+    from fastapi.testclient import TestClient
+
+    from engine.server.http import create_app
+
+    with TestClient(create_app(engine)) as client:
+        reply = client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert reply.status_code == 200 and reply.json() == {"success": True, "message": "released kv_cache"}
+        assert list(engine.get_stats().memory_released) == ["kv_cache"]
+        reply = client.post("/release_memory_occupation", json={"tags": ["gpu"]})
+        assert reply.status_code == 400 and "unknown memory tag 'gpu'" in reply.json()["message"]
+        assert client.post("/resume_memory_occupation").json()["message"] == "resumed weights, kv_cache, cuda_graph"
+        assert client.get("/release_memory_occupation").json()["message"] == "released weights, kv_cache, cuda_graph"
+        assert client.post("/resume_memory_occupation", json={"tags": []}).status_code == 200  # [] = every tag
+        assert list(engine.get_stats().memory_released) == []
+        out = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY}).json()
+        assert len(out["output_ids"]) == 6
