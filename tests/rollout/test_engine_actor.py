@@ -166,6 +166,33 @@ def test_the_actor_serves_sglang_routes_over_http(engine_actor, ray_cluster, mod
         ray_cluster.get(engine_actor.serve_http.remote())
 
 
+def test_colocated_step_across_actors_keeps_rollouts_on_policy(engine_actor, trainer_b, ray_cluster, model_a):
+    """Engine generates -> the trainer actor releases it, trains, pushes, resumes it -> the engine's
+    rollout logprobs equal the trainer's recomputation bit for bit. Runs after the push tests:
+    it trains trainer_b away from checkpoint B."""
+    from rollout.manager import RolloutManager
+    from rollout.ray_client import RayClient
+    from trainer_bridge.colocate import PushConfig
+
+    client = RayClient(engine_actor)
+    sampled = {**GREEDY, "temperature": 1.0}
+    try:
+        samples = [s for g in RolloutManager([client]).generate(PROMPTS, sampled, n=2) for s in g]
+        advantages = [1.0 if s.index == 0 else -1.0 for s in samples]
+        metrics, phases = ray_cluster.get(trainer_b.colocated_step.remote(
+            [engine_actor], samples, advantages, 1e-2, "step-1", PushConfig(bucket_bytes=64 << 10), "ray"))
+        assert metrics["grad_norm"] > 0 and set(phases) == {"release", "train", "resume_weights", "push", "resume_kv"}
+        info = client.get_server_info()["internal_states"][0]
+        assert info["memory_released"] == [] and not info["paused"]
+        after = [s for g in RolloutManager([client]).generate(PROMPTS, sampled, n=2) for s in g]
+        assert all(s.weight_versions == ["step-1"] * 8 for s in after)
+        trainer_lps = ray_cluster.get(trainer_b.rollout_logprobs.remote([s.prompt_ids for s in after],
+                                                                        [s.response_ids for s in after]))
+        assert [s.rollout_logprobs for s in after] == trainer_lps
+    finally:
+        _restore(client, model_a)
+
+
 def test_start_engine_actors_refuses_zero():
     from rollout.engine_actor import start_engine_actors
 
