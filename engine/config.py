@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -13,6 +14,8 @@ ATTENTION_BACKENDS = backend_names()  # engine/attention/registry.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 LOGPROB_DISTRIBUTIONS = ("original", "processed")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMAT = "[%(asctime)s] %(message)s"
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class ServerArgs:
     port: int = 30000
     api_key: Optional[str] = None  # generation and info routes (or env TANDEM_API_KEY)
     admin_api_key: Optional[str] = None  # control routes: pause, weights, abort, flush (or env TANDEM_ADMIN_API_KEY)
-    log_level: str = "info"
+    log_level: str = "info"  # the "tandem" and "engine" loggers, set at Engine start (configure_logging)
     # request limits (HTTP and in-process): a request past one is a 400 naming the limit
     max_n: int = 1024  # samples per prompt
     max_batch_requests: int = 8192  # prompts x n in one call
@@ -66,6 +69,7 @@ class ServerArgs:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
+        _check_choice("log_level", self.log_level, LOG_LEVELS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
             if self.enable_deterministic_inference and not get_backend_spec(self.attention_backend).supports_deterministic:
@@ -110,3 +114,13 @@ class ServerArgs:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def configure_logging(level: str) -> None:
+    """ServerArgs.log_level, applied when an Engine starts: the level of tandem's loggers ("tandem",
+    and "engine" above every module's own), and of the root handler that logging.basicConfig
+    installs when the process has none yet (an application's own logging setup is kept)."""
+    numeric = getattr(logging, level.upper())
+    logging.basicConfig(level=numeric, format=LOG_FORMAT)
+    for name in ("tandem", "engine"):
+        logging.getLogger(name).setLevel(numeric)

@@ -22,6 +22,10 @@ class Sample:
     reward: Optional[float] = None
     metadata: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"Sample status must be one of {', '.join(STATUSES)}; got {self.status!r}")
+
     @property
     def loss_mask(self) -> list[int]:
         """1 for tokens the policy produced (all of a single-turn response)."""

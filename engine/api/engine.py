@@ -19,7 +19,7 @@ from engine.api.core_client import CoreClient, ThreadCoreClient
 from engine.api.generate_stream import GenerateStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
-from engine.config import ServerArgs
+from engine.config import ServerArgs, configure_logging
 from engine.core.messages import GetWeightsByNameReq, WeightsChecksumReq
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
@@ -33,8 +33,8 @@ Sink = Callable[[ReqOutput], None]
 
 class Engine:
     def __init__(self, **kwargs: Any) -> None:
-        logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
         self.server_args = ServerArgs.from_kwargs(**kwargs)
+        configure_logging(self.server_args.log_level)
         self._sinks: dict[str, Sink] = {}
         self._inputs: dict[str, ReqInput] = {}  # kept for the recorder only
         self._lock = threading.Lock()

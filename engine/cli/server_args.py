@@ -23,6 +23,7 @@ _CHOICES = {
     "dtype": "DTYPES",
     "load_format": "LOAD_FORMATS",
     "logprob_distribution": "LOGPROB_DISTRIBUTIONS",
+    "log_level": "LOG_LEVELS",
 }
 _SCALARS = (int, float, str)
 
