@@ -49,10 +49,13 @@ class CallTable:
         self._ids = itertools.count()
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
+        self._closed: Optional[Exception] = None  # set by fail_all: no call can be answered any more
 
     def open(self) -> tuple[int, Future]:
         fut: Future = Future()
         with self._lock:
+            if self._closed is not None:  # checked under the lock: a call never waits on a dead core
+                raise self._closed
             call_id = next(self._ids)
             self._futures[call_id] = fut
         return call_id, fut
@@ -64,8 +67,10 @@ class CallTable:
             fut.set_result(value) if ok else fut.set_exception(value)
 
     def fail_all(self, exc: Exception) -> None:
+        """Every waiting call raises exc, and so does every later `open`."""
         with self._lock:
             futures, self._futures = list(self._futures.values()), {}
+            self._closed = exc
         for fut in futures:
             fut.set_exception(exc)
 

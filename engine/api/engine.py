@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
+from engine.api.final_text import decode_final_text
 from engine.api.generate_stream import GenerateStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
@@ -36,19 +37,21 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         configure_logging(self.server_args.log_level)
         self._sinks: dict[str, Sink] = {}
-        self._inputs: dict[str, ReqInput] = {}  # kept for the recorder only
+        self._inputs: dict[str, ReqInput] = {}  # in flight: for the final text and the recorder
         self._lock = threading.Lock()
+        self.tokenizer: Any = None  # loaded once the core says from where
         self.client: CoreClient = self._start_core()
         self.info: CoreInfo = self.client.info
         self.tokenizer = self._load_tokenizer()
-        self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len, self.server_args)
+        self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len, self.server_args,
+                                      self.info.max_total_num_tokens)
         self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
 
     def _start_core(self) -> CoreClient:
         if self.server_args.core_process:
             from engine.api.process_client import ProcessCoreClient
 
-            return ProcessCoreClient(self.server_args, self._dispatch)
+            return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self.fail_all_requests)
         return ThreadCoreClient(self.server_args, self._dispatch)
 
     def _load_tokenizer(self) -> Any:
@@ -107,9 +110,14 @@ class Engine:
             if req_input.rid in self._sinks:
                 raise ValueError(f"rid {req_input.rid!r} is already in flight; rids must be unique")
             self._sinks[req_input.rid] = sink
-            if self.recorder is not None:
-                self._inputs[req_input.rid] = req_input
-        self.client.send(req_input)
+            self._inputs[req_input.rid] = req_input
+        try:
+            self.client.send(req_input)
+        except BaseException:  # e.g. CoreDead: nothing will answer this request
+            with self._lock:
+                self._sinks.pop(req_input.rid, None)
+                self._inputs.pop(req_input.rid, None)
+            raise
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
@@ -255,15 +263,28 @@ class Engine:
                 if out.finished:
                     self._sinks.pop(out.rid, None)
                     req_input = self._inputs.pop(out.rid, None)
-            if out.finished and self.recorder is not None and req_input is not None:
-                self.recorder.record(req_input, out.output)
+            if req_input is not None:
+                self._finish(req_input, out.output)
             if sink is None:
                 continue
             try:
                 sink(out)
             except Exception:  # e.g. the caller's event loop is gone; the engine must live on
                 logger.warning("dropping output for %s: its receiver is gone", out.rid)
-                self.client.send(AbortReq(out.rid, "receiver gone"))
+                self._abort_quietly(out.rid, "receiver gone")
+
+    def _finish(self, req_input: ReqInput, output: dict[str, Any]) -> None:
+        """A final output: its text, when the core left decoding to us; then the recorder."""
+        if self.tokenizer is not None and not req_input.core_detokenizes and output["output_ids"]:
+            output["text"] = decode_final_text(self.tokenizer, req_input, output["output_ids"])
+        if self.recorder is not None:
+            self.recorder.record(req_input, output)
+
+    def _abort_quietly(self, rid: str, message: str) -> None:
+        try:
+            self.client.send(AbortReq(rid, message))
+        except Exception:  # the core is gone: nothing is left to abort
+            pass
 
     def fail_all_requests(self, message: str) -> None:
         """The core died: every request in flight ends with an error instead of waiting forever."""

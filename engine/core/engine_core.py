@@ -109,7 +109,7 @@ class EngineCore:
 
     def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
         req = Req.from_input(msg)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and msg.core_detokenizes:  # else the front end decodes the final ids
             req.detokenizer = self.parts.make_detokenizer(req)
         self.scheduler.add_request(req)
         return []

@@ -49,6 +49,12 @@ class ReqInput:
     logprob_distribution: str = "original"
     stream: bool = False
 
+    @property
+    def core_detokenizes(self) -> bool:
+        """The core builds text only when it needs it while generating (streamed chunks, stop
+        strings); otherwise the front end decodes the final output ids (engine/api/final_text.py)."""
+        return self.stream or bool(self.sampling_params.stop)
+
 
 @dataclass
 class AbortReq:

@@ -1,0 +1,201 @@
+"""ProcessCoreClient: the EngineCore in its own process, so HTTP, tokenization and
+detokenization never share an interpreter (or its GIL) with the scheduler and the model.
+
+The child is started with the 'spawn' context (safe with CUDA) and runs
+engine/core/process_main.py. Messages are pickled with torch's ForkingPickler in the caller's
+thread (a message that cannot cross fails there, at once), so tensors inside a weight update
+travel by reference (CPU shared memory, CUDA IPC handles) and reach the core unchanged. A sender
+thread writes queued messages to the pipe in batches, so the caller never blocks on a full pipe;
+a receiver thread delivers each step's outputs (one message per step) and resolves calls.
+If the core process dies, every pending and later call raises CoreDead naming its exit code,
+and `on_core_death` ends the requests in flight with that message: never a hang.
+As with any 'spawn' process, a script that starts an Engine(core_process=True) needs the
+`if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+from typing import Any, Callable, Optional
+
+import torch.multiprocessing  # noqa: F401  (registers the tensor reductions on ForkingPickler)
+from multiprocessing.reduction import ForkingPickler
+
+from engine.api.core_client import CallTable, CoreClient, CoreDead, OnOutputs
+from engine.config import ServerArgs
+from engine.core.messages import CoreInfo
+from engine.core.process_main import run_core_process
+from engine.core.worker import STOP
+
+logger = logging.getLogger("tandem")
+OnDeath = Callable[[str], None]
+STOP_TIMEOUT_S = 30.0  # a graceful stop finishes the current step; then the process is killed
+STARTUP_POLL_S = 1.0
+STARTUP_EXIT_TIMEOUT_S = 10.0  # a child that reported its start-up error exits by itself
+
+
+class CoreStartupError(RuntimeError):
+    """The core process exited during start-up without saying why (e.g. killed, out of memory)."""
+
+
+class ProcessCoreClient(CoreClient):
+    def __init__(self, server_args: ServerArgs, on_outputs: OnOutputs,
+                 on_core_death: Optional[OnDeath] = None) -> None:
+        self._on_outputs = on_outputs
+        self._on_core_death = on_core_death
+        self._calls = CallTable()
+        self._outbox: "queue.Queue[Optional[tuple[bytes, Optional[int]]]]" = queue.Queue()
+        self._dead: Optional[str] = None  # why the core is gone, once it is
+        self._stopping = False
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=run_core_process, args=(server_args, child_conn),
+                                   name="tandem-core", daemon=False)  # daemons may not start compile workers
+        self.process.start()
+        child_conn.close()  # only the child holds its end now: its exit reads as EOF here
+        try:
+            self.info: CoreInfo = self._wait_for_info()
+        except BaseException:
+            self._reap(STARTUP_EXIT_TIMEOUT_S)
+            self._conn.close()
+            raise
+        atexit.register(self.shutdown)  # a non-daemon child would otherwise hold up interpreter exit
+        self._receiver = threading.Thread(target=self._receive, name="tandem-core-receiver", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="tandem-core-sender", daemon=True)
+        self._receiver.start()
+        self._sender.start()
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def _wait_for_info(self) -> CoreInfo:
+        """Model loading and graph capture can take minutes: wait while the child lives."""
+        while not self._conn.poll(STARTUP_POLL_S):
+            if not self.process.is_alive():
+                break
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise CoreStartupError(f"the engine core process exited during start-up ({self._exit_text()}) "
+                                   "without a reason; its log above may say why (e.g. out of memory)") from None
+        if reply[0] == "info":
+            return reply[1]
+        _, exc, text = reply
+        note = f"raised in the engine core process during start-up:\n{text}"
+        if exc is None:
+            raise CoreStartupError(f"the engine core process failed to start:\n{text}")
+        exc.add_note(note)
+        raise exc
+
+    # ---- CoreClient ----------------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        self._check_alive()
+        self._outbox.put((_pickled(msg), None))
+
+    def call(self, msg: Any, timeout: Optional[float] = None) -> Any:
+        self._check_alive()
+        payload = _pickled(msg)
+        call_id, fut = self._calls.open()  # raises CoreDead once the core is gone
+        self._outbox.put((payload, call_id))
+        return fut.result(timeout)
+
+    def is_alive(self) -> bool:
+        return self._dead is None and self.process.is_alive()
+
+    def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._dead is None:
+            self._outbox.put((_pickled(STOP), None))
+        self._outbox.put(None)  # the sender's own stop, after STOP is written
+        self._reap(STOP_TIMEOUT_S)
+        self._receiver.join(5)  # it read EOF: the requests still in flight were failed
+        self._sender.join(5)
+        self._conn.close()
+
+    # ---- threads -------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        """Writes everything queued so far as one pipe message (fewer syscalls under load)."""
+        while True:
+            first = self._outbox.get()
+            batch = [first]
+            while first is not None:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+                if batch[-1] is None:
+                    break
+            stop = batch[-1] is None
+            batch = [item for item in batch if item is not None]
+            if batch and self._dead is None:
+                try:
+                    self._conn.send(batch)
+                except OSError:  # the core is gone; the receiver reports it
+                    return
+            if stop:
+                return
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                reply = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                if reply[0] == "outputs":
+                    self._on_outputs(reply[1])
+                else:
+                    _, call_id, ok, value = reply
+                    self._calls.close(call_id, ok, value)
+            except Exception:  # a failing receiver must not stop the others' answers
+                logger.exception("could not deliver a message from the engine core")
+        self._core_exited()
+
+    def _core_exited(self) -> None:
+        if self._stopping:
+            self._dead = "the engine core is shut down"
+        else:
+            self.process.join(5)
+            self._dead = f"the engine core process exited unexpectedly ({self._exit_text()})"
+            logger.error("%s; failing every request in flight", self._dead)
+        self._calls.fail_all(CoreDead(self._dead))
+        if self._on_core_death is not None:
+            self._on_core_death(self._dead)
+
+    # ---- pieces --------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise CoreDead(self._dead)
+        if self._stopping:
+            raise CoreDead("the engine core is shut down")
+
+    def _exit_text(self) -> str:
+        code = self.process.exitcode
+        if code is None:
+            return "still running, but its pipe closed"
+        if code < 0:
+            try:
+                return f"exit code {code}, killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"exit code {code}"
+
+    def _reap(self, timeout: float) -> None:
+        """Wait up to timeout for the child to exit, then kill it."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            logger.warning("the engine core process did not stop in %.0f s; killing it", timeout)
+            self.process.kill()
+            self.process.join(5)
+
+
+def _pickled(msg: Any) -> bytes:
+    """msg pickled with torch's reductions: its tensors go by reference (shared memory, CUDA IPC)."""
+    return bytes(ForkingPickler.dumps(msg))

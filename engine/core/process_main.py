@@ -1,0 +1,112 @@
+"""The engine core's own process: build an EngineCore, then drive it with a CoreWorker whose
+inbox is a pipe from the front end (engine/api/process_client.py is the other end).
+
+Wire protocol, over one duplex multiprocessing connection (torch's reductions are registered, so
+tensors inside messages travel by reference: CPU shared memory, CUDA IPC handles):
+  front end -> core: a list of (pickled message, call id or None) pairs; STOP ends the loop.
+  core -> front end: ("info", CoreInfo) once at start-up, or ("startup_error", exception, traceback);
+                     then ("outputs", [ReqOutput, ...]) — every output of one step in one message —
+                     and ("answer", call id, ok, value or exception).
+This module imports nothing of engine.api or the server: the core process never loads them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+import traceback
+from typing import Any, Optional
+
+import torch.multiprocessing  # noqa: F401  (registers the tensor reductions on ForkingPickler)
+
+from engine.config import ServerArgs
+from engine.core.messages import ReqOutput
+from engine.core.worker import STOP, CoreWorker
+
+logger = logging.getLogger("tandem")
+IDLE_POLL_S = 0.5  # how long an idle core waits for a message before looking again
+
+
+class PipeInbox:
+    """The worker's `next_message`: (message, call id) pairs read from the pipe, a batch at a time.
+    Each message was pickled on its own by the front end; one that fails to unpickle here (e.g.
+    a CUDA IPC handle this process cannot open) answers its call with the error."""
+
+    def __init__(self, conn: Any, answer: Any) -> None:
+        self.conn = conn
+        self.answer = answer
+        self.pending: collections.deque = collections.deque()
+
+    def __call__(self, block: bool) -> Optional[tuple[Any, Optional[int]]]:
+        while True:
+            if not self.pending and not self._read(IDLE_POLL_S if block else 0.0):
+                return None
+            payload, call_id = self.pending.popleft()
+            try:
+                return pickle.loads(payload), call_id
+            except Exception as exc:
+                logger.exception("engine core: could not unpickle a message")
+                if call_id is not None:
+                    self.answer(call_id, False, RuntimeError(
+                        f"the engine core could not receive the message: {type(exc).__name__}: {exc}"))
+
+    def _read(self, timeout: float) -> bool:
+        try:
+            if self.conn.poll(timeout):
+                self.pending.extend(self.conn.recv())
+        except (EOFError, OSError):  # the front end is gone: nobody is left to answer
+            self.pending.append((pickle.dumps(STOP), None))
+        return bool(self.pending)
+
+
+class PipeSender:
+    """The worker's `emit` and `answer`: each writes one message to the front end."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def outputs(self, outputs: list[ReqOutput]) -> None:
+        self.conn.send(("outputs", outputs))
+
+    def answer(self, call_id: int, ok: bool, value: Any) -> None:
+        try:
+            self.conn.send(("answer", call_id, ok, value))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # pickling fails before any byte is sent
+            error = RuntimeError(f"the core's answer could not be sent back: {type(exc).__name__}: {exc}"
+                                 f" (answer was {type(value).__name__}: {value!r:.200})")
+            self.conn.send(("answer", call_id, False, error))
+
+
+def run_core_process(server_args: ServerArgs, conn: Any) -> None:
+    """Entry point of the core process (started with the 'spawn' context)."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s core] %(message)s")
+    core = _start_core(server_args, conn)
+    if core is None:
+        return
+    sender = PipeSender(conn)
+    worker = CoreWorker(core, sender.outputs, sender.answer)
+    try:
+        worker.run(PipeInbox(conn, sender.answer))
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        logger.warning("engine core: the front end went away; exiting")
+    finally:
+        conn.close()
+
+
+def _start_core(server_args: ServerArgs, conn: Any) -> Any:
+    """The EngineCore, with its CoreInfo sent to the front end; or None after sending the error."""
+    from engine.core.engine_core import EngineCore
+
+    try:
+        core = EngineCore(server_args)
+        conn.send(("info", core.info()))
+        return core
+    except BaseException as exc:  # every start-up failure goes back to the parent, then we exit
+        text = traceback.format_exc()
+        try:
+            conn.send(("startup_error", exc, text))
+        except Exception:  # the exception itself does not pickle: its text still goes
+            conn.send(("startup_error", None, text))
+        conn.close()
+        return None

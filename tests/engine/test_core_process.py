@@ -1,0 +1,228 @@
+"""The engine core in its own process (core_process=True) on the tiny model.
+
+Oracle: the same engine with the core on a thread (outputs equal bit for bit from a cold cache);
+weight updates are checked against an engine started on the new weights. A killed core process
+must end in-flight requests and calls with a clear error within seconds, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from engine.api.core_client import CoreDead
+from tests.engine.conftest import random_prompts
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def proc_engine(engine_factory):
+    return engine_factory(core_process=True)
+
+
+@pytest.fixture(scope="module")
+def thread_engine(engine_factory):
+    return engine_factory()
+
+
+def _named_tensors(model_dir: str) -> list:
+    from safetensors.torch import load_file
+
+    from engine.models.loader import safetensors_files
+
+    return [item for path in safetensors_files(model_dir) for item in load_file(path).items()]
+
+
+def _ids(outs: list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def test_outputs_equal_the_thread_core(proc_engine, thread_engine):
+    assert proc_engine.local_core is None and proc_engine.client.process.is_alive()
+    prompts = random_prompts(6, proc_engine.info.vocab_size, lengths=(3, 40), seed=11)
+    params = [dict(GREEDY, max_new_tokens=4 + i) for i in range(6)]
+    runs = []
+    for eng in (thread_engine, proc_engine):
+        eng.flush_cache()  # cold caches on both: bitwise equal logprobs
+        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        text = eng.generate(prompt=["Hello world", "The cat"], sampling_params=GREEDY)
+        stopped = eng.generate(prompt="Hello", sampling_params={"max_new_tokens": 30, "temperature": 0.0,
+                                                                "stop": ["e", "a"]})
+        runs.append((outs, text, stopped))
+    (want, want_text, want_stop), (got, got_text, got_stop) = runs
+    assert _ids(got) == _ids(want) and [len(o) for o in _ids(got)] == [4 + i for i in range(6)]
+    assert [o["text"] for o in got] == [o["text"] for o in want]
+    for key in ("output_token_logprobs", "output_top_logprobs", "finish_reason", "prompt_tokens"):
+        assert [o["meta_info"][key] for o in got] == [o["meta_info"][key] for o in want]
+    assert [o["text"] for o in got_text] == [o["text"] for o in want_text] and got_text[0]["text"]
+    assert got_stop["text"] == want_stop["text"] and got_stop["output_ids"] == want_stop["output_ids"]
+    assert got_stop["meta_info"]["finish_reason"] == want_stop["meta_info"]["finish_reason"]
+
+
+def test_final_text_decoded_in_front_equals_the_core_detokenizer(proc_engine):
+    """Non-streaming text comes from the front end; streamed text from the core: the same string."""
+    async def stream_last() -> dict:
+        last = None
+        async for chunk in proc_engine.async_generate(prompt="Hello world", sampling_params=GREEDY, stream=True):
+            last = chunk
+        return last
+
+    final = proc_engine.generate(prompt="Hello world", sampling_params=GREEDY)
+    streamed = asyncio.run(stream_last())
+    assert streamed["output_ids"] == final["output_ids"] and streamed["text"] == final["text"]
+    assert final["text"]
+
+
+def test_streaming_chunks_are_cumulative(proc_engine):
+    async def run() -> list[dict]:
+        stream = proc_engine.async_generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY, stream=True)
+        return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(run())
+    for index in (0, 1):
+        mine = [c for c in chunks if c["index"] == index]
+        assert [len(c["output_ids"]) for c in mine] == list(range(1, 9))
+        assert mine[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_ends_a_running_request(proc_engine):
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(
+        out=proc_engine.generate(input_ids=[5, 6, 7], sampling_params=LONG, rid="to-abort")))
+    worker.start()
+    time.sleep(0.5)
+    proc_engine.abort_request("to-abort")
+    worker.join(timeout=20)
+    assert not worker.is_alive(), "abort did not end the request"
+    out = result["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(out["output_ids"]) < LONG["max_new_tokens"]
+    proc_engine.check_integrity()
+
+
+def test_pause_and_continue(proc_engine):
+    proc_engine.pause_generation("retract")
+    done = threading.Event()
+    waiting = threading.Thread(target=lambda: (proc_engine.generate(input_ids=[4, 5], sampling_params=GREEDY),
+                                               done.set()))
+    waiting.start()
+    time.sleep(0.5)
+    assert not done.is_set(), "a request ran while the engine was paused"
+    assert proc_engine.get_stats().paused and proc_engine.get_stats().num_waiting_reqs == 1
+    proc_engine.continue_generation()
+    waiting.join(timeout=30)
+    assert done.is_set() and not proc_engine.get_stats().paused
+    with pytest.raises(ValueError, match="pause mode"):
+        proc_engine.pause_generation("later")
+
+
+def test_weight_updates_from_tensors_and_disk(proc_engine, tiny_model_dir, other_model_dir, other_engine):
+    prompts = random_prompts(3, proc_engine.info.vocab_size, lengths=(5, 30), seed=3)
+    before = _ids(proc_engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    try:  # CPU tensors of this process reach the core by shared memory
+        ok, message = proc_engine.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v1")
+        assert ok and message == "Success. Weight version updated to v1.", message
+        after = proc_engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert _ids(after) == _ids(other_engine.generate(input_ids=prompts, sampling_params=GREEDY)) != before
+        assert after[0]["meta_info"]["weight_version"] == "v1" == proc_engine.get_weight_version()
+        ok, message = proc_engine.update_weights_from_tensor(
+            [("model.layers.0.mlp.nope.weight", _named_tensors(other_model_dir)[0][1])])
+        assert not ok and "unknown weight 'model.layers.0.mlp.nope.weight'" in message, message
+    finally:
+        ok, message = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
+    assert ok, message
+    assert _ids(proc_engine.generate(input_ids=prompts, sampling_params=GREEDY)) == before
+    proc_engine.check_integrity()
+
+
+def test_stats_and_server_info(proc_engine):
+    proc_engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    stats = proc_engine.get_stats()
+    assert stats.num_steps > 0 and stats.num_generated_tokens >= 8 and stats.kv_tokens_total > 0
+    assert stats.num_running_reqs == 0 and stats.uptime_s > 0
+    info = proc_engine.get_server_info()
+    assert info["core_process"] is True and info["device"] == "cpu"
+    assert info["vocab_size"] == proc_engine.info.vocab_size and info["internal_states"][0]["paused"] is False
+
+
+def test_http_generate_over_a_core_process(proc_engine):
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from engine.server.http import create_app
+
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY, "return_logprob": True}
+    with TestClient(create_app(proc_engine)) as client:
+        resp = client.post("/generate", json=body)
+        text = client.post("/generate", json={"text": "Hello world", "sampling_params": GREEDY})
+    assert resp.status_code == 200 and text.status_code == 200
+    proc_engine.flush_cache()
+    direct = proc_engine.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, return_logprob=True)
+    assert resp.json()["output_ids"] == direct["output_ids"]
+    assert text.json()["text"] == proc_engine.generate(prompt="Hello world", sampling_params=GREEDY)["text"]
+
+
+def test_a_killed_core_fails_requests_and_calls_at_once(engine_factory):
+    eng = engine_factory(core_process=True)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(
+        out=eng.generate(input_ids=[5, 6, 7], sampling_params=LONG)))
+    worker.start()
+    time.sleep(0.5)
+    os.kill(eng.client.process.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the in-flight request hung after the core died"
+    reason = result["out"]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "core process exited" in reason["message"]
+    assert "SIGKILL" in reason["message"]
+    assert not eng.is_alive()
+    with pytest.raises(CoreDead, match="core process exited"):
+        eng.get_stats()
+    with pytest.raises(CoreDead, match="core process exited"):
+        eng.generate(input_ids=[5, 6], sampling_params=GREEDY)
+    eng.shutdown()  # quick, and safe to repeat
+
+
+def test_a_pending_call_raises_when_the_core_dies(engine_factory):
+    """A call blocked in the core (a rendezvous nobody joins) raises CoreDead when it is killed."""
+    eng = engine_factory(core_process=True)
+    result: dict = {}
+
+    def wait_for_group() -> None:
+        try:
+            eng.init_weights_update_group("127.0.0.1", _free_port(), 1, 2, "never", "gloo")
+        except Exception as exc:
+            result["error"] = exc
+
+    caller = threading.Thread(target=wait_for_group)
+    caller.start()
+    time.sleep(1.0)
+    os.kill(eng.client.process.pid, signal.SIGKILL)
+    caller.join(timeout=10)
+    assert not caller.is_alive(), "the pending call hung after the core died"
+    assert isinstance(result["error"], CoreDead) and "exited" in str(result["error"])
+
+
+def test_start_up_failure_is_raised_in_the_parent(tmp_path):
+    from engine import Engine
+
+    started = time.perf_counter()
+    with pytest.raises(OSError) as info:
+        Engine(model_path=str(tmp_path / "no-such-model"), device="cpu", core_process=True)
+    assert "engine core process during start-up" in "".join(getattr(info.value, "__notes__", []))
+    assert time.perf_counter() - started < 120
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
