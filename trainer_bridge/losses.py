@@ -15,11 +15,29 @@ follow verl's names.
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The knobs of `rl_objective`. tis_cap None: uncapped IS weights; kl_coef 0: no reference."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: Optional[float] = 2.0
+    kl_coef: float = 0.0
+    aggregation: str = "token_mean"
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}")
+        if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0:
+            raise ValueError("clip_low, clip_high and kl_coef must be >= 0")
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -80,3 +98,32 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) ->
     if aggregation == "seq_mean_token_mean":  # every sequence weighs the same (GRPO paper)
         per_seq = per_seq / lengths
     return per_seq.mean()  # seq_mean_token_sum: longer sequences weigh more
+
+
+def rl_objective(logprobs: Sequence[torch.Tensor], batch, config: LossConfig,
+                 ref_logprobs: Optional[Sequence[torch.Tensor]] = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one (micro) batch with one update per rollout batch: old = current logprobs,
+    detached (ratio 1), TIS against the engine's rollout logprobs, plus kl_coef * KL to the
+    reference. batch: a trainer_bridge.rollout_batch.RolloutBatch; logprobs: the trainer's, one
+    tensor per response. The loss is scaled by the batch's share of its parent so micro-batch
+    losses add up to the whole batch's. Metrics include the trainer/rollout logprob gap on the
+    policy's own tokens (loss mask 1): logprob_abs_diff_max / _mean."""
+    device = logprobs[0].device
+    current = torch.nn.utils.rnn.pad_sequence(list(logprobs), batch_first=True).float()
+    mask = batch.padded(batch.loss_masks, device=device)
+    rollout = batch.padded(batch.rollout_logprobs, device=device)
+    advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
+    loss, metrics = policy_loss(current, current.detach(), advantages, mask, config.clip_low, config.clip_high,
+                                rollout, config.tis_cap, config.aggregation)
+    gap = ((current.detach() - rollout).abs() * mask)
+    metrics["logprob_abs_diff_max"] = gap.max().item() if gap.numel() else 0.0
+    metrics["logprob_abs_diff_mean"] = _masked_mean(gap, mask).item()
+    if config.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
+        ref = torch.nn.utils.rnn.pad_sequence(list(ref_logprobs), batch_first=True).float()
+        kl = kl_penalty(current, ref, mask)
+        loss = loss + config.kl_coef * kl
+        metrics["kl"] = kl.item()
+    share = batch.token_share if config.aggregation == "token_mean" else batch.seq_share
+    return loss * share, metrics

@@ -1,0 +1,122 @@
+"""Trainer: the policy update of an RL step behind one interface, whatever runs the optimizer.
+
+`Trainer` holds the step's math (micro batches, the RL objective, the supervised warm-start loss,
+metrics); subclasses say how a loss goes backward, how the optimizer steps and how full weights
+come out for the push: `TorchTrainer` here (plain AdamW, CPU or one GPU), `DeepSpeedTrainer` in
+trainer_bridge/deepspeed.py (ZeRO-2/3, bf16, GPUs). Logprobs come from `Policy`, so in
+deterministic mode they equal the engine's rollout logprobs bit for bit and the step reports
+`logprob_abs_diff_max` == 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from abc import ABC, abstractmethod
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from trainer_bridge.losses import LossConfig, rl_objective
+from trainer_bridge.policy import Policy
+from trainer_bridge.rollout_batch import RolloutBatch
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class Trainer(ABC):
+    def __init__(self, policy: Policy, loss: LossConfig, micro_batch_size: int = 64,
+                 temperature: Optional[float] = None) -> None:
+        """temperature: the distribution the engine's logprobs are under (None: the original one)."""
+        self.policy = policy
+        self.loss = loss
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.reference: Optional[Policy] = None  # set by `freeze_reference` when kl_coef > 0
+
+    # ---- what subclasses provide ----
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def optimizer_step(self, lr: float) -> float:
+        """Apply the accumulated gradients with learning rate lr; -> the gradient norm."""
+
+    @abstractmethod
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """Full (unsharded) parameters, engine names, in buckets of about bucket_bytes; a bucket
+        is valid until the next one is drawn (ZeRO-3 gathers one bucket at a time)."""
+
+    # ---- the steps ----
+    def freeze_reference(self) -> None:
+        """Keep a frozen copy of the current policy as the KL reference (after the warm start)."""
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False)
+
+    def train_step(self, batch: RolloutBatch, lr: float) -> dict[str, float]:
+        """One optimizer step on a rollout batch (gradients accumulated over micro batches)."""
+        if not len(batch):
+            raise ValueError("train_step got an empty batch (every response was empty)")
+        totals = {"loss": 0.0, "logprob_abs_diff_max": 0.0, "logprob_abs_diff_mean": 0.0,
+                  "tis_weight_mean": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        for micro in batch.micro_batches(self.micro_batch_size):
+            logprobs = self.policy.rollout_logprobs(micro.prompts, micro.responses, self.temperature)
+            ref = None
+            if self.loss.kl_coef > 0:
+                with torch.no_grad():
+                    ref = self.reference_model().rollout_logprobs(micro.prompts, micro.responses, self.temperature)
+            loss, metrics = rl_objective(logprobs, micro, self.loss, ref)
+            self.backward(loss)
+            totals["loss"] += loss.item()
+            totals["logprob_abs_diff_max"] = max(totals["logprob_abs_diff_max"], metrics["logprob_abs_diff_max"])
+            for key in ("logprob_abs_diff_mean", "tis_weight_mean", "clip_fraction", "kl"):
+                totals[key] += metrics.get(key, 0.0) * micro.token_share
+        totals["grad_norm"] = self.optimizer_step(lr)
+        if not math.isfinite(totals["loss"]):
+            raise FloatingPointError(f"the RL loss is {totals['loss']}: lower the learning rate")
+        return totals
+
+    def supervised_step(self, prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                        lr: float) -> dict[str, float]:
+        """One step of next-token cross-entropy on the target tokens (the warm start)."""
+        total_tokens = sum(len(t) for t in targets)
+        loss_sum = 0.0
+        for start in range(0, len(prompts), self.micro_batch_size):
+            sl = slice(start, start + self.micro_batch_size)
+            logprobs = self.policy.rollout_logprobs(prompts[sl], targets[sl])
+            loss = -torch.cat(logprobs).sum() / total_tokens
+            self.backward(loss)
+            loss_sum += loss.item()
+        return {"loss": loss_sum, "grad_norm": self.optimizer_step(lr)}
+
+    def reference_model(self) -> Policy:
+        if self.reference is None:
+            raise ValueError("kl_coef > 0 needs a reference: call freeze_reference() first")
+        return self.reference
+
+
+class TorchTrainer(Trainer):
+    """AdamW on the Policy's parameters, on one device."""
+
+    def __init__(self, policy: Policy, loss: LossConfig, micro_batch_size: int = 64,
+                 temperature: Optional[float] = None, weight_decay: float = 0.0,
+                 max_grad_norm: Optional[float] = 1.0) -> None:
+        super().__init__(policy, loss, micro_batch_size, temperature)
+        params = [p for p in policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self, lr: float) -> float:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm else float("inf"))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        # Whole tensors already live here: one list; push_weights cuts its own buckets.
+        yield [(name, p.detach()) for name, p in self.policy.model.named_parameters()]
