@@ -25,16 +25,18 @@ class TrainerActor:
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
                  loss: Any = None, micro_batch_size: int = 64, temperature: Optional[float] = None,
-                 attention_backend: Optional[str] = None, split_size: Optional[int] = None) -> None:
+                 attention_backend: Optional[str] = None, split_size: Optional[int] = None,
+                 load_format: str = "auto") -> None:
         """loss: a trainer_bridge.losses.LossConfig (None: its defaults). attention_backend,
-        split_size: the engine's, so trainer logprobs match rollout logprobs bit for bit."""
+        split_size: the engine's, so trainer logprobs match rollout logprobs bit for bit.
+        load_format "dummy": random weights of the config's shape (benchmarks)."""
         from trainer_bridge.losses import LossConfig
         from trainer_bridge.policy import Policy
         from trainer_bridge.trainer import TorchTrainer
 
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype must name a torch dtype (e.g. 'bfloat16', 'float32'); got {dtype!r}")
-        policy = Policy.from_pretrained(model_path, getattr(torch, dtype), device,
+        policy = Policy.from_pretrained(model_path, getattr(torch, dtype), device, load_format,
                                         attention_backend=attention_backend, split_size=split_size)
         self.trainer = TorchTrainer(policy, loss or LossConfig(), micro_batch_size, temperature)
 
