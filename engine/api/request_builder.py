@@ -17,10 +17,12 @@ from engine.sampling_params import SamplingParams
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, server_args: ServerArgs):
+    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, server_args: ServerArgs,
+                 max_total_num_tokens: Optional[int] = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
+        self.max_total_num_tokens = max_total_num_tokens  # the KV pool: None = unknown, unchecked
         self.default_distribution = server_args.logprob_distribution
         self.max_n = server_args.max_n
         self.max_batch_requests = server_args.max_batch_requests
@@ -46,6 +48,7 @@ class RequestBuilder:
         out: list[ReqInput] = []
         for ids, p, base_rid in zip(prompts, params, rids):
             self._check_logprob_start(logprob_start_len, len(ids))
+            self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
             for i in range(p.n):
                 seed = base_seed if p.n == 1 else derive_seed(base_seed, i)
@@ -96,6 +99,21 @@ class RequestBuilder:
         if len(ids) >= self.context_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len} "
                              f"(shorten the prompt or raise --context-length)")
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """A request the engine could never finish is refused now rather than queued forever:
+        prompt + max_new_tokens must fit the context length (SGLang refuses the same) and the KV
+        pool, which has to hold all of them at once (the scheduler admits on that forecast)."""
+        total = prompt_len + max_new_tokens
+        asked = f"{prompt_len} prompt tokens + max_new_tokens {max_new_tokens} = {total} tokens"
+        if total > self.context_len:
+            raise ValueError(f"{asked} exceed the context length {self.context_len}; lower max_new_tokens "
+                             f"to at most {self.context_len - prompt_len} or shorten the prompt")
+        pool = self.max_total_num_tokens
+        if pool is not None and total > pool:
+            room = f"lower max_new_tokens to at most {pool - prompt_len}, " if prompt_len < pool else ""
+            raise ValueError(f"{asked} exceed the KV cache pool of {pool} tokens (max_total_num_tokens); "
+                             f"{room}shorten the prompt or start the engine with a larger --max-total-tokens")
 
     def _sampling_params(self, raw: Any, n_prompts: int) -> list[SamplingParams]:
         if isinstance(raw, list):

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 CLIP_MAX_NEW_TOKENS = 4096
 
 
+def never_fits(req: Req, pool_size: int) -> bool:
+    """True when even an empty pool cannot admit req: the forecast charges its tokens so far
+    plus its remaining max_new_tokens, whatever part of them a cached prefix already holds."""
+    return len(req.all_ids) + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) > pool_size
+
+
 def reserved_tokens(req: Req, new_token_ratio: float) -> float:
     ratio = 1.0 if req.sampling_params.ignore_eos else new_token_ratio
     return min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * ratio

@@ -18,7 +18,7 @@ from engine.kv.base import PrefixCache
 from engine.kv.pool import ReqToTokenPool
 from engine.scheduler.lookahead import lookahead_rows
 from engine.scheduler.new_token_ratio import NewTokenRatio
-from engine.scheduler.prefill_adder import PrefillAdder
+from engine.scheduler.prefill_adder import PrefillAdder, never_fits
 from engine.scheduler.request import Req
 from engine.scheduler.forward_mode import ForwardMode
 from engine.scheduler.batch import ScheduleBatch
@@ -117,12 +117,16 @@ class Scheduler:
             req.fill_ids = req.all_ids
             adder.add_chunked(req)
         ordered, in_queue_order = order_waiting(self.waiting, self.config.schedule_policy, self.tree_cache)
-        admitted: list[Req] = []
+        admitted: list[Req] = []  # and refused: both leave the queue
         siblings: set[tuple] = set()
         deferred = 0
         for req in ordered:
             if adder.full or len(self.running) + len(adder.reqs) >= self.config.max_running_requests:
                 break
+            if never_fits(req, self.allocator.size):  # waiting cannot help it, nor those behind it
+                self._refuse_oversized(req)
+                admitted.append(req)
+                continue
             if self._defer_sibling(req, siblings):
                 in_queue_order, deferred = False, deferred + 1
                 if deferred > MAX_DEFERRED_PER_STEP:  # bound the scan, whatever the queue length
@@ -131,11 +135,23 @@ class Scheduler:
             if self.req_to_token_pool.available_size() == 0 or not self._admit(req, adder):
                 break
             admitted.append(req)
+        # FCFS: a request that does not fit now stops admission (the `break` above), so it is not
+        # overtaken forever by smaller ones; it waits at most until the running requests end,
+        # since an empty pool fits it (never_fits refuses the rest, so none blocks the queue).
         self._remove_from_waiting(admitted, in_queue_order)
         batch = self._build_extend_batch(adder.reqs) if adder.reqs else None
         if batch is not None and self.config.enable_mixed_chunk and self.running:
             self._mix_in_decode(batch)
         return batch
+
+    def _refuse_oversized(self, req: Req) -> None:
+        """The front end refuses these (RequestBuilder); a request that still gets here ends now
+        with an error naming the limit instead of waiting for memory that never comes."""
+        need = len(req.all_ids) + req.remaining_new_tokens
+        req.finished_reason = {"type": "abort", "status_code": 400, "message": (
+            f"request needs {need} KV cache slots ({len(req.all_ids)} tokens + {req.remaining_new_tokens} "
+            f"new) but the pool holds {self.allocator.size}; lower max_new_tokens or raise --max-total-tokens")}
+        self.finished_here.append(req)
 
     def _mix_in_decode(self, batch: ScheduleBatch) -> None:
         """--enable-mixed-chunk: running requests ride along in the prefill pass as one-token

@@ -171,7 +171,7 @@ def test_update_with_abort_all_requests_ends_them_and_flushes(engine_factory, ot
     import time
 
     eng = engine_factory()
-    long = {"max_new_tokens": 5000, "temperature": 0.0, "ignore_eos": True}
+    long = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(out=eng.generate(input_ids=[5, 6, 7], sampling_params=long)))
     runner.start()

@@ -100,12 +100,12 @@ def test_abort_and_flush(served):
 
     async def aborted() -> dict:
         task = asyncio.ensure_future(client.async_generate(input_ids=[5, 6, 7], rid="long-one",
-                                                           sampling_params={**GREEDY, "max_new_tokens": 100000}))
+                                                           sampling_params={**GREEDY, "max_new_tokens": 4000}))
         await asyncio.sleep(0.5)
         await client.async_abort_request("long-one")
         return await task
 
     out = asyncio.run(aborted())
-    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 100000
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 4000
     assert client.flush_cache()
     engine.check_integrity()
