@@ -188,8 +188,9 @@ RULES = (
     Rule("rollout and trainer_bridge are peers below recipes",
          lambda m: _under(m, "rollout", "trainer_bridge"), _forbid("recipes")),
 )
-# The engine's server/tokenizer chat templates: engine.tokenizer is a top-level leaf (transformers
-# only), so the server may use it for apply_chat_template without reaching into the core.
+# The server may use engine.tokenizer (a top-level leaf, transformers only) for chat templates,
+# and weight_sync (outside the engine) to read weight payloads off the wire: neither reaches into
+# the core. The rules name packages; DESIGN section 1 is the picture they keep true.
 
 
 def layer_violations(imports: list[Import] = IMPORTS) -> list[str]:

@@ -48,11 +48,11 @@ def test_a_backend_without_graph_support_says_so():
 
 def test_graphs_follow_the_spec():
     args = ServerArgs(model_path="m")
-    memory = setup.MemoryPlan.__new__(setup.MemoryPlan)
     no_graphs = dataclasses.replace(get_backend_spec("triton"), supports_cuda_graph=False)
-    # decided before any CUDA call: no graphs for a spec without them, nor off the GPU
-    assert setup._cuda_graph_max_bs(args, torch.device("cuda"), no_graphs, memory) == 0
-    assert setup._cuda_graph_max_bs(args, torch.device("cpu"), get_backend_spec("triton"), memory) == 0
+    # decided before any CUDA call or memory plan (None: never read): no graphs for a spec
+    # without them, nor off the GPU
+    assert setup._cuda_graph_max_bs(args, torch.device("cuda"), no_graphs, None) == 0
+    assert setup._cuda_graph_max_bs(args, torch.device("cpu"), get_backend_spec("triton"), None) == 0
 
 
 def test_start_up_checks_name_the_problem():
