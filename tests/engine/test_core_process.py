@@ -19,7 +19,7 @@ from engine.api.core_client import CoreDead
 from tests.engine.conftest import random_prompts
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-LONG = {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -170,28 +170,8 @@ def test_http_generate_over_a_core_process(proc_engine):
 
 
 def test_a_killed_core_fails_requests_and_calls_at_once(engine_factory):
-    eng = engine_factory(core_process=True)
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(
-        out=eng.generate(input_ids=[5, 6, 7], sampling_params=LONG)))
-    worker.start()
-    time.sleep(0.5)
-    os.kill(eng.client.process.pid, signal.SIGKILL)
-    worker.join(timeout=10)
-    assert not worker.is_alive(), "the in-flight request hung after the core died"
-    reason = result["out"]["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "core process exited" in reason["message"]
-    assert "SIGKILL" in reason["message"]
-    assert not eng.is_alive()
-    with pytest.raises(CoreDead, match="core process exited"):
-        eng.get_stats()
-    with pytest.raises(CoreDead, match="core process exited"):
-        eng.generate(input_ids=[5, 6], sampling_params=GREEDY)
-    eng.shutdown()  # quick, and safe to repeat
-
-
-def test_a_pending_call_raises_when_the_core_dies(engine_factory):
-    """A call blocked in the core (a rendezvous nobody joins) raises CoreDead when it is killed."""
+    """An in-flight request and a call blocked in the core (a rendezvous nobody joins) both end
+    within seconds of a SIGKILL, naming the exit; later calls and requests raise CoreDead at once."""
     eng = engine_factory(core_process=True)
     result: dict = {}
 
@@ -199,15 +179,30 @@ def test_a_pending_call_raises_when_the_core_dies(engine_factory):
         try:
             eng.init_weights_update_group("127.0.0.1", _free_port(), 1, 2, "never", "gloo")
         except Exception as exc:
-            result["error"] = exc
+            result["call_error"] = exc
 
-    caller = threading.Thread(target=wait_for_group)
-    caller.start()
-    time.sleep(1.0)
+    generating = threading.Thread(target=lambda: result.update(
+        out=eng.generate(input_ids=[5, 6, 7], sampling_params=LONG)))
+    generating.start()
+    time.sleep(0.5)
+    calling = threading.Thread(target=wait_for_group)
+    calling.start()
+    time.sleep(0.5)
     os.kill(eng.client.process.pid, signal.SIGKILL)
-    caller.join(timeout=10)
-    assert not caller.is_alive(), "the pending call hung after the core died"
-    assert isinstance(result["error"], CoreDead) and "exited" in str(result["error"])
+    generating.join(timeout=10)
+    calling.join(timeout=10)
+    assert not generating.is_alive(), "the in-flight request hung after the core died"
+    assert not calling.is_alive(), "the pending call hung after the core died"
+    reason = result["out"]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "core process exited" in reason["message"]
+    assert "SIGKILL" in reason["message"]
+    assert isinstance(result["call_error"], CoreDead) and "SIGKILL" in str(result["call_error"])
+    assert not eng.is_alive()
+    with pytest.raises(CoreDead, match="core process exited"):
+        eng.get_stats()
+    with pytest.raises(CoreDead, match="core process exited"):
+        eng.generate(input_ids=[5, 6], sampling_params=GREEDY)
+    eng.shutdown()  # quick, and safe to repeat
 
 
 def test_start_up_failure_is_raised_in_the_parent(tmp_path):
