@@ -239,6 +239,8 @@ class EngineCore:
                 continue
             if req.wants_input_logprobs:
                 req.input_logprobs.extend(result.input_logprobs[i])
+                if req.top_logprobs_num and result.input_top_logprobs:
+                    req.input_top_logprobs.extend(result.input_top_logprobs[i])
                 if not req.is_chunked:
                     req.input_logprobs_done = True
             if kept[i]:

@@ -42,6 +42,9 @@ def _logprob_fields(req: Req, core: CoreView) -> dict[str, Any]:
         values: list[Optional[float]] = ([None] if start == 0 else []) + list(req.input_logprobs)
         tokens = req.origin_input_ids[start:]
         fields["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(values, tokens)]
+    if req.top_logprobs_num and req.logprob_start_len >= 0:  # SGLang: the first position has none
+        tops = [[[lp, tok, None] for lp, tok in entry] for entry in req.input_top_logprobs]
+        fields["input_top_logprobs"] = ([None] if req.logprob_start_len == 0 else []) + tops
     if req.top_logprobs_num:
         fields["output_top_logprobs"] = [
             [[lp, tok, None] for lp, tok in (entry or [])] for entry in req.output_top_logprobs

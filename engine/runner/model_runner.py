@@ -144,6 +144,8 @@ class ModelRunner:
         if plan.num_prompt_rows:
             rows_t, targets = h2d(plan.prompt_rows, self.device), h2d(plan.prompt_targets, self.device)
             pending.input_values = gather_token_logprobs(original_logprobs(logits[rows_t], self.log_softmax), targets)
+            if k:  # input_top_logprobs: the top k at each prompt position too
+                pending.input_top = top_logprobs(logits[rows_t], k, self.log_softmax)
         pending.prompt_row_counts = plan.prompt_row_counts
         return pending
 

@@ -23,6 +23,7 @@ class PendingResult:
     top: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # top-k (values, ids) on the device
     input_values: Optional[torch.Tensor] = None  # prompt logprobs on the device
     prompt_row_counts: Optional[list[int]] = None
+    input_top: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # top-k at prompt positions
 
     @classmethod
     def start(cls, batch: ScheduleBatch, next_ids: torch.Tensor, logprobs: torch.Tensor) -> "PendingResult":
@@ -43,6 +44,7 @@ class PendingResult:
         result = BatchResult(next_token_ids=[int(v) for v in values[:n]], logprobs=values[n:])
         result.top_logprobs = self._top_lists()
         result.input_logprobs = self._input_lists()
+        result.input_top_logprobs = self._input_top_lists()
         return result
 
     def _top_lists(self) -> list:
@@ -52,6 +54,19 @@ class PendingResult:
         values, ids = self.top[0].tolist(), self.top[1].tolist()
         return [list(zip(values[i][: r.top_logprobs_num], ids[i][: r.top_logprobs_num])) if r.top_logprobs_num
                 else None for i, r in enumerate(reqs)]
+
+    def _input_top_lists(self) -> list[list[list[tuple[float, int]]]]:
+        """Per request, per prompt row: its top_logprobs_num (logprob, id) pairs."""
+        reqs = self.batch.reqs
+        if self.input_top is None:
+            return [[] for _ in reqs]
+        values, ids = self.input_top[0].tolist(), self.input_top[1].tolist()
+        out, offset = [], 0
+        for r, n in zip(reqs, self.prompt_row_counts or [0] * len(reqs)):
+            k = r.top_logprobs_num
+            out.append([list(zip(values[j][:k], ids[j][:k])) for j in range(offset, offset + n)] if k else [])
+            offset += n
+        return out
 
     def _input_lists(self) -> list[list[float]]:
         counts = self.prompt_row_counts or [0] * self.batch.batch_size

@@ -59,3 +59,4 @@ class BatchResult:
     top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     # per request: logprobs of prompt tokens computed by this pass, in position order
     input_logprobs: list[list[float]] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)  # when top_logprobs_num

@@ -42,6 +42,7 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs: list[Optional[float]] = field(default_factory=list)
     input_logprobs_done: bool = False
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     # text, for stop strings and streaming (set by the core)
     detokenizer: Any = None

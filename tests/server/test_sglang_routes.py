@@ -199,3 +199,30 @@ def test_profile_writes_a_trace_with_the_core_ops(tmp_path, engine_factory):
 @pytest.mark.parametrize("path", ["/health", "/get_model_info", "/v1/models", "/v1/loads", "/get_server_info"])
 def test_read_routes_answer_200(client, path):
     assert client.get(path).status_code == 200
+
+
+def test_input_top_logprobs_match_hf(client, tiny_model_dir):
+    """SGLang's meta_info.input_top_logprobs: per prompt position (the first is null) the top k
+    [logprob, id, text] under the original distribution; oracle: HF transformers."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    prompt = [5, 17, 99, 3, 250, 8]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected_values, expected_ids = torch.topk(logprobs[:-1], 3, dim=-1)
+    for start in (0, 2):
+        body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True,
+                "logprob_start_len": start, "top_logprobs_num": 3}
+        meta = client.post("/generate", json=body).json()["meta_info"]
+        tops = meta["input_top_logprobs"]
+        assert len(tops) == len(meta["input_token_logprobs"]) == len(prompt) - start
+        if start == 0:
+            assert tops[0] is None
+        for pos in range(max(start, 1), len(prompt)):  # predicts prompt[pos] from prompt[:pos]
+            entry = tops[pos - start]
+            assert [e[1] for e in entry] == expected_ids[pos - 1].tolist()
+            assert [e[0] for e in entry] == pytest.approx(expected_values[pos - 1].tolist(), abs=1e-4)
+    plain = client.post("/generate", json={**body, "top_logprobs_num": 0}).json()["meta_info"]
+    assert "input_top_logprobs" not in plain
