@@ -146,7 +146,10 @@ class HttpClient(EngineClient):
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _post(self, route: str, body: dict) -> Any:
+        """A verb without a (success, message) reply: a 400 is a ValueError, as Engine raises."""
         response = self._sync.post(route, json=body)
+        if response.status_code == 400:
+            raise ValueError(_message(response))
         if response.status_code != 200:
             raise RuntimeError(f"{route} failed with HTTP {response.status_code}: {_message(response)}")
         return response

@@ -64,20 +64,20 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T],
     resumed: list[str] = []
     try:
         with clock("release"):
-            _on_all(engines, lambda e: _memory(e.release_memory_occupation, None, "release"))
+            on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, None, "release"))
         with clock("train"):
             result = train_step()
         with clock("resume_weights"):
-            _on_all(engines, lambda e: _memory(e.resume_memory_occupation, WEIGHT_TAGS, "resume"))
+            on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, WEIGHT_TAGS, "resume"))
         resumed += WEIGHT_TAGS
         named = list(named_tensors())
         with clock("push"):
-            _on_all(engines, lambda e: push_weights(e, named, weight_version, push.transport, push.pause_mode,
-                                                    push.bucket_bytes))
+            on_all_engines(engines, lambda e: push_weights(e, named, weight_version, push.transport,
+                                                           push.pause_mode, push.bucket_bytes))
     finally:
         missing = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in resumed]
         with clock("resume_kv"):
-            _on_all(engines, lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
+            on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
     return result, ColocatePhases(**clock.seconds)
 
 
@@ -87,8 +87,8 @@ def _memory(verb: Callable, tags: Any, what: str) -> None:
         raise ColocateError(f"engine refused to {what} memory {tags or 'all'}: {message}")
 
 
-def _on_all(engines: Sequence[Any], fn: Callable[[Any], Any]) -> None:
-    """fn on every engine at once; every engine gets its call even if one fails, then the first
+def on_all_engines(engines: Sequence[Any], fn: Callable[[Any], Any]) -> None:
+    """fn on every engine at once (a thread each); every engine gets its call even if one fails, then the first
     failure is raised."""
     if len(engines) == 1:
         fn(engines[0])

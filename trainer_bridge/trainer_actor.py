@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from trainer_bridge.colocate import PushConfig, colocated_step
+from trainer_bridge.colocate import PushConfig, colocated_step, on_all_engines
 from trainer_bridge.sync import push_weights
 
 
@@ -61,12 +61,12 @@ class TrainerActor:
 
     def push_weights(self, engines: Sequence[Any], weight_version: str, push: PushConfig = PushConfig(),
                      tensor_transport: str = "auto") -> float:
-        """Pause -> buckets -> flush + version -> continue on every engine, one after another;
-        -> seconds. Raises trainer_bridge.sync.WeightSyncError with the engine's reason on refusal."""
+        """Pause -> buckets -> flush + version -> continue on every engine at once; -> seconds.
+        Raises trainer_bridge.sync.WeightSyncError with the engine's reason on refusal."""
         start = time.perf_counter()
         named = self.named_weights(push.bucket_bytes)
-        for client in _clients(engines, tensor_transport):
-            push_weights(client, named, weight_version, push.transport, push.pause_mode, push.bucket_bytes)
+        on_all_engines(_clients(engines, tensor_transport), lambda client: push_weights(
+            client, named, weight_version, push.transport, push.pause_mode, push.bucket_bytes))
         return time.perf_counter() - start
 
     def colocated_step(self, engines: Sequence[Any], samples: Sequence[Any], advantages: Sequence[float],

@@ -109,3 +109,19 @@ def test_abort_and_flush(served):
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 4000
     assert client.flush_cache()
     engine.check_integrity()
+
+
+def test_release_and_resume_over_http(served, oracle_a):
+    client, _ = served
+    ok, message = client.release_memory_occupation()
+    assert ok, message
+    assert sorted(client.get_server_info()["internal_states"][0]["memory_released"]) == \
+        ["cuda_graph", "kv_cache", "weights"]
+    for tags in (["weights", "cuda_graph"], ["kv_cache"]):
+        ok, message = client.resume_memory_occupation(tags)
+        assert ok, message
+    assert greedy_ids(client) == greedy_ids(oracle_a)
+    ok, message = client.release_memory_occupation(["bogus"])
+    assert not ok and "bogus" in message
+    with pytest.raises(ValueError, match="mode"):
+        client.pause_generation(mode="sideways")
