@@ -48,11 +48,20 @@ class GenerateRequest(_Lenient):
     rid: Optional[Union[str, list[str]]] = None
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": self.sampling_params,
+        return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": _nulls_dropped(self.sampling_params),
                 "return_logprob": self.return_logprob,
                 "logprob_start_len": -1 if self.logprob_start_len is None else self.logprob_start_len,
                 "top_logprobs_num": self.top_logprobs_num or 0,
                 "logprob_distribution": self.logprob_distribution, "rid": self.rid}
+
+
+def _nulls_dropped(params: Any) -> Any:
+    """SGLang 0.5.23: an explicit null sampling field means its default (slime sends "stop": null)."""
+    if isinstance(params, dict):
+        return {k: v for k, v in params.items() if v is not None}
+    if isinstance(params, list):
+        return [_nulls_dropped(p) for p in params]
+    return params
 
 
 class AbortRequest(_Lenient):

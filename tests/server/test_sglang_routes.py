@@ -36,6 +36,15 @@ def test_slime_generate_body_matches_in_process_api(client, engine):
     assert out["meta_info"]["weight_version"] == "default"
 
 
+def test_null_sampling_fields_take_their_defaults(client):
+    """SGLang 0.5.23: an explicit null selects the field's default."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "top_k": None, "min_p": None, "n": None}}
+    nulls = client.post("/generate", json=body)
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["output_ids"] == client.post("/generate", json={**body, "sampling_params": GREEDY}).json()[
+        "output_ids"]
+
+
 def test_unknown_fields_are_ignored_and_logged_once(client, engine, caplog):
     miles = {**slime_body([5, 6, 7, 8]), "return_routed_experts": False, "return_indexer_topk": False,
              "routed_dp_rank": None, "extra_key": None, "some_future_field": {"x": 1}}
