@@ -50,7 +50,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     from rollout.engine_actor import ensure_ray
 
-    ensure_ray(num_cpus=2, log_to_driver=False)
+    ensure_ray(num_cpus=2, log_to_driver=False, object_store_memory=256 << 20)  # light for a CI box
     yield ray
     ray.shutdown()
 
