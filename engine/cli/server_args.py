@@ -109,3 +109,26 @@ def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
         if len(rest) == 1:
             return rest[0], True
     return annotation, False
+
+
+def server_args_to_argv(kwargs: dict[str, Any]) -> list[str]:
+    """The flags that give ServerArgs(**kwargs) on a command line (defaults left out): how a tool
+    starts `tandem serve` with the engine settings it was given."""
+    hints = typing.get_type_hints(ServerArgs)
+    argv: list[str] = []
+    for field in dataclasses.fields(ServerArgs):
+        if field.name not in kwargs or kwargs[field.name] == _default_of(field):
+            continue
+        value, flag = kwargs[field.name], flag_name(field.name)
+        base, _ = _unwrap_optional(hints[field.name])
+        if value is None:
+            continue
+        if base is bool:
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif typing.get_origin(base) in (list, tuple):
+            argv += [flag, *map(str, value)]
+        elif base in _SCALARS:
+            argv += [flag, str(value)]
+        else:
+            argv += [flag, json.dumps(value)]
+    return argv

@@ -129,3 +129,85 @@ def test_profile_report_on_cpu_and_format():
     lines = format_profile(report).splitlines()
     assert "kernel time 1.500 s (75% of wall)" in lines[0]
     assert lines[2].split()[:3] == ["60.0%", "900.00", "10"] and lines[2].endswith("split_kv_stage1")
+
+
+# ---- over HTTP: --url (a running server) and --serve (bench starts one) ---------------------------
+@pytest.fixture(scope="module")
+def live_server(engine_factory):
+    """A real uvicorn server on a free port, over a deterministic engine: batch-invariant, so HTTP
+    and in-process greedy outputs are bitwise comparable."""
+    pytest.importorskip("httpx")
+    import socket
+    import threading
+
+    import uvicorn
+
+    from engine.server.http import create_app
+
+    eng = engine_factory(enable_deterministic_inference=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(eng), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        threading.Event().wait(0.05)
+    yield eng, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_url_bench_streams_and_equals_in_process(tmp_path, live_server):
+    from engine.cli.bench.http_run import HttpBench
+
+    eng, url = live_server
+    path = tmp_path / "http.json"
+    assert cli.main(["bench", "--url", url, "--num-runs", "2", "--warmup-runs", "1", "--num-prompts", "3",
+                     "--input-len", "8", "--output-len", "5", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    med = result["http"]["median"]
+    assert len(result["http"]["runs"]) == 2 and "tandem" not in result
+    assert med["output_tokens"] == med["expected_output_tokens"] == 3 * 5 and med["input_tokens"] == 3 * 8
+    assert med["not_length_finished"] == 0 and med["cache_hit_rate"] == 0.0  # flushed before each run
+    assert 0 < med["ttft_median_ms"] <= med["ttft_p99_ms"] and 0 < med["itl_median_ms"]
+    assert result["workload"]["num_requests"] == 3 and result["dtype"] == "float32"
+
+    workload = build_workload("random", 4, 10, 6, vocab_size=eng.info.vocab_size, seed=5)
+    outcome = HttpBench(url).run_all(workload, workload, 0, 1, "final")[0]
+    direct = eng.generate(input_ids=workload.input_ids, sampling_params=workload.sampling_params())
+    assert outcome.output_ids == [o["output_ids"] for o in direct]
+    assert outcome.metrics["output_tokens"] == 4 * 6 and outcome.metrics["ttft_median_ms"] is None
+
+
+def test_serve_bench_reports_http_beside_in_process(tmp_path, capsys):
+    result = _bench(tmp_path, "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--warmup-runs", "0",
+                    "--stream-mode", "final", "--enable-deterministic-inference", "--serve")
+    assert result["http"]["median"]["output_tokens"] == result["tandem"]["median"]["output_tokens"] == 3 * 4
+    assert result["ratios"]["http_agreement"] == 1.0  # greedy, batch-invariant: the same ids over HTTP
+    assert result["ratios"]["http_over_in_process"] > 0
+    assert "--enable-deterministic-inference" in result["serve_command"]
+    out = capsys.readouterr().out
+    assert "tandem HTTP" in out and "tandem HTTP / in-process output tok/s" in out
+
+
+def test_http_flags_that_cannot_go_together(tmp_path):
+    with pytest.raises(SystemExit, match="not both"):
+        _bench(tmp_path, "--url", "http://127.0.0.1:1", "--serve")
+    with pytest.raises(SystemExit, match="--roofline"):
+        _bench(tmp_path, "--url", "http://127.0.0.1:1", "--roofline")
+    with pytest.raises(SystemExit, match="--compare-hf"):
+        _bench(tmp_path, "--core-process", "--compare-hf")
+
+
+def test_server_args_round_trip_through_flags():
+    from engine.cli.main import build_parser
+    from engine.cli.server_args import server_args_from_namespace, server_args_to_argv
+    from engine.config import ServerArgs
+
+    kwargs = {"model_path": "/m", "core_process": True, "dtype": "float32", "max_running_requests": 8,
+              "disable_radix_cache": True, "chunked_prefill_size": -1}
+    ns = build_parser().parse_args(["serve", *server_args_to_argv(kwargs)])
+    assert ServerArgs(**server_args_from_namespace(ns)) == ServerArgs(**kwargs)

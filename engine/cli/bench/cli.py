@@ -40,8 +40,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="0: greedy (what --compare-hf checks); 1.0 samples as RL rollouts do")
     m = p.add_argument_group("model")
     add_preset_argument(m)
+    h = p.add_argument_group("HTTP serving")
+    h.add_argument("--url", default=None, metavar="http://HOST:PORT",
+                   help="drive a running server's /generate instead of an in-process engine: one "
+                   "request per prompt (input_ids), all at once, as rollout workers send them")
+    h.add_argument("--serve", action="store_true",
+                   help="measure in-process, then start `tandem serve` with the same engine flags and "
+                   "measure it over HTTP; report both and their ratio")
+    h.add_argument("--serve-args", default="", metavar="FLAGS",
+                   help="extra flags for the served engine only, e.g. '--core-process'")
     r = p.add_argument_group("measurement")
-    r.add_argument("--runs", type=int, default=3, help="measured runs; the median is reported")
+    r.add_argument("--runs", "--num-runs", dest="runs", type=int, default=3,
+                   help="measured runs; the median is reported")
     r.add_argument("--warmup-runs", type=int, default=1, help="unmeasured runs first (other prompts)")
     r.add_argument("--stream-mode", choices=STREAM_MODES, default="stream",
                    help="stream: TTFT/ITL and throughput from streamed runs; final: final "
@@ -77,8 +87,9 @@ class Bench:
         if args.compare_hf and args.temperature != 0.0:
             raise SystemExit("tandem bench: --compare-hf runs greedy generation; drop --temperature "
                              "(or --compare-hf to measure sampling alone)")
+        _check_http_flags(args)
         self.args = args
-        self.engine_kwargs, self.model_label = _engine_kwargs(args)
+        self.engine_kwargs, self.model_label = _engine_kwargs(args) if not args.url else ({}, args.url)
         self.n = args.n or (GRPO_DEFAULT_N if args.workload == "grpo" else 1)
         self._engine_model: Any = None
         self._tandem_output_ids: list[list[int]] = []
@@ -87,6 +98,11 @@ class Bench:
         import torch
 
         from engine.core.setup import resolve_device
+
+        if self.args.url:
+            from engine.cli.bench.http_phase import run_against_url
+
+            return run_against_url(self)
 
         device = resolve_device(self.engine_kwargs.get("device", "auto"))
         vocab = self._check_model_limits()
@@ -99,6 +115,10 @@ class Bench:
             self._save_partial(result)
             self._run_hf(result, workload, device)
         self._engine_model = None
+        if self.args.serve:
+            from engine.cli.bench.http_phase import run_served
+
+            run_served(self, result, workload, warmup)
         return result
 
     # ---- phases --------------------------------------------------------------------------------
@@ -220,14 +240,13 @@ class Bench:
     def _describe_engine(self, result: dict, engine: Any, workload: Workload) -> None:
         import dataclasses
 
-        cfg, memory = engine.local_core.runner.config, engine.local_core.parts.memory
+        info = engine.info  # the core's own report: the core may run in another process
         result.update(
-            workload=workload.describe(), dtype=str(cfg.dtype).replace("torch.", ""),
-            attention_backend=cfg.attention_backend,
+            workload=workload.describe(), dtype=info.dtype, attention_backend=info.attention_backend,
             server_args=dataclasses.asdict(engine.server_args),
-            engine_limits={"max_total_num_tokens": memory.max_total_num_tokens,
-                           "max_running_requests": memory.max_running_requests,
-                           "chunked_prefill_size": memory.chunked_prefill_size},
+            engine_limits={"max_total_num_tokens": info.max_total_num_tokens,
+                           "max_running_requests": info.max_running_requests,
+                           "chunked_prefill_size": info.chunked_prefill_size},
         )
 
     def _add_roofline(self, result: dict, engine: Any, workload: Workload, rates: Any) -> None:
@@ -237,6 +256,18 @@ class Bench:
         shape = model_shape(model, model.config, memory.bytes_per_token)
         batch = max_decode_batch(workload, memory.max_running_requests, memory.max_total_num_tokens)
         result["roofline"] = floor(workload, shape, rates, batch)
+
+
+def _check_http_flags(args: argparse.Namespace) -> None:
+    """Flags that need the engine's model in this process cannot go with a server or a core process."""
+    if args.url and args.serve:
+        raise SystemExit("tandem bench: give --url (a running server) or --serve (start one), not both")
+    local = [flag for flag, on in (("--compare-hf", args.compare_hf), ("--roofline", args.roofline),
+                                   ("--profile", args.profile > 0)) if on]
+    remote = "--url" if args.url else "--core-process" if getattr(args, "core_process", False) else None
+    if local and remote:
+        raise SystemExit(f"tandem bench: {', '.join(local)} read(s) the model in this process; drop "
+                         f"{remote} or {local[0]}")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

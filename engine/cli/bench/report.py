@@ -25,22 +25,28 @@ def _fmt(value: Any, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
+# (result key, column heading): the in-process engine, the same over HTTP, HF generate
+COLUMNS: list[tuple[str, str]] = [("tandem", "tandem"), ("http", "tandem HTTP"), ("hf", "HF generate")]
+
+
 def format_table(result: dict[str, Any]) -> str:
-    tandem = result["tandem"]["median"]
-    hf = (result.get("hf") or {}).get("median") or {}
+    columns = [(title, (result.get(key) or {}).get("median") or {}) for key, title in COLUMNS
+               if key in result]
+    runs = (result.get("tandem") or result.get("http"))["runs"]
     w = result["workload"]
+    startup = result.get("engine_startup_s")
     lines = [
         f"tandem bench | {result['model']} | {w['kind']}: {w['num_requests']} requests "
         f"({w['num_prompts']} prompts x n={w['n']}), mean {w['mean_input_len']:.0f} in / "
-        f"{w['mean_output_len']:.0f} out | median of {len(result['tandem']['runs'])} run(s)",
+        f"{w['mean_output_len']:.0f} out | median of {len(runs)} run(s)",
         f"device {result['device']} | torch {result['torch_version']} | dtype {result['dtype']} | "
-        f"attention {result['attention_backend']} | engine start-up {result['engine_startup_s']:.1f} s",
+        f"attention {result['attention_backend']} | engine start-up {_fmt(startup, '{:.1f}')} s",
         "",
-        f"{'metric':<20} {'tandem':>14} {'HF generate':>14}",
+        f"{'metric':<20}" + "".join(f" {title:>14}" for title, _ in columns),
     ]
     for label, key, pattern in ROWS:
-        hf_cell = _fmt(hf.get(key), pattern) if hf else ""
-        lines.append(f"{label:<20} {_fmt(tandem.get(key), pattern):>14} {hf_cell:>14}")
+        cells = "".join(f" {_fmt(median.get(key), pattern) if median else '':>14}" for _, median in columns)
+        lines.append(f"{label:<20}{cells}")
     lines += _summary_lines(result)
     return "\n".join(lines)
 
@@ -48,6 +54,12 @@ def format_table(result: dict[str, Any]) -> str:
 def _summary_lines(result: dict[str, Any]) -> list[str]:
     out = [""]
     ratios = result.get("ratios", {})
+    if result.get("serve_command"):
+        out.append(f"served: {result['serve_command']} (start-up {result['serve_startup_s']:.1f} s)")
+    if ratios.get("http_over_in_process") is not None:
+        agree = ratios.get("http_agreement")
+        out.append(f"tandem HTTP / in-process output tok/s: {ratios['http_over_in_process']:.2f}x"
+                   + (f" (outputs identical for {agree:.0%} of requests)" if agree is not None else ""))
     if (result.get("hf") or {}).get("error"):
         out.append(f"HF baseline failed: {result['hf']['error']}")
     if ratios.get("tandem_over_hf") is not None:

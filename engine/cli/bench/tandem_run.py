@@ -74,7 +74,7 @@ def run_once(engine: Any, workload: Workload, device: torch.device, stream: bool
     retractions_before = engine.get_stats().num_retractions
     dev.reset_peak_memory(device)
     finals, traces, wall = asyncio.run(_submit_all(engine, workload, stream))
-    metrics = _metrics(workload, finals, traces, wall)
+    metrics = run_metrics(workload, finals, traces, wall)
     metrics["retractions"] = engine.get_stats().num_retractions - retractions_before
     metrics["peak_memory_gb"] = dev.peak_memory_gb(device)
     return RunOutcome(metrics, [f["output_ids"] for f in finals])
@@ -96,7 +96,7 @@ async def _submit_all(engine: Any, workload: Workload, stream: bool):
     return finals, traces, time.perf_counter() - start
 
 
-def _metrics(workload: Workload, finals: list[dict], traces: Optional[list[TokenTrace]],
+def run_metrics(workload: Workload, finals: list[dict], traces: Optional[list[TokenTrace]],
              wall: float) -> dict[str, Any]:
     metas = [f["meta_info"] for f in finals]
     out_tokens = sum(m["completion_tokens"] for m in metas)
