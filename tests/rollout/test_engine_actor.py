@@ -51,6 +51,9 @@ def test_generate_through_the_actor_equals_an_in_process_engine(engine_actor, or
     outs = asyncio.run(concurrent())
     assert [o["output_ids"] for o in outs] == greedy_ids(oracle_a) * 3
     assert all(len(o["meta_info"]["output_token_logprobs"]) == 8 for o in outs)
+    processed = client.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True,
+                                logprob_distribution="processed")
+    assert processed["meta_info"]["logprob_distribution"] == "processed"
     assert client.health() and client.get_weight_version() == "default"
     info = client.get_server_info()
     assert info["weight_version"] == "default" and info["internal_states"][0]["num_running_reqs"] == 0

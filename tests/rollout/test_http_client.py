@@ -47,6 +47,9 @@ def test_generate_by_ids_and_text_equals_the_engine(served, oracle_a):
     out = client.generate(prompt="hello world", sampling_params=GREEDY, return_logprob=True)
     assert out["output_ids"] == oracle_a.generate(prompt="hello world", sampling_params=GREEDY)["output_ids"]
     assert len(out["meta_info"]["output_token_logprobs"]) == 8
+    processed = client.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "temperature": 0.5},
+                                return_logprob=True, logprob_distribution="processed")
+    assert processed["meta_info"]["logprob_distribution"] == "processed"
 
     async def concurrent() -> list:
         return await asyncio.gather(*[client.async_generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS])
