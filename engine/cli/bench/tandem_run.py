@@ -76,7 +76,8 @@ def run_once(engine: Any, workload: Workload, device: torch.device, stream: bool
     finals, traces, wall = asyncio.run(_submit_all(engine, workload, stream))
     metrics = run_metrics(workload, finals, traces, wall)
     metrics["retractions"] = engine.get_stats().num_retractions - retractions_before
-    metrics["peak_memory_gb"] = dev.peak_memory_gb(device)
+    # a core in its own process holds the device memory there, out of this process's counters
+    metrics["peak_memory_gb"] = None if engine.server_args.core_process else dev.peak_memory_gb(device)
     return RunOutcome(metrics, [f["output_ids"] for f in finals])
 
 
