@@ -14,6 +14,8 @@ import os
 import threading
 from typing import Any
 
+import uvicorn
+
 logger = logging.getLogger("tandem")
 KEY_ENV = {"api_key": "TANDEM_API_KEY", "admin_api_key": "TANDEM_ADMIN_API_KEY"}
 LOCAL_HOSTS = ("localhost", "::1")
@@ -45,8 +47,6 @@ def exposure_warning(host: str, api_key: Any, admin_api_key: Any) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from engine import Engine
     from engine.cli.server_args import server_args_from_namespace
     from engine.server.http import create_app
@@ -67,13 +67,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _uvicorn_server() -> type:
-    import uvicorn
-
-    return uvicorn.Server
-
-
-class GracefulServer(_uvicorn_server()):  # type: ignore[misc]
+class GracefulServer(uvicorn.Server):
     """uvicorn.Server that, on SIGTERM/SIGINT, first ends every request in flight (waiting,
     paused or running) with an abort, so their connections close and shutdown does not hang."""
 
@@ -84,9 +78,14 @@ class GracefulServer(_uvicorn_server()):  # type: ignore[misc]
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.should_exit:
             logger.info("signal %s: ending the requests in flight and shutting down", sig)
-            self.engine.fail_all_requests("the server is shutting down")
-            self.engine.abort_request(abort_all=True)
+            # on a thread: this runs inside a signal handler, which may have interrupted the main
+            # thread while it held the engine's lock
+            threading.Thread(target=self._end_requests, name="tandem-end-requests", daemon=True).start()
         super().handle_exit(sig, frame)
+
+    def _end_requests(self) -> None:
+        self.engine.fail_all_requests("the server is shutting down")
+        self.engine.abort_request(abort_all=True)
 
 
 def _shutdown_bounded(engine: Any, seconds: float) -> None:

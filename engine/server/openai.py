@@ -48,7 +48,7 @@ class OpenAIServing:
         wants_logprobs = req.logprobs is not None
         return self.engine.async_generate(
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
-            return_logprob=wants_logprobs or req.echo, logprob_start_len=0 if req.echo and wants_logprobs else -1,
+            return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
             top_logprobs_num=req.logprobs or 0, stream=req.stream)
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:

@@ -12,7 +12,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 
 def free_port() -> int:
@@ -21,7 +20,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # starts a `tandem serve` process (a few seconds of imports)
 def test_sigterm_with_waiting_requests_exits_fast(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "TANDEM_ADMIN_API_KEY": "admin"}
