@@ -16,11 +16,10 @@ rollout.ray_client.RayClient; `start_engine_actors` starts a local Ray cluster i
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from typing import Any, Optional
 
-logger = logging.getLogger("tandem")
+MAX_CONCURRENT_CALLS = 16384  # Ray's default for async actors (1000) would queue a large rollout batch
 
 
 class EngineActor:
@@ -171,17 +170,19 @@ def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] =
                         num_cpus: float = 0) -> list[Any]:
     """n engine actors, each owning an Engine(**engine_kwargs), ready when this returns.
     num_gpus: Ray's GPU share per actor (fractional to colocate with a trainer); None: 1 when
-    the engine runs on CUDA, else 0. num_cpus: Ray's CPU accounting per actor (0: the engines do
+    the engine runs on a GPU (device "cuda", or "auto" on a cluster with GPUs), else 0. num_cpus: Ray's CPU accounting per actor (0: the engines do
     not take CPU slots a small machine needs for trainer actors). For SGLang-route clients,
     `ray.get(actor.serve_http.remote())` gives an actor's URL."""
     if n < 1:
         raise ValueError(f"start_engine_actors needs n >= 1, got {n}")
-    if num_gpus is None:
-        num_gpus = 0 if engine_kwargs.get("device", "cuda") == "cpu" else 1
     ensure_ray()
     import ray
 
-    cls = engine_actor_class().options(num_gpus=num_gpus, num_cpus=num_cpus)
+    if num_gpus is None:
+        device = engine_kwargs.get("device", "auto")
+        num_gpus = 0 if device == "cpu" or device == "auto" and not ray.cluster_resources().get("GPU") else 1
+
+    cls = engine_actor_class().options(num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=MAX_CONCURRENT_CALLS)
     actors = [cls.remote(dict(engine_kwargs)) for _ in range(n)]
     ray.get([a.health.remote() for a in actors])  # surfaces a failed start-up here, with its error
     return actors
