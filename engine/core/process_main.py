@@ -15,12 +15,13 @@ from __future__ import annotations
 import collections
 import logging
 import pickle
+import signal
 import traceback
 from typing import Any, Optional
 
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions on ForkingPickler)
 
-from engine.config import ServerArgs
+from engine.config import ServerArgs, configure_logging
 from engine.core.messages import ReqOutput
 from engine.core.worker import STOP, CoreWorker
 
@@ -80,7 +81,10 @@ class PipeSender:
 
 def run_core_process(server_args: ServerArgs, conn: Any) -> None:
     """Entry point of the core process (started with the 'spawn' context)."""
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s core] %(message)s")
+    logging.basicConfig(format="[%(asctime)s core] %(message)s")  # lines marked as the core's
+    configure_logging(server_args.log_level)
+    # Ctrl-C reaches the whole process group: the front end stops the core (STOP, or EOF if it dies)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     core = _start_core(server_args, conn)
     if core is None:
         return
