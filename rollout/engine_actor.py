@@ -167,12 +167,13 @@ def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs: Any) -> None:
 
 
 def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] = None,
-                        num_cpus: float = 0) -> list[Any]:
+                        num_cpus: float = 0, start_timeout_s: float = 900.0) -> list[Any]:
     """n engine actors, each owning an Engine(**engine_kwargs), ready when this returns.
     num_gpus: Ray's GPU share per actor (fractional to colocate with a trainer); None: 1 when
     the engine runs on a GPU (device "cuda", or "auto" on a cluster with GPUs), else 0. num_cpus: Ray's CPU accounting per actor (0: the engines do
     not take CPU slots a small machine needs for trainer actors). For SGLang-route clients,
-    `ray.get(actor.serve_http.remote())` gives an actor's URL."""
+    `ray.get(actor.serve_http.remote())` gives an actor's URL. An engine not up within
+    start_timeout_s (loading included) is an error, never a hang."""
     if n < 1:
         raise ValueError(f"start_engine_actors needs n >= 1, got {n}")
     ensure_ray()
@@ -184,5 +185,20 @@ def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] =
 
     cls = engine_actor_class().options(num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=MAX_CONCURRENT_CALLS)
     actors = [cls.remote(dict(engine_kwargs)) for _ in range(n)]
-    ray.get([a.health.remote() for a in actors])  # surfaces a failed start-up here, with its error
+    wait_until_ready([a.health.remote() for a in actors], actors, start_timeout_s,
+                     f"{n} engine actor(s) with num_gpus={num_gpus}, num_cpus={num_cpus}")
     return actors
+
+
+def wait_until_ready(refs: list, actors: list, timeout_s: float, what: str) -> None:
+    """ray.get of start-up probes: a failed start-up raises its error here; one that never gets
+    scheduled (the cluster lacks the resources) or hangs is killed after timeout_s."""
+    import ray
+
+    try:
+        ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for actor in actors:
+            ray.kill(actor)
+        raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s: does the Ray cluster have those resources "
+                           f"free (ray.available_resources() = {ray.available_resources()})?") from None

@@ -201,3 +201,10 @@ def test_start_engine_actors_refuses_zero():
 
     with pytest.raises(ValueError, match="n >= 1"):
         start_engine_actors(0, dict(ENGINE_KWARGS))
+
+
+def test_an_actor_the_cluster_cannot_place_times_out_with_a_clear_error(ray_cluster, model_a):
+    from rollout.engine_actor import start_engine_actors
+
+    with pytest.raises(TimeoutError, match="num_gpus=64.*resources"):
+        start_engine_actors(1, {"model_path": model_a, **ENGINE_KWARGS}, num_gpus=64, start_timeout_s=1)
