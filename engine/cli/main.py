@@ -20,8 +20,10 @@ HANDLERS = {
     "demo": ("engine.cli.generate", "run_demo"),
     "serve": ("engine.cli.serve", "run_serve"),
     "bench": ("engine.cli.bench.cli", "run_bench"),
+    "bench-sync": ("engine.cli.bench_sync", "run_bench_sync"),
     "determinism": ("engine.cli.determinism.cli", "run_determinism"),
     "replay": ("engine.cli.determinism.cli", "run_replay"),
+    "train": ("engine.cli.train", "run_train"),
 }
 
 
@@ -34,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_bench_sync(sub)
     _add_determinism(sub)
     _add_replay(sub)
+    _add_train(sub)
     return parser
 
 
@@ -103,6 +107,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_arguments(p)
 
 
+def _add_bench_sync(sub: argparse._SubParsersAction) -> None:
+    from engine.cli.bench_sync import add_arguments
+
+    p = sub.add_parser("bench-sync", help="weight update time by phase (pause/transfer/load/flush/resume)",
+                       description="Push a model's weights from a trainer to an engine N times over a "
+                       "transport (inprocess, cuda-ipc, disk); report median phase times and GPU memory.")
+    add_arguments(p)
+
+
 def _add_determinism(sub: argparse._SubParsersAction) -> None:
     from engine.cli.determinism.cli import add_determinism_arguments
 
@@ -119,6 +132,16 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
                        description="Re-run every request of a --record-path file with its prompt, "
                        "sampling params and seed; report any token or logprob that differs.")
     add_replay_arguments(p)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from engine.cli.train import add_arguments
+
+    p = sub.add_parser("train", help="RL: run a GRPO recipe (the embedded default when none is named)",
+                       description="Run an RL recipe: rollouts on engines, rewards, GRPO update, weight push "
+                       "every step. Alone, it runs the embedded default (tiny model, addition, CPU). Every "
+                       "recipe field is a flag.")
+    add_arguments(p)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""The trainer side of `tandem bench-sync`: a model's weights in flattened buckets, sent by reference.
+
+BucketTrainer holds random weights of a checkpoint's shapes (HF names, from its config on the
+meta device) directly in flattened bucket buffers, as trainers with contiguous parameter buffers
+do, so it holds one copy and every update reuses the same buffers: one CUDA IPC handle (or one
+shared-memory file on the CPU) per bucket, the same handles each time, which keeps GPU memory
+flat over hundreds of updates. `ipc_collect` frees what the engine has closed.
+
+It runs in another process: a Ray actor when Ray is installed (fractional GPU, so it shares the
+engine's GPU) or a spawned process driven over a pipe (TrainerProcess); both expose the same calls.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import torch
+
+
+def hf_parameter_shapes(model_path: str) -> list[tuple[str, torch.Size]]:
+    """(HF name, shape) of every weight: from the checkpoint's safetensors headers, or for a
+    config-only checkpoint (real-shape presets) from its config on the meta device."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if files:
+        shapes = []
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                shapes += [(name, torch.Size(f.get_slice(name).get_shape())) for name in f.keys()]
+        return shapes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(name, p.shape) for name, p in model.named_parameters()]
+
+
+def group_by_bytes(shapes: list[tuple[str, torch.Size]], itemsize: int, bucket_bytes: int) -> list[list]:
+    groups: list[list] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = shape.numel() * itemsize
+        if groups[-1] and size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    return groups
+
+
+class BucketTrainer:
+    def __init__(self, model_path: str, dtype: str, device: str, bucket_bytes: int, seed: int = 0) -> None:
+        from weight_sync.bucket import FlattenedBucket, FlattenedTensorMetadata
+
+        self.dtype, self.device = getattr(torch, dtype), torch.device(device)
+        gen = torch.Generator(self.device).manual_seed(seed)
+        itemsize = self.dtype.itemsize
+        self.buckets = []
+        for group in group_by_bytes(hf_parameter_shapes(model_path), itemsize, bucket_bytes):
+            total = sum(shape.numel() for _, shape in group)
+            flat = torch.empty(total, dtype=self.dtype, device=self.device)
+            flat.normal_(0.0, 0.02, generator=gen)  # the "trained" weights, in place
+            metadata, offset = [], 0
+            for name, shape in group:
+                nbytes = shape.numel() * itemsize
+                metadata.append(FlattenedTensorMetadata(name, shape, self.dtype, offset, offset + nbytes, nbytes))
+                offset += nbytes
+            self.buckets.append(FlattenedBucket(flat.view(torch.uint8), metadata))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def layout(self) -> dict[str, Any]:
+        return {"num_buckets": len(self.buckets),
+                "total_bytes": sum(b.flattened_tensor.numel() for b in self.buckets),
+                "num_tensors": sum(len(b.metadata) for b in self.buckets)}
+
+    def payloads(self) -> list[str]:
+        """One base64 payload per bucket: references to the same buffers every update."""
+        from weight_sync.cuda_ipc import serialize
+
+        return [serialize(b.to_payload(), as_text=True) for b in self.buckets]
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [pair for b in self.buckets for pair in b.unpack()]
+
+    def tensor_names(self) -> list[str]:
+        return [m.name for b in self.buckets for m in b.metadata]
+
+    def first_rows(self, name: str, rows: int) -> list:
+        tensor = dict(self.named_tensors())[name]
+        return tensor[:rows].float().cpu().tolist()
+
+    def ipc_collect(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()
+
+
+def _serve(conn: Any, kwargs: dict) -> None:
+    trainer = BucketTrainer(**kwargs)
+    conn.send(trainer.layout())
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            conn.send(None)
+            return
+        conn.send(getattr(trainer, method)(*args))
+
+
+class TrainerProcess:
+    """BucketTrainer in a spawned process, driven over a pipe (the calls Ray's actor would take)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child, kwargs), daemon=True)
+        self._process.start()
+        self.layout = self._conn.recv()
+
+    def call(self, method: str, *args: Any) -> Any:
+        self._conn.send((method, args))
+        return self._conn.recv()
+
+    def stop(self) -> None:
+        self.call("stop")
+        self._process.join(30)
+
+
+class TrainerActor:
+    """BucketTrainer as a Ray actor sharing the engine's GPU (num_gpus < 1)."""
+
+    def __init__(self, num_gpus: float, **kwargs: Any) -> None:
+        import ray
+
+        ray.init(ignore_reinit_error=True, log_to_driver=False)
+        self._ray = ray
+        self._actor = ray.remote(num_gpus=num_gpus)(BucketTrainer).remote(**kwargs)
+        self.layout = ray.get(self._actor.layout.remote())
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self._ray.get(getattr(self._actor, method).remote(*args))
+
+    def stop(self) -> None:
+        self._ray.kill(self._actor)
