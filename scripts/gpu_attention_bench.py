@@ -74,7 +74,7 @@ class Setup:
         return ForwardBatch(
             ForwardMode.DECODE if decode else ForwardMode.EXTEND, torch.zeros_like(pos), pos,
             self.r2t[rows, pos], t([s + 1 for s, *_ in items]), t([a + n for _, a, n in items]),
-            t([a for _, a, _ in items]), [a + n for _, a, n in items],
+            [a + n for _, a, n in items],
             [a for _, a, _ in items], [n for *_, n in items], self.r2t, self.pool, backend)
 
     def qkv(self, tokens: int):

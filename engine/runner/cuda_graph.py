@@ -132,7 +132,6 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:bs],
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs],
-            extend_prefix_lens=self.positions[:bs],  # decode: prefix = position of the new token
             seq_lens_cpu=[1] * bs,  # values are only known at replay; nothing reads these
             extend_prefix_lens_cpu=[0] * bs,
             extend_seq_lens_cpu=[1] * bs,

@@ -82,13 +82,12 @@ class ModelRunner:
         input_ids = [] if lookahead else batch.input_ids()
         # one host buffer, one copy to the device: small copies cost more than their bytes
         packed = torch.cat([
-            torch.tensor(input_ids + batch.positions() + req_pool_indices + seq_lens
-                         + batch.prefix_lens, dtype=torch.int64),
+            torch.tensor(input_ids + batch.positions() + req_pool_indices + seq_lens, dtype=torch.int64),
             batch.out_cache_loc])
         packed = h2d(packed, self.device)
         t, b = len(batch.out_cache_loc), batch.batch_size
-        sizes = [len(input_ids), t, b, b, b, t]
-        ids, positions, rows, lens, prefix, out_cache_loc = torch.split(packed, sizes)
+        sizes = [len(input_ids), t, b, b, t]
+        ids, positions, rows, lens, out_cache_loc = torch.split(packed, sizes)
         if lookahead:
             ids = inflight.next_token_ids
             if batch.lookahead_rows is not None and len(batch.lookahead_rows) != len(ids):
@@ -96,7 +95,7 @@ class ModelRunner:
         fb = ForwardBatch(
             forward_mode=batch.forward_mode, input_ids=ids, positions=positions,
             out_cache_loc=out_cache_loc,
-            req_pool_indices=rows, seq_lens=lens, extend_prefix_lens=prefix,
+            req_pool_indices=rows, seq_lens=lens,
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(batch.prefix_lens),
             extend_seq_lens_cpu=list(batch.extend_lens), req_to_token=self.req_to_token,
             kv_pool=self.kv_pool, attn_backend=self.attn_backend,

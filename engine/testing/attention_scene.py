@@ -53,7 +53,6 @@ class AttentionScene:
             out_cache_loc=torch.cat([self.slots[s][a:a + n] for s, a, n in items]),
             req_pool_indices=dev([s + 1 for s, *_ in items]),
             seq_lens=dev([a + n for _, a, n in items]),
-            extend_prefix_lens=dev([a for _, a, _ in items]),
             seq_lens_cpu=[a + n for _, a, n in items],
             extend_prefix_lens_cpu=[a for _, a, _ in items],
             extend_seq_lens_cpu=[n for *_, n in items],

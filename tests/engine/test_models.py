@@ -81,7 +81,7 @@ class PagedRunner:
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
             input_ids=dev([t for c in chunks for t in c]),
             positions=torch.cat(positions), out_cache_loc=torch.cat(locs),
-            req_pool_indices=dev(rows), seq_lens=dev(seq_lens), extend_prefix_lens=dev(prefix),
+            req_pool_indices=dev(rows), seq_lens=dev(seq_lens),
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens,
             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.backend,
