@@ -208,3 +208,24 @@ def test_an_actor_the_cluster_cannot_place_times_out_with_a_clear_error(ray_clus
 
     with pytest.raises(TimeoutError, match="num_gpus=64.*resources"):
         start_engine_actors(1, {"model_path": model_a, **ENGINE_KWARGS}, num_gpus=64, start_timeout_s=1)
+
+
+def test_a_dead_engine_actor_reads_unhealthy_and_its_calls_raise(ray_cluster):
+    from rollout.ray_client import RayClient
+
+    @ray_cluster.remote(num_cpus=0)
+    class Stub:  # answers like an engine actor until killed
+        async def health(self) -> bool:
+            return True
+
+        async def generate(self, *args) -> dict:
+            return {"output_ids": [1]}
+
+    client = RayClient(Stub.remote())
+    assert client.health() and client.generate(input_ids=[5]) == {"output_ids": [1]}
+    ray_cluster.kill(client.actor)
+    assert not client.health()
+    with pytest.raises(ray_cluster.exceptions.RayActorError):
+        client.generate(input_ids=[5])
+    with pytest.raises(ValueError, match="tensor_transport"):
+        RayClient(client.actor, tensor_transport="pigeon")

@@ -128,3 +128,18 @@ def test_release_and_resume_over_http(served, oracle_a):
     assert not ok and "bogus" in message
     with pytest.raises(ValueError, match="mode"):
         client.pause_generation(mode="sideways")
+
+
+def test_a_server_that_is_gone_reads_unhealthy_and_calls_raise():
+    import httpx
+
+    from rollout.client import HttpClient
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = HttpClient(f"http://127.0.0.1:{port}")
+    assert not client.health()
+    with pytest.raises(httpx.ConnectError):
+        client.generate(input_ids=[5, 6], sampling_params=GREEDY)
+    client.close()
