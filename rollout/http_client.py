@@ -20,15 +20,18 @@ CONTROL_TIMEOUT_S = 600.0  # a weight update of a large model from disk can take
 
 
 class HttpClient(EngineClient):
-    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout_s: Optional[float] = None,
-                 transport: Any = None) -> None:
-        """timeout_s: for generate (None waits as long as the request runs); transport: an httpx
-        transport for the synchronous verbs (tests)."""
+    def __init__(self, base_url: str, api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
+                 timeout_s: Optional[float] = None, transport: Any = None) -> None:
+        """api_key: the server's --api-key (generation and info routes); admin_api_key: its
+        --admin-api-key, which opens every route (pause, weight updates, memory too). timeout_s:
+        for generate (None waits as long as the request runs); transport: an httpx transport for
+        the synchronous verbs (tests)."""
         import httpx
 
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        key = admin_api_key or api_key
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, transport=transport,
                                   timeout=CONTROL_TIMEOUT_S)
         # an httpx.AsyncClient belongs to the event loop it first ran on: one per loop

@@ -5,6 +5,7 @@ Oracles: in-process engines started on each checkpoint (greedy tokens)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -15,28 +16,38 @@ import torch
 from tests.rollout.conftest import ENGINE_KWARGS, GREEDY, PROMPTS, greedy_ids
 
 
-@pytest.fixture(scope="module")
-def served(model_a):
-    """(HttpClient, the Engine behind it) for an engine on checkpoint A served on a free port."""
+@contextlib.contextmanager
+def _serving(engine, **keys):
+    """engine's HTTP app on a free port (uvicorn on a thread) -> its URL."""
     import uvicorn
 
-    from engine import Engine
     from engine.server.http import create_app
-    from rollout.client import HttpClient
 
-    engine = Engine(model_path=model_a, **ENGINE_KWARGS)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, **keys), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    client = HttpClient(f"http://127.0.0.1:{sock.getsockname()[1]}")
-    yield client, engine
-    client.close()
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(model_a):
+    """(HttpClient, the Engine behind it) for an engine on checkpoint A."""
+    from engine import Engine
+    from rollout.client import HttpClient
+
+    engine = Engine(model_path=model_a, **ENGINE_KWARGS)
+    with _serving(engine) as url:
+        client = HttpClient(url)
+        yield client, engine
+        client.close()
     engine.shutdown()
 
 
@@ -143,3 +154,24 @@ def test_a_server_that_is_gone_reads_unhealthy_and_calls_raise():
     with pytest.raises(httpx.ConnectError):
         client.generate(input_ids=[5, 6], sampling_params=GREEDY)
     client.close()
+
+
+def test_the_generation_key_generates_and_only_the_admin_key_controls(served, model_a, oracle_a):
+    from rollout.client import HttpClient
+
+    _, engine = served
+    with _serving(engine, api_key="gen", admin_api_key="adm") as url:
+        rollout_only, admin = HttpClient(url, api_key="gen"), HttpClient(url, api_key="gen", admin_api_key="adm")
+        assert greedy_ids(rollout_only) == greedy_ids(admin) == greedy_ids(oracle_a)
+        ok, message = rollout_only.update_weights_from_disk(model_a, weight_version="nope")
+        assert not ok and "admin api key" in message
+        ok, message = admin.update_weights_from_disk(model_a, weight_version="default")
+        assert ok, message
+        with pytest.raises(RuntimeError, match="401"):
+            rollout_only.pause_generation()
+        anonymous = HttpClient(url)
+        assert anonymous.health()  # /health is open
+        with pytest.raises(RuntimeError, match="401"):
+            anonymous.generate(input_ids=[5, 6], sampling_params=GREEDY)
+        for client in (rollout_only, admin, anonymous):
+            client.close()
