@@ -119,8 +119,10 @@ class EngineActor:
         await asyncio.to_thread(self.engine.check_integrity)
 
     # ---- HTTP and lifetime ---------------------------------------------------------------------
-    async def serve_http(self, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None) -> str:
-        """Serve SGLang's routes for this engine on a thread (port 0: a free one) -> its URL."""
+    async def serve_http(self, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
+                         admin_api_key: Optional[str] = None) -> str:
+        """Serve SGLang's routes for this engine on a thread (port 0: a free one) -> its URL.
+        Keys as `tandem serve --api-key / --admin-api-key`."""
         if self._http is not None:
             raise ValueError("this engine actor already serves HTTP; one server per engine")
         import socket
@@ -131,7 +133,7 @@ class EngineActor:
 
         sock = socket.socket()
         sock.bind((host, port))  # bound here so the URL is known before the server runs
-        server = uvicorn.Server(uvicorn.Config(create_app(self.engine, api_key=api_key), log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(create_app(self.engine, api_key=api_key, admin_api_key=admin_api_key), log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="engine-http", daemon=True)
         thread.start()
         while not server.started:
