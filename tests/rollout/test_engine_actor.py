@@ -103,6 +103,20 @@ def test_weight_version_advances_in_samples_across_pushes(engine_actor, model_a,
         _restore(client, model_a)
 
 
+def test_one_object_store_copy_of_the_weights_reaches_an_engine_by_reference(engine_actor, ray_cluster, model_a,
+                                                                          model_b, oracle_b):
+    from rollout.ray_client import RayClient
+
+    client = RayClient(engine_actor)
+    ref = ray_cluster.put(_named(model_b))  # what a trainer does once for several engines
+    try:
+        ok, message = client.update_weights_from_tensor(ref, weight_version="by-ref")
+        assert ok, message
+        assert greedy_ids(client) == greedy_ids(oracle_b) and client.get_weight_version() == "by-ref"
+    finally:
+        _restore(client, model_a)
+
+
 def test_bad_payloads_are_refused_with_the_reason_and_the_old_weights_keep_serving(engine_actor, model_a,
                                                                                     oracle_a):
     from rollout.ray_client import RayClient
