@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
-from engine.api.final_text import decode_final_text
+from engine.api.text_builder import TextBuilder
 from engine.api.generate_stream import GenerateStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
@@ -43,6 +43,7 @@ class Engine:
         self.client: CoreClient = self._start_core()
         self.info: CoreInfo = self.client.info
         self.tokenizer = self._load_tokenizer()
+        self.text_builder = TextBuilder(self.tokenizer)
         self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len, self.server_args,
                                       self.info.max_total_num_tokens)
         self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
@@ -257,14 +258,16 @@ class Engine:
     # ---- outputs (on the client's thread) ------------------------------------------------------
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
-            req_input = None
             with self._lock:
                 sink = self._sinks.get(out.rid)
+                req_input = self._inputs.get(out.rid)
                 if out.finished:
                     self._sinks.pop(out.rid, None)
-                    req_input = self._inputs.pop(out.rid, None)
+                    self._inputs.pop(out.rid, None)
             if req_input is not None:
-                self._finish(req_input, out.output)
+                self.text_builder.fill(req_input, out)
+                if out.finished and self.recorder is not None:
+                    self.recorder.record(req_input, out.output)
             if sink is None:
                 continue
             try:
@@ -272,13 +275,6 @@ class Engine:
             except Exception:  # e.g. the caller's event loop is gone; the engine must live on
                 logger.warning("dropping output for %s: its receiver is gone", out.rid)
                 self._abort_quietly(out.rid, "receiver gone")
-
-    def _finish(self, req_input: ReqInput, output: dict[str, Any]) -> None:
-        """A final output: its text, when the core left decoding to us; then the recorder."""
-        if self.tokenizer is not None and not req_input.core_detokenizes and output["output_ids"]:
-            output["text"] = decode_final_text(self.tokenizer, req_input, output["output_ids"])
-        if self.recorder is not None:
-            self.recorder.record(req_input, output)
 
     def _abort_quietly(self, rid: str, message: str) -> None:
         try:

@@ -51,9 +51,9 @@ class ReqInput:
 
     @property
     def core_detokenizes(self) -> bool:
-        """The core builds text only when it needs it while generating (streamed chunks, stop
-        strings); otherwise the front end decodes the final output ids (engine/api/final_text.py)."""
-        return self.stream or bool(self.sampling_params.stop)
+        """The core builds text only when it must see it while generating (stop strings); the
+        front end decodes every other request's ids (engine/api/text_builder.py)."""
+        return bool(self.sampling_params.stop)
 
 
 @dataclass

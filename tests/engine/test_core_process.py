@@ -66,18 +66,26 @@ def test_outputs_equal_the_thread_core(proc_engine, thread_engine):
     assert got_stop["meta_info"]["finish_reason"] == want_stop["meta_info"]["finish_reason"]
 
 
-def test_final_text_decoded_in_front_equals_the_core_detokenizer(proc_engine):
-    """Non-streaming text comes from the front end; streamed text from the core: the same string."""
-    async def stream_last() -> dict:
-        last = None
-        async for chunk in proc_engine.async_generate(prompt="Hello world", sampling_params=GREEDY, stream=True):
-            last = chunk
-        return last
+@pytest.mark.parametrize("stream", [False, True], ids=["final", "stream"])
+def test_text_decoded_in_front_equals_the_core_detokenizer(proc_engine, stream):
+    """The front end decodes text unless a request has stop strings; a stop string that never
+    matches makes the core decode the same request: every chunk's text must be the same."""
+    prompts = random_prompts(6, proc_engine.info.vocab_size, lengths=(2, 12), seed=8)
+    never = {"stop": ["NEVER-MATCHES-\u00a7"]}
 
-    final = proc_engine.generate(prompt="Hello world", sampling_params=GREEDY)
-    streamed = asyncio.run(stream_last())
-    assert streamed["output_ids"] == final["output_ids"] and streamed["text"] == final["text"]
-    assert final["text"]
+    async def run(params: dict) -> list[list[tuple[int, str]]]:
+        chunks: list[list[tuple[int, str]]] = [[] for _ in prompts]
+        gen = proc_engine.async_generate(input_ids=prompts, sampling_params=params, stream=stream)
+        if not stream:
+            return [[(len(o["output_ids"]), o["text"])] for o in await gen]
+        async for chunk in gen:
+            chunks[chunk["index"]].append((len(chunk["output_ids"]), chunk["text"]))
+        return chunks
+
+    front = asyncio.run(run(dict(GREEDY, max_new_tokens=12)))
+    core = asyncio.run(run(dict(GREEDY, max_new_tokens=12, **never)))
+    assert front == core
+    assert any(text for chunks in front for _, text in chunks)
 
 
 def test_streaming_chunks_are_cumulative(proc_engine):
