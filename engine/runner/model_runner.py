@@ -53,9 +53,10 @@ class ModelRunner:
         self.sampler = Sampler(log_softmax=self.log_softmax)
         # The scheduler keeps req_to_token on the host; the device keeps a mirror it updates
         # with just the entries each batch touches.
-        host_table = req_to_token_pool.req_to_token
-        self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
         self.memory_saver = memory_saver or MemorySaver(False, self.device)
+        host_table = req_to_token_pool.req_to_token
+        with self.memory_saver.region("kv_cache"):  # stale with the KV: rows are rewritten at each prefill
+            self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
         self._buffers_backup: dict[str, torch.Tensor] = {}  # model buffers while the weights are released
         self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
         self.sampler.warmup(self.device, config.vocab_size)
@@ -168,7 +169,8 @@ class ModelRunner:
             logger.info("release_memory_occupation(%s): nothing freed (%s)", ",".join(tags), self._why_no_op())
             saver.paused.update(tags)
             return
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if "cuda_graph" in tags and self.cuda_graph is not None:
             self.cuda_graph = None  # the graphs, their memory pool and static buffers
         if "weights" in tags and "weights" not in saver.paused:
@@ -177,7 +179,8 @@ class ModelRunner:
         for tag in tags:
             saver.pause(tag)
         gc.collect()
-        torch.cuda.empty_cache()  # graph pools and cached activations back to the driver
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # graph pools and cached activations back to the driver
 
     def resume_memory(self, tags: list[str]) -> None:
         """Bring `tags` back (weights and KV at their old addresses). Graphs are captured again
@@ -187,20 +190,25 @@ class ModelRunner:
             logger.info("resume_memory_occupation(%s): nothing to restore (%s)", ",".join(tags), self._why_no_op())
             saver.paused.difference_update(tags)
             return
-        for tag in ("weights", "kv_cache", "cuda_graph"):  # weights first, KV last (SGLang's order)
-            if tag in tags:
-                saver.resume(tag)
-        if "weights" in tags and self._buffers_backup:
-            buffers = dict(self.model.named_buffers())
-            with torch.no_grad():
-                for name, saved in self._buffers_backup.items():
-                    buffers[name].copy_(saved)
-            self._buffers_backup = {}
-        if "weights" in tags and not saver.weights_cpu_backup:
+        back = [tag for tag in ("weights", "kv_cache", "cuda_graph") if tag in tags and tag in saver.paused]
+        for tag in back:  # weights first, KV last (SGLang's order)
+            saver.resume(tag)
+        if "kv_cache" in back and self.req_to_token is not self.req_to_token_pool.req_to_token:
+            self.req_to_token.zero_()  # graph padding rows read row 0: valid slot indices again
+        if "weights" in back:
+            self._restore_buffers()
+        if "weights" in back and not saver.weights_cpu_backup:
             logger.info("weights resumed without a CPU backup: their values are undefined until the next "
                         "weight update (update_weights_from_tensor / _disk / _distributed)")
         if self._graphs_wanted() and self.cuda_graph is None and not saver.paused:
             self.cuda_graph = self._capture_graphs()
+
+    def _restore_buffers(self) -> None:
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, saved in self._buffers_backup.items():
+                buffers[name].copy_(saved)
+        self._buffers_backup = {}
 
     def _graphs_wanted(self) -> bool:
         return self.config.cuda_graph_max_bs > 0

@@ -116,3 +116,53 @@ def test_http_routes_take_sglang_bodies(engine):
         assert list(engine.get_stats().memory_released) == []
         out = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY}).json()
         assert len(out["output_ids"]) == 6
+
+
+class _LosingSaver(_FakeSaver):
+    """Pausing loses the region's contents, as unmapped GPU memory does: weights and buffers are
+    zeroed, the KV pool filled with NaN."""
+
+    def __init__(self, runner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def pause(self, tag: str) -> None:
+        super().pause(tag)
+        with torch.no_grad():
+            if tag.startswith("weights"):
+                for t in [*self.runner.model.parameters(), *self.runner.model.buffers()]:
+                    t.zero_()
+            if tag.startswith("kv_cache"):
+                for t in [*self.runner.kv_pool.k_buffer, *self.runner.kv_pool.v_buffer]:
+                    t.fill_(float("nan"))
+
+
+def test_runner_restores_buffers_and_a_push_restores_weights(engine_factory, other_model_dir, other_engine):
+    """The colocated flow over a saver that really loses memory: release -> resume weights ->
+    push -> resume KV gives the pushed weights' tokens (buffers such as rotary inv_freq are kept
+    by the runner, since no weight update rewrites them)."""
+    from safetensors.torch import load_file
+
+    from engine.models.loader import safetensors_files
+
+    eng = engine_factory()
+    runner = eng.local_core.parts.runner
+    saver = MemorySaver(False, torch.device("cpu"))
+    saver.enabled, saver._tms = True, _LosingSaver(runner)
+    runner.memory_saver = saver
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(4, 20), seed=4)
+    inv_freq = [b.clone() for b in runner.model.buffers()]
+    assert inv_freq and all(b.any() for b in inv_freq)
+    assert eng.release_memory_occupation()[0]
+    assert all(not b.any() for b in runner.model.buffers())  # lost while released
+    assert eng.resume_memory_occupation(["weights"])[0]
+    assert all(torch.equal(a, b) for a, b in zip(inv_freq, runner.model.buffers()))
+    pushed = [item for path in safetensors_files(other_model_dir) for item in load_file(path).items()]
+    assert eng.update_weights_from_tensor(pushed, weight_version="pushed")[0]
+    assert eng.resume_memory_occupation(["kv_cache", "cuda_graph"])[0]
+    suffix = saver._suffix
+    assert saver._tms.calls == [("pause", "weights" + suffix), ("pause", "kv_cache" + suffix),
+                                ("resume", "weights" + suffix), ("resume", "kv_cache" + suffix)]
+    ids = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert ids == [o["output_ids"] for o in other_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    eng.check_integrity()

@@ -1,7 +1,9 @@
 """Weight updates on the GPU: in-process CUDA tensors under CUDA graphs, and CUDA IPC handles from
 a trainer process on the same GPU (weight_sync.cuda_ipc), each against an engine started on the
 new checkpoint (float32 tiny model: same kernels, same batch, so the same tokens). Run with -s for
-timings. Written in the fourth session after its device time ran out: not yet run on a GPU.
+timings. The SGLang test's trainer builds its payload the way SGLang does: its patched CUDA
+reduction (`sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified`, the device as a GPU UUID)
+and its bucket metadata class, reproduced under SGLang's module names (sglang is not installed).
 """
 
 from __future__ import annotations
@@ -32,6 +34,50 @@ named = [(n, t.cuda()) for p in safetensors_files(sys.argv[1]) for n, t in load_
 bucket = FlattenedBucket.pack(named)  # one CUDA buffer, one IPC handle
 print(serialize(bucket.to_payload(), as_text=True), flush=True)
 sys.stdin.readline()  # keep the tensors alive until the engine has loaded them
+"""
+
+
+SGLANG_TRAINER = """
+import base64, dataclasses, sys, types, torch
+import torch.multiprocessing.reductions as R
+from multiprocessing.reduction import ForkingPickler
+from safetensors.torch import load_file
+from engine.models.loader import safetensors_files
+from weight_sync.bucket import FlattenedBucket
+for name in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.weight_sync"):
+    sys.modules[name] = types.ModuleType(name)
+patch_torch = sys.modules["sglang.srt.utils.patch_torch"] = types.ModuleType("sglang.srt.utils.patch_torch")
+tensor_bucket = sys.modules["sglang.srt.weight_sync.tensor_bucket"] = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+def _rebuild_cuda_tensor_modified(*args):
+    raise AssertionError("the engine side rebuilds this")
+_rebuild_cuda_tensor_modified.__module__ = patch_torch.__name__
+patch_torch._rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_modified
+@dataclasses.dataclass
+class FlattenedTensorMetadata:
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+FlattenedTensorMetadata.__module__ = tensor_bucket.__name__
+tensor_bucket.FlattenedTensorMetadata = FlattenedTensorMetadata
+original = R.reduce_tensor
+def reduce_tensor(tensor):  # SGLang's monkey_patch_torch_reductions: device index -> GPU UUID
+    fn, args = original(tensor)
+    if fn is R.rebuild_cuda_tensor:
+        fn, args = _rebuild_cuda_tensor_modified, (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+    return fn, args
+R.reduce_tensor = reduce_tensor
+R.init_reductions()
+named = [(n, t.cuda()) for p in safetensors_files(sys.argv[1]) for n, t in load_file(p).items()]
+bucket = FlattenedBucket.pack(named)
+payload = {"flattened_tensor": bucket.flattened_tensor,
+           "metadata": [FlattenedTensorMetadata(**dataclasses.asdict(m)) for m in bucket.metadata]}
+data = bytes(ForkingPickler.dumps(payload))
+assert b"sglang.srt.utils.patch_torch" in data and b"sglang.srt.weight_sync.tensor_bucket" in data
+print(base64.b64encode(data).decode("utf-8"), flush=True)  # MultiprocessingSerializer(output_str=True)
+sys.stdin.readline()
 """
 
 
@@ -84,11 +130,12 @@ def test_in_process_cuda_tensors_under_graphs(checkpoints, expected):
         eng.shutdown()
 
 
-def test_cuda_ipc_bucket_from_a_trainer_process(checkpoints, expected):
+@pytest.mark.parametrize("script", [TRAINER, SGLANG_TRAINER], ids=["tandem", "sglang"])
+def test_cuda_ipc_bucket_from_a_trainer_process(checkpoints, expected, script):
     from weight_sync.cuda_ipc import deserialize
 
     eng = _engine(checkpoints[0])
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, checkpoints[1]], env=dict(os.environ, PYTHONPATH=str(REPO)),
+    trainer = subprocess.Popen([sys.executable, "-c", script, checkpoints[1]], env=dict(os.environ, PYTHONPATH=str(REPO)),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         payload = deserialize(trainer.stdout.readline().strip())
