@@ -64,6 +64,10 @@ class MemorySaver:
             self._tms.resume(tag + self._suffix)
         self.paused.discard(tag)
 
+    def resume_all(self) -> None:
+        for tag in list(self.paused):
+            self.resume(tag)
+
 
 def _new_saver() -> Any:
     try:

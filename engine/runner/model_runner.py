@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,6 +55,8 @@ class ModelRunner:
         # The scheduler keeps req_to_token on the host; the device keeps a mirror it updates
         # with just the entries each batch touches.
         self.memory_saver = memory_saver or MemorySaver(False, self.device)
+        # a region freed while released would be unmapped twice: bring it back before the runner goes
+        weakref.finalize(self, self.memory_saver.resume_all).atexit = False
         host_table = req_to_token_pool.req_to_token
         with self.memory_saver.region("kv_cache"):  # stale with the KV: rows are rewritten at each prefill
             self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
@@ -176,11 +179,10 @@ class ModelRunner:
         if "weights" in tags and "weights" not in saver.paused:
             # buffers (rotary inv_freq) live in the weights region but no weight update rewrites them
             self._buffers_backup = {name: buf.to("cpu", copy=True) for name, buf in self.model.named_buffers()}
+        gc.collect()
+        torch.cuda.empty_cache()  # graph pools and cached activations back to the driver, before any pause
         for tag in tags:
             saver.pause(tag)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # graph pools and cached activations back to the driver
 
     def resume_memory(self, tags: list[str]) -> None:
         """Bring `tags` back (weights and KV at their old addresses). Graphs are captured again

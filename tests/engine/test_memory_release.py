@@ -88,6 +88,8 @@ def test_memory_saver_tags_are_per_engine_and_paused_once():
     saver.resume("weights")
     assert fake.calls == [("pause", "kv_cache" + suffix), ("pause", "weights" + suffix), ("resume", "weights" + suffix)]
     assert saver.paused == {"kv_cache", "cuda_graph"}
+    saver.resume_all()  # what the runner's finalizer does: nothing is freed while unmapped
+    assert saver.paused == set() and fake.calls[-1] == ("resume", "kv_cache" + suffix)
 
 
 def test_memory_saver_off_the_gpu_allocates_plainly():
