@@ -118,16 +118,18 @@ def _ray_installed() -> bool:
 def measure(engine: Any, trainer: Any, transport: str, num_updates: int) -> dict[str, Any]:
     """Runs the updates; -> medians per phase, per-update totals, memory and the weight check."""
     step = {"inprocess": _inprocess_step, "cuda-ipc": _ipc_step, "disk": _disk_step}[transport]
-    before = _gpu_memory(engine)
+    memory = {"before": _gpu_memory(engine)}
     updates = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-sync-") as scratch:
         for i in range(num_updates):
             updates.append(_one_update(engine, lambda: step(engine, trainer, scratch), f"bench-{i + 1}"))
             trainer.call("ipc_collect")
-    after = _gpu_memory(engine)
+            if i == 0:
+                memory["after_first"] = _gpu_memory(engine)
+    memory["after"] = _gpu_memory(engine)
     medians = {p: statistics.median(u[p] for u in updates) for p in (*PHASES, "total")}
     return {"num_updates": num_updates, "median_s": medians, "updates_total_s": [u["total"] for u in updates],
-            "memory": _memory_report(before, after), "weights_match_trainer": _weights_match(engine, trainer),
+            "memory": _memory_report(memory), "weights_match_trainer": _weights_match(engine, trainer),
             "weight_version": engine.get_weight_version()}
 
 
@@ -202,11 +204,12 @@ def _gpu_memory(engine: Any) -> Optional[dict[str, float]]:
     return {"device_used_gb": (total - free) / 2**30, "process_reserved_gb": torch.cuda.memory_reserved() / 2**30}
 
 
-def _memory_report(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
-    if before is None or after is None:
+def _memory_report(memory: dict) -> Optional[dict]:
+    """Growth is counted from after the first update (the first one may leave allocator caches)."""
+    if memory["before"] is None:
         return None
-    growth = 100.0 * (after["device_used_gb"] - before["device_used_gb"]) / max(before["device_used_gb"], 1e-9)
-    return {"before": before, "after": after, "device_growth_pct": growth}
+    first, last = memory["after_first"]["device_used_gb"], memory["after"]["device_used_gb"]
+    return {**memory, "device_growth_pct": 100.0 * (last - first) / max(first, 1e-9)}
 
 
 def _weights_match(engine: Any, trainer: Any, rows: int = 2) -> bool:
@@ -229,6 +232,7 @@ def format_report(r: dict[str, Any]) -> str:
     mem = r.get("memory")
     if mem:
         lines.append(f"  GPU used: {mem['before']['device_used_gb']:.2f} GB before, "
-                     f"{mem['after']['device_used_gb']:.2f} GB after ({mem['device_growth_pct']:+.2f}%)")
+                     f"{mem['after_first']['device_used_gb']:.2f} GB after the first update, "
+                     f"{mem['after']['device_used_gb']:.2f} GB after the last ({mem['device_growth_pct']:+.2f}%)")
     lines.append(f"  engine holds the trainer's weights: {r['weights_match_trainer']}")
     return "\n".join(lines)

@@ -51,3 +51,17 @@ def test_cuda_ipc_transport_from_a_spawned_trainer(tmp_path):
     report = json.loads(out.read_text())
     _check(report, 2)
     assert report["trainer"] == "process"
+
+
+def test_gpu_memory_growth_is_counted_from_the_first_update():
+    from engine.cli.bench_sync import _memory_report, format_report
+
+    used = lambda gb: {"device_used_gb": gb, "process_reserved_gb": gb / 2}  # noqa: E731
+    report = _memory_report({"before": used(10.0), "after_first": used(20.0), "after": used(20.1)})
+    assert report["device_growth_pct"] == pytest.approx(0.5)
+    assert _memory_report({"before": None, "after_first": None, "after": None}) is None
+    text = format_report({"model": "m", "device": "cuda", "dtype": "bfloat16", "transport": "cuda-ipc",
+                          "trainer": "ray", "num_tensors": 3, "total_bytes": 2**30, "num_buckets": 1,
+                          "bucket_mb": 1024, "num_updates": 200, "memory": report, "weights_match_trainer": True,
+                          "median_s": {p: 0.001 for p in (*PHASES, "total")}})
+    assert "20.00 GB after the first update, 20.10 GB after the last (+0.50%)" in text
