@@ -39,8 +39,7 @@ __all__ = ["ALLOWED_GLOBALS", "RefusedPayload", "deserialize", "serialize"]
 
 _IMMUTABLE = {("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
               ("collections", "OrderedDict"): collections.OrderedDict}
-_TOKENS = {("torch", "Tensor"): torch.Tensor, ("torch._tensor", "Tensor"): torch.Tensor,
-           ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+_TOKENS = {("torch", "Tensor"): torch.Tensor, ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
            ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
            ("torch.storage", "TypedStorage"): torch.TypedStorage,
            **{(c.__module__, c.__name__): c for c in LEGACY_STORAGES}}

@@ -93,8 +93,7 @@ def _rebuild_tensor(cls, storage, metadata):
     _cls(cls, (torch.Tensor, torch.nn.Parameter), "rebuild_tensor's class")
     _check(storage, torch.TypedStorage, "rebuild_tensor's storage")
     offset, size, stride, requires_grad = _check(metadata, tuple, "rebuild_tensor's metadata")
-    _check_view(offset, tuple(_check(size, tuple, "size")), tuple(_check(stride, tuple, "stride")),
-                storage._size(), "rebuild_tensor")  # _size(): size() without its deprecation warning
+    _check_view(offset, size, stride, storage._size(), "rebuild_tensor")  # _size(): no deprecation warning
     return R.rebuild_tensor(torch.Tensor, storage, (offset, tuple(size), tuple(stride), bool(requires_grad)))
 
 
@@ -111,8 +110,8 @@ def _rebuild_cuda_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, 
     _check(dtype, torch.dtype, "dtype")
     _non_negative_ints((storage_device, storage_size_bytes, storage_offset_bytes, ref_counter_offset),
                        "CUDA device, storage size, storage offset or ref-counter offset")
-    size, stride = tuple(_check(tensor_size, tuple, "size")), tuple(_check(tensor_stride, tuple, "stride"))
-    _check_view(tensor_offset, size, stride, storage_size_bytes // dtype.itemsize, "a CUDA tensor")
+    _check_view(tensor_offset, tensor_size, tensor_stride, storage_size_bytes // dtype.itemsize, "a CUDA tensor")
+    size, stride = tuple(tensor_size), tuple(tensor_stride)
     if ref_counter_offset >= CUDA_REF_COUNTER_SLOTS:  # torch decrements that slot, unchecked
         raise refuse(f"ref_counter_offset {ref_counter_offset} is outside the ref-counter file")
     for v in (storage_handle, ref_counter_handle, event_handle):
