@@ -52,11 +52,11 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(config.attention_backend, deterministic=config.deterministic)
         self.log_softmax = bi.log_softmax if config.deterministic else None
         self.sampler = Sampler(log_softmax=self.log_softmax)
-        # The scheduler keeps req_to_token on the host; the device keeps a mirror it updates
-        # with just the entries each batch touches.
         self.memory_saver = memory_saver or MemorySaver(False, self.device)
         # a region freed while released would be unmapped twice: bring it back before the runner goes
         weakref.finalize(self, self.memory_saver.resume_all).atexit = False
+        # The scheduler keeps req_to_token on the host; the device keeps a mirror it updates
+        # with just the entries each batch touches.
         host_table = req_to_token_pool.req_to_token
         with self.memory_saver.region("kv_cache"):  # stale with the KV: rows are rewritten at each prefill
             self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
