@@ -16,6 +16,7 @@ import collections
 import logging
 import pickle
 import signal
+import threading
 import traceback
 from typing import Any, Optional
 
@@ -90,12 +91,19 @@ def run_core_process(server_args: ServerArgs, conn: Any) -> None:
         return
     sender = PipeSender(conn)
     worker = CoreWorker(core, sender.outputs, sender.answer)
+    # The loop runs on a thread, as the thread core's does: on the CPU, torch's OpenMP team of the
+    # main thread spin-waits and was measured 5-20x slower per step on a busy 2-core machine
+    loop = threading.Thread(target=_run_loop, args=(worker, PipeInbox(conn, sender.answer)), name="tandem-core")
+    loop.start()
+    loop.join()
+    conn.close()
+
+
+def _run_loop(worker: CoreWorker, inbox: PipeInbox) -> None:
     try:
-        worker.run(PipeInbox(conn, sender.answer))
+        worker.run(inbox)
     except (BrokenPipeError, EOFError, ConnectionResetError):
         logger.warning("engine core: the front end went away; exiting")
-    finally:
-        conn.close()
 
 
 def _start_core(server_args: ServerArgs, conn: Any) -> Any:
