@@ -178,8 +178,8 @@ def test_http_generate_over_a_core_process(proc_engine):
 
 
 def test_a_killed_core_fails_requests_and_calls_at_once(engine_factory):
-    """An in-flight request and a call blocked in the core (a rendezvous nobody joins) both end
-    within seconds of a SIGKILL, naming the exit; later calls and requests raise CoreDead at once."""
+    """An in-flight request and a call in progress (a rendezvous nobody joins) both end within
+    seconds of a SIGKILL, naming the exit; later calls and requests raise CoreDead at once."""
     eng = engine_factory(core_process=True)
     result: dict = {}
 
