@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import pickle
+import select
 import signal
 import threading
 import traceback
@@ -39,6 +40,8 @@ class PipeInbox:
         self.conn = conn
         self.answer = answer
         self.pending: collections.deque = collections.deque()
+        self._poller = select.poll()  # ~0.6 us per look between steps; Connection.poll costs ~6 us
+        self._poller.register(conn.fileno(), select.POLLIN)
 
     def __call__(self, block: bool) -> Optional[tuple[Any, Optional[int]]]:
         while True:
@@ -55,7 +58,7 @@ class PipeInbox:
 
     def _read(self, timeout: float) -> bool:
         try:
-            if self.conn.poll(timeout):
+            if self._poller.poll(timeout * 1000):  # readable, or closed (then recv raises EOFError)
                 self.pending.extend(self.conn.recv())
         except (EOFError, OSError):  # the front end is gone: nobody is left to answer
             self.pending.append((pickle.dumps(STOP), None))
