@@ -80,8 +80,10 @@ class ProcessCoreClient(CoreClient):
             reply = self._conn.recv()
         except (EOFError, OSError):
             self.process.join(5)
-            raise CoreStartupError(f"the engine core process exited during start-up ({self._exit_text()}) "
-                                   "without a reason; its log above may say why (e.g. out of memory)") from None
+            raise CoreStartupError(
+                f"the engine core process exited during start-up ({self._exit_text()}) without a reason; "
+                "its log above may say why (out of memory? a script that starts Engine(core_process=True) "
+                "needs `if __name__ == '__main__':`, as every 'spawn' process does)") from None
         if reply[0] == "info":
             return reply[1]
         _, exc, text = reply
