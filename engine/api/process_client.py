@@ -150,6 +150,9 @@ class ProcessCoreClient(CoreClient):
                 reply = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # one message that does not rebuild here; the pipe stays in step
+                logger.exception("could not read a message from the engine core")
+                continue
             try:
                 if reply[0] == "outputs":
                     self._on_outputs(reply[1])

@@ -75,12 +75,26 @@ class PipeSender:
         self.conn.send(("outputs", outputs))
 
     def answer(self, call_id: int, ok: bool, value: Any) -> None:
+        if not ok:
+            value = _portable_error(value)
         try:
             self.conn.send(("answer", call_id, ok, value))
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # pickling fails before any byte is sent
+        except OSError:  # the front end is gone: the loop ends
+            raise
+        except Exception as exc:  # pickling failed, before any byte was sent
             error = RuntimeError(f"the core's answer could not be sent back: {type(exc).__name__}: {exc}"
                                  f" (answer was {type(value).__name__}: {value!r:.200})")
             self.conn.send(("answer", call_id, False, error))
+
+
+def _portable_error(exc: BaseException) -> BaseException:
+    """exc if it rebuilds after pickling (what the front end will do), else a RuntimeError
+    carrying its type and message: an answer the front end cannot read would leave its caller waiting."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def run_core_process(server_args: ServerArgs, conn: Any) -> None:
@@ -119,9 +133,7 @@ def _start_core(server_args: ServerArgs, conn: Any) -> Any:
         return core
     except BaseException as exc:  # every start-up failure goes back to the parent, then we exit
         text = traceback.format_exc()
-        try:
-            conn.send(("startup_error", exc, text))
-        except Exception:  # the exception itself does not pickle: its text still goes
-            conn.send(("startup_error", None, text))
+        portable = _portable_error(exc)
+        conn.send(("startup_error", portable if portable is exc else None, text))
         conn.close()
         return None

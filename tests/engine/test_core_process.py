@@ -229,3 +229,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _NeedsTwoArgs(Exception):
+    def __init__(self, a, b):  # pickles as (cls, (message,)), which cannot rebuild it
+        super().__init__(f"{a} {b}")
+
+
+def test_errors_that_do_not_rebuild_cross_as_runtime_errors():
+    from engine.core.process_main import _portable_error
+
+    plain = ValueError("bad")
+    assert _portable_error(plain) is plain
+    crossed = _portable_error(_NeedsTwoArgs("x", "y"))
+    assert type(crossed) is RuntimeError and str(crossed) == "_NeedsTwoArgs: x y"
