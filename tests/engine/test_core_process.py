@@ -135,8 +135,11 @@ def test_weight_updates_from_tensors_and_disk(proc_engine, tiny_model_dir, other
     prompts = random_prompts(3, proc_engine.info.vocab_size, lengths=(5, 30), seed=3)
     before = _ids(proc_engine.generate(input_ids=prompts, sampling_params=GREEDY))
     try:  # CPU tensors of this process reach the core by shared memory
-        ok, message = proc_engine.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v1")
+        named = _named_tensors(other_model_dir)
+        assert not any(t.is_shared() for _, t in named)
+        ok, message = proc_engine.update_weights_from_tensor(named, weight_version="v1")
         assert ok and message == "Success. Weight version updated to v1.", message
+        assert all(t.is_shared() for _, t in named)  # they went by shared memory, not by value
         after = proc_engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert _ids(after) == _ids(other_engine.generate(input_ids=prompts, sampling_params=GREEDY)) != before
         assert after[0]["meta_info"]["weight_version"] == "v1" == proc_engine.get_weight_version()
