@@ -41,12 +41,16 @@ class Engine:
         self._lock = threading.Lock()
         self.tokenizer: Any = None  # loaded once the core says from where
         self.client: CoreClient = self._start_core()
-        self.info: CoreInfo = self.client.info
-        self.tokenizer = self._load_tokenizer()
-        self.text_builder = TextBuilder(self.tokenizer)
-        self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len, self.server_args,
-                                      self.info.max_total_num_tokens)
-        self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
+        try:
+            self.info: CoreInfo = self.client.info
+            self.tokenizer = self._load_tokenizer()
+            self.text_builder = TextBuilder(self.tokenizer)
+            self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len,
+                                          self.server_args, self.info.max_total_num_tokens)
+            self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
+        except BaseException:  # e.g. no tokenizer: the core (maybe a process) must not outlive the failure
+            self.client.shutdown()
+            raise
 
     def _start_core(self) -> CoreClient:
         if self.server_args.core_process:
