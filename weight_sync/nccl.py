@@ -22,25 +22,40 @@ from weight_sync.base import LoadContext, WeightSender, WeightSource
 BACKENDS = ("nccl", "gloo")
 
 
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 30.0  # SGLang has no such argument; its wait is the store's default
+
+
+def check_group_args(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+    """The checks that need no peer, so a bad call is refused before any rendezvous starts."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA; use backend='gloo' on the CPU")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+
+
 class WeightGroup:
+    """`timeout_s` bounds the rendezvous (connecting to the store, every rank joining);
+    `op_timeout_s` bounds each broadcast afterwards (gloo; NCCL keeps its own watchdog)."""
+
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "nccl",
-                 timeout_s: float = 600.0) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA; use backend='gloo' on the CPU")
+                 timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S, op_timeout_s: float = 600.0) -> None:
+        check_group_args(rank, world_size, backend, timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
         # rank 0 serves the store; the others connect to it, retrying until the timeout
         self._store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
                                     timeout=timeout, wait_for_workers=False)
         store = dist.PrefixStore(group_name, self._store)
-        if backend == "gloo":
+        if backend == "gloo":  # its constructor is the rendezvous: it waits for every rank
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        else:
+            self.pg.set_timeout(datetime.timedelta(seconds=op_timeout_s))
+        else:  # NCCL connects lazily, at the first broadcast (which the trainer makes too)
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+        self._store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
         self.rank, self.world_size, self.name, self.backend = rank, world_size, group_name, backend
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -74,6 +89,11 @@ class GroupSource(WeightSource):
 
     def load_into(self, model: Any, ctx: LoadContext) -> None:
         model.load_weights(self.receive(ctx))
+
+    def discard(self, ctx: LoadContext) -> None:
+        """Receive and drop (an update refused for a reason of the engine's own): the trainer's
+        broadcasts stay in step with this engine's receives."""
+        self.receive(ctx)
 
     def receive(self, ctx: LoadContext) -> list:
         """Every dtype and shape is checked before the first receive: a malformed list cannot be

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -22,6 +23,7 @@ from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs, configure_logging
 from engine.core.messages import GetWeightsByNameReq, WeightsChecksumReq
+from engine.core.messages import WeightsGroupStatusReq
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
@@ -30,6 +32,7 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
 logger = logging.getLogger("tandem")
 
 Sink = Callable[[ReqOutput], None]
+GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
 
 
 class Engine:
@@ -170,11 +173,16 @@ class Engine:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl") -> tuple[bool, str]:
+                                  backend: str = "nccl", timeout_s: float = 30.0) -> tuple[bool, str]:
         """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0 and
-        joins at the same time); backend 'gloo' on the CPU."""
-        return self._call(InitWeightsGroupReq(master_address, int(master_port), int(rank_offset),
-                                              int(world_size), group_name, backend))
+        joins at the same time); backend 'gloo' on the CPU. The rendezvous runs off the core
+        loop (generation goes on) and fails after `timeout_s` if the trainer never joins."""
+        answer = self._call(InitWeightsGroupReq(master_address, int(master_port), int(rank_offset),
+                                                int(world_size), group_name, backend, float(timeout_s)))
+        while answer is None:  # forming: ask again shortly; each answer comes between two steps
+            time.sleep(GROUP_POLL_S)
+            answer = self._call(WeightsGroupStatusReq(group_name))
+        return answer
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from engine.core.messages import (ContinueReq, DestroyWeightsGroupReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
-                                  Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateWeightsReq, check_memory_tags,
-                                  check_pause_mode)
+                                  Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateWeightsReq, WeightsGroupStatusReq,
+                                  check_memory_tags, check_pause_mode)
+from engine.core.weight_groups import WeightGroups
+from engine.models.weight_cast import WeightsPartlyWritten
 
 if TYPE_CHECKING:
     from engine.runner.model_runner import ModelRunner
     from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still "
-               "running; pause with mode='retract' or 'abort' first, or flush the cache later.")
 
 
 class ControlledCore(Protocol):
@@ -45,7 +45,7 @@ class ControlledCore(Protocol):
 class GenerationControl:
     def __init__(self, core: ControlledCore) -> None:
         self.core = core
-        self.groups: dict[str, Any] = {}  # group name -> weight_sync.nccl.WeightGroup
+        self.groups = WeightGroups()  # broadcast groups, formed off the core loop
         self.num_updates = 0  # successful loads (a bucket each), for /metrics
         self.update_seconds = 0.0  # time in them: receive + load + flush
 
@@ -61,12 +61,11 @@ class GenerationControl:
             self.core.weight_version = str(msg.new_version)
             return Reply(self.core.weight_version)
         if isinstance(msg, InitWeightsGroupReq):
-            return Reply(self._init_group(msg))
+            return Reply(self.groups.start(msg))
+        if isinstance(msg, WeightsGroupStatusReq):
+            return Reply(self.groups.status(msg.group_name))
         if isinstance(msg, DestroyWeightsGroupReq):
-            group = self.groups.pop(msg.group_name, None)
-            if group is not None:
-                group.destroy()
-            return Reply((group is not None, f"group {msg.group_name!r} " + ("destroyed" if group else "not found")))
+            return Reply(self.groups.destroy(msg.group_name))
         if isinstance(msg, ReleaseMemoryReq):
             return self._release(check_memory_tags(msg.tags))
         if isinstance(msg, ResumeMemoryReq):
@@ -111,6 +110,10 @@ class GenerationControl:
             self.update_seconds += elapsed
             logger.info("weights updated in %.3f s: version %s%s", elapsed, self.core.weight_version,
                         "" if value[0] else f" ({value[1]})")
+        except WeightsPartlyWritten as exc:  # every check passed, then a write failed
+            logger.exception("weight update failed while writing")
+            value = (False, f"Weight update failed (weights may be partly written; load a full checkpoint to "
+                            f"recover): {exc}")
         except (ValueError, OSError) as exc:  # names, shapes, dtypes, completeness: checked before writing
             value = (False, f"Weights not updated: {exc}")
         except Exception as exc:  # e.g. a corrupt file or a failed copy: still answered
@@ -122,26 +125,31 @@ class GenerationControl:
         from weight_sync.base import LoadContext
 
         core = self.core
-        if "weights" in core.memory_released:
-            raise ValueError("weights are released: call resume_memory_occupation(tags=['weights']) first")
-        msg.source.load_into(core.runner.model, LoadContext(core.runner.device, self.groups))
+        ctx = LoadContext(core.runner.device, self.groups.formed)
+        refusal = self._refusal(msg)
+        if refusal is not None:  # before any write; a broadcast is still received, to stay in step
+            discard = getattr(msg.source, "discard", None)
+            if discard is not None:
+                discard(ctx)
+            raise ValueError(refusal)
+        msg.source.load_into(core.runner.model, ctx)
         message = "Success."
-        if msg.weight_version is not None:  # the version names the weights now loaded, flushed or not
+        if msg.weight_version is not None:  # the version names the weights now loaded
             core.weight_version = str(msg.weight_version)
             message += f" Weight version updated to {core.weight_version}."
-        if msg.flush_cache and not core.scheduler.flush_cache():
-            return False, NOT_FLUSHED
+        if msg.flush_cache:
+            core.scheduler.flush_cache()  # cannot fail: _refusal saw that nothing holds KV
         return True, message
 
-    def _init_group(self, msg: InitWeightsGroupReq) -> tuple[bool, str]:
-        """Blocks until the trainer (rank 0) joins: it calls the same rendezvous at the same time."""
-        from weight_sync.nccl import WeightGroup
-
-        if msg.group_name in self.groups:
-            return False, f"weight update group {msg.group_name!r} already exists"
-        try:
-            self.groups[msg.group_name] = WeightGroup(msg.master_address, msg.master_port, msg.rank_offset,
-                                                      msg.world_size, msg.group_name, msg.backend)
-        except (ValueError, RuntimeError) as exc:  # bad arguments, rendezvous timeout, no NCCL
-            return False, f"Failed to init weight update group {msg.group_name!r}: {exc}"
-        return True, "Succeeded to initialize custom process group."
+    def _refusal(self, msg: UpdateWeightsReq) -> Optional[str]:
+        """Why the update cannot succeed as asked, known before writing (reply and state agree)."""
+        core = self.core
+        if "weights" in core.memory_released:
+            return "weights are released: call resume_memory_occupation(tags=['weights']) first"
+        holding = core.scheduler.num_holding_kv()
+        if msg.flush_cache and holding:
+            return (f"flush_cache=True, but {holding} request(s) still hold KV cache (paused in_place, or "
+                    f"generating), so the stale cache cannot be flushed; pass flush_cache=False to keep their KV "
+                    f"(stale under the new weights, as SGLang's in_place), or pause with mode='retract' or "
+                    f"'abort' first")
+        return None

@@ -19,6 +19,7 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
                                   UpdateWeightsReq)
 from engine.core.messages import GetWeightsByNameReq, WeightsChecksumReq
+from engine.core.messages import WeightsGroupStatusReq
 from engine.core.output import build_output
 from engine.core.setup import CoreParts, build_core_parts
 from engine.core.weight_queries import weights_by_name, weights_checksum
@@ -29,7 +30,7 @@ from engine.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
-                    DestroyWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq)
+                    DestroyWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, WeightsGroupStatusReq)
 
 
 @dataclass

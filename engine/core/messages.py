@@ -95,12 +95,21 @@ class UpdateWeightsReq:
 
 @dataclass
 class InitWeightsGroupReq:
+    """Starts the rendezvous off the core loop and answers None (forming) or a refusal at once;
+    WeightsGroupStatusReq then says when it formed or failed (within timeout_s)."""
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+    timeout_s: float = 30.0
+
+
+@dataclass
+class WeightsGroupStatusReq:
+    """None while the group's rendezvous runs, then (success, message) once."""
+    group_name: str = "weight_update_group"
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from engine.models.layers import (
     apply_rotary,
     fused_kernel,
 )
+from engine.models.weight_cast import CastCheck, WeightsPartlyWritten
 
 if TYPE_CHECKING:
     from engine.runner.forward_batch import ForwardBatch
@@ -196,35 +197,46 @@ class DecoderForCausalLM(nn.Module):
 
     # ---- weight loading: the single place that knows HF names -> engine parameters ----
 
-    def check_weights(self, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> set[WeightKey]:
-        """Raise ValueError naming the first tensor whose name or shape does not fit; returns
-        the keys the tensors would write (see `missing_weights`), without writing any."""
+    def check_weights(self, named_specs: Iterable[tuple]) -> set[WeightKey]:
+        """(name, shape) or (name, shape, dtype of a host tensor) items: raise ValueError naming
+        the first whose name, shape or dtype does not fit; returns the keys they would write
+        (see `missing_weights`), without writing any."""
         params = dict(self.named_parameters())
+        casts = CastCheck()
         covered: set[WeightKey] = set()
-        for name, shape in named_shapes:
+        for name, shape, *dtype in named_specs:
             target = self._resolve(name, tuple(shape), params)
             if target is not None:
+                if dtype:
+                    casts.check_dtype(name, dtype[0], params[target[0]])
                 covered |= self._keys_covered(*target)
         return covered
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[WeightKey]:
-        """Copy HF-named tensors into parameters (dtype cast). Every tensor is checked before
-        any parameter is written, so a bad payload leaves the model untouched.
+        """Copy HF-named tensors into parameters (dtype cast). Every tensor's name, shape and
+        dtype (castable to its parameter's) is checked before any parameter is written, so a bad
+        payload leaves the model untouched; a copy that still fails raises WeightsPartlyWritten.
         Returns the (parameter, shard id) keys written; see `missing_weights`."""
         params = dict(self.named_parameters())
+        casts = CastCheck()
         plan = []
         for name, tensor in weights:
             if not torch.is_floating_point(tensor):
                 raise ValueError(f"weight {name!r} has non-floating dtype {tensor.dtype}")
             target = self._resolve(name, tuple(tensor.shape), params)
             if target is not None:
+                casts.check(name, tensor, params[target[0]])
                 plan.append((target, tensor))
         loaded: set[WeightKey] = set()
         with torch.no_grad():
-            for (param_name, shard_id), tensor in plan:
+            for i, ((param_name, shard_id), tensor) in enumerate(plan):
                 param = params[param_name]
                 dst = param.data if shard_id is None else param.data[self._shard_slice(param_name, shard_id)]
-                dst.copy_(tensor)
+                try:
+                    dst.copy_(tensor)
+                except Exception as exc:
+                    raise WeightsPartlyWritten(f"copying into {param_name} failed after {i} of {len(plan)} "
+                                               f"tensors were written: {type(exc).__name__}: {exc}") from exc
                 loaded |= self._keys_covered(param_name, shard_id)
         return loaded
 

@@ -6,13 +6,14 @@ import contextlib
 import glob
 import json
 import os
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
 from engine.models.layers import RMSNorm
 from engine.models.registry import model_class_for_config
+from engine.models.weight_cast import WeightsPartlyWritten
 
 DeviceLike = Union[str, torch.device]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,12 +84,35 @@ def safetensors_files(model_path: str) -> list[str]:
 
 
 def load_safetensors(model: nn.Module, model_path: str) -> None:
-    """Check every tensor's name and shape, and that none is missing, from the headers alone;
-    only then load file by file (a bad checkpoint leaves the model as it was)."""
+    """Check every tensor's name, shape and dtype (castable to its parameter's), and that none
+    is missing, from the headers alone; only then load file by file. A bad checkpoint leaves the
+    model as it was; a failure after the first write raises WeightsPartlyWritten."""
     from safetensors import safe_open
 
     files = safetensors_files(model_path)
-    shapes = []
+    missing = model.missing_weights(model.check_weights(_header_specs(files)))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {model_path!r} is missing weights: {shown}")
+    for done, path in enumerate(files):
+        try:
+            with safe_open(path, framework="pt") as f:
+                model.load_weights((name, f.get_tensor(name)) for name in f.keys())
+        except WeightsPartlyWritten:
+            raise
+        except Exception as exc:  # the headers were fine: the file changed or its data is unreadable
+            if done == 0:
+                raise
+            raise WeightsPartlyWritten(f"reading {path!r} failed after {done} of {len(files)} files were "
+                                       f"written: {type(exc).__name__}: {exc}") from exc
+
+
+def _header_specs(files: list[str]) -> list[tuple[str, list[int], torch.dtype]]:
+    """(name, shape, torch dtype) of every tensor, from the headers; unreadable files and dtypes
+    torch cannot load as floats are refused here, before anything is written."""
+    from safetensors import safe_open
+
+    specs = []
     for path in files:
         try:
             f = safe_open(path, framework="pt")
@@ -96,17 +120,29 @@ def load_safetensors(model: nn.Module, model_path: str) -> None:
             raise ValueError(f"cannot read {path!r} as safetensors: {exc}") from exc
         with f:
             for name in f.keys():
-                tensor = f.get_slice(name)
-                if not tensor.get_dtype().startswith(("F", "BF")):  # safetensors' names: F32, BF16, I64, ...
-                    raise ValueError(f"weight {name!r} in {path!r} has non-floating dtype {tensor.get_dtype()}")
-                shapes.append((name, tensor.get_shape()))
-    missing = model.missing_weights(model.check_weights(shapes))
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint {model_path!r} is missing weights: {shown}")
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            model.load_weights((name, f.get_tensor(name)) for name in f.keys())
+                header = f.get_slice(name)
+                raw, dtype = header.get_dtype(), _torch_float(header.get_dtype())
+                if dtype is None:
+                    kind = "dtype" if raw.startswith(("F", "BF")) else "non-floating dtype"
+                    raise ValueError(f"weight {name!r} in {path!r} has {kind} {raw}, which the loader cannot "
+                                     f"read as floats; use one of {', '.join(_loadable_dtypes())}")
+                specs.append((name, header.get_shape(), dtype))
+    return specs
+
+
+# safetensors dtype names -> torch float dtypes they load as (F4 / F6_* load packed, or not at all)
+_SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+                       "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu"}
+
+
+def _torch_float(safetensors_dtype: str) -> Optional[torch.dtype]:
+    name = _SAFETENSORS_FLOATS.get(safetensors_dtype)
+    return getattr(torch, name, None) if name else None
+
+
+def _loadable_dtypes() -> list[str]:
+    return [k for k in _SAFETENSORS_FLOATS if _torch_float(k) is not None]
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

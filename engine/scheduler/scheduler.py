@@ -357,8 +357,12 @@ class Scheduler:
             failed.append(req)
         return failed
 
+    def num_holding_kv(self) -> int:
+        """Requests whose KV is in the pool (running, or half prefilled): a flush must wait."""
+        return len(self._active())
+
     def flush_cache(self) -> bool:
-        if self.running or self.chunked_req:
+        if self.num_holding_kv():
             return False
         self.tree_cache.reset()
         return True

@@ -164,15 +164,15 @@ def test_a_request_spanning_an_update_switches_weights_at_the_pause(engine_facto
 
     def update() -> None:
         eng.pause_generation(mode)
-        replies.append(eng.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v2"))
+        # in_place keeps the running request's KV, which a flush would drop: SGLang's tests pass
+        # flush_cache=(mode == "retract"); flush_cache=True is refused before writing there
+        replies.append(eng.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v2",
+                                                      flush_cache=mode == "retract"))
         eng.continue_generation()
 
     final = _act_mid_stream(eng, prompt, update)
     ok, message = replies[0]
-    if mode == "retract":  # nothing holds KV: the cache flush succeeds
-        assert ok, message
-    else:  # in_place keeps the running request's KV, so the flush is refused (weights are new)
-        assert not ok and message.startswith("Weights were updated, but the cache was not flushed"), message
+    assert ok, message
     out = final["output_ids"]
     assert len(out) == LONG["max_new_tokens"] and final["meta_info"]["finish_reason"]["type"] == "length"
     spans = final["meta_info"]["weight_versions"]
