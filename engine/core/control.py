@@ -3,10 +3,12 @@
 Every message here runs on the core thread between two steps, after the launched (overlap) batch
 is finished, so no forward pass ever sees half-loaded weights and every token is attributed to
 the weights that produced it. The RL protocol (DESIGN section 5) is the caller's sequence:
-pause (abort | retract | in_place) -> update weights (tensors or a checkpoint; names, shapes and
-completeness are checked before any parameter is written) -> flush the radix cache (its KV is
-stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
-(shared/reference/sglang-rl-api.md 1.2, 1.5, 1.6, 1.9).
+pause (abort | retract | in_place) -> update weights (tensors or a checkpoint; names, shapes,
+castable dtypes and completeness are checked before any parameter is written) -> flush the radix
+cache (its KV is stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
+(shared/reference/sglang-rl-api.md 1.2, 1.5, 1.6, 1.9), except that a flush that cannot happen
+(in_place keeps running requests' KV) refuses the update before writing, so the reply and the
+weights agree. Broadcast groups form off the core loop (engine/core/weight_groups.py).
 """
 
 from __future__ import annotations
