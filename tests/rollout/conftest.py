@@ -50,7 +50,10 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     from rollout.engine_actor import ensure_ray
 
-    ensure_ray(num_cpus=2, log_to_driver=False, object_store_memory=256 << 20)  # light for a CI box
+    # light for a CI box; no memory monitor: on a shared test machine another job's peak memory
+    # would make Ray kill the engine actor mid-test (OutOfMemoryError), which tests nothing of ours
+    ensure_ray(num_cpus=2, log_to_driver=False, object_store_memory=256 << 20,
+               _system_config={"memory_monitor_refresh_ms": 0})
     yield ray
     ray.shutdown()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import time
 
 import pytest
 import torch
@@ -237,7 +238,10 @@ def test_a_dead_engine_actor_reads_unhealthy_and_its_calls_raise(ray_cluster):
 
     client = RayClient(Stub.remote())
     assert client.health() and client.generate(input_ids=[5]) == {"output_ids": [1]}
-    ray_cluster.kill(client.actor)
+    ray_cluster.kill(client.actor)  # takes effect asynchronously: a call may still get in first
+    deadline = time.monotonic() + 30
+    while client.health() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not client.health()
     with pytest.raises(ray_cluster.exceptions.RayActorError):
         client.generate(input_ids=[5])
