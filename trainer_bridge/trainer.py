@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -41,6 +42,10 @@ class Trainer(ABC):
     @abstractmethod
     def optimizer_step(self, lr: float) -> float:
         """Apply the accumulated gradients with learning rate lr; -> the gradient norm."""
+
+    @abstractmethod
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's state (between the warm start and RL)."""
 
     @abstractmethod
     def weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
@@ -88,6 +93,14 @@ class Trainer(ABC):
             loss_sum += loss.item()
         return {"loss": loss_sum, "grad_norm": self.optimizer_step(lr)}
 
+    def save_hf_checkpoint(self, source_dir: str, out_dir: str) -> Path:
+        """The current weights as an HF checkpoint (config and tokenizer copied from source_dir)."""
+        from trainer_bridge.checkpoint import save_hf_checkpoint
+
+        named = [(name, t.detach().to("cpu", copy=True)) for bucket in self.weight_buckets(1 << 30)
+                 for name, t in bucket]
+        return save_hf_checkpoint(self.policy.model, named, source_dir, out_dir)
+
     def reference_model(self) -> Policy:
         if self.reference is None:
             raise ValueError("kl_coef > 0 needs a reference: call freeze_reference() first")
@@ -101,9 +114,15 @@ class TorchTrainer(Trainer):
                  temperature: Optional[float] = None, weight_decay: float = 0.0,
                  max_grad_norm: Optional[float] = 1.0) -> None:
         super().__init__(policy, loss, micro_batch_size, temperature)
-        params = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=weight_decay)
+        self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
+        self.reset_optimizer()
+
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW moments: the RL phase must not inherit the warm start's gradient scale
+        (its second moments decay over ~1000 steps and would shrink every RL update)."""
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=self.weight_decay)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -1,0 +1,73 @@
+"""EnginePool: a recipe's rollout engines, started in this process or as Ray actors.
+
+Both kinds are rollout.client EngineClients, so the loop drives them the same way. Engines run
+in deterministic mode when the recipe says so (batch-invariant kernels: the Policy recomputes
+their logprobs bit for bit). Ray actors get a fractional GPU share when they are colocated with
+the trainer, and none on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recipes.model_source import ModelSource
+from recipes.recipe import Recipe
+
+
+def engine_kwargs(recipe: Recipe, source: ModelSource) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model_path": source.path, "load_format": source.load_format, "dtype": recipe.dtype,
+        "device": recipe.device, "enable_deterministic_inference": recipe.deterministic,
+        "random_seed": recipe.seed, "log_level": "warning",  # the run's table is the log
+        # logprobs under the distribution the samples were drawn from (the Policy matches it)
+        "logprob_distribution": "original" if recipe.temperature == 1.0 else "processed",
+    }
+    kwargs.update(recipe.engine_args)
+    return kwargs
+
+
+class EnginePool:
+    def __init__(self, recipe: Recipe, source: ModelSource) -> None:
+        self.recipe = recipe
+        self.clients: list[Any] = []
+        kwargs = engine_kwargs(recipe, source)
+        if recipe.engine_backend == "in_process":
+            self._start_in_process(kwargs)
+        else:
+            self._start_ray(kwargs)
+
+    def _start_in_process(self, kwargs: dict) -> None:
+        from engine import Engine
+        from rollout.client import InProcessClient
+
+        for _ in range(self.recipe.num_engines):
+            self.clients.append(InProcessClient(Engine(**kwargs), owns=True))
+
+    def _start_ray(self, kwargs: dict) -> None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise SystemExit("engine_backend 'ray' needs Ray: pip install -e '.[rl]' "
+                             "(or run with --engine-backend in_process)") from None
+        from rollout.engine_actor import start_engine_actors
+        from rollout.ray_client import RayClient
+
+        num_gpus = None
+        if self.recipe.device != "cpu" and self.recipe.colocate:
+            num_gpus = 1.0 / (self.recipe.num_engines + 1)  # the trainer holds a share of the same GPU
+        actors = start_engine_actors(self.recipe.num_engines, kwargs, num_gpus=num_gpus)
+        self.clients = [RayClient(a, owns=True) for a in actors]
+
+    def close(self) -> None:
+        for client in self.clients:
+            try:
+                client.close()
+            except Exception as exc:  # shutting down: report, keep closing the others
+                print(f"warning: an engine did not shut down cleanly: {exc}")
+        self.clients = []
+
+    def __enter__(self) -> "EnginePool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
