@@ -168,14 +168,45 @@ def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs: Any) -> None:
     ray.init(include_dashboard=False, num_cpus=num_cpus, configure_logging=False, **init_kwargs)
 
 
+def colocation_group(n: int, gpus_per_bundle: float = 1, cpus_per_bundle: float = 1,
+                     timeout_s: float = 300.0) -> Any:
+    """A Ray placement group of n bundles, each one GPU (or, with gpus_per_bundle=0, CPUs only):
+    engine i and the trainer rank that shares its GPU both go into bundle i, so fractional
+    num_gpus lands them on the same device even on a node with several GPUs."""
+    ensure_ray()
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle = {"CPU": cpus_per_bundle, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
+    group = placement_group([bundle] * n, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        raise TimeoutError(f"{n} bundles of {bundle} could not be reserved in {timeout_s:.0f} s "
+                           f"(ray.available_resources() = {ray.available_resources()})") from None
+    return group
+
+
+def in_bundle(group: Any, index: int) -> dict:
+    """Actor options that put it into bundle `index` of a colocation_group (none without one)."""
+    if group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+
+
 def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] = None,
-                        num_cpus: float = 0, start_timeout_s: float = 900.0) -> list[Any]:
+                        num_cpus: float = 0, start_timeout_s: float = 900.0,
+                        placement_group: Any = None) -> list[Any]:
     """n engine actors, each owning an Engine(**engine_kwargs), ready when this returns.
     num_gpus: Ray's GPU share per actor (fractional to colocate with a trainer); None: 1 when
     the engine runs on a GPU (device "cuda", or "auto" on a cluster with GPUs), else 0. num_cpus: Ray's CPU accounting per actor (0: the engines do
     not take CPU slots a small machine needs for trainer actors). For SGLang-route clients,
     `ray.get(actor.serve_http.remote())` gives an actor's URL. An engine not up within
-    start_timeout_s (loading included) is an error, never a hang."""
+    start_timeout_s (loading included) is an error, never a hang. placement_group: a
+    colocation_group; engine i goes into its bundle i."""
     if n < 1:
         raise ValueError(f"start_engine_actors needs n >= 1, got {n}")
     ensure_ray()
@@ -185,8 +216,9 @@ def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] =
         device = engine_kwargs.get("device", "auto")
         num_gpus = 0 if device == "cpu" or device == "auto" and not ray.cluster_resources().get("GPU") else 1
 
-    cls = engine_actor_class().options(num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=MAX_CONCURRENT_CALLS)
-    actors = [cls.remote(dict(engine_kwargs)) for _ in range(n)]
+    cls = engine_actor_class()
+    options = {"num_gpus": num_gpus, "num_cpus": num_cpus, "max_concurrency": MAX_CONCURRENT_CALLS}
+    actors = [cls.options(**options, **in_bundle(placement_group, i)).remote(dict(engine_kwargs)) for i in range(n)]
     wait_until_ready([a.health.remote() for a in actors], actors, start_timeout_s,
                      f"{n} engine actor(s) with num_gpus={num_gpus}, num_cpus={num_cpus}")
     return actors

@@ -97,16 +97,19 @@ def _clients(engines: Sequence[Any], tensor_transport: str) -> list[Any]:
 
 
 def start_trainer_actor(model_path: str, num_gpus: Optional[float] = None, num_cpus: float = 0,
-                        start_timeout_s: float = 900.0, **trainer_kwargs: Any) -> Any:
+                        start_timeout_s: float = 900.0, placement_group: Any = None, bundle_index: int = 0,
+                        **trainer_kwargs: Any) -> Any:
     """A TrainerActor on `num_gpus` of a GPU (fractional: beside engine actors on the same GPU;
-    None: 1 when device is not 'cpu', else 0), ready when this returns."""
-    from rollout.engine_actor import ensure_ray, wait_until_ready
+    None: 1 when device is not 'cpu', else 0), ready when this returns. placement_group /
+    bundle_index: a rollout.engine_actor.colocation_group bundle, to share that engine's GPU."""
+    from rollout.engine_actor import ensure_ray, in_bundle, wait_until_ready
 
     ensure_ray()
     import ray
 
     if num_gpus is None:
         num_gpus = 0 if trainer_kwargs.get("device", "cpu") == "cpu" else 1
-    actor = ray.remote(TrainerActor).options(num_gpus=num_gpus, num_cpus=num_cpus).remote(model_path, **trainer_kwargs)
+    options = {"num_gpus": num_gpus, "num_cpus": num_cpus, **in_bundle(placement_group, bundle_index)}
+    actor = ray.remote(TrainerActor).options(**options).remote(model_path, **trainer_kwargs)
     wait_until_ready([actor.ready.remote()], [actor], start_timeout_s, f"a trainer actor with num_gpus={num_gpus}")
     return actor

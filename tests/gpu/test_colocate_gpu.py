@@ -57,9 +57,12 @@ def test_actors_share_the_gpu_and_a_cuda_ipc_push_equals_an_engine_on_the_new_ch
     from trainer_bridge.colocate import PushConfig
     from trainer_bridge.trainer_actor import start_trainer_actor
 
+    from rollout.engine_actor import colocation_group
+
     a, b = checkpoints
-    (engine,) = start_engine_actors(1, {"model_path": a, **ENGINE}, num_gpus=0.5)
-    trainer = start_trainer_actor(b, num_gpus=0.5, device="cuda")
+    group = colocation_group(1)  # one GPU for the pair, whatever the node has
+    (engine,) = start_engine_actors(1, {"model_path": a, **ENGINE}, num_gpus=0.5, placement_group=group)
+    trainer = start_trainer_actor(b, num_gpus=0.5, device="cuda", placement_group=group)
     oracle = Engine(model_path=b, **{**ENGINE, "enable_memory_saver": False, "mem_fraction_static": 0.1})
     try:
         client = RayClient(engine)
@@ -70,6 +73,7 @@ def test_actors_share_the_gpu_and_a_cuda_ipc_push_equals_an_engine_on_the_new_ch
         oracle.shutdown()
         ray.kill(trainer)
         ray.kill(engine)
+        ray.util.remove_placement_group(group)
 
 
 def test_the_colocated_step_frees_the_engine_memory_and_stays_on_policy(checkpoints):

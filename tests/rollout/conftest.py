@@ -59,11 +59,22 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def engine_actor(ray_cluster, model_a):
+def colocation(ray_cluster):
+    """One bundle (CPU only here; one GPU on a GPU node) that the engine actor and the trainer
+    actor share, as a colocated pair would."""
+    from rollout.engine_actor import colocation_group
+
+    group = colocation_group(1, gpus_per_bundle=0)
+    yield group
+    ray_cluster.util.remove_placement_group(group)
+
+
+@pytest.fixture(scope="session")
+def engine_actor(ray_cluster, colocation, model_a):
     """One engine actor on checkpoint A for the session; tests that change its weights put A back."""
     from rollout.engine_actor import start_engine_actors
 
-    (actor,) = start_engine_actors(1, {"model_path": model_a, **ENGINE_KWARGS})
+    (actor,) = start_engine_actors(1, {"model_path": model_a, **ENGINE_KWARGS}, placement_group=colocation)
     yield actor
     ray_cluster.get(actor.shutdown.remote())
     ray_cluster.kill(actor)

@@ -25,11 +25,11 @@ def _named(model_dir: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def trainer_b(ray_cluster, model_b):
-    """A trainer actor holding a Policy on checkpoint B."""
+def trainer_b(ray_cluster, colocation, model_b):
+    """A trainer actor holding a Policy on checkpoint B, in the engine actor's bundle."""
     from trainer_bridge.trainer_actor import start_trainer_actor
 
-    actor = start_trainer_actor(model_b)
+    actor = start_trainer_actor(model_b, placement_group=colocation, bundle_index=0)
     yield actor
     ray_cluster.kill(actor)
 
@@ -247,3 +247,10 @@ def test_a_dead_engine_actor_reads_unhealthy_and_its_calls_raise(ray_cluster):
         client.generate(input_ids=[5])
     with pytest.raises(ValueError, match="tensor_transport"):
         RayClient(client.actor, tensor_transport="pigeon")
+
+
+def test_a_colocation_group_the_cluster_cannot_reserve_times_out_with_a_clear_error(ray_cluster):
+    from rollout.engine_actor import colocation_group
+
+    with pytest.raises(TimeoutError, match="'GPU': 1.*could not be reserved"):
+        colocation_group(1, gpus_per_bundle=1, timeout_s=1)
