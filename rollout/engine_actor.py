@@ -133,7 +133,8 @@ class EngineActor:
 
         sock = socket.socket()
         sock.bind((host, port))  # bound here so the URL is known before the server runs
-        server = uvicorn.Server(uvicorn.Config(create_app(self.engine, api_key=api_key, admin_api_key=admin_api_key), log_level="warning"))
+        app = create_app(self.engine, api_key=api_key, admin_api_key=admin_api_key)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="engine-http", daemon=True)
         thread.start()
         while not server.started:
@@ -202,8 +203,9 @@ def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] =
                         placement_group: Any = None) -> list[Any]:
     """n engine actors, each owning an Engine(**engine_kwargs), ready when this returns.
     num_gpus: Ray's GPU share per actor (fractional to colocate with a trainer); None: 1 when
-    the engine runs on a GPU (device "cuda", or "auto" on a cluster with GPUs), else 0. num_cpus: Ray's CPU accounting per actor (0: the engines do
-    not take CPU slots a small machine needs for trainer actors). For SGLang-route clients,
+    the engine runs on a GPU (device "cuda", or "auto" on a cluster with GPUs), else 0.
+    num_cpus: Ray's CPU accounting per actor (0: the engines do not take CPU slots a small
+    machine needs for trainer actors). For SGLang-route clients,
     `ray.get(actor.serve_http.remote())` gives an actor's URL. An engine not up within
     start_timeout_s (loading included) is an error, never a hang. placement_group: a
     colocation_group; engine i goes into its bundle i."""
