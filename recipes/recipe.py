@@ -66,6 +66,7 @@ class Recipe:
     off_policy: bool = False  # generate step k+1's rollouts while step k trains (TIS corrects)
     seed: int = 0
     torch_threads: int = 0  # trainer threads (0: torch's default)
+    wandb: bool = True  # log to wandb (offline unless configured) when it is installed
     wandb_project: str = "tandem"
     save_checkpoint: bool = True
 

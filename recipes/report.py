@@ -72,6 +72,8 @@ class RunReport:
             print(text, flush=True)
 
     def _start_wandb(self) -> Any:
+        if not self.recipe.wandb:
+            return None
         try:
             import wandb
         except ImportError:

@@ -22,4 +22,5 @@ RECIPE = Recipe(
     num_engines=2,
     engine_backend="ray",
     deterministic=True,
+    torch_threads=1,
 )
