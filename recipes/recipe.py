@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +109,7 @@ def load_recipe(name_or_path: str = "default") -> Recipe:
 
 def available_recipes() -> list[str]:
     here = Path(__file__).parent
-    return sorted(p.stem for p in here.glob("*.py") if "RECIPE = Recipe(" in p.read_text())
+    return sorted(p.stem for p in here.glob("*.py") if re.search(r"(?m)^RECIPE = Recipe\(", p.read_text()))
 
 
 def with_overrides(recipe: Recipe, overrides: dict[str, Any]) -> Recipe:

@@ -1,0 +1,37 @@
+"""GRPO on one GPU, colocated: a Ray engine actor and the DeepSpeed trainer share the device.
+
+Each step the engine releases its memory while the trainer steps in it, takes the new weights
+by CUDA IPC, then gets its KV cache back. By default the model is the Qwen3-0.6B shape with
+random weights (a speed, memory and exactness check, not learning); point it at a real HF
+checkpoint and a real task to train:
+
+    tandem train --recipe qwen3_gpu --model /path/to/Qwen3-0.6B --steps 200 --task my_pkg.tasks:gsm8k \\
+        --reward my_pkg.rewards:gsm8k_correct --max-new-tokens 1024
+"""
+
+from recipes.recipe import Recipe
+
+RECIPE = Recipe(
+    name="qwen3_gpu",
+    model="qwen3-0.6b",  # a preset (random weights) or an HF checkpoint directory
+    dtype="bfloat16",
+    device="cuda",
+    task="rollout.tasks:addition",
+    temperature=1.0,
+    max_new_tokens=256,
+    n_per_prompt=8,
+    prompts_per_step=16,
+    steps=5,
+    lr=1e-6,
+    micro_batch_size=16,
+    warm_start_steps=0,
+    num_engines=1,
+    engine_backend="ray",
+    engine_args={"mem_fraction_static": 0.35},
+    trainer="deepspeed",
+    zero_stage=3,
+    colocate=True,
+    transport="tensor",  # CUDA IPC from the trainer into the engine actor
+    bucket_bytes=1 << 30,
+    deterministic=True,
+)

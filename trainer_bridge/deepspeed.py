@@ -1,0 +1,134 @@
+"""DeepSpeedTrainer: the Trainer interface on a DeepSpeed ZeRO-2/3 engine (bf16), on GPUs.
+
+The Policy (batch-invariant kernels, so its logprobs equal a deterministic engine's) is wrapped by
+`deepspeed.initialize` with a torch AdamW as the client optimizer (no fused-op build needed).
+Gradient accumulation over the step's micro batches is ours: every micro batch's loss is already
+its share of the batch's, the accumulation boundary is set by hand on the last one, and the
+engine's own accumulation count stays 1 (so DeepSpeed never rescales the loss).
+
+Weights for the push: ZeRO-2 keeps full bf16 parameters on every rank, so buckets are views;
+ZeRO-3 partitions them, so each bucket is gathered (`GatheredParameters`) only while it is being
+pushed and released before the next one: the full model is never resident twice.
+
+One process here (rank 0 of a world of 1 unless the launcher set one); deepspeed is imported
+inside, so the rest of tandem never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Iterator, Optional
+
+import torch
+
+from trainer_bridge.losses import LossConfig
+from trainer_bridge.policy import Policy
+from trainer_bridge.trainer import NamedTensors, Trainer
+
+
+class DeepSpeedTrainer(Trainer):
+    def __init__(self, policy: Policy, loss: LossConfig, zero_stage: int = 2, micro_batch_size: int = 64,
+                 temperature: Optional[float] = None, max_grad_norm: Optional[float] = 1.0,
+                 weight_decay: float = 0.0) -> None:
+        if zero_stage not in (2, 3):
+            raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage}")
+        try:
+            import deepspeed
+        except ImportError:
+            raise SystemExit("trainer 'deepspeed' needs DeepSpeed: pip install -e '.[rl]'") from None
+        super().__init__(policy, loss, micro_batch_size, temperature)
+        self.zero_stage = zero_stage
+        _init_single_process_group(deepspeed)
+        dtype = next(policy.parameters()).dtype
+        config = {
+            "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "gradient_clipping": max_grad_norm or 0.0,
+            "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
+            "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+                                  "stage3_gather_16bit_weights_on_model_save": True},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
+        }
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6,
+                                      weight_decay=weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config)
+        self._micro_left = 0
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, loss: LossConfig, zero_stage: int = 2,
+                        dtype: torch.dtype = torch.bfloat16, device: str = "cuda", load_format: str = "auto",
+                        attention_backend: Optional[str] = None, **kwargs) -> "DeepSpeedTrainer":
+        if not str(device).startswith("cuda"):
+            raise ValueError("the DeepSpeed trainer runs on CUDA; on the CPU use trainer 'torch'")
+        policy = Policy.from_pretrained(model_path, dtype, device, load_format, attention_backend=attention_backend)
+        return cls(policy, loss, zero_stage, **kwargs)
+
+    # ---- accumulation: the boundary is the last micro batch of a step ----
+    def train_step(self, batch, lr: float) -> dict[str, float]:
+        self._micro_left = len(range(0, len(batch), self.micro_batch_size))
+        return super().train_step(batch, lr)
+
+    def supervised_step(self, prompts, targets, lr: float) -> dict[str, float]:
+        self._micro_left = len(range(0, len(prompts), self.micro_batch_size))
+        return super().supervised_step(prompts, targets, lr)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._micro_left -= 1
+        self.engine.set_gradient_accumulation_boundary(self._micro_left <= 0)
+        self.engine.backward(loss)
+
+    def optimizer_step(self, lr: float) -> float:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def reset_optimizer(self) -> None:
+        raise ValueError("the DeepSpeed trainer has no warm start: GPU recipes start from a checkpoint "
+                         "(set warm_start_steps 0)")
+
+    def freeze_reference(self) -> None:
+        raise ValueError("kl_coef > 0 is not supported with the DeepSpeed trainer yet (set kl_coef 0)")
+
+    # ---- weights out ----
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        named = list(self.policy.model.named_parameters())
+        if self.zero_stage < 3:
+            yield [(n, p.detach()) for n, p in named]  # full parameters live here; push_weights buckets them
+            return
+        import deepspeed
+
+        for group in _by_size(named, bucket_bytes):
+            params = [p for _, p in group]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield [(n, p.data) for n, p in group]
+
+
+def _by_size(named: list, bucket_bytes: int) -> Iterator[list]:
+    """Runs of parameters of about bucket_bytes, by their full (ZeRO-3: ds_numel) sizes."""
+    bucket, size = [], 0
+    for name, p in named:
+        nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _init_single_process_group(deepspeed) -> None:
+    """A world of one unless a launcher (deepspeed, torchrun) already set RANK/WORLD_SIZE."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="nccl")
