@@ -52,6 +52,7 @@ def plan_line(recipe: Recipe, source: ModelSource, output_dir: Path) -> str:
 def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
     if recipe.off_policy and recipe.colocate:
         raise ValueError("off_policy needs engines generating while the trainer steps; colocate releases them then")
+    threads = torch.get_num_threads()
     if recipe.torch_threads > 0:
         torch.set_num_threads(recipe.torch_threads)
     torch.manual_seed(recipe.seed)
@@ -59,6 +60,17 @@ def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
     source = ModelSource.resolve(recipe.model, recipe.seed)
     report = RunReport(output_dir, recipe, quiet)
     report.plan(plan_line(recipe, source, output_dir))
+    try:
+        checkpoint, last_groups = _run_phases(recipe, source, report, output_dir)
+    finally:
+        curve = report.close()
+        torch.set_num_threads(threads)  # the caller's setting, as it was
+    return RunResult(output_dir, report.rows, checkpoint, curve, last_groups)
+
+
+def _run_phases(recipe: Recipe, source: ModelSource, report: RunReport,
+                output_dir: Path) -> tuple[Optional[Path], list]:
+    """trainer -> engines -> warm start -> push version 0 -> GRPO steps -> checkpoint."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.path)
@@ -74,11 +86,7 @@ def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
         pusher = WeightPusher(pool.clients, recipe.transport, recipe.bucket_bytes)
         try:
             if recipe.warm_start_steps:
-                start = time.perf_counter()
-                losses = warm_start(trainer, task, tokenizer, recipe)
-                trainer.reset_optimizer()
-                report.note(f"warm start: {len(losses)} supervised steps in {time.perf_counter() - start:.1f}s, "
-                            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+                _warm_start(recipe, trainer, task, tokenizer, report)
             if recipe.kl_coef > 0:
                 trainer.freeze_reference()
             pusher.push(trainer, "0")  # the engines start from the (warm-started) policy
@@ -89,8 +97,15 @@ def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
     checkpoint = None
     if recipe.save_checkpoint:
         checkpoint = trainer.save_hf_checkpoint(source.path, str(output_dir / "checkpoint"))
-    curve = report.close()
-    return RunResult(output_dir, report.rows, checkpoint, curve, last_groups)
+    return checkpoint, last_groups
+
+
+def _warm_start(recipe: Recipe, trainer: Any, task: Any, tokenizer: Any, report: RunReport) -> None:
+    start = time.perf_counter()
+    losses = warm_start(trainer, task, tokenizer, recipe)
+    trainer.reset_optimizer()  # RL starts with fresh moments
+    report.note(f"warm start: {len(losses)} supervised steps in {time.perf_counter() - start:.1f}s, "
+                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
 def _grpo_steps(recipe: Recipe, trainer: Any, rollouts: Rollouts, pusher: WeightPusher,
