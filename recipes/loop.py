@@ -156,5 +156,16 @@ def _train_and_push(recipe: Recipe, trainer: Any, pusher: WeightPusher, result: 
         "rollout_tok_s": result.generated_tokens / max(result.seconds, 1e-9),
         "train_s": train_s, "sync_s": sync_s, "response_len_mean": result.generated_tokens / max(len(samples), 1),
         "truncated": sum(1 for s in samples if s.status == "truncated") / max(len(samples), 1),
-        "rollout_weight_versions": versions, **train,
+        "rollout_weight_versions": versions, **train, **_trainer_memory(),
     }
+
+
+def _trainer_memory() -> dict:
+    """GiB: this (trainer) process's peak allocation since the last step, and the whole device's use
+    now (colocated engines included); nothing on the CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    peak = torch.cuda.max_memory_allocated() / (1 << 30)
+    torch.cuda.reset_peak_memory_stats()
+    free, total = torch.cuda.mem_get_info()
+    return {"trainer_peak_mem_gib": peak, "device_used_gib": (total - free) / (1 << 30)}

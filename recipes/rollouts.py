@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -44,6 +45,7 @@ class Rollouts:
         self.reward_fn = reward_fn
         self.rollout_fn = rollout_fn
         self.manager = RolloutManager(engines, reward_fn=reward_fn)
+        self._tag = uuid.uuid4().hex[:8]  # request ids stay unique across runs on the same engines
 
     def generate(self, step: int) -> RolloutResult:
         """Blocking; call from a thread without a running event loop."""
@@ -73,7 +75,7 @@ class Rollouts:
             for i in range(self.recipe.n_per_prompt):
                 sample_params = {**base, "sampling_seed": (base["sampling_seed"] + 7919 * i) % (1 << 62)}
                 ctx = TurnContext(engine, self.tokenizer, list(prompt), problem, sample_params, g, i,
-                                  rid=f"step{step}-g{g}-s{i}-{self.recipe.seed}")
+                                  rid=f"turns-{self._tag}-{step}-{g}-{i}")
                 calls.append(self.rollout_fn(ctx))
         samples = await asyncio.gather(*calls)
         n = self.recipe.n_per_prompt
