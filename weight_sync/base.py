@@ -80,6 +80,27 @@ def _package_path() -> list[str]:
     return [os.path.dirname(__file__)]
 
 
+def named_pairs(named_tensors: Any, load_format: Optional[str] = None) -> list[tuple[str, torch.Tensor]]:
+    """[(name, tensor)] from pairs or (load_format="flattened_bucket") a FlattenedBucket or its
+    payload dict; a ValueError naming what was passed instead."""
+    if load_format not in (None, "direct", "flattened_bucket"):
+        raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or 'flattened_bucket'")
+    if load_format == "flattened_bucket":
+        from weight_sync.bucket import FlattenedBucket
+
+        named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
+    try:
+        named = list(named_tensors)
+    except TypeError:
+        raise ValueError(f"named_tensors must be (name, tensor) pairs; got {type(named_tensors).__name__}") from None
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            held = f" holding {type(item[1]).__name__}" if isinstance(item, tuple) and len(item) == 2 else ""
+            raise ValueError(f"named_tensors must be (name, tensor) pairs; got a {type(item).__name__}{held}")
+    return named
+
+
 @dataclass
 class TensorSource(WeightSource):
     """HF-named tensors handed over in memory (in process, or by reference across processes)."""

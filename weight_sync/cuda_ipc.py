@@ -28,10 +28,12 @@ import base64
 import collections
 import io
 import pickle
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 
+from weight_sync.base import LoadContext, WeightSource, named_pairs
 from weight_sync.rebuilds import (LEGACY_STORAGES, RefusedPayload, Token, checked_rebuild, is_mp_listener,
                                   refuse)
 
@@ -163,3 +165,25 @@ def deserialize(data: Union[bytes, str]) -> Any:
         raise
     except Exception as exc:  # truncated or corrupt pickle, dead sender, bad IPC handle, wrong arity
         raise RefusedPayload(f"payload could not be read: {type(exc).__name__}: {exc}") from exc
+
+
+# what a hostile or broken payload can raise while it is decoded: the sender's fault, refused
+PAYLOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, EOFError)
+
+
+@dataclass
+class SerializedSource(WeightSource):
+    """A payload still serialized (SGLang's `serialized_named_tensors` entry): unpickled through
+    the allowlist inside the core's own process, where the weights are loaded. CUDA memory
+    opened from an IPC handle cannot be shared on to another process, so a front end that
+    opened it could not hand it to a core process; this source never opens it there."""
+    kind: ClassVar[str] = "serialized"
+    data: Union[bytes, str]
+    load_format: Optional[str] = None
+
+    def load_into(self, model: Any, ctx: LoadContext) -> None:
+        try:
+            named = named_pairs(deserialize(self.data), self.load_format)
+        except PAYLOAD_ERRORS as exc:  # refused class, corrupt pickle, bad bucket metadata
+            raise ValueError(f"payload refused: {type(exc).__name__}: {exc}") from exc
+        model.load_weights(named)

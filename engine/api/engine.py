@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Any, Callable, Optional, Union
 
-import torch
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
 from engine.api.text_builder import TextBuilder
@@ -150,16 +149,24 @@ class Engine:
         """named_tensors: [(HF name, tensor)], any subset of the weights; with
         load_format="flattened_bucket", a weight_sync FlattenedBucket or its payload dict.
         -> (success, message); a bad name or shape changes nothing and says which."""
+        from weight_sync.base import TensorSource, named_pairs
+
+        return self._call(UpdateWeightsReq(TensorSource(named_pairs(named_tensors, load_format)), flush_cache,
+                                           weight_version))
+
+    def update_weights_from_serialized(self, serialized: Union[bytes, str], load_format: Optional[str] = None,
+                                       flush_cache: bool = True, weight_version: Optional[str] = None
+                                       ) -> tuple[bool, str]:
+        """One `serialized_named_tensors` entry (weight_sync.cuda_ipc.serialize or SGLang's
+        MultiprocessingSerializer), unpickled through the allowlist by the core itself: CUDA IPC
+        handles are opened in the process that loads them (a core process included)."""
+        from weight_sync.cuda_ipc import SerializedSource
+
+        if not isinstance(serialized, (bytes, str)):
+            raise ValueError(f"a serialized payload is bytes or base64 text; got {type(serialized).__name__}")
         if load_format not in (None, "direct", "flattened_bucket"):
-            raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or "
-                             "'flattened_bucket'")
-        from weight_sync.base import TensorSource
-
-        if load_format == "flattened_bucket":
-            from weight_sync.bucket import FlattenedBucket
-
-            named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
-        return self._call(UpdateWeightsReq(TensorSource(_named_pairs(named_tensors)), flush_cache, weight_version))
+            raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or 'flattened_bucket'")
+        return self._call(UpdateWeightsReq(SerializedSource(serialized, load_format), flush_cache, weight_version))
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None, flush_cache: bool = True
@@ -310,17 +317,3 @@ def _version() -> str:
         return version("tandem")
     except Exception:
         return "0.1.0"
-
-
-def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
-    """list of (name, tensor), or a ValueError naming what was passed instead."""
-    try:
-        named = list(named_tensors)
-    except TypeError:
-        raise ValueError(f"named_tensors must be (name, tensor) pairs; got {type(named_tensors).__name__}") from None
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            held = f" holding {type(item[1]).__name__}" if isinstance(item, tuple) and len(item) == 2 else ""
-            raise ValueError(f"named_tensors must be (name, tensor) pairs; got a {type(item).__name__}{held}")
-    return named

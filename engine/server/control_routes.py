@@ -59,14 +59,11 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
             raise ValueError("serialized_named_tensors is empty: send one payload per rank")
         _abort_all_first(engine, req)
 
-        def load() -> tuple[bool, str]:
-            from weight_sync.cuda_ipc import deserialize
-
+        def load() -> tuple[bool, str]:  # unpickled by the core itself (a core process opens the IPC handles)
             try:
-                payload = deserialize(req.serialized_named_tensors[0])
-                return engine.update_weights_from_tensor(payload, req.load_format, req.flush_cache,
-                                                         req.weight_version)
-            except PAYLOAD_ERRORS as exc:  # refused payload, bad pairs or metadata, unknown load_format
+                return engine.update_weights_from_serialized(req.serialized_named_tensors[0], req.load_format,
+                                                             req.flush_cache, req.weight_version)
+            except PAYLOAD_ERRORS as exc:  # not bytes/text, unknown load_format
                 return False, _payload_error(exc)
 
         ok, message = await asyncio.to_thread(load)

@@ -153,6 +153,29 @@ def test_weight_updates_from_tensors_and_disk(proc_engine, tiny_model_dir, other
     proc_engine.check_integrity()
 
 
+def test_a_serialized_payload_is_opened_by_the_core_process(proc_engine, tiny_model_dir, other_model_dir,
+                                                            other_engine):
+    """The HTTP route's path: the payload stays serialized until the core process unpickles it
+    (through the allowlist), as CUDA IPC handles must be; a refused class still refuses."""
+    from weight_sync.bucket import FlattenedBucket
+    from weight_sync.cuda_ipc import serialize
+
+    prompts = random_prompts(2, proc_engine.info.vocab_size, lengths=(5, 30), seed=4)
+    try:
+        bucket = FlattenedBucket.pack(_named_tensors(other_model_dir)).to_payload()
+        ok, message = proc_engine.update_weights_from_serialized(serialize(bucket, as_text=True), "flattened_bucket",
+                                                                 weight_version="ser-1")
+        assert ok, message
+        assert _ids(proc_engine.generate(input_ids=prompts, sampling_params=GREEDY)) == _ids(
+            other_engine.generate(input_ids=prompts, sampling_params=GREEDY))
+        ok, message = proc_engine.update_weights_from_serialized(serialize([("x", print)]))
+        assert not ok and "builtins.print" in message, message
+        assert proc_engine.get_weight_version() == "ser-1"
+    finally:
+        ok, message = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
+    assert ok, message
+
+
 def test_stats_and_server_info(proc_engine):
     proc_engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
     stats = proc_engine.get_stats()
