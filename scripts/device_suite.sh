@@ -18,6 +18,19 @@ step() {  # name, seconds, command...
 B="python3 -m engine.cli.main bench --skip-tokenizer-init"
 kit() { source .devkit/install.sh; }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
+  allgpu) ( kit && step allgpu 420 python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_train_gpu.py tests/gpu ) ;;
+  traingpu) ( kit && step traingpu 400 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_gpu.py ) ;;
+  sync8) ( kit && step sync8 120 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" \
+           && step sync8long 150 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 200 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc-200.json" \
+           && step sync8inproc 90 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport inprocess --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-inproc.json" ) ;;
+  http06*)  # http06 | http06proc: tandem serve (thread core | --core-process) driven by bench --url at 256 and 64 concurrent
+    ( kit; flag=""; tag=thread; [[ $s == *proc ]] && flag="--core-process" && tag=proc
+      python3 -m engine.cli.main tiny-model --out /tmp/q06 --preset qwen3-0.6b > /dev/null
+      python3 -m engine.cli.main serve --model-path /tmp/q06 --load-format dummy --skip-tokenizer-init --port 30001 $flag > "/tmp/serve-$tag.log" 2>&1 &
+      pid=$!; for i in $(seq 90); do curl -sf localhost:30001/health > /dev/null && break; sleep 1; done
+      for n in 256 64; do step "http06-$tag-$n" 120 python3 -m engine.cli.main bench --url http://127.0.0.1:30001 --num-prompts $n --input-len 512 --output-len 256 --stream-mode final --runs 3 --json "$OUT/http06-$tag-$n.json"; done
+      kill $pid; wait $pid; tail -5 "/tmp/serve-$tag.log" >> "$OUT/suite.log" ) ;;
+  bench06q64) step bench06q64 70 $B --preset qwen3-0.6b --num-prompts 64 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-qwen3-0.6b-64.json" ;;
   gpudet) step gpudet 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_policy_parity_gpu.py ;;
   wsync) step wsync 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py ;;
   hfgpu) step hfgpu 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hf_greedy_gpu.py ;;
