@@ -88,8 +88,7 @@ def test_checkpoint_greedy_in_hf_equals_tandem(two_steps):
 def test_off_policy_runs_two_steps_on_one_step_old_weights(tmp_path):
     from recipes.loop import run
 
-    # the default backend, Ray engine actors: the next rollout really runs while this process trains
-    recipe = with_overrides(load_recipe("default"), {**SMALL, "off_policy": True, "engine_backend": "ray"})
+    recipe = with_overrides(load_recipe("default"), {**SMALL, "off_policy": True})
     result = run(recipe, tmp_path, quiet=True)
     rows = result.metrics
     # step 2's rollouts were generated while step 1 trained: on version 0, one step old
