@@ -46,3 +46,16 @@ def test_cli_flags_reach_the_recipe(monkeypatch, tmp_path):
 
     args = build_parser().parse_args(["train", "--steps", "2", "--lr=1e-3", "--output-dir", str(tmp_path)])
     assert (args.override_steps, args.override_lr, args.recipe) == ("2", "1e-3", "default")
+
+
+def test_tandem_train_command_writes_the_run_folder(tmp_path, capsys):
+    from engine.cli.main import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--prompts-per-step", "4", "--engine-backend", "in_process",
+                 "--num-engines", "1", "--wandb", "false", "--quiet", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"run folder: {out}" in printed and "checkpoint:" in printed
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["logprob_abs_diff_max"] == 0.0
+    assert (out / "checkpoint" / "config.json").exists() and (out / "reward_curve.png").exists()
