@@ -10,7 +10,7 @@ step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   # one log for the whole call: a run brings back only a few files
-  timeout "$limit" "$@" 2>&1 | grep -v "Capturing CUDA graphs" > "/tmp/$name.log"
+  timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v "Capturing CUDA graphs" > "/tmp/$name.log"
   local rc=${PIPESTATUS[0]}
   { echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; cat "/tmp/$name.log"; } >> "$OUT/suite.log"
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
@@ -19,6 +19,7 @@ B="python3 -m engine.cli.main bench --skip-tokenizer-init"
 kit() { source .devkit/install.sh; }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
   allgpu) ( kit && step allgpu 420 python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_train_gpu.py tests/gpu ) ;;
+  newgpu) ( kit && step newgpu 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py tests/gpu/test_memory_saver_gpu.py tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
   traingpu) ( kit && step traingpu 400 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_gpu.py ) ;;
   sync8) ( kit && step sync8 120 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" \
            && step sync8long 150 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 200 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc-200.json" \
