@@ -11,6 +11,7 @@ import json
 import time
 from typing import Any, Optional
 
+from engine.cli.bench.http_clients import open_client
 from engine.cli.bench.tandem_run import LATENCY_KEYS, STREAM_MODES, RunOutcome, TokenTrace, run_metrics
 from engine.cli.bench.workload import Workload
 
@@ -28,7 +29,7 @@ class HttpBench:
 
     def server_info(self) -> dict[str, Any]:
         resp = _import_httpx().get(f"{self.url}/get_server_info", headers=self.headers, timeout=60)
-        _check(resp, "/get_server_info")
+        _check(resp.status_code, resp.text, "/get_server_info")
         return resp.json()
 
     def run_all(self, warmup: Workload, workload: Workload, warmup_runs: int, runs: int,
@@ -40,13 +41,13 @@ class HttpBench:
 
     async def _run_all(self, warmup: Workload, workload: Workload, warmup_runs: int, runs: int,
                        mode: str) -> list[RunOutcome]:
-        httpx = _import_httpx()
-        limits = httpx.Limits(max_connections=workload.num_requests + 8,
-                              max_keepalive_connections=workload.num_requests + 8)
-        async with httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits) as client:
+        client = open_client(self.url, workload.num_requests + 8)
+        try:
             for _ in range(warmup_runs):
                 await self._measure(client, warmup, mode)
             return [await self._measure(client, workload, mode) for _ in range(runs)]
+        finally:
+            await client.close()
 
     async def _measure(self, client: Any, workload: Workload, mode: str) -> RunOutcome:
         outcome = await self._run_once(client, workload, stream=mode != "final")
@@ -74,37 +75,33 @@ class HttpBench:
                         start: float) -> dict:
         body = {"input_ids": input_ids, "sampling_params": params, "stream": trace is not None}
         if trace is None:
-            resp = await client.post("/generate", json=body, headers=self.headers)
-            _check(resp, "/generate")
-            return resp.json()
+            status, text = await client.post("/generate", body, self.headers)
+            _check(status, text, "/generate")
+            return json.loads(text)
         final: Optional[dict] = None
-        async with client.stream("POST", "/generate", json=body, headers=self.headers) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                _check(resp, "/generate")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                final = json.loads(line[6:])
-                trace.add(time.perf_counter() - start, final["meta_info"]["completion_tokens"])
+        async for line in client.stream_lines("/generate", body, self.headers):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            final = json.loads(line[6:])
+            trace.add(time.perf_counter() - start, final["meta_info"]["completion_tokens"])
         if final is None:
             raise RuntimeError("the server's /generate stream ended without a chunk")
         return final
 
     async def _flush(self, client: Any) -> None:
         for _ in range(FLUSH_RETRIES):
-            resp = await client.post("/flush_cache", headers=self.admin_headers)
-            if resp.status_code == 200:
+            status, text = await client.post("/flush_cache", None, self.admin_headers)
+            if status == 200:
                 return
-            if resp.status_code != 400:
-                _check(resp, "/flush_cache")
+            if status != 400:
+                _check(status, text, "/flush_cache")
             await asyncio.sleep(0.1)
         raise RuntimeError("the server would not flush its cache: requests are still running on it")
 
 
-def _check(resp: Any, route: str) -> None:
-    if resp.status_code != 200:
-        raise RuntimeError(f"{route} answered {resp.status_code}: {resp.text[:500]}")
+def _check(status: int, text: str, route: str) -> None:
+    if status != 200:
+        raise RuntimeError(f"{route} answered {status}: {text[:500]}")
 
 
 def _import_httpx() -> Any:
