@@ -16,9 +16,16 @@ step() {  # name, seconds, command...
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
 }
 B="python3 -m engine.cli.main bench --skip-tokenizer-init"
-kit() { source .devkit/install.sh; }  # once per machine; call it in a subshell: it sets PYTHONPATH
+kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
+  source .devkit/install.sh || return 1
+  if [ -d .devkit/extra ] && [ ! -f /tmp/devkit-site/.extra ]; then  # aiohttp: the bench's load generator
+    python3 -m pip install -q --no-index --no-deps --target /tmp/devkit-site .devkit/extra/*.whl && touch /tmp/devkit-site/.extra
+  fi
+}  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
   allgpu) ( kit && step allgpu 420 python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_train_gpu.py tests/gpu ) ;;
+  cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;
+  restgpu) ( kit && step restgpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
   newgpu) ( kit && step newgpu 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py tests/gpu/test_memory_saver_gpu.py tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
   traingpu) ( kit && step traingpu 400 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_gpu.py ) ;;
   sync8) ( kit && step sync8 120 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" \
