@@ -151,8 +151,15 @@ class Engine:
         -> (success, message); a bad name or shape changes nothing and says which."""
         from weight_sync.base import TensorSource, named_pairs
 
-        return self._call(UpdateWeightsReq(TensorSource(named_pairs(named_tensors, load_format)), flush_cache,
-                                           weight_version))
+        msg = UpdateWeightsReq(TensorSource(named_pairs(named_tensors, load_format)), flush_cache, weight_version)
+        try:
+            return self._call(msg)
+        except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
+            if "received from another process" not in str(exc):
+                raise
+            raise ValueError("these CUDA tensors were opened from another process's IPC handles and cannot be "
+                             "shared on to the core process: pass the serialized payload to "
+                             "update_weights_from_serialized instead") from exc
 
     def update_weights_from_serialized(self, serialized: Union[bytes, str], load_format: Optional[str] = None,
                                        flush_cache: bool = True, weight_version: Optional[str] = None

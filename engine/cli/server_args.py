@@ -67,8 +67,8 @@ def _argparse_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any
     base, _ = _unwrap_optional(annotation)
     help_text = f"ServerArgs.{field.name} (default: {default!r})"
     if base is bool:
-        if default is True:
-            return dict(action=argparse.BooleanOptionalAction, default=True, help=help_text)
+        if default is True or default is None:  # None: "decide for me"; --x / --no-x override it
+            return dict(action=argparse.BooleanOptionalAction, default=default, help=help_text)
         return dict(action="store_true", default=bool(default), help=help_text)
     kwargs: dict[str, Any] = dict(default=default, help=help_text)
     origin = typing.get_origin(base)

@@ -97,3 +97,17 @@ def test_missing_handler_module_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(cli.HANDLERS, "serve", ("engine.no_such_module", "run_serve"))
     with pytest.raises(SystemExit, match="not available"):
         cli.main(["serve", "--model-path", "m"])
+
+
+def test_serve_runs_the_core_in_a_process_on_a_gpu_unless_told(monkeypatch):
+    import torch
+
+    from engine.cli.serve import default_core_process
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_core_process({"device": "auto"})["core_process"] is True
+    assert default_core_process({"device": "cpu"})["core_process"] is False
+    assert default_core_process({"core_process": False})["core_process"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_core_process({})["core_process"] is False
+    assert default_core_process({"core_process": True})["core_process"] is True

@@ -101,18 +101,22 @@ def test_cuda_tensors_of_this_process_reach_the_core(proc_engine, checkpoints, e
 
 
 def test_cuda_ipc_bucket_from_a_trainer_process_is_passed_on(proc_engine, checkpoints, expected):
-    """The HTTP route's path: the front end opens the trainer's handle, then hands the tensor on."""
+    """The HTTP route's path: the payload stays serialized until the core process opens the
+    trainer's handle; a handle the front end already opened cannot be shared on, and says so."""
     from weight_sync.cuda_ipc import deserialize
 
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, checkpoints[1]],
                                env=dict(os.environ, PYTHONPATH=str(REPO)),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        payload = deserialize(trainer.stdout.readline().strip())
-        ok, message = proc_engine.update_weights_from_tensor(payload, load_format="flattened_bucket",
-                                                             weight_version="ipc-1")
+        serialized = trainer.stdout.readline().strip()
+        opened = deserialize(serialized)
+        with pytest.raises(ValueError, match="update_weights_from_serialized"):
+            proc_engine.update_weights_from_tensor(opened, load_format="flattened_bucket")
+        del opened
+        ok, message = proc_engine.update_weights_from_serialized(serialized, load_format="flattened_bucket",
+                                                                 weight_version="ipc-1")
         assert ok, message
-        del payload
         torch.cuda.ipc_collect()
         assert _ids(proc_engine) == expected["b"]
     finally:
