@@ -20,7 +20,7 @@ import torch
 from recipes.engines import EnginePool
 from recipes.model_source import ModelSource
 from recipes.multi_turn import load_rollout_fn
-from recipes.plugins import load_object
+from rollout.plugins import load_object
 from recipes.recipe import Recipe
 from recipes.report import RunReport
 from recipes.rollouts import RolloutResult, Rollouts

@@ -84,6 +84,6 @@ RolloutFn = Callable[[TurnContext], Awaitable[Sample]]
 
 
 def load_rollout_fn(path: str) -> RolloutFn:
-    from recipes.plugins import load_object
+    from rollout.plugins import load_object
 
     return load_object(path, "rollout_fn")

@@ -49,7 +49,7 @@ def test_rl_changed_the_warm_started_weights(two_steps):
     from transformers import AutoTokenizer
 
     from recipes.model_source import ModelSource
-    from recipes.plugins import load_object
+    from rollout.plugins import load_object
     from recipes.trainer_setup import build_trainer
     from recipes.warm_start import warm_start
     from trainer_bridge.checkpoint import hf_named_tensors

@@ -74,7 +74,7 @@ def test_rewards_by_dotted_path():
     assert load_reward("rollout.rewards.exact_match") is exact_match
     sample = Sample(0, 0, [1], [2], [-0.1], ["v"], "completed", text=" 42 ", label=42)
     assert exact_match(sample) == 1.0
-    for bad, needle in [("nope_module:f", "cannot import"), ("rollout.rewards:nope", "no function"), ("x", "use")]:
+    for bad, needle in [("nope_module:f", "cannot import"), ("rollout.rewards:nope", "no callable"), ("x", "use")]:
         with pytest.raises(ValueError, match=needle):
             load_reward(bad)
 

@@ -1,4 +1,4 @@
-"""load_object: a recipe's plug-ins (task factory, reward, rollout function) by dotted path."""
+"""load_object: plug-ins (task factory, reward, rollout function) by dotted path, for recipes and rollouts."""
 
 from __future__ import annotations
 
