@@ -20,9 +20,9 @@ _FLOAT_FIELDS = (
 _BOOL_FIELDS = (
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
 )
-_OPTIONAL_STR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
-# constrained decoding arrives with the grammar issue; until then these are refused if set
-_UNSUPPORTED_FIELDS = _OPTIONAL_STR_FIELDS + ("logit_bias",)
+_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
+_OPTIONAL_STR_FIELDS = _GRAMMAR_FIELDS + ("stop_regex",)
+_UNSUPPORTED_FIELDS = ("stop_regex", "logit_bias")  # refused if set until implemented
 
 
 @dataclass
@@ -88,6 +88,9 @@ class SamplingParams:
         for name in _UNSUPPORTED_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is not supported yet")
+        grammars = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"set at most one of json_schema, regex, ebnf, structural_tag; got {grammars}")
         _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 (whole vocab) or >= 1", self.top_k)

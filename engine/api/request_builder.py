@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
 from engine.core.messages import ReqInput
+from engine.grammar.compiler import GrammarCompiler, grammar_spec
 from engine.sampling.seeds import derive_seed
 from engine.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class RequestBuilder:
         self.max_batch_requests = server_args.max_batch_requests
         # Unseeded requests draw their seed from here, so a whole run replays from --random-seed.
         self._seed_rng = random.Random(server_args.random_seed)
+        self._grammars: Optional[GrammarCompiler] = None  # built on the first constrained request
 
     def build(
         self, prompt: Union[str, list[str], None], input_ids: Any, sampling_params: Any,
@@ -129,8 +131,19 @@ class RequestBuilder:
         for item in items:
             params = item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item)
             params.validate(self.vocab_size)
+            self._check_grammar(params)
             out.append(params)
         return out
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile the grammar (cached per spec) so a bad one is a ValueError here, not in the core;
+        the core compiles it again from the spec (compiled grammars do not pickle)."""
+        spec = grammar_spec(params)
+        if spec is None:
+            return
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self._grammars.compile(*spec)
 
     def _rids(self, rid: Any, n: int) -> list[str]:
         if rid is None:

@@ -23,6 +23,8 @@ from engine.core.messages import WeightsGroupStatusReq
 from engine.core.output import build_output
 from engine.core.setup import CoreParts, build_core_parts
 from engine.core.weight_queries import weights_by_name, weights_checksum
+from engine.grammar.compiler import GrammarCompiler, grammar_spec
+from engine.grammar.matcher import RequestGrammar
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -61,6 +63,7 @@ class EngineCore:
         self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
         self._processing: Optional[ScheduleBatch] = None
         self.memory_released: set[str] = set()  # release_memory_occupation tags not yet resumed
+        self._grammars: Optional[GrammarCompiler] = None  # built on the first constrained request
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> Any:
@@ -110,10 +113,25 @@ class EngineCore:
 
     def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
         req = Req.from_input(msg)
+        try:
+            req.grammar = self._request_grammar(req)
+        except ValueError as exc:  # the front end compiled it already; only a core without a tokenizer
+            return [self._error_output(req, str(exc))]
         if self.tokenizer is not None and msg.core_detokenizes:  # else the front end decodes the final ids
             req.detokenizer = self.parts.make_detokenizer(req)
         self.scheduler.add_request(req)
         return []
+
+    def _request_grammar(self, req: Req) -> Optional[RequestGrammar]:
+        """The request's matcher, compiled from its spec through the core's cache (compiled
+        grammars do not cross the process boundary)."""
+        spec = grammar_spec(req.sampling_params)
+        if spec is None:
+            return None
+        if self._grammars is None:
+            p = self.parts
+            self._grammars = GrammarCompiler(self.tokenizer, p.vocab_size, p.eos_token_ids)
+        return RequestGrammar(self._grammars.compile(*spec))
 
     def _abort(self, msg: AbortReq) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
@@ -213,12 +231,27 @@ class EngineCore:
             req.first_token_time = time.perf_counter()
         if req.detokenizer is not None and (req.stream or req.sampling_params.stop):
             self._detokenize(req)  # text is needed now; otherwise once, at the end
-        reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len)
+        reason = self._advance_grammar(req)
+        reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len) or reason
         if reason is None:
             return [ReqOutput(req.rid, False, build_output(req, self))] if req.stream else []
         req.finished_reason = reason
         self.scheduler.release(req)
         return [self._finish_output(req)]
+
+    @staticmethod
+    def _advance_grammar(req: Req) -> Optional[dict]:
+        """Feed the committed token to the request's grammar: a stop reason once the grammar has
+        terminated (it accepted a stop token), an abort if it refuses the token (only possible
+        when nothing the grammar allows was left to sample)."""
+        if req.grammar is None:
+            return None
+        token = req.output_ids[-1]
+        if not req.grammar.accept(token):
+            return {"type": "abort", "message": f"the grammar refused token {token}: no allowed token was left"}
+        if req.grammar.is_terminated():
+            return {"type": "stop", "matched": token}
+        return None
 
     def _finish_output(self, req: Req) -> ReqOutput:
         if req.detokenizer is not None and req.stop_text_len is None:

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.registry import create_attention_backend
 from engine.kernels import batch_invariant as bi
+from engine.grammar.vocab_mask import grammar_vocab_mask
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
 from engine.runner.forward_batch import ForwardBatch
@@ -130,7 +131,8 @@ class ModelRunner:
             return self._finish_sample(batch, plan, logits, last, next_ids, chosen)
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
-        sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
+        grammar_mask = grammar_vocab_mask([r.grammar for r in batch.reqs], self.config.vocab_size, self.device)
+        sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device, grammar_mask)
         out = self.sampler.sample(last, sampling)
         chosen = out.original_logprobs
         if any(r.logprob_distribution == "processed" for r in batch.reqs):
@@ -231,5 +233,5 @@ def _plain_greedy(req) -> bool:
     """Greedy with nothing that reshapes the logits: argmax of the raw logits, and the processed
     distribution equals the original one."""
     p = req.sampling_params
-    return (p.is_greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+    return (p.is_greedy and req.grammar is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)

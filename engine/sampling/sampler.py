@@ -3,7 +3,7 @@
 Pipeline per row (every step vectorised over the batch and skipped when no row needs it):
   original  = log_softmax(raw fp32 logits)
   penalties : repetition (HF: over prompt+output), then frequency/presence (over output)
-  min_new_tokens: banned stop ids -> -inf
+  min_new_tokens: banned stop ids -> -inf; grammar: tokens the row's grammar forbids -> -inf
   temperature, then top-k / top-p / min-p as -inf masks (SGLang semantics: all three
   thresholds are taken on the same post-temperature distribution)
   processed = log_softmax(result)
@@ -92,7 +92,8 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties and the min_new_tokens ban on fp32 logits; returns a new tensor when changed."""
+    """Penalties, the min_new_tokens ban and the grammar mask on fp32 logits; returns a new tensor
+    when changed (the raw logits stay for the original logprobs)."""
     x = logits
     if batch.need_repetition:
         pen = batch.repetition_penalties.unsqueeze(1)
@@ -104,6 +105,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = x - batch.presence_penalties.unsqueeze(1) * (counts > 0).float()
     if batch.suppress_mask is not None:
         x = x.masked_fill(batch.suppress_mask, float("-inf"))
+    if batch.grammar_mask is not None:
+        x = x.masked_fill(batch.grammar_mask, float("-inf"))
     return x
 
 

@@ -46,6 +46,7 @@ class SamplingBatch:
     output_counts: Optional[torch.Tensor]  # [B, V] float32 count of each id in the output so far
     seen_mask: Optional[torch.Tensor]  # [B, V] bool, id occurs in prompt or output
     suppress_mask: Optional[torch.Tensor]  # [B, V] bool, ids banned by min_new_tokens
+    grammar_mask: Optional[torch.Tensor]  # [B, V] bool, ids the row's grammar forbids next
     all_greedy: bool
     any_greedy: bool
     need_repetition: bool
@@ -60,7 +61,8 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",
+        grammar_mask: Optional[torch.Tensor] = None,
     ) -> SamplingBatch:
         greedy = [r.params.is_greedy for r in rows]
         temps = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
@@ -94,6 +96,7 @@ class SamplingBatch:
             output_counts=_output_counts(rows, vocab_size, device) if need_fp else None,
             seen_mask=_seen_mask(rows, vocab_size, device) if need_rep else None,
             suppress_mask=_suppress_mask(rows, vocab_size, device),
+            grammar_mask=grammar_mask,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             need_repetition=need_rep,

@@ -36,7 +36,8 @@ def lookahead_rows(scheduler: SchedulerView, inflight: ScheduleBatch) -> Optiona
 
 
 def _sampling_ignores_last_token(req: Req) -> bool:
-    """Penalties and min_new_tokens read the output so far, so they need the real token."""
+    """Penalties, min_new_tokens and a grammar (its vocab mask) read the output so far, so they
+    need the real token."""
     p = req.sampling_params
-    return (req.to_abort is None and p.min_new_tokens <= len(req.output_ids) + 1
+    return (req.to_abort is None and req.grammar is None and p.min_new_tokens <= len(req.output_ids) + 1
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)

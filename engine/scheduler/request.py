@@ -36,6 +36,8 @@ class Req:
     num_retractions: int = 0
     to_abort: Optional[str] = None  # abort message, set by abort_request while running
     finished_reason: Optional[dict] = None
+    # engine.grammar.RequestGrammar when the request is constrained (set by the core; opaque here)
+    grammar: Any = None
 
     # logprobs: values only; token ids are origin_input_ids / output_ids
     output_logprobs: list[float] = field(default_factory=list)

@@ -8,6 +8,7 @@ for the in-process API.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal, Optional, Union
 
@@ -140,6 +141,24 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
+
+    def grammar(self) -> dict:
+        """The sampling_params grammar field this format asks for (SGLang's mapping)."""
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "json_schema":
+            schema = (self.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            return {"json_schema": json.dumps(schema)}
+        return {}
+
+
 class _OpenAISampling(_Lenient):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -157,6 +176,7 @@ class _OpenAISampling(_Lenient):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    response_format: Optional[ResponseFormat] = None
 
     @property
     def include_usage(self) -> bool:
@@ -205,4 +225,6 @@ def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
     }
     if req.seed is not None:
         params["sampling_seed"] = req.seed
+    if req.response_format is not None:
+        params.update(req.response_format.grammar())
     return params

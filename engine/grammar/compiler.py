@@ -1,0 +1,85 @@
+"""GrammarCompiler: json_schema / regex / ebnf / structural_tag -> xgrammar CompiledGrammar.
+
+One compiler per tokenizer; compiled grammars are cached per (kind, spec) string, so a grammar
+that every request of a rollout carries is compiled once. Compiled grammars do not pickle, so
+the front end compiles to validate (a bad grammar is a ValueError there) and the core compiles
+again from the spec, through its own cache.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+MAX_CACHED_GRAMMARS = 1024
+
+
+def grammar_spec(params: Any) -> Optional[tuple[str, str]]:
+    """(kind, spec) of the one grammar field set on a SamplingParams, or None."""
+    for kind in GRAMMAR_KINDS:
+        spec = getattr(params, kind, None)
+        if spec is not None:
+            return kind, spec
+    return None
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> None:
+        xgrammar = _import_xgrammar()
+        if tokenizer is None:
+            raise ValueError("structured output needs the tokenizer; this engine was started with "
+                             "skip_tokenizer_init")
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # cached here, by spec
+        self._cache: dict[tuple[str, str], Any] = {}
+
+    def compile(self, kind: str, spec: str) -> Any:
+        """The CompiledGrammar for (kind, spec); ValueError naming the field and xgrammar's reason."""
+        key = (kind, spec)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            try:
+                compiled = self._compile(kind, spec)
+            except ValueError:
+                raise
+            except Exception as exc:  # xgrammar raises RuntimeError and its own types on bad input
+                raise ValueError(f"invalid {kind} grammar: {type(exc).__name__}: {exc}") from None
+            if len(self._cache) >= MAX_CACHED_GRAMMARS:
+                self._cache.pop(next(iter(self._cache)))  # oldest first
+            self._cache[key] = compiled
+        return compiled
+
+    def _compile(self, kind: str, spec: str) -> Any:
+        c = self._compiler
+        if kind == "json_schema":
+            _check_json(kind, spec)
+            # fixed separators, no free whitespace: a weak or random model otherwise loops on
+            # whitespace until max_new_tokens (vLLM's and SGLang's disable-any-whitespace option)
+            return c.compile_json_schema(spec, any_whitespace=False)
+        if kind == "regex":
+            return c.compile_regex(spec)
+        if kind == "ebnf":
+            return c.compile_grammar(spec)
+        if kind == "structural_tag":
+            _check_json(kind, spec)
+            return c.compile_structural_tag(spec)
+        raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+
+
+def _check_json(kind: str, spec: str) -> None:
+    try:
+        json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid {kind}: not valid JSON ({exc})") from None
+
+
+def _import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("structured output (json_schema, regex, ebnf, structural_tag) needs xgrammar: "
+                         "pip install xgrammar") from None
+    return xgrammar

@@ -1,0 +1,192 @@
+"""Structured output (engine/grammar): sampled outputs always match their grammar.
+
+Oracles: `re.fullmatch` / `json.loads` plus a hand check of the schema for every output; the
+unconstrained model (HF) for the original logprobs; the same request alone for retraction,
+batching and deterministic mode (a row's token depends only on its logits, seed and position).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+xgrammar = pytest.importorskip("xgrammar")
+
+from engine.grammar.vocab_mask import unpack_forbidden  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.engine.conftest import random_prompts  # noqa: E402
+
+PROMPTS = ["hello", "the cat", "a b c", "1 2 3"]
+CODE = "[0-9]{3}-[a-z]{2}"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer"},
+        "tags": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                 "additionalProperties": False},
+    },
+    "required": ["color", "size", "tags"],
+    "additionalProperties": False,
+}
+
+
+def sampled(n: int, max_new_tokens: int = 24, **grammar) -> list[dict]:
+    return [{"temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": 100 + i, **grammar}
+            for i in range(n)]
+
+
+def check_schema(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"color", "size", "tags"}, text
+    assert value["color"] in ("red", "green", "blue") and type(value["size"]) is int, text
+    assert set(value["tags"]) == {"ok"} and type(value["tags"]["ok"]) is bool, text
+
+
+def test_regex_outputs_match(engine):
+    outs = engine.generate(PROMPTS * 4, sampling_params=sampled(16, regex=CODE))
+    for out in outs:
+        assert re.fullmatch(CODE, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert len({o["text"] for o in outs}) > 4  # really sampled: the grammar leaves choices
+
+
+def test_json_schema_outputs_parse_and_validate(engine):
+    outs = engine.generate(PROMPTS * 3, sampling_params=sampled(12, max_new_tokens=160, json_schema=json.dumps(SCHEMA)))
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        check_schema(out["text"])
+
+
+def test_ebnf_and_mixed_batch(engine):
+    """Constrained and free rows in one batch: only the constrained rows are masked."""
+    ebnf = 'root ::= "yes" | "no" | "maybe"'
+    params = sampled(4, ebnf=ebnf) + sampled(4, max_new_tokens=6)
+    outs = engine.generate(PROMPTS * 2, sampling_params=params)
+    assert all(o["text"] in ("yes", "no", "maybe") for o in outs[:4]), [o["text"] for o in outs[:4]]
+    free = engine.generate(PROMPTS, sampling_params=sampled(4, max_new_tokens=6))
+    assert [o["output_ids"] for o in outs[4:]] == [o["output_ids"] for o in free]
+
+
+@pytest.mark.parametrize("params, problem", [
+    ({"regex": "[0-9"}, "invalid regex"),
+    ({"json_schema": "{not json"}, "invalid json_schema"),
+    ({"json_schema": json.dumps({"type": "no-such-type"})}, "invalid json_schema"),
+    ({"ebnf": "root ::= undefined_rule"}, "invalid ebnf"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one of"),
+    ({"regex": 5}, "regex must be a string"),
+])
+def test_bad_grammar_is_a_value_error(engine, params, problem):
+    with pytest.raises(ValueError, match=problem):
+        engine.generate("hello", sampling_params=params)
+    assert re.fullmatch(CODE, engine.generate("hello", sampling_params={"regex": CODE})["text"])  # still serving
+
+
+def test_logprobs_original_unmasked_processed_masked(engine, hf_model):
+    prompt = [7, 8, 9, 10, 11]
+    out = engine.generate(input_ids=prompt, sampling_params={"regex": CODE, "temperature": 1.0, "sampling_seed": 5},
+                          return_logprob=True)
+    processed = engine.generate(input_ids=prompt, sampling_params={"regex": CODE, "temperature": 1.0, "sampling_seed": 5},
+                                return_logprob=True, logprob_distribution="processed")
+    assert processed["output_ids"] == out["output_ids"]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + out["output_ids"]])).logits[0].float()
+    pairs = zip(out["meta_info"]["output_token_logprobs"], processed["meta_info"]["output_token_logprobs"])
+    for i, ((orig, tok, _), (proc, _, _)) in enumerate(pairs):
+        raw = torch.log_softmax(logits[len(prompt) - 1 + i], -1)[tok].item()
+        assert abs(orig - raw) <= 1e-4  # original: the raw logits, no mask
+        assert proc >= orig - 1e-5  # the mask removes mass, so the kept token gains
+    assert proc > orig  # the last token (EOS) is among few allowed ones
+
+
+def test_retracted_constrained_requests_resume_exactly(engine_factory, engine):
+    """Retraction keeps output_ids and the matcher moved only on committed tokens, so a retracted
+    request ends exactly as it does alone."""
+    vocab = engine.local_core.parts.vocab_size
+    prompts = random_prompts(24, vocab, lengths=(4, 24), seed=3)
+    params = sampled(24, max_new_tokens=64, regex="[a-z]{100}")  # ~35 tokens
+    alone = [engine.generate(input_ids=p, sampling_params=s)["output_ids"] for p, s in zip(prompts, params)]
+    # a low conservativeness admits on a forecast far below what the grammar forces out: retraction
+    small = engine_factory(max_total_tokens=300, chunked_prefill_size=64, schedule_conservativeness=0.2)
+    outs = small.generate(input_ids=prompts, sampling_params=params)
+    assert small.local_core.scheduler.num_retractions > 0
+    assert any(o["meta_info"]["num_retractions"] > 0 for o in outs)
+    assert [o["output_ids"] for o in outs] == alone
+    assert all(re.fullmatch("[a-z]{100}", o["text"]) for o in outs)
+    small.check_integrity()
+
+
+def test_deterministic_mode_same_alone_and_batched(engine_factory):
+    eng = engine_factory(enable_deterministic_inference=True)
+    params = sampled(6, max_new_tokens=160, json_schema=json.dumps(SCHEMA))
+    prompts = PROMPTS + PROMPTS[:2]
+    batched = eng.generate(prompts, sampling_params=params)
+    alone = [eng.generate(p, sampling_params=s) for p, s in zip(prompts, params)]
+    assert [o["output_ids"] for o in batched] == [o["output_ids"] for o in alone]
+    for out in batched:
+        check_schema(out["text"])
+
+
+def test_grammar_rows_are_not_run_ahead():
+    """Overlap: the next step's mask needs the real token, so a grammar row stops lookahead."""
+    from engine.scheduler.lookahead import _sampling_ignores_last_token
+    from engine.scheduler.request import Req
+
+    req = Req("r", [1, 2], SamplingParams(temperature=1.0), seed=0)
+    assert _sampling_ignores_last_token(req)
+    req.grammar = object()
+    assert not _sampling_ignores_last_token(req)
+
+
+def test_unpacked_mask_matches_xgrammar_apply():
+    """The [B, V] mask equals what xgrammar's own apply_token_bitmask_inplace does."""
+    vocab = 70  # not a multiple of 32
+    bitmask = xgrammar.allocate_token_bitmask(3, vocab)
+    gen = torch.Generator().manual_seed(0)
+    bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=gen, dtype=torch.int32))
+    logits = torch.randn(3, vocab, generator=gen)
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask)
+    ours = logits.masked_fill(unpack_forbidden(bitmask, vocab), float("-inf"))
+    assert torch.equal(ours, expected)
+
+
+def test_sampling_params_grammar_fields():
+    assert SamplingParams.from_dict({"json_schema": "{}"}).validate().json_schema == "{}"
+    with pytest.raises(ValueError, match=r"at most one of .*\['json_schema', 'regex'\]"):
+        SamplingParams.from_dict({"json_schema": "{}", "regex": "a"}).validate()
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client(engine):
+    from fastapi.testclient import TestClient
+
+    from engine.server.http import create_app
+
+    with TestClient(create_app(engine)) as c:
+        yield c
+
+
+def test_http_generate_regex_and_bad_grammar(client):
+    body = {"text": "hello", "sampling_params": {"regex": CODE, "temperature": 1.0, "sampling_seed": 1}}
+    assert re.fullmatch(CODE, client.post("/generate", json=body).json()["text"])
+    bad = client.post("/generate", json={"text": "hello", "sampling_params": {"regex": "[0-9"}})
+    assert bad.status_code == 400 and "invalid regex" in bad.json()["message"]
+
+
+def test_openai_response_format(client):
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    body = {"prompt": "hello", "max_tokens": 160, "temperature": 1.0, "seed": 3, "n": 3, "response_format": schema}
+    for choice in client.post("/v1/completions", json=body).json()["choices"]:
+        check_schema(choice["text"])
+    body["response_format"] = {"type": "json_object"}
+    for choice in client.post("/v1/completions", json=body).json()["choices"]:
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["text"]), dict)
+    body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x"}}
+    bad = client.post("/v1/completions", json=body)
+    assert bad.status_code == 400 and "schema" in bad.json()["message"]
