@@ -64,14 +64,25 @@ class GrammarCompiler:
         if kind == "ebnf":
             return c.compile_grammar(spec)
         if kind == "structural_tag":
-            _check_json(kind, spec)
-            return c.compile_structural_tag(spec)
+            return self._compile_structural_tag(spec)
         raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
 
+    def _compile_structural_tag(self, spec: str) -> Any:
+        """xgrammar's format ({"type": "structural_tag", "format": ...}) or SGLang's older one
+        ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}), which SGLang clients send."""
+        value = _check_json("structural_tag", spec)
+        if not isinstance(value, dict) or "structures" not in value:
+            return self._compiler.compile_structural_tag(spec)
+        import xgrammar
 
-def _check_json(kind: str, spec: str) -> None:
+        tags = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                for s in value["structures"]]
+        return self._compiler.compile_structural_tag(tags, value.get("triggers", []))
+
+
+def _check_json(kind: str, spec: str) -> Any:
     try:
-        json.loads(spec)
+        return json.loads(spec)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid {kind}: not valid JSON ({exc})") from None
 

@@ -103,11 +103,20 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         counts = batch.output_counts
         x = x - batch.frequency_penalties.unsqueeze(1) * counts
         x = x - batch.presence_penalties.unsqueeze(1) * (counts > 0).float()
-    if batch.suppress_mask is not None:
-        x = x.masked_fill(batch.suppress_mask, float("-inf"))
-    if batch.grammar_mask is not None:
-        x = x.masked_fill(batch.grammar_mask, float("-inf"))
+    banned = _banned_ids(batch)
+    if banned is not None:
+        x = x.masked_fill(banned, float("-inf"))
     return x
+
+
+def _banned_ids(batch: SamplingBatch) -> Optional[torch.Tensor]:
+    """min_new_tokens' ban and the grammar's mask; where together they leave a row nothing (the
+    grammar allows only a stop token), the grammar wins: its output is complete."""
+    suppress, grammar = batch.suppress_mask, batch.grammar_mask
+    if suppress is None or grammar is None:
+        return suppress if grammar is None else grammar
+    both = suppress | grammar
+    return torch.where(both.all(dim=-1, keepdim=True), grammar, both)
 
 
 def log_softmax_processed(penalised: torch.Tensor, batch: SamplingBatch,

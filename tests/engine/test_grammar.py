@@ -71,6 +71,54 @@ def test_ebnf_and_mixed_batch(engine):
     assert [o["output_ids"] for o in outs[4:]] == [o["output_ids"] for o in free]
 
 
+STRUCTURE_SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                    "additionalProperties": False}
+
+
+def test_structural_tag_sampled(engine):
+    """xgrammar's format: a tag whose body follows its content format (a regex: a JSON body lets
+    the random tiny model run on in whitespace)."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>",
+                                                 "content": {"type": "regex", "pattern": '\\{"a": "[xy]"\\}'}}}
+    outs = engine.generate(PROMPTS, sampling_params=sampled(4, max_new_tokens=80, structural_tag=json.dumps(tag)))
+    for out in outs:
+        match = re.fullmatch(r"(?s)<f>(.*)</f>", out["text"])
+        assert match and out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+        assert json.loads(match.group(1)) in ({"a": "x"}, {"a": "y"}), out["text"]
+
+
+def test_structural_tag_sglang_form(engine):
+    """SGLang's older form (structures + triggers): free text, then a schema-bound body once a
+    trigger appears. Checked on the matcher: the tokens of a valid text pass, a wrong body does not."""
+    from engine.grammar import GrammarCompiler, RequestGrammar
+
+    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": STRUCTURE_SCHEMA, "end": "</f>"}],
+           "triggers": ["<f>"]}
+    compiler = GrammarCompiler(engine.tokenizer, engine.local_core.parts.vocab_size, (0, 2))
+    compiled = compiler.compile("structural_tag", json.dumps(tag))
+    assert compiler.compile("structural_tag", json.dumps(tag)) is compiled  # cached per spec
+
+    def accepts(text: str) -> bool:
+        grammar = RequestGrammar(compiled)
+        return all(grammar.accept(t) for t in engine.tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('say <f>{"a": "x"}</f> done')
+    assert not accepts('say <f>{"a": "z"}</f>')
+    assert not accepts('say <f>{"b": "x"}</f>')
+    engine.generate("hello", sampling_params=sampled(1, max_new_tokens=8, structural_tag=json.dumps(tag))[0])
+
+
+def test_min_new_tokens_yields_to_a_complete_grammar(engine):
+    """min_new_tokens bans EOS, but once the grammar allows only EOS the grammar wins (no row of
+    all -inf); before that the ban holds."""
+    outs = engine.generate(PROMPTS, sampling_params=sampled(4, regex="[a-z]{2,40}", min_new_tokens=6))
+    for out in outs:
+        assert re.fullmatch("[a-z]{2,40}", out["text"]) and out["meta_info"]["finish_reason"]["type"] == "stop"
+        assert len(out["output_ids"]) >= 6 or len(out["text"]) == 40, out
+    short = engine.generate("hello", sampling_params={"regex": "ab", "min_new_tokens": 5, "max_new_tokens": 10})
+    assert short["text"] == "ab" and short["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 @pytest.mark.parametrize("params, problem", [
     ({"regex": "[0-9"}, "invalid regex"),
     ({"json_schema": "{not json"}, "invalid json_schema"),
@@ -78,6 +126,7 @@ def test_ebnf_and_mixed_batch(engine):
     ({"ebnf": "root ::= undefined_rule"}, "invalid ebnf"),
     ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one of"),
     ({"regex": 5}, "regex must be a string"),
+    ({"structural_tag": json.dumps({"type": "structural_tag"})}, "invalid structural_tag"),
 ])
 def test_bad_grammar_is_a_value_error(engine, params, problem):
     with pytest.raises(ValueError, match=problem):
