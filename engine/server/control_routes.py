@@ -74,7 +74,7 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
         unknown.note("/init_weights_update_group", req)
         ok, message = await asyncio.to_thread(
             engine.init_weights_update_group, req.master_address, req.master_port, req.rank_offset,
-            req.world_size, req.group_name, req.backend)
+            req.world_size, req.group_name, req.backend, req.timeout_s)
         return _reply(ok, message)
 
     @app.post("/update_weights_from_distributed")

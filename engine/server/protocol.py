@@ -12,7 +12,7 @@ import json
 import logging
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 logger = logging.getLogger("tandem")
 
@@ -97,6 +97,7 @@ class InitWeightsUpdateGroupRequest(_Lenient):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+    timeout_s: float = Field(30.0, gt=0, le=600)  # the rendezvous' bound (tandem's; SGLang has none)
 
 
 class DestroyWeightsUpdateGroupRequest(_Lenient):

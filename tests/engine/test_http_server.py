@@ -166,6 +166,25 @@ def test_distributed_update_routes_name_bad_arguments(engine_factory):
         assert wrong.status_code == 400 and "shapes" in wrong.json()["message"]
 
 
+def test_init_weights_update_group_honours_the_body_timeout(engine_factory):
+    """A rendezvous with nobody at the address answers within the body's timeout_s."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a local port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    eng = engine_factory()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "nobody", "backend": "gloo"}
+    with TestClient(create_app(eng)) as c:
+        start = time.monotonic()
+        resp = c.post("/init_weights_update_group", json={**body, "timeout_s": 1})
+        assert resp.status_code == 400 and "nobody" in resp.json()["message"]
+        assert time.monotonic() - start < 4.0
+        assert c.post("/init_weights_update_group", json={**body, "timeout_s": -1}).status_code == 400
+
+
 def test_update_with_abort_all_requests_ends_them_and_flushes(engine_factory, other_model_dir):
     import threading
     import time
