@@ -80,11 +80,15 @@ def _package_path() -> list[str]:
     return [os.path.dirname(__file__)]
 
 
+def check_tensor_load_format(load_format: Optional[str]) -> None:
+    if load_format not in (None, "direct", "flattened_bucket"):
+        raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or 'flattened_bucket'")
+
+
 def named_pairs(named_tensors: Any, load_format: Optional[str] = None) -> list[tuple[str, torch.Tensor]]:
     """[(name, tensor)] from pairs or (load_format="flattened_bucket") a FlattenedBucket or its
     payload dict; a ValueError naming what was passed instead."""
-    if load_format not in (None, "direct", "flattened_bucket"):
-        raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or 'flattened_bucket'")
+    check_tensor_load_format(load_format)
     if load_format == "flattened_bucket":
         from weight_sync.bucket import FlattenedBucket
 

@@ -167,12 +167,12 @@ class Engine:
         """One `serialized_named_tensors` entry (weight_sync.cuda_ipc.serialize or SGLang's
         MultiprocessingSerializer), unpickled through the allowlist by the core itself: CUDA IPC
         handles are opened in the process that loads them (a core process included)."""
+        from weight_sync.base import check_tensor_load_format
         from weight_sync.cuda_ipc import SerializedSource
 
         if not isinstance(serialized, (bytes, str)):
             raise ValueError(f"a serialized payload is bytes or base64 text; got {type(serialized).__name__}")
-        if load_format not in (None, "direct", "flattened_bucket"):
-            raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or 'flattened_bucket'")
+        check_tensor_load_format(load_format)
         return self._call(UpdateWeightsReq(SerializedSource(serialized, load_format), flush_cache, weight_version))
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
