@@ -168,7 +168,8 @@ def deserialize(data: Union[bytes, str]) -> Any:
 
 
 # what a hostile or broken payload can raise while it is decoded: the sender's fault, refused
-PAYLOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, EOFError)
+PAYLOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, EOFError,
+                  pickle.UnpicklingError)
 
 
 @dataclass

@@ -9,8 +9,6 @@ A payload that cannot be decoded is a 400 naming the problem, never a 500.
 from __future__ import annotations
 
 import asyncio
-import binascii
-import pickle
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI
@@ -21,11 +19,7 @@ from engine.server.protocol import (DestroyWeightsUpdateGroupRequest, InitWeight
                                     UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                                     UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 from engine.server.served_model import ServedModel
-
-# what a hostile or broken payload can raise while it is decoded (pickle allowlist, base64,
-# bucket metadata with missing fields or nested too deep): the client's fault, so a 400
-PAYLOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, EOFError,
-                  binascii.Error, pickle.UnpicklingError)
+from weight_sync.cuda_ipc import PAYLOAD_ERRORS
 
 
 def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: UnknownFields) -> None:
