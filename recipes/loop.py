@@ -19,7 +19,6 @@ import torch
 
 from recipes.engines import EnginePool
 from recipes.model_source import ModelSource
-from recipes.multi_turn import load_rollout_fn
 from rollout.plugins import load_object
 from recipes.recipe import Recipe
 from recipes.report import RunReport
@@ -76,7 +75,7 @@ def _run_phases(recipe: Recipe, source: ModelSource, report: RunReport,
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     task = load_object(recipe.task, "task")(**recipe.task_args)
     reward_fn = load_object(recipe.reward, "reward")
-    rollout_fn = load_rollout_fn(recipe.rollout_fn) if recipe.rollout_fn else None
+    rollout_fn = load_object(recipe.rollout_fn, "rollout_fn") if recipe.rollout_fn else None
     start = time.perf_counter()
     trainer = build_trainer(recipe, source)
     report.note(f"trainer ready in {time.perf_counter() - start:.1f}s")

@@ -81,9 +81,3 @@ class Transcript:
 
 
 RolloutFn = Callable[[TurnContext], Awaitable[Sample]]
-
-
-def load_rollout_fn(path: str) -> RolloutFn:
-    from rollout.plugins import load_object
-
-    return load_object(path, "rollout_fn")

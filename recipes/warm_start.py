@@ -10,7 +10,7 @@ is followed by the end token.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Optional
+from typing import Any
 
 from recipes.recipe import Recipe
 
@@ -21,15 +21,14 @@ def demonstrations(task: Any, problem: Any) -> list[tuple[str, str, bool]]:
     return [(problem.prompt, problem.answer, True)]
 
 
-def warm_start(trainer: Any, task: Any, tokenizer: Any, recipe: Recipe,
-               on_step: Optional[Callable[[int, dict], None]] = None) -> list[float]:
+def warm_start(trainer: Any, task: Any, tokenizer: Any, recipe: Recipe) -> list[float]:
     """recipe.warm_start_steps supervised steps of recipe.warm_start_batch problems -> the losses."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the warm start needs the tokenizer's eos token (none is set)")
     rng = random.Random(f"{recipe.seed}-warm-start")
     losses = []
-    for step in range(recipe.warm_start_steps):
+    for _ in range(recipe.warm_start_steps):
         contexts, targets = [], []
         for problem in task.problems(rng, recipe.warm_start_batch):
             for context, target, ends in demonstrations(task, problem):
@@ -37,6 +36,4 @@ def warm_start(trainer: Any, task: Any, tokenizer: Any, recipe: Recipe,
                 targets.append(tokenizer.encode(target, add_special_tokens=False) + ([eos] if ends else []))
         metrics = trainer.supervised_step(contexts, targets, recipe.warm_start_lr)
         losses.append(metrics["loss"])
-        if on_step is not None:
-            on_step(step, metrics)
     return losses

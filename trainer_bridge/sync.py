@@ -44,6 +44,14 @@ def push_weights(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
             _check(*sender.send(engine, bucket, last and flush, weight_version if last else None))
     finally:
         engine.continue_generation()
+        release_shared_buckets()
+
+
+def release_shared_buckets() -> None:
+    """CUDA blocks sent by IPC stay reserved until the receivers let go and this process
+    collects them: without it every push would keep its buckets (memory grows per update)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 def _check(ok: bool, message: str) -> None:

@@ -67,7 +67,6 @@ class TrainerActor:
         named = self.named_weights(push.bucket_bytes)
         on_all_engines(_clients(engines, tensor_transport), lambda client: push_weights(
             client, named, weight_version, push.transport, push.pause_mode, push.bucket_bytes))
-        _release_shared_buckets()
         return time.perf_counter() - start
 
     def colocated_step(self, engines: Sequence[Any], samples: Sequence[Any], advantages: Sequence[float],
@@ -78,15 +77,7 @@ class TrainerActor:
         metrics, phases = colocated_step(_clients(engines, tensor_transport),
                                          lambda: self.train_step(samples, advantages, lr),
                                          lambda: self.named_weights(push.bucket_bytes), weight_version, push)
-        _release_shared_buckets()
         return metrics, phases.as_dict()
-
-
-def _release_shared_buckets() -> None:
-    """CUDA blocks sent by IPC stay reserved until the receivers let go and this process
-    collects them: without it every push would keep its buckets (memory grows per update)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.ipc_collect()
 
 
 def _clients(engines: Sequence[Any], tensor_transport: str) -> list[Any]:
