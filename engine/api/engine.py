@@ -312,9 +312,7 @@ class Engine:
         """The core died: every request in flight ends with an error instead of waiting forever."""
         with self._lock:
             rids = list(self._sinks)
-        reason = {"type": "abort", "message": message}
-        self._dispatch([ReqOutput(rid, True, {"text": "", "output_ids": [],
-                                              "meta_info": {"id": rid, "finish_reason": reason}}) for rid in rids])
+        self._dispatch([ReqOutput.error(rid, message) for rid in rids])
 
 
 def _version() -> str:

@@ -37,7 +37,9 @@ class TextBuilder:
         if out.finished and not ids:  # an error answer (e.g. the core died): no tokens, no text
             self._streams.pop(req.rid, None)
             return
-        detokenizer = self._streams.get(req.rid) or self._streams.setdefault(req.rid, self._detokenizer(req))
+        detokenizer = self._streams.get(req.rid)
+        if detokenizer is None:
+            detokenizer = self._streams[req.rid] = self._detokenizer(req)
         detokenizer.add(ids[len(detokenizer.output_ids):])
         if out.finished:
             detokenizer.flush()

@@ -312,6 +312,3 @@ class EngineCore:
         if req.finished_reason is None or req.finished_reason.get("type") != "abort":
             req.finished_reason = {"type": "abort", "message": message}
         return ReqOutput(req.rid, True, build_output(req, self))
-
-    def check_integrity(self) -> None:
-        self.scheduler.check_integrity()

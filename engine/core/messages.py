@@ -68,6 +68,12 @@ class ReqOutput:
     finished: bool
     output: dict[str, Any]  # SGLang's {"text", "output_ids", "meta_info"}, cumulative so far
 
+    @classmethod
+    def error(cls, rid: str, message: str) -> "ReqOutput":
+        """A final answer for a request that ends with an error and no output."""
+        reason = {"type": "abort", "message": message}
+        return cls(rid, True, {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}})
+
 
 # ---- control ---------------------------------------------------------------------------------
 @dataclass

@@ -75,5 +75,4 @@ def _failed_request(msg: Any, exc: Exception) -> list[ReqOutput]:
     rid = getattr(msg, "rid", None)
     if rid is None:
         return []
-    reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
-    return [ReqOutput(rid, True, {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}})]
+    return [ReqOutput.error(rid, f"engine error: {type(exc).__name__}: {exc}")]

@@ -22,7 +22,7 @@ from engine.kernels.device_copy import h2d
 from engine.runner.forward_batch import ForwardBatch
 from engine.runner.logits_plan import LogitsPlan
 from engine.runner.memory_saver import MemorySaver
-from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs
+from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs, top_k_of
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
 from engine.runner.pending_result import PendingResult
@@ -148,9 +148,10 @@ class ModelRunner:
             pending.top = top_logprobs(last, k, self.log_softmax)
         if plan.num_prompt_rows:
             rows_t, targets = h2d(plan.prompt_rows, self.device), h2d(plan.prompt_targets, self.device)
-            pending.input_values = gather_token_logprobs(original_logprobs(logits[rows_t], self.log_softmax), targets)
+            prompt_logprobs = original_logprobs(logits[rows_t], self.log_softmax)  # once, for both below
+            pending.input_values = gather_token_logprobs(prompt_logprobs, targets)
             if k:  # input_top_logprobs: the top k at each prompt position too
-                pending.input_top = top_logprobs(logits[rows_t], k, self.log_softmax)
+                pending.input_top = top_k_of(prompt_logprobs, k)
         pending.prompt_row_counts = plan.prompt_row_counts
         return pending
 

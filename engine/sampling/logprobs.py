@@ -30,7 +30,11 @@ def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> to
 def top_logprobs(logits: torch.Tensor, k: int, log_softmax: Optional[LogSoftmax] = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top k tokens per row under the original distribution: (values [N,k], ids [N,k])."""
-    logprobs = original_logprobs(logits, log_softmax)
+    return top_k_of(original_logprobs(logits, log_softmax), k)
+
+
+def top_k_of(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of logprobs [N, V], sorted: (values [N,k], ids [N,k])."""
     k = min(k, logprobs.shape[-1])
     values, ids = torch.topk(logprobs, k, dim=-1, largest=True, sorted=True)
     return values, ids
