@@ -83,16 +83,13 @@ def _run_phases(recipe: Recipe, source: ModelSource, report: RunReport,
     with EnginePool(recipe, source) as pool:
         report.note(f"{recipe.num_engines} engines ready in {time.perf_counter() - start:.1f}s")
         pusher = WeightPusher(pool.clients, recipe.transport, recipe.bucket_bytes)
-        try:
-            if recipe.warm_start_steps:
-                _warm_start(recipe, trainer, task, tokenizer, report)
-            if recipe.kl_coef > 0:
-                trainer.freeze_reference()
-            pusher.push(trainer, "0")  # the engines start from the (warm-started) policy
-            rollouts = Rollouts(recipe, pool.clients, tokenizer, task, reward_fn, rollout_fn)
-            last_groups = _grpo_steps(recipe, trainer, rollouts, pusher, report)
-        finally:
-            pusher.close()
+        if recipe.warm_start_steps:
+            _warm_start(recipe, trainer, task, tokenizer, report)
+        if recipe.kl_coef > 0:
+            trainer.freeze_reference()
+        pusher.push(trainer, "0")  # the engines start from the (warm-started) policy
+        rollouts = Rollouts(recipe, pool.clients, tokenizer, task, reward_fn, rollout_fn)
+        last_groups = _grpo_steps(recipe, trainer, rollouts, pusher, report)
     checkpoint = None
     if recipe.save_checkpoint:
         checkpoint = trainer.save_hf_checkpoint(source.path, str(output_dir / "checkpoint"))
@@ -137,9 +134,11 @@ def _train_and_push(recipe: Recipe, trainer: Any, pusher: WeightPusher, result: 
     advantages = group_advantages(rewards, normalize_std=recipe.normalize_std).flatten().tolist()
     batch = RolloutBatch.from_samples(samples, advantages)
     train_start = time.perf_counter()
-    if recipe.colocate:
-        train, sync_s = pusher.colocated(lambda: trainer.train_step(batch, recipe.lr), trainer, str(step))
-        train_s = time.perf_counter() - train_start - sync_s
+    phases: dict[str, float] = {}
+    if recipe.colocate:  # sync_s: the push; release/resume times apart
+        train, timed = pusher.colocated(lambda: trainer.train_step(batch, recipe.lr), trainer, str(step))
+        train_s, sync_s = timed.train, timed.push
+        phases = {f"{name}_s": seconds for name, seconds in timed.as_dict().items() if name not in ("train", "push")}
     else:
         train = trainer.train_step(batch, recipe.lr)
         train_s = time.perf_counter() - train_start
@@ -155,7 +154,7 @@ def _train_and_push(recipe: Recipe, trainer: Any, pusher: WeightPusher, result: 
         "rollout_tok_s": result.generated_tokens / max(result.seconds, 1e-9),
         "train_s": train_s, "sync_s": sync_s, "response_len_mean": result.generated_tokens / max(len(samples), 1),
         "truncated": sum(1 for s in samples if s.status == "truncated") / max(len(samples), 1),
-        "rollout_weight_versions": versions, **train, **_trainer_memory(),
+        "rollout_weight_versions": versions, **phases, **train, **_trainer_memory(),
     }
 
 

@@ -1,19 +1,19 @@
 """WeightPusher: the trainer's new weights into every engine, once per step.
 
-Buckets come from the trainer (ZeRO-3 gathers one bucket of full parameters at a time), and each
-bucket goes to every engine at once through trainer_bridge.sync.push_weights (pause, load, flush
-+ version, continue). Colocated on one GPU, `colocated` wraps the train step: engines release
-their memory, the trainer steps in it, weights come back and are pushed, then the KV cache.
+One pause per engine for the whole update: the trainer hands out runs of full parameters (ZeRO-3
+gathers one run at a time) and each goes to every engine at once before the next is drawn
+(trainer_bridge.sync.push_to_engines). Colocated on one GPU, `colocated` wraps the train step in
+trainer_bridge.colocate.colocated_step: engines release their memory, the trainer steps in it,
+weights come back and are pushed, then the KV cache.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
-from trainer_bridge.colocate import KV_TAGS, WEIGHT_TAGS, ColocateError
-from trainer_bridge.sync import push_weights
+from trainer_bridge.colocate import ColocatePhases, colocated_step
+from trainer_bridge.sync import push_to_engines
 
 T = TypeVar("T")
 RECIPE_TRANSPORTS = ("tensor", "disk")
@@ -27,41 +27,15 @@ class WeightPusher:
         self.engines = list(engines)
         self.transport = transport
         self.bucket_bytes = bucket_bytes
-        self._pool = ThreadPoolExecutor(max_workers=max(len(self.engines), 1), thread_name_prefix="push")
 
     def push(self, trainer: Any, version: str) -> float:
         """Every bucket of the trainer's weights to every engine -> seconds taken."""
         start = time.perf_counter()
-        for bucket in trainer.weight_buckets(self.bucket_bytes):
-            self._on_all(lambda e: push_weights(e, bucket, version, self.transport, "retract", self.bucket_bytes))
+        push_to_engines(self.engines, trainer.weight_buckets(self.bucket_bytes), version, self.transport,
+                        "retract", self.bucket_bytes)
         return time.perf_counter() - start
 
-    def colocated(self, train: Callable[[], T], trainer: Any, version: str) -> tuple[T, float]:
-        """release -> train -> resume weights -> push -> resume KV; -> (train's result, push s).
+    def colocated(self, train: Callable[[], T], trainer: Any, version: str) -> tuple[T, ColocatePhases]:
+        """release -> train -> resume weights -> push -> resume KV; -> (train's result, phase times).
         Every engine gets its memory back even when training or the push fails."""
-        resumed: list[str] = []
-        try:
-            self._on_all(lambda e: _memory(e.release_memory_occupation, None, "release"))
-            result = train()
-            self._on_all(lambda e: _memory(e.resume_memory_occupation, WEIGHT_TAGS, "resume"))
-            resumed += WEIGHT_TAGS
-            seconds = self.push(trainer, version)
-        finally:
-            missing = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in resumed]
-            self._on_all(lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
-        return result, seconds
-
-    def _on_all(self, fn: Callable[[Any], Any]) -> None:
-        futures = [self._pool.submit(fn, e) for e in self.engines]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise errors[0]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-def _memory(verb: Callable, tags: Any, what: str) -> None:
-    ok, message = verb(tags)
-    if not ok:
-        raise ColocateError(f"engine refused to {what} memory {tags or 'all'}: {message}")
+        return colocated_step(self.engines, train, lambda: self.push(trainer, version))

@@ -15,14 +15,11 @@ the error is raised.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-import torch
-
-from trainer_bridge.sync import push_weights
+from trainer_bridge.sync import on_all_engines
 
 T = TypeVar("T")
 WEIGHT_TAGS = ["weights", "cuda_graph"]  # back before the push: the push writes into the weights
@@ -53,11 +50,9 @@ class PushConfig:
     bucket_bytes: int = 512 << 20
 
 
-def colocated_step(engines: Sequence[Any], train_step: Callable[[], T],
-                   named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], weight_version: str,
-                   push: PushConfig = PushConfig()) -> tuple[T, ColocatePhases]:
-    """-> (train_step's result, the phase times). named_tensors is called once, after the train
-    step, and its tensors are pushed to every engine."""
+def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Callable[[], Any]) -> tuple[T, ColocatePhases]:
+    """-> (train_step's result, the phase times). push runs once, after the train step, while the
+    engines hold their weights but not their KV (trainer_bridge.sync.push_to_engines, say)."""
     if not engines:
         raise ValueError("colocated_step needs at least one engine")
     clock = _Clock()
@@ -70,10 +65,8 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T],
         with clock("resume_weights"):
             on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, WEIGHT_TAGS, "resume"))
         resumed += WEIGHT_TAGS
-        named = list(named_tensors())
         with clock("push"):
-            on_all_engines(engines, lambda e: push_weights(e, named, weight_version, push.transport,
-                                                           push.pause_mode, push.bucket_bytes))
+            push()
     finally:
         missing = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in resumed]
         with clock("resume_kv"):
@@ -85,19 +78,6 @@ def _memory(verb: Callable, tags: Any, what: str) -> None:
     ok, message = verb(tags)
     if not ok:
         raise ColocateError(f"engine refused to {what} memory {tags or 'all'}: {message}")
-
-
-def on_all_engines(engines: Sequence[Any], fn: Callable[[Any], Any]) -> None:
-    """fn on every engine at once (a thread each); every engine gets its call even if one fails, then the first
-    failure is raised."""
-    if len(engines) == 1:
-        fn(engines[0])
-        return
-    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-        futures = [pool.submit(fn, e) for e in engines]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise errors[0]
 
 
 class _Clock:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
 from trainer_bridge.losses import LossConfig
 from trainer_bridge.policy import Policy
+from trainer_bridge.sync import split_by_bytes
 from trainer_bridge.trainer import NamedTensors, Trainer
 
 
@@ -92,31 +93,22 @@ class DeepSpeedTrainer(Trainer):
         raise ValueError("kl_coef > 0 is not supported with the DeepSpeed trainer yet (set kl_coef 0)")
 
     # ---- weights out ----
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+    def weight_buckets(self, bucket_bytes: int) -> Iterable[NamedTensors]:
         named = list(self.policy.model.named_parameters())
         if self.zero_stage < 3:
-            yield [(n, p.detach()) for n, p in named]  # full parameters live here; push_weights buckets them
-            return
+            return [[(n, p.detach()) for n, p in named]]  # full parameters live here; the push cuts buckets
+        return self._gathered(named, bucket_bytes)
+
+    @staticmethod
+    def _gathered(named: list, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """ZeRO-3: one run of full parameters at a time, valid until the next is drawn."""
         import deepspeed
 
-        for group in _by_size(named, bucket_bytes):
+        full_bytes = lambda p: getattr(p, "ds_numel", p.numel()) * p.element_size()  # noqa: E731 (ZeRO-3: ds_numel)
+        for group in split_by_bytes(named, bucket_bytes, full_bytes):
             params = [p for _, p in group]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 yield [(n, p.data) for n, p in group]
-
-
-def _by_size(named: list, bucket_bytes: int) -> Iterator[list]:
-    """Runs of parameters of about bucket_bytes, by their full (ZeRO-3: ds_numel) sizes."""
-    bucket, size = [], 0
-    for name, p in named:
-        nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, p))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _init_single_process_group(deepspeed) -> None:

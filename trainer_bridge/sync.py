@@ -17,34 +17,60 @@ gives the former).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from weight_sync.base import sender_for, transports
+from weight_sync.base import WeightSyncError, on_all_engines, sender_for, transports
 
 TRANSPORTS = transports()  # the registered WeightSenders' names
-
-
-class WeightSyncError(RuntimeError):
-    pass
+__all__ = ["TRANSPORTS", "WeightSyncError", "on_all_engines", "push_to_engines", "push_weights", "split_by_bytes"]
 
 
 def push_weights(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
                  transport: str = "tensor", pause_mode: str = "retract", bucket_bytes: int = 512 << 20,
                  group: Any = None, group_name: str = "weight_update_group") -> None:
+    """One engine, one list of (name, tensor): see push_to_engines."""
+    push_to_engines([engine], [list(named_tensors)], weight_version, transport, pause_mode, bucket_bytes,
+                    group, group_name)
+
+
+def push_to_engines(engines: Sequence[Any], trainer_buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
+                    weight_version: str, transport: str = "tensor", pause_mode: str = "retract",
+                    bucket_bytes: int = 512 << 20, group: Any = None,
+                    group_name: str = "weight_update_group") -> None:
+    """Every engine paused once for the whole update. trainer_buckets: runs of full parameters as
+    the trainer hands them out, each valid until the next is drawn (ZeRO-3 gathers one at a time);
+    each is cut into buckets of at most bucket_bytes and sent to every engine before the next is
+    drawn. The last bucket flushes and sets the version; when the trainer's runs come from a
+    generator (the last is only known once it ends), an empty closing bucket does that."""
     sender = sender_for(transport, group=group, group_name=group_name)
-    named = [(name, t.detach()) for name, t in named_tensors]
     flush = pause_mode != "in_place"  # in_place keeps running requests' KV, so the cache cannot flush
+    send = lambda bucket, last: sender.send_all(  # noqa: E731
+        engines, bucket, last and flush, weight_version if last else None)
     try:
-        engine.pause_generation(pause_mode)
-        buckets = list(_buckets(named, bucket_bytes)) if sender.bucketed else [named]
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            _check(*sender.send(engine, bucket, last and flush, weight_version if last else None))
+        on_all_engines(engines, lambda e: e.pause_generation(pause_mode))
+        if sender.bucketed:
+            _send_buckets(trainer_buckets, bucket_bytes, send)
+        else:  # the whole update in one send (a checkpoint): host copies, since runs expire
+            send([(n, t.detach().cpu()) for run in trainer_buckets for n, t in run], True)
     finally:
-        engine.continue_generation()
+        on_all_engines(engines, lambda e: e.continue_generation())
         release_shared_buckets()
+
+
+def _send_buckets(trainer_buckets: Iterable[Sequence], bucket_bytes: int, send: Callable[[list, bool], None]) -> None:
+    runs = trainer_buckets if isinstance(trainer_buckets, (list, tuple)) else None
+    if runs is None:  # a generator: the last run is unknown until it ends
+        for run in trainer_buckets:
+            for bucket in split_by_bytes([(n, t.detach()) for n, t in run], bucket_bytes):
+                send(bucket, False)
+        send([], True)
+        return
+    cut = [bucket for run in runs for bucket in split_by_bytes([(n, t.detach()) for n, t in run], bucket_bytes)]
+    cut = cut or [[]]
+    for i, bucket in enumerate(cut):
+        send(bucket, i == len(cut) - 1)
 
 
 def release_shared_buckets() -> None:
@@ -54,21 +80,18 @@ def release_shared_buckets() -> None:
         torch.cuda.ipc_collect()
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise WeightSyncError(f"engine refused the weights: {message}")
-
-
-def _buckets(named: list, bucket_bytes: int) -> Iterator[list]:
-    """Consecutive runs of tensors of at most bucket_bytes (a larger tensor goes alone)."""
+def split_by_bytes(named: Sequence[tuple[str, Any]], bucket_bytes: int,
+                   nbytes: Callable[[Any], int] = lambda t: t.numel() * t.element_size()) -> Iterator[list]:
+    """Consecutive runs of at most bucket_bytes by `nbytes` (a larger item goes alone); an empty
+    input gives one empty run."""
     bucket: list = []
     size = 0
     for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        n = nbytes(t)
+        if bucket and size + n > bucket_bytes:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
-        size += nbytes
+        size += n
     if bucket or not named:
         yield bucket

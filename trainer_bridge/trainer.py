@@ -14,7 +14,7 @@ import copy
 import math
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -48,9 +48,10 @@ class Trainer(ABC):
         """Forget the optimizer's state (between the warm start and RL)."""
 
     @abstractmethod
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        """Full (unsharded) parameters, engine names, in buckets of about bucket_bytes; a bucket
-        is valid until the next one is drawn (ZeRO-3 gathers one bucket at a time)."""
+    def weight_buckets(self, bucket_bytes: int) -> Iterable[NamedTensors]:
+        """Full (unsharded) parameters, engine names, in runs of about bucket_bytes; a run is
+        valid until the next one is drawn (ZeRO-3 gathers one at a time). A list when the runs
+        are all resident (then the push knows the last one), else a generator."""
 
     # ---- the steps ----
     def freeze_reference(self) -> None:
@@ -136,6 +137,6 @@ class TorchTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        # Whole tensors already live here: one list; push_weights cuts its own buckets.
-        yield [(name, p.detach()) for name, p in self.policy.model.named_parameters()]
+    def weight_buckets(self, bucket_bytes: int) -> Iterable[NamedTensors]:
+        # Whole tensors already live here: one run; the push cuts its own buckets.
+        return [[(name, p.detach()) for name, p in self.policy.model.named_parameters()]]

@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from trainer_bridge.colocate import PushConfig, colocated_step, on_all_engines
-from trainer_bridge.sync import push_weights
+from trainer_bridge.colocate import PushConfig, colocated_step
+from trainer_bridge.sync import push_to_engines
 
 
 class TrainerActor:
@@ -64,9 +64,7 @@ class TrainerActor:
         """Pause -> buckets -> flush + version -> continue on every engine at once; -> seconds.
         Raises trainer_bridge.sync.WeightSyncError with the engine's reason on refusal."""
         start = time.perf_counter()
-        named = self.named_weights(push.bucket_bytes)
-        on_all_engines(_clients(engines, tensor_transport), lambda client: push_weights(
-            client, named, weight_version, push.transport, push.pause_mode, push.bucket_bytes))
+        self._push(_clients(engines, tensor_transport), weight_version, push)
         return time.perf_counter() - start
 
     def colocated_step(self, engines: Sequence[Any], samples: Sequence[Any], advantages: Sequence[float],
@@ -74,10 +72,14 @@ class TrainerActor:
                        tensor_transport: str = "auto") -> tuple[dict[str, float], dict[str, float]]:
         """Release engines -> train step -> resume weights -> push -> resume KV -> continue.
         -> (train metrics, phase seconds)."""
-        metrics, phases = colocated_step(_clients(engines, tensor_transport),
-                                         lambda: self.train_step(samples, advantages, lr),
-                                         lambda: self.named_weights(push.bucket_bytes), weight_version, push)
+        clients = _clients(engines, tensor_transport)
+        metrics, phases = colocated_step(clients, lambda: self.train_step(samples, advantages, lr),
+                                         lambda: self._push(clients, weight_version, push))
         return metrics, phases.as_dict()
+
+    def _push(self, clients: Sequence[Any], weight_version: str, push: PushConfig) -> None:
+        push_to_engines(clients, self.trainer.weight_buckets(push.bucket_bytes), weight_version,
+                        push.transport, push.pause_mode, push.bucket_bytes)
 
 
 def _clients(engines: Sequence[Any], tensor_transport: str) -> list[Any]:

@@ -13,7 +13,8 @@ import importlib
 import os
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
@@ -59,6 +60,33 @@ class WeightSender:
 
     def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
         raise NotImplementedError
+
+    def send_all(self, engines: Sequence[Any], bucket: list, flush_cache: bool, weight_version: Optional[str]) -> None:
+        """The bucket to every engine at once; raises WeightSyncError with the first refusal. A
+        transport that reaches every engine in one operation (a broadcast) overrides this."""
+        def one(engine: Any) -> None:
+            ok, message = self.send(engine, bucket, flush_cache, weight_version)
+            if not ok:
+                raise WeightSyncError(f"engine refused the weights: {message}")
+
+        on_all_engines(engines, one)
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused a bucket; its reason is the message."""
+
+
+def on_all_engines(engines: Sequence[Any], fn: Callable[[Any], Any]) -> None:
+    """fn on every engine at once (a thread each); every engine gets its call even if one fails,
+    then the first failure is raised."""
+    if len(engines) == 1:
+        fn(engines[0])
+        return
+    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        futures = [pool.submit(fn, e) for e in engines]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
 
 
 def transports() -> tuple[str, ...]:

@@ -40,28 +40,17 @@ def hf_parameter_shapes(model_path: str) -> list[tuple[str, torch.Size]]:
     return [(name, p.shape) for name, p in model.named_parameters()]
 
 
-def group_by_bytes(shapes: list[tuple[str, torch.Size]], itemsize: int, bucket_bytes: int) -> list[list]:
-    groups: list[list] = [[]]
-    size = 0
-    for name, shape in shapes:
-        nbytes = shape.numel() * itemsize
-        if groups[-1] and size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, shape))
-        size += nbytes
-    return groups
-
-
 class BucketTrainer:
     def __init__(self, model_path: str, dtype: str, device: str, bucket_bytes: int, seed: int = 0) -> None:
+        from trainer_bridge.sync import split_by_bytes
         from weight_sync.bucket import FlattenedBucket, FlattenedTensorMetadata
 
         self.dtype, self.device = getattr(torch, dtype), torch.device(device)
         gen = torch.Generator(self.device).manual_seed(seed)
         itemsize = self.dtype.itemsize
         self.buckets = []
-        for group in group_by_bytes(hf_parameter_shapes(model_path), itemsize, bucket_bytes):
+        shapes = hf_parameter_shapes(model_path)
+        for group in split_by_bytes(shapes, bucket_bytes, lambda shape: shape.numel() * itemsize):
             total = sum(shape.numel() for _, shape in group)
             flat = torch.empty(total, dtype=self.dtype, device=self.device)
             flat.normal_(0.0, 0.02, generator=gen)  # the "trained" weights, in place

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rollout.client import InProcessClient
-from trainer_bridge.colocate import ColocateError, PushConfig, colocated_step
+from trainer_bridge.colocate import ColocateError, colocated_step
+from trainer_bridge.sync import push_weights
 
 ENGINE_KWARGS = {"dtype": "float32", "device": "cpu", "enable_deterministic_inference": True}
 SAMPLED = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
@@ -95,8 +96,9 @@ def test_the_step_releases_trains_resumes_weights_pushes_then_resumes_kv(engine,
         calls.append(("train",))
         return train()
 
-    metrics, phases = colocated_step([client], recorded_train_step, lambda: trainer.policy.model.named_parameters(),
-                                     "step-1", PushConfig(bucket_bytes=64 << 10))
+    push = lambda: push_weights(client, trainer.policy.model.named_parameters(), "step-1",  # noqa: E731
+                                bucket_bytes=64 << 10)
+    metrics, phases = colocated_step([client], recorded_train_step, push)
     verbs = [c for c in calls if c[0] != "update"]
     assert verbs == [("release", None), ("train",), ("resume", ("weights", "cuda_graph")), ("pause", "retract"),
                      ("continue",), ("resume", ("kv_cache",))]
@@ -127,7 +129,7 @@ def test_a_failed_train_step_still_resumes_every_engine(engine, model_path):
             raise FloatingPointError("the RL loss is nan")
 
         with pytest.raises(FloatingPointError, match="nan"):
-            colocated_step(clients, diverged, lambda: [], "never")
+            colocated_step(clients, diverged, lambda: None)
         for client, outs in zip(clients, before):
             info = client.get_server_info()["internal_states"][0]
             assert info["memory_released"] == [] and not info["paused"]
@@ -143,7 +145,7 @@ def test_a_refused_push_raises_and_the_engine_is_resumed_and_serving(engine):
 
     client = InProcessClient(engine)
     with pytest.raises(WeightSyncError, match="unknown weight 'model.nope.weight'"):
-        colocated_step([client], lambda: None, lambda: [("model.nope.weight", torch.ones(2))], "never")
+        colocated_step([client], lambda: None, lambda: push_weights(client, [("model.nope.weight", torch.ones(2))], "never"))
     info = engine.get_server_info()["internal_states"][0]
     assert info["memory_released"] == [] and not info["paused"] and engine.get_weight_version() == "default"
     assert len(client.generate(input_ids=PROMPTS[0], sampling_params=SAMPLED)["output_ids"]) == 6
@@ -155,7 +157,7 @@ def test_a_refused_release_is_reported_and_nothing_is_left_released(engine):
             return False, "requests are running"
 
     with pytest.raises(ColocateError, match="refused to release memory all: requests are running"):
-        colocated_step([Refusing(engine)], lambda: None, lambda: [], "never")
+        colocated_step([Refusing(engine)], lambda: None, lambda: None)
     assert engine.get_server_info()["internal_states"][0]["memory_released"] == []
     with pytest.raises(ValueError, match="at least one engine"):
-        colocated_step([], lambda: None, lambda: [], "never")
+        colocated_step([], lambda: None, lambda: None)
