@@ -14,20 +14,16 @@ class RequestGrammar:
     def __init__(self, compiled: Any) -> None:
         import xgrammar
 
-        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self.matcher = xgrammar.GrammarMatcher(compiled)  # engine.grammar.vocab_mask fills masks from it
         self.num_accepted = 0
 
     def accept(self, token_id: int) -> bool:
         """Advance on a committed token; False when the grammar refuses it (the matcher is unchanged)."""
-        ok = self._matcher.accept_token(int(token_id))
+        ok = self.matcher.accept_token(int(token_id))
         self.num_accepted += ok
         return ok
 
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: the output is complete."""
-        return self._matcher.is_terminated()
-
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Write the allowed next tokens into row `row` of an xgrammar token bitmask."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        return self.matcher.is_terminated()
 
