@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 from torch import nn
 
+from engine.distributed.parallel_layers import (MergedGateUpParallel, ParallelLMHead, QKVParallelLinear,
+                                                RowParallelLinear, TPSharded, VocabParallelEmbedding)
+from engine.distributed.parallel_state import check_tp_size, kv_heads_per_rank
 from engine.models.layers import (
     Linear,
     MergedGateUp,
@@ -28,6 +31,7 @@ from engine.models.layers import (
 from engine.models.weight_cast import CastCheck, WeightsPartlyWritten
 
 if TYPE_CHECKING:
+    from engine.distributed.parallel_state import TPGroup
     from engine.runner.forward_batch import ForwardBatch
 
 # a loaded checkpoint tensor lands on (parameter name, shard id); shard id None = whole parameter
@@ -41,6 +45,7 @@ class LayerOptions:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
     deterministic: bool = False  # batch-invariant kernels (engine.kernels.batch_invariant)
+    tp: Optional["TPGroup"] = None  # tensor parallelism (engine/distributed); None: one rank, plain layers
 
 
 def head_dim_of(config: Any) -> int:
@@ -59,12 +64,27 @@ class Attention(nn.Module):
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
         det = opts.deterministic
+        if opts.tp is not None:  # this rank's heads (engine/distributed/parallel_layers.py)
+            self._init_tensor_parallel(config, opts)
+            return
         self.qkv_proj = QKVLinear(hidden, self.num_heads, self.num_kv_heads, self.head_dim, opts.qkv_bias, det)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, opts.o_bias, det)
+        self._init_qk_norm(config, opts)
+
+    def _init_qk_norm(self, config: Any, opts: LayerOptions) -> None:
         if opts.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, det)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, det)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, opts.deterministic)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, opts.deterministic)
         self.qk_norm = opts.qk_norm
+
+    def _init_tensor_parallel(self, config: Any, opts: LayerOptions) -> None:
+        tp, det, hidden = opts.tp, opts.deterministic, config.hidden_size
+        check_tp_size(tp.size, self.num_heads, self.num_kv_heads)
+        self.qkv_proj = QKVParallelLinear(hidden, self.num_heads, self.num_kv_heads, self.head_dim, opts.qkv_bias,
+                                          det, tp)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, opts.o_bias, det, tp)
+        self.num_heads, self.num_kv_heads = self.num_heads // tp.size, kv_heads_per_rank(self.num_kv_heads, tp.size)
+        self._init_qk_norm(config, opts)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -90,9 +110,14 @@ class MLP(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
-        det = opts.deterministic
-        self.gate_up_proj = MergedGateUp(config.hidden_size, config.intermediate_size, opts.mlp_bias, det)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det)
+        det, tp = opts.deterministic, opts.tp
+        if tp is not None:  # this rank's slice of the intermediate size
+            self.gate_up_proj = MergedGateUpParallel(config.hidden_size, config.intermediate_size, opts.mlp_bias,
+                                                     det, tp)
+            self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det, tp)
+        else:
+            self.gate_up_proj = MergedGateUp(config.hidden_size, config.intermediate_size, opts.mlp_bias, det)
+            self.down_proj = Linear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det)
         self.act_fn = SiluAndMul(det)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +148,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, opts: LayerOptions) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if opts.tp is not None:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, opts.tp)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, opts) for i in range(config.num_hidden_layers)
         )
@@ -156,17 +184,22 @@ class DecoderForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self, config: Any, deterministic: bool = False) -> None:
+    def __init__(self, config: Any, deterministic: bool = False, tp: Optional["TPGroup"] = None) -> None:
         """deterministic: batch-invariant kernels everywhere (--enable-deterministic-inference);
-        attention is the backend's choice, made when the backend is created."""
+        attention is the backend's choice, made when the backend is created. tp: this rank's
+        tensor-parallel group (tp_size > 1): parameters hold this rank's shards, loading cuts
+        them out of the full HF tensors."""
         super().__init__()
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("sliding-window attention layers are not supported")
         self.config = config
         self.deterministic = deterministic
-        opts = dataclasses.replace(self.layer_options(config), deterministic=deterministic)
+        opts = dataclasses.replace(self.layer_options(config), deterministic=deterministic, tp=tp)
         self.model = DecoderModel(config, opts)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, deterministic)
+        if tp is not None:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, deterministic, tp)
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, deterministic)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tie_weights()
 
@@ -226,7 +259,7 @@ class DecoderForCausalLM(nn.Module):
             target = self._resolve(name, tuple(tensor.shape), params)
             if target is not None:
                 casts.check(name, tensor, params[target[0]])
-                plan.append((target, tensor))
+                plan.append((target, self._rank_part(*target, tensor)))
         loaded: set[WeightKey] = set()
         with torch.no_grad():
             for i, ((param_name, shard_id), tensor) in enumerate(plan):
@@ -269,12 +302,26 @@ class DecoderForCausalLM(nn.Module):
         if param_name not in params:
             raise ValueError(f"unknown weight {name!r}: no such parameter in {type(self).__name__}")
         expected = tuple(params[param_name].shape)
-        if shard_id is not None:
+        sharded = self._tp_sharded(param_name)
+        if sharded is not None:  # tensor parallel: the checkpoint holds the full tensor
+            expected = sharded.checkpoint_shape(param_name.rsplit(".", 1)[1], shard_id)
+        elif shard_id is not None:
             sl = self._shard_slice(param_name, shard_id)
             expected = (sl.stop - sl.start, *expected[1:])
         if shape != expected:
             raise ValueError(f"weight {name!r} has shape {list(shape)}, expected {list(expected)}")
         return param_name, shard_id
+
+    def _tp_sharded(self, param_name: str) -> Optional[TPSharded]:
+        module = self.get_submodule(param_name.rsplit(".", 1)[0])
+        return module if isinstance(module, TPSharded) else None
+
+    def _rank_part(self, param_name: str, shard_id: Any, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full checkpoint tensor (the tensor itself without TP)."""
+        sharded = self._tp_sharded(param_name)
+        if sharded is None:
+            return tensor
+        return sharded.rank_part(param_name.rsplit(".", 1)[1], shard_id, tensor)
 
     def _stacked_module(self, param_name: str) -> Optional[StackedLinear]:
         module = self.get_submodule(param_name.rsplit(".", 1)[0])

@@ -37,17 +37,19 @@ def resolve_dtype(dtype_str: str, hf_config: Any, device: DeviceLike) -> torch.d
 
 
 def load_model(model_path: str, hf_config: Any, dtype: torch.dtype, device: DeviceLike,
-               load_format: str, seed: int = 0, deterministic: bool = False) -> nn.Module:
+               load_format: str, seed: int = 0, deterministic: bool = False, tp: Optional[Any] = None) -> nn.Module:
     """Instantiate the registered class for `hf_config` on `device` in `dtype` and load weights.
     load_format: "auto"/"safetensors" read model_path/*.safetensors; "dummy" fills random
-    weights (seeded) and reads no files. deterministic: batch-invariant kernels (DESIGN §4)."""
+    weights (seeded) and reads no files. deterministic: batch-invariant kernels (DESIGN §4).
+    tp: this rank's TPGroup (tp_size > 1): each parameter holds, and loads, its rank's shard of
+    the full checkpoint tensor (dummy weights are drawn per rank, so they differ from TP=1's)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be one of auto, safetensors, dummy; got {load_format!r}")
     cls = model_class_for_config(hf_config)
     # built on meta then materialised uninitialised: nn.Linear's random init would dominate
     # start-up time; every parameter is filled below (missing ones raise)
     with _default_dtype(dtype), torch.device("meta"):
-        model = cls(hf_config, deterministic=deterministic)
+        model = cls(hf_config, deterministic=deterministic, **({"tp": tp} if tp is not None else {}))
     model = model.to_empty(device=device)
     model.init_non_checkpoint_state()
     if load_format == "dummy":
