@@ -40,8 +40,11 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, kv_pool, req_to_token: torch.Tensor,
-                 device: torch.device, max_bs: int) -> None:
+                 device: torch.device, max_bs: int, stream: torch.cuda.Stream | None = None) -> None:
         self.model = model
+        # a re-capture (after release_memory_occupation) reuses its runner's stream: cuBLAS keeps a
+        # workspace per stream it has seen, so a fresh stream per capture is memory never returned
+        self.stream = stream or torch.cuda.Stream(device)
         self.attn_backend = attn_backend
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
@@ -93,7 +96,7 @@ class CudaGraphRunner:
 
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream
         pool = torch.cuda.graph_pool_handle()
         bar = tqdm(list(reversed(self.capture_bs)), desc="Capturing CUDA graphs", unit="graph")
         with torch.inference_mode():

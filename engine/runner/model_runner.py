@@ -62,6 +62,7 @@ class ModelRunner:
         with self.memory_saver.region("kv_cache"):  # stale with the KV: rows are rewritten at each prefill
             self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
         self._buffers_backup: dict[str, torch.Tensor] = {}  # model buffers while the weights are released
+        self._capture_stream = None  # kept across re-captures (engine/runner/cuda_graph.py)
         self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
         self.sampler.warmup(self.device, config.vocab_size)
 
@@ -178,7 +179,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if "cuda_graph" in tags and self.cuda_graph is not None:
+            self._capture_stream = self.cuda_graph.stream  # the next capture's (see CudaGraphRunner)
             self.cuda_graph = None  # the graphs, their memory pool and static buffers
+            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # captured in the pool; allocated again on use
+                torch._C._cuda_clearCublasWorkspaces()
         if "weights" in tags and "weights" not in saver.paused:
             # buffers (rotary inv_freq) live in the weights region but no weight update rewrites them
             self._buffers_backup = {name: buf.to("cpu", copy=True) for name, buf in self.model.named_buffers()}
@@ -222,7 +226,7 @@ class ModelRunner:
         from engine.runner.cuda_graph import CudaGraphRunner
 
         return CudaGraphRunner(self.model, self.attn_backend, self.kv_pool, self.req_to_token, self.device,
-                               self.config.cuda_graph_max_bs)
+                               self.config.cuda_graph_max_bs, self._capture_stream)
 
     def _why_no_op(self) -> str:
         if self.device.type != "cuda":

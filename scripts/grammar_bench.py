@@ -1,0 +1,183 @@
+"""Constrained vs unconstrained decoding throughput, same engine, same call (issue 13, GPU).
+
+Qwen3-0.6B shape with random weights (`--load-format dummy`); nothing is downloaded, so the
+tokenizer is tandem's tiny BPE grown to a Qwen-sized vocabulary (151,600 entries) with synthetic
+byte-level tokens (words with and without a leading space, capitalised words, digit runs,
+punctuation and JSON-ish runs such as `":"`): xgrammar's mask work scales with the vocabulary and
+its structure, so a 1k vocabulary would flatter the constrained run. Reported: output tok/s of
+each (median of --runs), their ratio, outputs that parse and validate against the schema, and the
+grammar compile times (tokenizer info, first compile, cached compile).
+Usage: python scripts/grammar_bench.py [--batch 64] [--runs 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "status": {"enum": ["active", "pending", "closed", "archived"]},
+        "owner": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "role": {"enum": ["admin", "editor", "viewer"]},
+            "contact": {"type": "object", "properties": {
+                "email": {"type": "string", "maxLength": 32},
+                "phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}},
+                "required": ["email", "phone"], "additionalProperties": False}},
+            "required": ["name", "role", "contact"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue", "urgent", "later"]},
+                 "minItems": 1, "maxItems": 4},
+        "scores": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 4},
+        "priority": {"enum": [1, 2, 3]},
+    },
+    "required": ["id", "status", "owner", "tags", "scores", "priority"],
+    "additionalProperties": False,
+}
+VOCAB = 151_600
+
+
+def grow_vocab(model_dir: Path, size: int, seed: int = 0) -> None:
+    """Append synthetic byte-level tokens to tokenizer.json's BPE vocabulary up to `size` ids."""
+    path = model_dir / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
+    next_id = max(list(vocab.values()) + [t["id"] for t in data.get("added_tokens", [])]) + 1
+    enc = _bytes_to_unicode()
+    rng = random.Random(seed)
+    letters, punct = "etaoinshrdlcumwfgypbvkjxqz", "{}[]\":,.-_/'()<>!?;=+*#@$%&|\\"
+    while next_id < size:
+        kind = rng.random()
+        if kind < 0.55:
+            word = "".join(rng.choice(letters[: rng.randint(8, 26)]) for _ in range(rng.randint(2, 10)))
+            text = (" " if rng.random() < 0.6 else "") + (word.capitalize() if rng.random() < 0.2 else word)
+        elif kind < 0.7:
+            text = (" " if rng.random() < 0.3 else "") + "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 3)))
+        else:
+            text = "".join(rng.choice(punct + " ") for _ in range(rng.randint(1, 4)))
+            if rng.random() < 0.4:
+                text += rng.choice(letters) * rng.randint(1, 3)
+        token = "".join(enc[b] for b in text.encode())
+        if token not in taken:
+            taken.add(token)
+            vocab[token] = next_id
+            next_id += 1
+    path.write_text(json.dumps(data))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet (what the ByteLevel pre-tokenizer maps each byte to)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def build_model(out: Path) -> Path:
+    if not (out / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "engine.cli.main", "tiny-model", "--out", str(out),
+                        "--preset", "qwen3-0.6b"], check=True, stdout=subprocess.DEVNULL)
+        grow_vocab(out, VOCAB)
+    return out
+
+
+def compile_times(model_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from engine.grammar.compiler import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    start = time.perf_counter()
+    compiler = GrammarCompiler(tokenizer, 151936, [tokenizer.eos_token_id])
+    info_s = time.perf_counter() - start
+    spec = json.dumps(SCHEMA)
+    start = time.perf_counter()
+    compiler.compile("json_schema", spec)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiler.compile("json_schema", spec)
+    return {"tokenizer_info_s": info_s, "first_compile_s": first_s, "cached_compile_s": time.perf_counter() - start,
+            "tokenizer_vocab": len(tokenizer)}
+
+
+def run(eng, prompts, params) -> tuple[float, list[dict]]:
+    start = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    return tokens / seconds, outs
+
+
+def valid(outs: list[dict]) -> dict:
+    import jsonschema
+
+    complete = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
+    ok = 0
+    for o in complete:
+        try:
+            jsonschema.validate(json.loads(o["text"]), SCHEMA)
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return {"complete": len(complete), "valid": ok, "total": len(outs),
+            "mean_len": statistics.mean(len(o["output_ids"]) for o in outs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model-dir", default="/tmp/q06-bigvocab")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--engine-args", default="{}", help="JSON of extra Engine kwargs")
+    args = parser.parse_args()
+    from engine import Engine
+
+    model_dir = build_model(Path(args.model_dir))
+    report = {"compile": compile_times(model_dir), "batch": args.batch, "schema": SCHEMA}
+    print("compile:", report["compile"], flush=True)
+    eng = Engine(model_path=str(model_dir), load_format="dummy", **json.loads(args.engine_args))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 1000) for _ in range(args.input_len)] for _ in range(args.batch)]
+    base = {"max_new_tokens": args.output_len, "temperature": 1.0}
+    free = [{**base, "sampling_seed": i} for i in range(args.batch)]
+    constrained = [{**base, "sampling_seed": i, "json_schema": json.dumps(SCHEMA)} for i in range(args.batch)]
+    try:
+        run(eng, prompts, free)
+        run(eng, prompts, constrained)  # warm: compile, graphs, allocator
+        rates: dict[str, list[float]] = {"free": [], "json_schema": []}
+        for _ in range(args.runs):
+            rate, _ = run(eng, prompts, free)
+            rates["free"].append(rate)
+            rate, outs = run(eng, prompts, constrained)
+            rates["json_schema"].append(rate)
+        report["tok_s"] = {k: statistics.median(v) for k, v in rates.items()}
+        report["runs_tok_s"] = rates
+        report["ratio"] = report["tok_s"]["json_schema"] / report["tok_s"]["free"]
+        report["outputs"] = valid(outs)
+        report["sample"] = outs[0]["text"][:300]
+    finally:
+        eng.shutdown()
+    print(json.dumps({k: v for k, v in report.items() if k != "schema"}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
