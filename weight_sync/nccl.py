@@ -1,71 +1,34 @@
-"""WeightGroup: a process group of its own between a trainer and engines, for weight broadcasts.
+"""Weights broadcast from a trainer (rank 0 of a WeightGroup) to engines: both ends.
 
-The rendezvous is SGLang's `init_weights_update_group`: a TCPStore at master_address:master_port
-(hosted by rank 0, the trainer), keys under the group's name, the trainer rank 0 and engine rank
-`rank_offset` (+ its tensor-parallel rank). NCCL between GPUs, gloo on the CPU: the same code,
-so CI runs it. Built from the process-group constructors, never `init_process_group`: the default
-group of a process that also trains, or runs tensor parallelism, stays its own.
+Engine side, GroupSource: SGLang's `update_weights_from_distributed` request (names, dtypes,
+shapes, group_name, load_format). With load_format None, one broadcast per name in that order (what
+slime sends); with "flattened_bucket", one broadcast of the whole bucket packed as SGLang's
+FlattenedTensorBucket (every tensor's bytes, in names order, back to back: weight_sync/bucket.py).
+Trainer side, GroupSender: one flattened broadcast per bucket to every engine of the group at once,
+pipelined: the next bucket is packed while the previous one is on the wire (at most two packed
+buckets alive). The group itself: weight_sync/weight_group.py.
 """
 
 from __future__ import annotations
 
-import datetime
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from weight_sync.base import LoadContext, WeightSender, WeightSource
+from weight_sync.base import LoadContext, WeightSender, WeightSource, WeightSyncError
+from weight_sync.bucket import FlattenedBucket, FlattenedTensorMetadata
+from weight_sync.weight_group import GroupBroken, WeightGroup, check_group_args  # noqa: F401 (the group's home)
 
-BACKENDS = ("nccl", "gloo")
-
-
-DEFAULT_RENDEZVOUS_TIMEOUT_S = 30.0  # SGLang has no such argument; its wait is the store's default
-
-
-def check_group_args(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-    """The checks that need no peer, so a bad call is refused before any rendezvous starts."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA; use backend='gloo' on the CPU")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+LOAD_FORMATS = (None, "flattened_bucket")
+OUT_OF_STEP = "nothing was received, so the trainer's broadcasts are now out of step with this engine"
 
 
-class WeightGroup:
-    """`timeout_s` bounds the rendezvous (connecting to the store, every rank joining);
-    `op_timeout_s` bounds each broadcast afterwards (gloo; NCCL keeps its own watchdog)."""
-
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
-                 group_name: str = "weight_update_group", backend: str = "nccl",
-                 timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S, op_timeout_s: float = 600.0) -> None:
-        check_group_args(rank, world_size, backend, timeout_s)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # rank 0 serves the store; the others connect to it, retrying until the timeout
-        self._store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                                    timeout=timeout, wait_for_workers=False)
-        store = dist.PrefixStore(group_name, self._store)
-        if backend == "gloo":  # its constructor is the rendezvous: it waits for every rank
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-            self.pg.set_timeout(datetime.timedelta(seconds=op_timeout_s))
-        else:  # NCCL connects lazily, at the first broadcast (which the trainer makes too)
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
-        self._store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
-        self.rank, self.world_size, self.name, self.backend = rank, world_size, group_name, backend
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """In place: rank `src` sends `tensor`, every other rank receives into it."""
-        self.pg.broadcast(tensor, src).wait()
-        return tensor
-
-    def destroy(self) -> None:
-        self.pg = None
-        self._store = None
+def check_load_format(load_format: Optional[str]) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported for distributed updates; "
+                         f"use None or 'flattened_bucket'")
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -80,12 +43,14 @@ def parse_dtype(dtype) -> torch.dtype:
 
 @dataclass
 class GroupSource(WeightSource):
-    """Tensors the trainer (rank 0 of `group_name`) broadcasts, one per name, in this order."""
+    """Tensors the trainer (rank 0 of `group_name`) broadcasts: one per name, in this order, or
+    (load_format "flattened_bucket") all of them in one buffer."""
     kind: ClassVar[str] = "distributed"
     names: list
     dtypes: list
     shapes: list
     group_name: str = "weight_update_group"
+    load_format: Optional[str] = None
 
     def load_into(self, model: Any, ctx: LoadContext) -> None:
         model.load_weights(self.receive(ctx))
@@ -103,34 +68,63 @@ class GroupSource(WeightSource):
             raise ValueError(f"no weight update group {self.group_name!r}: call init_weights_update_group first")
         specs = self._specs()
         try:
-            return [(name, group.broadcast(torch.empty(shape, dtype=dtype, device=ctx.device)))
-                    for name, dtype, shape in specs]
-        except RuntimeError as exc:  # the trainer left or timed out mid-broadcast
-            raise ValueError(f"broadcast from group {self.group_name!r} failed: {exc}") from exc
+            if self.load_format == "flattened_bucket":
+                bucket = empty_bucket(specs, ctx.device)
+                group.broadcast(bucket.flattened_tensor, src=0)
+                return bucket.unpack()
+            tensors = [(name, torch.empty(shape, dtype=dtype, device=ctx.device)) for name, dtype, shape in specs]
+            works = [group.start_broadcast(t, src=0) for _, t in tensors]  # queued in order, as the trainer's
+            for work in works:
+                group.wait(work)
+            return tensors
+        except GroupBroken as exc:  # the trainer died, never sent, or the group failed before
+            raise ValueError(f"{exc}. Destroy the group (destroy_weights_update_group) and form it again") from exc
 
     def _specs(self) -> list:
-        out_of_step = "nothing was received, so the trainer's broadcasts are now out of step with this engine"
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(self.names)}, "
-                             f"{len(self.dtypes)}, {len(self.shapes)}); {out_of_step}")
+                             f"{len(self.dtypes)}, {len(self.shapes)}); {OUT_OF_STEP}")
         try:
             specs = [(str(name), parse_dtype(dtype), tuple(int(d) for d in shape))
                      for name, dtype, shape in zip(self.names, self.dtypes, self.shapes)]
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"{exc}; {out_of_step}") from exc
+            raise ValueError(f"{exc}; {OUT_OF_STEP}") from exc
         bad = next((name for name, _, shape in specs if any(d < 0 for d in shape)), None)
         if bad is not None:
-            raise ValueError(f"weight {bad!r} has a negative dimension; {out_of_step}")
+            raise ValueError(f"weight {bad!r} has a negative dimension; {OUT_OF_STEP}")
         return specs
 
 
+def empty_bucket(specs: list, device: torch.device) -> FlattenedBucket:
+    """The receive buffer of a flattened bucket: SGLang's layout (bytes back to back, names order)."""
+    metadata, offset = [], 0
+    for name, dtype, shape in specs:
+        nbytes = dtype.itemsize * torch.Size(shape).numel()
+        metadata.append(FlattenedTensorMetadata(name, torch.Size(shape), dtype, offset, offset + nbytes, nbytes))
+        offset += nbytes
+    return FlattenedBucket(torch.empty(offset, dtype=torch.uint8, device=device), metadata)
+
+
+@dataclass
+class _InFlight:
+    """A bucket on the wire: its packed buffer stays referenced until the broadcast is done."""
+    bucket: FlattenedBucket
+    work: Any
+    replies: list  # a Future per engine: its (ok, message)
+
+
 class GroupSender(WeightSender):
-    """Trainer side: this process is rank 0 of `group`; per bucket, the engine's receive call
-    (`update_weights_from_distributed`, which blocks) runs beside the broadcasts it waits for."""
+    """Trainer side: this process is rank 0 of `group`; every engine of `engines` joined it.
+
+    send_all returns with the bucket still on the wire (the caller draws the next one meanwhile) and
+    waits for it at the next call, before its own broadcast; the update's closing bucket (it sets
+    the version or flushes) is waited for before returning, and so is a refusal, raised then."""
     kind: ClassVar[str] = "distributed"
 
     def __init__(self, group: WeightGroup, group_name: str = "weight_update_group") -> None:
         self.group, self.group_name = group, group_name
+        self._in_flight: Optional[_InFlight] = None
+        self._pool, self._pool_size = None, 0
 
     @classmethod
     def from_options(cls, group: Any = None, group_name: str = "weight_update_group", **_: Any) -> "GroupSender":
@@ -139,14 +133,53 @@ class GroupSender(WeightSender):
         return cls(group, group_name)
 
     def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
-        reply: list = []
-        names = [n for n, _ in bucket]
-        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-        receiver = threading.Thread(target=lambda: reply.append(engine.update_weights_from_distributed(
-            names, dtypes, shapes, self.group_name, flush_cache=flush_cache, weight_version=weight_version)))
-        receiver.start()
-        for _, t in bucket:
-            self.group.broadcast(t.contiguous(), src=0)
-        receiver.join()
-        return reply[0] if reply else (False, "the engine's receive call raised (see its log)")
+        """One bucket to one engine, waited for: its (ok, message)."""
+        self.finish()
+        self._start([engine], FlattenedBucket.pack(bucket), flush_cache, weight_version)
+        return self._wait()[0]
+
+    def send_all(self, engines: Sequence[Any], bucket: list, flush_cache: bool, weight_version: Optional[str]) -> None:
+        packed = FlattenedBucket.pack(bucket)  # overlaps the previous bucket's broadcast
+        self.finish()
+        self._start(engines, packed, flush_cache, weight_version)
+        if flush_cache or weight_version is not None:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the bucket on the wire; raises WeightSyncError with an engine's refusal."""
+        if self._in_flight is None:
+            return
+        refusals = [message for ok, message in self._wait() if not ok]
+        if refusals:
+            raise WeightSyncError(f"engine refused the weights: {refusals[0]}")
+
+    def _start(self, engines: Sequence[Any], packed: FlattenedBucket, flush_cache: bool,
+               weight_version: Optional[str]) -> None:
+        names = [m.name for m in packed.metadata]
+        dtypes = [str(m.dtype).removeprefix("torch.") for m in packed.metadata]
+        shapes = [list(m.shape) for m in packed.metadata]
+        if self._pool_size < len(engines):
+            self._pool, self._pool_size = ThreadPoolExecutor(len(engines), "tandem-weight-send"), len(engines)
+        # every engine's receive call blocks until this process broadcasts: they run beside it
+        replies = [self._pool.submit(engine.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
+                                     flush_cache=flush_cache, weight_version=weight_version,
+                                     load_format="flattened_bucket") for engine in engines]
+        work = self.group.start_broadcast(packed.flattened_tensor.contiguous(), src=0)
+        self._in_flight = _InFlight(packed, work, replies)
+
+    def _wait(self) -> list[tuple[bool, str]]:
+        flight, self._in_flight = self._in_flight, None
+        try:
+            self.group.wait(flight.work)
+        except GroupBroken as exc:  # an engine died or never joined the broadcast
+            answers = [_answer(f) for f in flight.replies]  # each fails within its own timeout
+            raise WeightSyncError(f"{exc}; the engines answered: {[m for _, m in answers]}") from exc
+        return [_answer(f) for f in flight.replies]
+
+
+def _answer(future: Future) -> tuple[bool, str]:
+    try:
+        ok, message = future.result()
+    except Exception as exc:  # e.g. an HTTP error: the engine's receive call raised
+        return False, f"the engine's receive call raised {type(exc).__name__}: {exc}"
+    return bool(ok), str(message)

@@ -202,13 +202,13 @@ class Engine:
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
                                         weight_version: Optional[str] = None,
                                         load_format: Optional[str] = None) -> tuple[bool, str]:
-        """Receive one broadcast per name from the group's rank 0, then load them (checked
-        before any write) -> (success, message)."""
-        if load_format is not None:
-            raise ValueError(f"load_format {load_format!r} is not supported for distributed updates; use None")
-        from weight_sync.nccl import GroupSource
+        """Receive one broadcast per name from the group's rank 0 (load_format="flattened_bucket":
+        one for all, packed as SGLang's FlattenedTensorBucket), then load them (checked before any
+        write) -> (success, message)."""
+        from weight_sync.nccl import GroupSource, check_load_format
 
-        source = GroupSource(list(names), list(dtypes), [list(s) for s in shapes], group_name)
+        check_load_format(load_format)
+        source = GroupSource(list(names), list(dtypes), [list(s) for s in shapes], group_name, load_format)
         return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:

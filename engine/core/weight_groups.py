@@ -29,12 +29,12 @@ class _Forming:
 
 class WeightGroups:
     def __init__(self) -> None:
-        self.formed: dict[str, Any] = {}  # group name -> weight_sync.nccl.WeightGroup
+        self.formed: dict[str, Any] = {}  # group name -> weight_sync.weight_group.WeightGroup
         self._forming: dict[str, _Forming] = {}
 
     def start(self, msg: InitWeightsGroupReq) -> Optional[Answer]:
         """None: the rendezvous runs; else the refusal (a bad argument, a taken name)."""
-        from weight_sync.nccl import check_group_args
+        from weight_sync.weight_group import check_group_args
 
         name = msg.group_name
         if name in self.formed or name in self._forming:
@@ -83,7 +83,7 @@ class WeightGroups:
 
 
 def _form(msg: InitWeightsGroupReq, future: Future) -> None:
-    from weight_sync.nccl import WeightGroup
+    from weight_sync.weight_group import WeightGroup
 
     try:
         group = WeightGroup(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size, msg.group_name,

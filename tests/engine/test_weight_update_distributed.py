@@ -1,17 +1,23 @@
-"""update_weights_from_distributed over gloo: a trainer process broadcasts, the CPU engine loads.
+"""update_weights_from_distributed over gloo: a trainer process broadcasts, CPU engines load.
 
-The trainer is a real second process (rank 0, it hosts the rendezvous store), as in RL: it joins
-the group, broadcasts the other checkpoint's tensors, then an extra tensor under an unknown name.
-Oracle: an engine started on that checkpoint.
+The trainer is a real second process (rank 0, it hosts the rendezvous store), as in RL: tandem's
+own WeightGroup, or slime's group-formation sequence (tests/weight_sync/slime_trainer.py), per
+tensor or per flattened bucket, to one engine or two replicas of one group; a trainer that dies or
+never sends fails the update within the group's timeout and the engine goes on serving.
+Oracle: an engine started on the broadcast checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,7 +87,7 @@ def test_broadcast_update_equals_an_engine_on_the_new_weights(engine_factory, ot
     assert not ok and "init_weights_update_group first" in message
     assert eng.destroy_weights_update_group("wg")[0] and not eng.destroy_weights_update_group("wg")[0]
     with pytest.raises(ValueError, match="load_format"):
-        eng.update_weights_from_distributed([], [], [], "wg", load_format="flattened_bucket")
+        eng.update_weights_from_distributed([], [], [], "wg", load_format="direct")
     eng.check_integrity()
 
 
@@ -91,3 +97,152 @@ def test_bad_group_arguments_are_named(engine_factory):
     assert not ok and "backend must be one of nccl, gloo" in message
     ok, message = eng.init_weights_update_group("127.0.0.1", _free_port(), 2, 2, "g", backend="gloo")
     assert not ok and "rank 2 is outside a group of world_size 2" in message
+
+
+SLIME_TRAINER = REPO / "tests" / "weight_sync" / "slime_trainer.py"
+
+
+def _slime_trainer(port: int, world_size: int, name: str, model_dir: str, send: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(SLIME_TRAINER), str(port), str(world_size), name, model_dir, send],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _join(engines: list, port: int, name: str, timeout_s: float = 60.0) -> list[list]:
+    """Every engine joins at once (rank 1, 2, ...): the trainer's store waits for all of them.
+    -> the trainer's bucket layout (names per bucket), read once the group formed."""
+    world_size = len(engines) + 1
+    with ThreadPoolExecutor(len(engines)) as pool:
+        answers = list(pool.map(lambda i: engines[i].init_weights_update_group(
+            "127.0.0.1", port, i + 1, world_size, name, backend="gloo", timeout_s=timeout_s), range(len(engines))))
+    assert all(ok for ok, _ in answers), answers
+    return answers
+
+
+def _layout(trainer: subprocess.Popen) -> list[list[str]]:
+    for line in trainer.stdout:
+        if line.startswith("joined "):
+            return json.loads(line.removeprefix("joined "))["buckets"]
+    raise AssertionError(f"the trainer ended before joining (rc {trainer.wait()})")
+
+
+def _checkpoint(model_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    from engine.models.loader import safetensors_files
+
+    return {k: v for path in safetensors_files(model_dir) for k, v in load_file(path).items()}
+
+
+def _greedy(eng, prompts) -> list[list[int]]:
+    return [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+def test_a_group_formed_as_slime_forms_it_carries_per_tensor_broadcasts(engine_factory, other_model_dir,
+                                                                        other_engine):
+    """slime's trainer: torch's tcp:// rendezvous store waiting for every worker, its group-name
+    prefix and process-group helper; one broadcast per tensor, the request shape slime sends."""
+    eng = engine_factory()
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=17)
+    port = _free_port()
+    trainer = _slime_trainer(port, 2, "slime-pp_0", other_model_dir, "tensors")
+    try:
+        _join([eng], port, "slime-pp_0")
+        names = [n for bucket in _layout(trainer) for n in bucket]
+        ckpt = _checkpoint(other_model_dir)
+        ok, message = eng.update_weights_from_distributed(
+            names=names, dtypes=[ckpt[n].dtype for n in names], shapes=[ckpt[n].shape for n in names],
+            group_name="slime-pp_0", weight_version="1")  # torch dtypes and sizes, as slime passes them over Ray
+        assert ok, message
+        assert trainer.wait(60) == 0
+    finally:
+        trainer.kill()
+    assert _greedy(eng, prompts) == _greedy(other_engine, prompts) and eng.get_weight_version() == "1"
+    assert eng.destroy_weights_update_group("slime-pp_0")[0]
+
+
+def test_one_trainer_broadcasts_flattened_buckets_to_two_replicas(engine_factory, other_model_dir, other_engine):
+    """Two engines of one group (rank_offset 1 and 2), one broadcast per bucket reaching both."""
+    engines = [engine_factory(), engine_factory()]
+    prompts = random_prompts(3, engines[0].local_core.parts.vocab_size, lengths=(5, 40), seed=18)
+    port = _free_port()
+    trainer = _slime_trainer(port, 3, "replicas", other_model_dir, "buckets")
+    ckpt = _checkpoint(other_model_dir)
+    try:
+        _join(engines, port, "replicas")
+        buckets = _layout(trainer)
+        assert len(buckets) > 3  # several buckets, each one broadcast
+        for i, names in enumerate(buckets):
+            last = i == len(buckets) - 1
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda e: e.update_weights_from_distributed(
+                    names, [str(ckpt[n].dtype) for n in names], [list(ckpt[n].shape) for n in names], "replicas",
+                    flush_cache=last, weight_version="r-1" if last else None, load_format="flattened_bucket"),
+                    engines))
+            assert all(ok for ok, _ in answers), answers
+        assert trainer.wait(60) == 0
+    finally:
+        trainer.kill()
+    expected = _greedy(other_engine, prompts)
+    for eng in engines:
+        assert _greedy(eng, prompts) == expected and eng.get_weight_version() == "r-1"
+        assert eng.destroy_weights_update_group("replicas")[0]
+
+
+def test_a_dead_or_silent_trainer_fails_the_update_in_time_and_the_group_forms_again(
+        engine_factory, other_model_dir, other_engine):
+    eng = engine_factory()
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=19)
+    before = _greedy(eng, prompts)
+    ckpt = _checkpoint(other_model_dir)
+    names = list(ckpt)
+    request = (names, [str(ckpt[n].dtype) for n in names], [list(ckpt[n].shape) for n in names], "wg")
+
+    port = _free_port()  # killed after its first tensor, while the engine waits for the second
+    trainer = _slime_trainer(port, 2, "wg", other_model_dir, "one-then-hang")
+    try:
+        _join([eng], port, "wg", timeout_s=20)
+        _layout(trainer)
+        reply: list = []
+        receiver = threading.Thread(target=lambda: reply.append(eng.update_weights_from_distributed(*request)))
+        start = time.monotonic()
+        receiver.start()
+        assert trainer.stdout.readline().strip() == "sent one"
+        trainer.kill()
+        receiver.join(30)
+        assert time.monotonic() - start < 20 and reply, "the update outlived the group's timeout"
+    finally:
+        trainer.kill()
+    ok, message = reply[0]
+    assert not ok and "broadcast in group 'wg' failed" in message and "destroy_weights_update_group" in message
+    assert _greedy(eng, prompts) == before  # nothing loaded, still serving
+    ok, message = eng.update_weights_from_distributed(*request)  # the broken group fails at once
+    assert not ok and "failed earlier" in message
+    assert eng.destroy_weights_update_group("wg")[0]
+
+    port = _free_port()  # alive, joined, never sends: the group's timeout (3 s) ends the wait
+    trainer = _slime_trainer(port, 2, "wg", other_model_dir, "silent")
+    try:
+        _join([eng], port, "wg", timeout_s=3)
+        _layout(trainer)
+        start = time.monotonic()
+        ok, message = eng.update_weights_from_distributed(*request)
+        waited = time.monotonic() - start
+    finally:
+        trainer.kill()
+    assert not ok and "failed within 3 s" in message and 2.5 < waited < 15, (waited, message)
+    assert _greedy(eng, prompts) == before
+    assert eng.destroy_weights_update_group("wg")[0]
+
+    port = _free_port()  # the same name again, a live trainer: the update goes through
+    trainer = _slime_trainer(port, 2, "wg", other_model_dir, "tensors")
+    try:
+        _join([eng], port, "wg")
+        _layout(trainer)
+        ok, message = eng.update_weights_from_distributed(*request, weight_version="after-reinit")
+        assert ok, message
+        assert trainer.wait(60) == 0
+    finally:
+        trainer.kill()
+    assert _greedy(eng, prompts) == _greedy(other_engine, prompts)
+    assert eng.destroy_weights_update_group("wg")[0]
