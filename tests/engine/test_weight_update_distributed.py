@@ -246,3 +246,26 @@ def test_a_dead_or_silent_trainer_fails_the_update_in_time_and_the_group_forms_a
         trainer.kill()
     assert _greedy(eng, prompts) == _greedy(other_engine, prompts)
     assert eng.destroy_weights_update_group("wg")[0]
+
+
+def test_push_to_two_replicas_through_one_group(engine_factory, other_model_dir, other_engine):
+    """tandem's own trainer side: this process is rank 0 (WeightGroup), push_to_engines sends each
+    bucket by one flattened broadcast that both engines of the group receive."""
+    from trainer_bridge.sync import push_to_engines
+    from weight_sync.weight_group import WeightGroup
+
+    engines = [engine_factory(), engine_factory()]
+    prompts = random_prompts(2, engines[0].local_core.parts.vocab_size, lengths=(5, 40), seed=20)
+    port = _free_port()
+    joining = threading.Thread(target=_join, args=(engines, port, "push2"))
+    joining.start()
+    group = WeightGroup("127.0.0.1", port, 0, 3, "push2", backend="gloo", timeout_s=60)
+    joining.join()
+    ckpt = _checkpoint(other_model_dir)
+    push_to_engines(engines, [list(ckpt.items())], "p-1", transport="distributed", bucket_bytes=64 << 10,
+                    group=group, group_name="push2")
+    expected = _greedy(other_engine, prompts)
+    for eng in engines:
+        assert _greedy(eng, prompts) == expected and eng.get_weight_version() == "p-1"
+        assert not eng.local_core.paused and eng.destroy_weights_update_group("push2")[0]
+    group.destroy()
