@@ -26,6 +26,7 @@ class ServerArgs:
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     load_format: str = "auto"
     random_seed: int = 0
+    tp_size: int = 1  # tensor parallelism: ranks 1..N-1 in their own processes (engine/distributed/)
     context_length: Optional[int] = None
     # memory
     mem_fraction_static: Optional[float] = None
@@ -77,6 +78,8 @@ class ServerArgs:
             if self.enable_deterministic_inference and not get_backend_spec(self.attention_backend).supports_deterministic:
                 raise ValueError(f"attention_backend {self.attention_backend!r} has no deterministic mode: "
                                  f"deterministic inference needs the {' or '.join(deterministic_backends())} backend")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking; got 0")
         for name in ("max_total_tokens", "max_running_requests", "context_length"):

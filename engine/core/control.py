@@ -134,7 +134,10 @@ class GenerationControl:
             if discard is not None:
                 discard(ctx)
             raise ValueError(refusal)
-        msg.source.load_into(core.runner.model, ctx)
+        if core.runner.tp is not None:  # every tensor-parallel rank loads its shards of the same tensors
+            core.runner.tp.load_weights(msg.source, core.runner.model, ctx)
+        else:
+            msg.source.load_into(core.runner.model, ctx)
         message = "Success."
         if msg.weight_version is not None:  # the version names the weights now loaded
             core.weight_version = str(msg.weight_version)

@@ -87,6 +87,10 @@ class EngineCore:
             return weights_checksum(self.runner.model.named_parameters())
         raise TypeError(f"unknown message type {type(msg).__name__}")
 
+    def shutdown(self) -> None:
+        """At the end of the core loop: the other tensor-parallel ranks' processes stop too."""
+        self.runner.shutdown()
+
     def info(self) -> CoreInfo:
         p, args = self.parts, self.server_args
         return CoreInfo(

@@ -15,6 +15,9 @@ from transformers import AutoConfig
 
 from engine.attention.registry import BackendSpec, default_backend, get_backend_spec
 from engine.config import ServerArgs
+from engine.distributed.parallel_state import check_tp_size, kv_heads_per_rank
+from engine.distributed.tp_driver import TPDriver
+from engine.distributed.tp_messages import KVPlan
 from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.chunk_cache import ChunkCache
 from engine.kv.pool import KVPool, ReqToTokenPool
@@ -52,19 +55,44 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     backend = get_backend_spec(args.attention_backend or default_backend(device.type))
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     backend.check_model(str(dtype).removeprefix("torch."), head_dim, device.type)  # fail before the model loads
+    tp = _start_tensor_parallel(args, device, hf_config)
+    try:
+        return _build(args, hf_config, device, dtype, backend, head_dim, tp)
+    except BaseException:  # the other ranks must not outlive a failed start
+        if tp is not None:
+            tp.stop()
+        raise
+
+
+def _start_tensor_parallel(args: ServerArgs, device: torch.device, hf_config: Any) -> Optional[TPDriver]:
+    """tp_size > 1: the other ranks' processes, joined in one group (engine/distributed/)."""
+    if args.tp_size == 1:
+        return None
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    check_tp_size(args.tp_size, hf_config.num_attention_heads, num_kv_heads)
+    return TPDriver(args, device)
+
+
+def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.dtype, backend: BackendSpec,
+           head_dim: int, tp: Optional[TPDriver]) -> CoreParts:
     deterministic = args.enable_deterministic_inference
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if tp is not None:  # this rank's kv heads only
+        num_kv_heads = kv_heads_per_rank(num_kv_heads, args.tp_size)
     saver = MemorySaver(args.enable_memory_saver, device, weights_cpu_backup=args.enable_weights_cpu_backup)
     with saver.region("weights"):  # release_memory_occupation frees these regions (runner/memory_saver.py)
-        model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic)
+        model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic,
+                           tp=tp.group if tp is not None else None)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
     memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len)
     with saver.region("kv_cache"):
         kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
     # +1 row: the chunked request holds a row while it is neither running nor waiting
     req_pool = ReqToTokenPool(memory.max_running_requests + 1, context_len + 1, "cpu")
+    if tp is not None:  # the other ranks size their pools as rank 0's: slot ids are rank 0's
+        tp.send_plan(KVPlan(memory.max_total_num_tokens, req_pool.size, context_len))
     allocator = TokenSlotAllocator(memory.max_total_num_tokens)
     cache = ChunkCache(allocator, req_pool) if args.disable_radix_cache else RadixCache(allocator, req_pool)
     scheduler = Scheduler(_scheduler_config(args, memory), cache, allocator, req_pool)
@@ -72,13 +100,13 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
     vocab_size = int(hf_config.vocab_size)
     runner_cfg = RunnerConfig(device, dtype, backend.name, eos, vocab_size,
-                              cuda_graph_max_bs=_cuda_graph_max_bs(args, device, backend, memory),
+                              cuda_graph_max_bs=0 if tp is not None else _cuda_graph_max_bs(args, device, backend, memory),
                               deterministic=deterministic)
-    runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver)
+    runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver, tp=tp)
     logger.info(
-        "tandem ready: model=%s device=%s dtype=%s max_total_num_tokens=%d chunked_prefill_size=%s "
+        "tandem ready: model=%s device=%s dtype=%s tp_size=%d max_total_num_tokens=%d chunked_prefill_size=%s "
         "max_running_requests=%d context_len=%d available_mem=%.2f GB",
-        args.model_path, device, str(dtype).replace("torch.", ""), memory.max_total_num_tokens,
+        args.model_path, device, str(dtype).replace("torch.", ""), args.tp_size, memory.max_total_num_tokens,
         memory.chunked_prefill_size, memory.max_running_requests, context_len, memory.available_gb,
     )
     return CoreParts(scheduler, runner, tokenizer, eos, context_len, vocab_size, memory,

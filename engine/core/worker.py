@@ -35,6 +35,7 @@ class CoreWorker:
             item = next_message(block)
             while item is not None:
                 if item[0] == STOP:
+                    self.core.shutdown()
                     return
                 self.handle(*item)
                 item = next_message(False)

@@ -93,10 +93,10 @@ class TPGroup:
             length = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
-        self.cpu.broadcast([length], 0).wait()
+        self.cpu.broadcast(length, 0).wait()
         if not self.is_leader:
             data = torch.empty(int(length.item()), dtype=torch.uint8)
-        self.cpu.broadcast([data], 0).wait()
+        self.cpu.broadcast(data, 0).wait()
         return obj if self.is_leader else pickle.loads(data.numpy().tobytes())
 
     def gather_objects(self, obj: Any) -> list[Any]:

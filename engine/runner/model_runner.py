@@ -10,7 +10,7 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -28,6 +28,9 @@ from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import ScheduleBatch
 
+if TYPE_CHECKING:
+    from engine.distributed.tp_driver import TPDriver
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,8 +47,9 @@ class RunnerConfig:
 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, model: torch.nn.Module, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
-                 memory_saver: Optional[MemorySaver] = None):
+                 memory_saver: Optional[MemorySaver] = None, tp: Optional["TPDriver"] = None):
         self.config = config
+        self.tp = tp  # rank 0's TPDriver when tp_size > 1: every pass is sent to the other ranks first
         self.device = config.device
         self.model = model
         self.kv_pool = kv_pool
@@ -72,6 +76,8 @@ class ModelRunner:
         takes its input ids from `inflight`, the still unresolved previous decode step."""
         fb = self._forward_batch(batch, inflight)
         plan = LogitsPlan.build(batch)
+        if self.tp is not None:  # the other ranks run the same pass: their collectives pair with ours
+            self.tp.send_forward(fb, plan.rows)
         if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
             logits = self.cuda_graph.replay(fb)  # decode: plan.rows is every row, in order
         else:
@@ -79,6 +85,11 @@ class ModelRunner:
             hidden = self.model(fb.input_ids, fb.positions, fb)
             logits = self.model.compute_logits(hidden[h2d(plan.rows, self.device)])
         return self._sample(batch, plan, logits)
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        if self.tp is not None:
+            self.tp.stop()
 
     # ---- inputs --------------------------------------------------------------------------------
     def _forward_batch(self, batch: ScheduleBatch, inflight: Optional[PendingResult]) -> ForwardBatch:

@@ -178,3 +178,40 @@ def test_tp2_model_logits_equal_tp1(rank_results, name):
         assert got.shape == expected.shape == (len(PROMPT) + len(DECODE), config.vocab_size)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def _greedy(eng, prompts, max_new_tokens=12):
+    outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                                                            "ignore_eos": True})
+    return [o["output_ids"] for o in outs], [o["meta_info"]["cached_tokens"] for o in outs]
+
+
+def _prompts() -> list[list[int]]:
+    """A shared 40-token system prefix (radix hits) plus distinct tails; chunks of 16 cut them."""
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 1000, (40,), generator=gen).tolist()
+    return [prefix + torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (3, 11, 25)] + [prefix[:9]]
+
+
+def test_engine_tp2_greedy_tokens_equal_tp1(engine_factory, tiny_model_dir):
+    """Radix cache and chunked prefill on (16-token chunks); a second round reuses the cached prefix."""
+    import multiprocessing
+
+    from engine import Engine
+
+    common = dict(dtype="float32", device="cpu", chunked_prefill_size=16)
+    expected, _ = _greedy(engine_factory(**common), _prompts())
+    before = set(multiprocessing.active_children())
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, **common)
+    try:
+        workers = eng.client.core.runner.tp.processes
+        assert len(workers) == 1 and workers[0].is_alive()
+        first, _ = _greedy(eng, _prompts())
+        second, cached = _greedy(eng, _prompts())
+    finally:
+        eng.shutdown()
+    assert first == expected
+    assert second == expected
+    assert min(cached[:3]) >= 40, f"the shared prefix was not reused: cached_tokens {cached}"
+    assert not any(p.is_alive() for p in workers)
+    assert set(multiprocessing.active_children()) <= before

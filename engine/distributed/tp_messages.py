@@ -1,0 +1,67 @@
+"""What rank 0 sends the other tensor-parallel ranks, one broadcast each (TPGroup.broadcast_object).
+
+Everything a worker needs to run the same forward pass as rank 0, in host form: the ForwardBatch's
+tensors and host lists, the rows that need logits, and the req_to_token entries the step reads
+(the scheduler's table lives on rank 0 only). A worker never decides anything: it runs what it is
+sent, in the order sent, so the ranks' collectives always pair up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from engine.scheduler.forward_mode import ForwardMode
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Sent once at start-up: the worker's pools take rank 0's sizes (KV slots are rank 0's ids)."""
+    max_total_num_tokens: int
+    req_rows: int
+    context_len: int
+
+
+@dataclass
+class ForwardStep:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    logit_rows: torch.Tensor  # rows of the hidden states projected to logits (the LM head is collective)
+    # [3, n] (row, column, slot) entries of req_to_token to write before the step; None for a
+    # decode step, whose one new entry per request is (req_pool_indices, positions, out_cache_loc)
+    table_entries: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, fb: Any, logit_rows: torch.Tensor) -> "ForwardStep":
+        """From rank 0's ForwardBatch, after its req_to_token is up to date."""
+        cpu = lambda t: t.detach().to("cpu")  # noqa: E731
+        entries = None
+        if not fb.forward_mode.is_decode:  # whole rows: the prefix came from rank 0's cache
+            lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+            rows = torch.repeat_interleave(cpu(fb.req_pool_indices), lens)
+            cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in fb.seq_lens_cpu])
+            entries = torch.stack([rows, cols, cpu(fb.req_to_token[rows.to(fb.req_to_token.device),
+                                                                   cols.to(fb.req_to_token.device)])])
+        return cls(fb.forward_mode, cpu(fb.input_ids), cpu(fb.positions), cpu(fb.out_cache_loc),
+                   cpu(fb.req_pool_indices), cpu(fb.seq_lens), list(fb.seq_lens_cpu),
+                   list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu), cpu(logit_rows), entries)
+
+
+@dataclass(frozen=True)
+class LoadWeights:
+    """A weight update's source: every rank loads its own shards from the same full tensors."""
+    source: Any
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
