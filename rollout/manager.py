@@ -1,9 +1,10 @@
 """RolloutManager: the samples of a batch of prompts, generated over several engines.
 
 Each prompt's n samples go to one engine as one request with `n` (distinct derived seeds; the
-samples share the prompt's KV through the radix cache). Prompts go to engines by a hash of their
-first `route_prefix` tokens, so prompts sharing a prefix (a system prompt, a few-shot header) meet
-on one engine and compute it once. Over-sampling: with `keep_groups`, the first keep_groups
+samples share the prompt's KV through the radix cache), so a GRPO group never splits. Which engine:
+rollout/router.py, prefix locality with bounded loads (prompts sharing their first `route_prefix`
+tokens meet on one engine while its load stays within (1 + balance_slack) x the mean; beyond that,
+and for unseen prefixes, the least-loaded engine). Over-sampling: with `keep_groups`, the first keep_groups
 prompts whose samples all finish are kept and the rest aborted, so a long tail does not hold up
 the step (dynamic sampling as slime and DAPO do it). Engines are rollout.client EngineClients
 (in-process, HTTP or Ray engine actors, mixed as you like); an Engine is wrapped in an
@@ -13,31 +14,29 @@ InProcessClient.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
 from rollout.client import EngineClient, as_client
+from rollout.router import PrefixRouter
 from rollout.types import Sample
 
 
 class RolloutManager:
     def __init__(self, engines: Sequence[Any], reward_fn: Optional[Callable[[Sample], float]] = None,
-                 route_prefix: int = 64) -> None:
+                 route_prefix: int = 64, balance_slack: float = 0.25) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.reward_fn = reward_fn
-        self.route_prefix = route_prefix
+        self.router = PrefixRouter(len(self.engines), route_prefix, balance_slack)
         self._batch_ids = itertools.count()
         self._tag = uuid.uuid4().hex[:8]
 
     def route(self, prompt_ids: Sequence[int]) -> int:
-        """The engine index for a prompt: a stable hash of its first route_prefix tokens."""
-        head = ",".join(map(str, prompt_ids[: self.route_prefix])).encode()
-        digest = hashlib.blake2b(head, digest_size=8).digest()  # (crc32's low bits are linear in the input)
-        return int.from_bytes(digest, "little") % len(self.engines)
+        """The engine index a prompt's prefix hashes to: where it goes while loads are even."""
+        return self.router.preferred(prompt_ids)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Any, n: int = 1,
                  labels: Optional[Sequence[Any]] = None, keep_groups: Optional[int] = None) -> list[list[Sample]]:
@@ -60,10 +59,13 @@ class RolloutManager:
         batch = f"rollout-{self._tag}-{next(self._batch_ids)}"
         tasks = {}
         for g, (prompt, params) in enumerate(zip(prompts, per_prompt)):
-            engine = self.engines[self.route(prompt)]
+            index = self.router.pick(prompt, n)
+            engine = self.engines[index]
             stream = engine.async_generate(input_ids=list(prompt), sampling_params={**params, "n": n},
                                            return_logprob=True, rid=f"{batch}-{g}")
-            tasks[asyncio.ensure_future(_as_list(stream))] = (g, engine)
+            task = asyncio.ensure_future(_as_list(stream))
+            task.add_done_callback(lambda _, i=index: self.router.release(i, n))
+            tasks[task] = (g, engine)
         kept = await self._collect(tasks, keep_groups, n, batch)
         groups = []
         for g in sorted(kept):

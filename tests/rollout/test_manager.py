@@ -1,10 +1,15 @@
-"""RolloutManager over two CPU engines on the tiny model."""
+"""RolloutManager over two CPU engines on the tiny model, and its routing over counting fake replicas."""
 
 from __future__ import annotations
 
+import asyncio
+import math
+
 import pytest
 
+from rollout.client import EngineClient
 from rollout.manager import RolloutManager
+from rollout.router import PrefixRouter
 from rollout.rewards import exact_match, load_reward
 from rollout.types import Sample
 
@@ -44,13 +49,85 @@ def test_groups_of_n_samples_with_logprobs_versions_and_rewards(engines):
         eng.check_integrity()
 
 
-def test_prompts_sharing_a_prefix_meet_on_one_engine(engines):
-    manager = RolloutManager(engines, route_prefix=8)
+class _CountingEngine(EngineClient):
+    """Stands in for an engine replica: counts the requests and samples it gets, answers at once."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.requests = name, []
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+        n = sampling_params["n"]
+        self.requests.append((tuple(input_ids), n))
+        await asyncio.sleep(0)  # the others are dispatched meanwhile, as with a real engine
+        return [{"text": self.name, "output_ids": [7], "meta_info": {
+            "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 7, None]],
+            "weight_versions": [{"version": "v", "start": 0, "end": 1}]}} for _ in range(n)]
+
+    def abort_request(self, rid=None, abort_all=False):
+        pass
+
+
+def _fleet(k: int) -> list:
+    return [_CountingEngine(f"e{i}") for i in range(k)]
+
+
+def _check_groups_whole(groups: list, fleet: list, n: int) -> None:
+    """Each group: one request carrying all n samples, every sample from that engine."""
+    assert all(len({s.text for s in g}) == 1 and len(g) == n for g in groups)
+    assert all(count == n for e in fleet for _, count in e.requests)
+
+
+def test_one_shared_system_prompt_still_spreads_over_the_replicas():
+    """Pure prefix hashing would send all 16 groups to one engine; bounded loads split them: the
+    prefix's home takes groups up to 1.25x the mean load (10 of 16), the other replica the rest;
+    with no slack, an even split."""
+    system = list(range(10, 18))
+    prompts = [system + [100 + i, 101 + i] for i in range(16)]
+    for slack, split in ((0.25, [6, 10]), (0.0, [8, 8])):
+        fleet = _fleet(2)
+        manager = RolloutManager(fleet, route_prefix=8, balance_slack=slack)
+        groups = manager.generate(prompts, SAMPLED, n=4)
+        _check_groups_whole(groups, fleet, 4)
+        assert sorted(len(e.requests) for e in fleet) == split
+        assert len(fleet[manager.route(system)].requests) == split[1]  # the hash's engine is the home
+        assert manager.router.load == [0, 0]  # every group released as it finished
+
+
+def test_unseen_prefixes_go_to_the_least_loaded_engine_when_hashing_is_skewed():
+    fleet = _fleet(3)
+    manager = RolloutManager(fleet, route_prefix=4)
+    candidates = ([g, g + 1, g + 2, g + 3, 9] for g in range(0, 10000, 4))
+    skewed = [p for p in candidates if manager.route(p) == 0][:12]  # all hash to engine 0
+    groups = manager.generate(skewed, SAMPLED, n=2)
+    _check_groups_whole(groups, fleet, 2)
+    assert [len(e.requests) for e in fleet] == [4, 4, 4]
+
+
+def test_prompts_sharing_a_prefix_meet_on_one_engine_while_its_load_allows():
+    fleet = _fleet(2)
+    manager = RolloutManager(fleet, route_prefix=8)
     shared = list(range(10, 18))
-    assert len({manager.route(shared + [100 + i]) for i in range(20)}) == 1
-    assert len({manager.route([200 + i] + shared) for i in range(20)}) == 2  # both engines get work
+    for i in range(6):  # one group at a time: loads stay even, the prefix stays home
+        manager.generate([shared + [100 + i]], SAMPLED, n=3)
+    home = manager.route(shared)
+    assert [len(e.requests) for e in fleet] == [6 if i == home else 0 for i in range(2)]
+    assert len({manager.route([200 + i] + shared) for i in range(20)}) == 2  # other prefixes hash everywhere
     with pytest.raises(ValueError, match="at least one engine"):
         RolloutManager([])
+
+
+def test_router_bounds_every_engines_load():
+    router = PrefixRouter(4, route_prefix=2, slack=0.25)
+    keys = [[i % 3, 0] for i in range(40)] + [[i, 1] for i in range(40)]  # three hot prefixes, then cold ones
+    for prompt in keys:  # an engine is only filled past (1 + slack) x the mean when it was the least loaded
+        before = list(router.load)
+        chosen = router.pick(prompt, 4)
+        bound = max(math.ceil(1.25 * sum(router.load) / 4), min(before) + 4)
+        assert router.load[chosen] <= bound and router.load[chosen] == before[chosen] + 4, (before, chosen)
+    assert sum(router.load) == 320 and max(router.load) <= math.ceil(1.25 * 80) + 4
+    first = router.pick([0, 0], 4)  # a hot prefix stays on an engine that already holds it
+    assert first in router._homes[router.key([0, 0])]
 
 
 def test_over_sampling_keeps_the_first_groups_and_aborts_the_rest(engines):
