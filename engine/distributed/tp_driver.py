@@ -50,17 +50,18 @@ class TPDriver:
 
     def load_weights(self, source: Any, model: Any, ctx: Any) -> None:
         """Every rank loads its shards of the same update; any rank's failure is raised here.
-        A source that every rank would receive separately (a broadcast group) is refused first."""
-        if getattr(source, "kind", None) == "distributed":
-            raise ValueError("update_weights_from_distributed is not supported with tp_size > 1 yet: the "
-                             "engine's other ranks do not join the weight-update group; use "
-                             "update_weights_from_tensor or update_weights_from_disk")
-        self.group.broadcast_object(LoadWeights(source))
-        error = None
-        try:
-            source.load_into(model, ctx)
-        except Exception as exc:  # still collect the workers' answers, to stay in step
-            error = exc
+        A checkpoint on disk is read by every rank; any other source (tensors, a serialized
+        payload, a broadcast from the trainer's group, which only rank 0 joins) is received and
+        loaded by rank 0 first, then its full tensors go to the other ranks. A refusal on rank 0
+        (checked before any write) sends nothing."""
+        if getattr(source, "kind", None) == "disk":
+            self.group.broadcast_object(LoadWeights(source=source))
+            error = _failure_of(lambda: source.load_into(model, ctx))
+        else:
+            recorder = _Recorder(model)
+            source.load_into(recorder, ctx)
+            self.group.broadcast_object(LoadWeights(named_tensors=recorder.named))
+            error = None
         failures = [f for f in self.group.gather_objects(None)[1:] if f is not None]
         if error is not None:
             raise error
@@ -87,3 +88,30 @@ class TPDriver:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+class _Recorder:
+    """The model as a source sees it on rank 0: loads rank 0's shards and keeps the full tensors
+    (host copies of just their own bytes: a view would pickle its whole bucket) for the others."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.named: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, weights: Any) -> Any:
+        weights = list(weights)
+        loaded = self.model.load_weights(weights)
+        self.named += [(name, t.detach().to("cpu").clone()) for name, t in weights]
+        return loaded
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _failure_of(load: Any) -> Any:
+    """None, or the exception `load` raised (the other ranks' answers are collected either way)."""
+    try:
+        load()
+    except Exception as exc:
+        return exc
+    return None

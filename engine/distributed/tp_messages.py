@@ -58,8 +58,10 @@ class ForwardStep:
 
 @dataclass(frozen=True)
 class LoadWeights:
-    """A weight update's source: every rank loads its own shards from the same full tensors."""
-    source: Any
+    """A weight update: every rank loads its own shards of the same full tensors, read from a
+    source (a checkpoint every rank can read) or sent along (what rank 0 received)."""
+    source: Any = None
+    named_tensors: Optional[list] = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import ServerArgs, configure_logging
 from engine.distributed.parallel_state import TPAddress, TPGroup, kv_heads_per_rank
-from engine.distributed.tp_messages import ForwardStep, KVPlan, LoadWeights, Stop
+from engine.distributed.tp_messages import ForwardStep, LoadWeights, Stop
 
 logger = logging.getLogger("tandem")
 
@@ -55,7 +55,7 @@ class TPWorker:
             if isinstance(msg, ForwardStep):
                 self.forward(msg)
             elif isinstance(msg, LoadWeights):
-                self.tp.gather_objects(self.load_weights(msg.source))
+                self.tp.gather_objects(self.load_weights(msg))
             elif isinstance(msg, Stop):
                 return
             else:
@@ -81,12 +81,15 @@ class TPWorker:
         hidden = self.model(fb.input_ids, fb.positions, fb)
         self.model.compute_logits(hidden[dev(step.logit_rows)])  # the LM head's all-gather; rank 0 samples
 
-    def load_weights(self, source: Any) -> Any:
+    def load_weights(self, msg: LoadWeights) -> Any:
         """None, or the failure (type and message) for rank 0 to report."""
         from weight_sync.base import LoadContext
 
         try:
-            source.load_into(self.model, LoadContext(self.device))
+            if msg.named_tensors is not None:
+                self.model.load_weights(msg.named_tensors)
+            else:
+                msg.source.load_into(self.model, LoadContext(self.device))
             return None
         except Exception as exc:  # reported by rank 0, which answers the update
             logger.exception("TP rank %d: weight update failed", self.tp.rank)

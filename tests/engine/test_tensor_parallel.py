@@ -215,3 +215,36 @@ def test_engine_tp2_greedy_tokens_equal_tp1(engine_factory, tiny_model_dir):
     assert min(cached[:3]) >= 40, f"the shared prefix was not reused: cached_tokens {cached}"
     assert not any(p.is_alive() for p in workers)
     assert set(multiprocessing.active_children()) <= before
+
+
+def test_engine_tp2_weight_updates_equal_an_engine_on_the_new_checkpoint(engine, other_engine, tiny_model_dir,
+                                                                         other_model_dir):
+    """From disk (every rank reads its shards) and from tensors (a flattened bucket: rank 0 loads,
+    then sends the full tensors on); a refused update changes no rank."""
+    from safetensors.torch import load_file
+
+    from engine import Engine
+    from weight_sync.bucket import FlattenedBucket
+
+    prompts = _prompts()
+    old_tokens, new_tokens = _greedy(engine, prompts)[0], _greedy(other_engine, prompts)[0]
+    assert old_tokens != new_tokens
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu")
+    try:
+        assert _greedy(eng, prompts)[0] == old_tokens
+        ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="disk")
+        assert ok, message
+        assert _greedy(eng, prompts)[0] == new_tokens
+        original = list(load_file(os.path.join(tiny_model_dir, "model.safetensors")).items())
+        payload = FlattenedBucket.pack(original).to_payload()
+        ok, message = eng.update_weights_from_tensor(payload, load_format="flattened_bucket", weight_version="back")
+        assert ok, message
+        assert _greedy(eng, prompts)[0] == old_tokens
+        bad = [("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 64)),  # rank 1's half would load...
+               ("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 63))]  # ...but this shape is wrong
+        ok, message = eng.update_weights_from_tensor(bad)
+        assert not ok and "down_proj" in message
+        assert _greedy(eng, prompts)[0] == old_tokens
+        assert eng.get_weight_version() == "back"
+    finally:
+        eng.shutdown()
