@@ -9,7 +9,11 @@ whether the engine then holds the trainer's weights.
 
 Transports: inprocess (the trainer's buckets are in this process), cuda-ipc (a trainer in another
 process: a Ray actor if Ray is installed, else a spawned process; on the CPU the same path carries
-shared memory), disk (safetensors written by the trainer, read by update_weights_from_disk).
+shared memory), disk (safetensors written by the trainer, read by update_weights_from_disk), nccl
+(a spawned trainer process, rank 0 of a weight group, broadcasts one flattened bucket at a time;
+on GPUs it takes the second GPU, NCCL; on the CPU, gloo: engine/cli/group_trainer.py). For nccl,
+transfer runs until the last bucket reached the engine and load is what follows (the engine loads
+each bucket while the next one is on the wire, so earlier loads hide inside the transfer).
 Real-shape presets load random weights (--load-format dummy): only the timing matters here.
 """
 
@@ -25,7 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 
 PHASES = ("pause", "transfer", "load", "flush", "resume")
-TRANSPORTS = ("inprocess", "cuda-ipc", "disk")
+TRANSPORTS = ("inprocess", "cuda-ipc", "disk", "nccl")
+GROUP_NAME = "bench-sync"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bucket-mb", type=float, default=1024, help="flattened bucket size (MiB)")
     g.add_argument("--trainer", choices=("auto", "ray", "process"), default="auto",
                    help="cuda-ipc: where the trainer runs (auto: a Ray actor if Ray is installed)")
+    g.add_argument("--trainer-device", default=None,
+                   help="nccl: the trainer's device (default: cuda:1 beside an engine on a GPU, else cpu)")
     g.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     add_server_args(p, require_model_path=False)
 
@@ -50,7 +57,7 @@ def run_bench_sync(args: argparse.Namespace) -> int:
     if args.num_updates < 1:
         raise SystemExit("tandem bench-sync: --num-updates must be >= 1")
     kwargs, label = engine_kwargs_from_args(args, "bench-sync")
-    if _on_gpu(kwargs) and kwargs.get("mem_fraction_static") is None:
+    if _on_gpu(kwargs) and kwargs.get("mem_fraction_static") is None and args.transport != "nccl":
         kwargs["mem_fraction_static"] = 0.5  # leave room for the colocated trainer's weights
     engine = Engine(**kwargs)
     trainer = None
@@ -97,6 +104,8 @@ def _start_trainer(args: argparse.Namespace, engine: Any) -> Any:
 
     kwargs = dict(model_path=engine.info.model_path, dtype=engine.info.dtype, device=engine.info.device,
                   bucket_bytes=int(args.bucket_mb * 2**20))
+    if args.transport == "nccl":
+        return _start_group_trainer(args, engine, kwargs)
     if args.transport != "cuda-ipc":
         return _LocalTrainer(**kwargs)
     use_ray = args.trainer == "ray" or (args.trainer == "auto" and _ray_installed())
@@ -109,6 +118,37 @@ def _start_trainer(args: argparse.Namespace, engine: Any) -> Any:
     return trainer
 
 
+def _start_group_trainer(args: argparse.Namespace, engine: Any, kwargs: dict) -> Any:
+    """The trainer process forms the group as rank 0 while this engine joins as rank 1."""
+    import socket
+
+    from engine.cli.group_trainer import GroupTrainerProcess
+
+    on_gpu = engine.info.device.startswith("cuda")
+    device = args.trainer_device or ("cuda:1" if on_gpu else "cpu")
+    if on_gpu and torch.device(device) == torch.device(engine.info.device):
+        raise SystemExit("tandem bench-sync --transport nccl: the trainer needs a GPU of its own (NCCL refuses "
+                         "two ranks on one GPU); pass --trainer-device cuda:N")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if on_gpu else "gloo"
+    group_args = dict(master_address="127.0.0.1", master_port=port, world_size=2, group_name=GROUP_NAME,
+                      backend=backend, timeout_s=120.0)
+    trainer = GroupTrainerProcess(group_args, **dict(kwargs, device=device))
+    try:
+        ok, message = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP_NAME, backend=backend,
+                                                       timeout_s=120.0)
+        if not ok:
+            raise RuntimeError(f"the engine did not join the weight group: {message}")
+        trainer.joined(120.0)
+        trainer.specs = trainer.call("bucket_specs")
+    except BaseException:
+        trainer.stop()
+        raise
+    return trainer
+
+
 def _ray_installed() -> bool:
     import importlib.util
 
@@ -117,7 +157,7 @@ def _ray_installed() -> bool:
 
 def measure(engine: Any, trainer: Any, transport: str, num_updates: int) -> dict[str, Any]:
     """Runs the updates; -> medians per phase, per-update totals, memory and the weight check."""
-    step = {"inprocess": _inprocess_step, "cuda-ipc": _ipc_step, "disk": _disk_step}[transport]
+    step = {"inprocess": _inprocess_step, "cuda-ipc": _ipc_step, "disk": _disk_step, "nccl": _nccl_step}[transport]
     memory = {"before": _gpu_memory(engine)}
     updates = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-sync-") as scratch:
@@ -180,6 +220,21 @@ def _disk_step(engine: Any, trainer: Any, scratch: str) -> tuple[float, float]:
     if not ok:
         raise RuntimeError(f"disk update refused: {message}")
     return mid - start, time.perf_counter() - mid
+
+
+def _nccl_step(engine: Any, trainer: Any, scratch: str) -> tuple[float, float]:
+    """The trainer broadcasts every bucket while this process asks the engine to receive each."""
+    start = time.monotonic()
+    trainer.start("broadcast")
+    for specs in trainer.specs:
+        names, dtypes, shapes = (list(x) for x in zip(*specs))
+        ok, message = engine.update_weights_from_distributed(names, dtypes, shapes, GROUP_NAME, flush_cache=False,
+                                                             load_format="flattened_bucket")
+        if not ok:
+            raise RuntimeError(f"bucket refused: {message}")
+    end = time.monotonic()
+    last_sent = trainer.result()
+    return last_sent - start, end - last_sent
 
 
 def _load_buckets(engine: Any, payloads: list) -> None:
