@@ -81,6 +81,9 @@ class EngineCore:
             return self.snapshot()
         if isinstance(msg, CheckIntegrityReq):
             return self.scheduler.check_integrity()
+        if isinstance(msg, (GetWeightsByNameReq, WeightsChecksumReq)) and self.runner.tp is not None:
+            raise ValueError("get_weights_by_name and the weights checksum read one rank's shards under "
+                             "tp_size > 1: not supported yet")
         if isinstance(msg, GetWeightsByNameReq):
             return weights_by_name(self.runner.model, msg.name, msg.truncate_size)
         if isinstance(msg, WeightsChecksumReq):

@@ -46,7 +46,13 @@ class TPDriver:
 
     def send_forward(self, fb: Any, logit_rows: torch.Tensor) -> None:
         """Before rank 0 runs the same pass: the workers enter its collectives with it."""
+        self._check_ranks_alive()  # a waitpid each: cheap, and clearer than gloo's "Connection closed by peer"
         self.group.broadcast_object(ForwardStep.of(fb, logit_rows))
+
+    def _check_ranks_alive(self) -> None:
+        gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.processes) if not p.is_alive()]
+        if gone:
+            raise RuntimeError(f"tensor-parallel {', '.join(gone)} exited; this engine cannot run until restarted")
 
     def load_weights(self, source: Any, model: Any, ctx: Any) -> None:
         """Every rank loads its shards of the same update; any rank's failure is raised here.
@@ -54,6 +60,10 @@ class TPDriver:
         payload, a broadcast from the trainer's group, which only rank 0 joins) is received and
         loaded by rank 0 first, then its full tensors go to the other ranks. A refusal on rank 0
         (checked before any write) sends nothing."""
+        try:
+            self._check_ranks_alive()
+        except RuntimeError as exc:  # nothing written yet: an update refused before any write
+            raise ValueError(str(exc)) from None
         if getattr(source, "kind", None) == "disk":
             self.group.broadcast_object(LoadWeights(source=source))
             error = _failure_of(lambda: source.load_into(model, ctx))

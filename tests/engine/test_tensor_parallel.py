@@ -248,3 +248,22 @@ def test_engine_tp2_weight_updates_equal_an_engine_on_the_new_checkpoint(engine,
         assert eng.get_weight_version() == "back"
     finally:
         eng.shutdown()
+
+
+def test_engine_tp2_a_dead_rank_fails_requests_at_once(tiny_model_dir):
+    from engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu")
+    try:
+        worker = eng.client.core.runner.tp.processes[0]
+        worker.kill()
+        worker.join()
+        out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})[0]
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "tensor-parallel rank 1 (exit code -9) exited" in reason["message"]
+        ok, message = eng.update_weights_from_disk(tiny_model_dir)
+        assert not ok and message.startswith("Weights not updated: tensor-parallel rank 1")
+        with pytest.raises(ValueError, match="tp_size > 1"):
+            eng.get_weights_by_name("model.norm.weight")
+    finally:
+        eng.shutdown()
