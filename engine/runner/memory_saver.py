@@ -20,6 +20,7 @@ pause/resume free nothing: the engine still stops and resumes generation around 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -44,22 +45,35 @@ class MemorySaver:
             logger.info("enable_memory_saver has no effect on %s: nothing is allocated on a GPU", device.type)
         if self.enabled:
             self._tms = _new_saver()
+            self.allow_frees()
+
+    def allow_frees(self) -> None:
+        """torch-memory-saver's torch-mode free ends the process ("only support interesting
+        region") unless the calling thread is inside a region, yet its pools are freed outside
+        regions too: a re-captured graph's empty_cache, an engine's tensors dying, the pools'
+        teardown at exit. In torch mode nothing else reads that per-thread flag (allocations go
+        to a pool only inside region()), so threads that may free keep it set."""
+        if self.enabled:
+            _set_free_allowed(self._tms)
 
     def region(self, tag: str) -> contextlib.AbstractContextManager:
         """Allocations inside belong to `tag` (a no-op context when the saver is off)."""
         if not self.enabled:
             return contextlib.nullcontext()
+        self.allow_frees()
         if tag not in REGION_TAGS:
             raise ValueError(f"no memory region for tag {tag!r}; regions are {', '.join(REGION_TAGS)}")
         backup = tag == "weights" and self.weights_cpu_backup
         return self._tms.region(tag=tag + self._suffix, enable_cpu_backup=backup)
 
     def pause(self, tag: str) -> None:
+        self.allow_frees()
         if self.enabled and tag in REGION_TAGS and tag not in self.paused:
             self._tms.pause(tag + self._suffix)
         self.paused.add(tag)
 
     def resume(self, tag: str) -> None:
+        self.allow_frees()
         if self.enabled and tag in REGION_TAGS and tag in self.paused:
             self._tms.resume(tag + self._suffix)
         self.paused.discard(tag)
@@ -77,4 +91,13 @@ def _new_saver() -> Any:
                            "pip install torch-memory-saver (or start without --enable-memory-saver)") from exc
     saver = TorchMemorySaver()  # our own instance: its hook mode is ours to choose before first use
     saver.hook_mode = "torch"
+    atexit.register(_set_free_allowed, saver)  # the pools are torn down on the main thread at exit
     return saver
+
+
+def _set_free_allowed(saver: Any) -> None:
+    try:
+        saver._ensure_initialized()  # noqa: SLF001 (no public setter for the flag)
+        saver._impl._binary_wrapper.cdll.tms_set_interesting_region(True)  # noqa: SLF001
+    except AttributeError:
+        logger.warning("torch-memory-saver changed its internals: frees outside a region may end the process")
