@@ -63,7 +63,8 @@ class EngineClient:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl") -> Reply:
+                                  backend: str = "nccl", timeout_s: float = 30.0) -> Reply:
+        """timeout_s bounds the rendezvous and every broadcast of the group afterwards."""
         raise NotImplementedError
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
@@ -139,9 +140,9 @@ class InProcessClient(EngineClient):
         return self.engine.update_weights_from_disk(model_path, load_format, weight_version, flush_cache)
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
-                                  group_name="weight_update_group", backend="nccl"):
+                                  group_name="weight_update_group", backend="nccl", timeout_s=30.0):
         return self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
-                                                     group_name, backend)
+                                                     group_name, backend, timeout_s)
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                         flush_cache=True, weight_version=None, load_format=None):

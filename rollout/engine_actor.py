@@ -79,9 +79,9 @@ class EngineActor:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl"):
+                                        backend: str = "nccl", timeout_s: float = 30.0):
         return await self._reply(self.engine.init_weights_update_group, master_address, master_port,
-                                 rank_offset, world_size, group_name, backend)
+                                 rank_offset, world_size, group_name, backend, timeout_s)
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                               flush_cache=True, weight_version=None, load_format=None):

@@ -101,10 +101,10 @@ class HttpClient(EngineClient):
                                                          "flush_cache": flush_cache})
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
-                                  group_name="weight_update_group", backend="nccl"):
+                                  group_name="weight_update_group", backend="nccl", timeout_s=30.0):
         return self._reply("/init_weights_update_group", {
             "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group_name, "backend": backend})
+            "world_size": int(world_size), "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                         flush_cache=True, weight_version=None, load_format=None):

@@ -83,9 +83,9 @@ class RayClient(EngineClient):
                                                                     flush_cache))
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
-                                  group_name="weight_update_group", backend="nccl"):
+                                  group_name="weight_update_group", backend="nccl", timeout_s=30.0):
         return self._get(self.actor.init_weights_update_group.remote(master_address, master_port, rank_offset,
-                                                                     world_size, group_name, backend))
+                                                                     world_size, group_name, backend, timeout_s))
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                         flush_cache=True, weight_version=None, load_format=None):
