@@ -191,6 +191,12 @@ class EngineCore:
         ahead = self.scheduler.schedule_lookahead(inflight.batch) if inflight is not None else None
         if ahead is not None:
             self.stats.num_lookahead_steps += 1
+            if ahead.sample_after_commit:  # forward now; sampling once the tokens it reads are in
+                self._uncommitted.append(ahead)
+                forward = self.runner.forward(ahead, inflight)
+                outputs = self._process(inflight)
+                self._inflight = self.runner.sample(forward)
+                return outputs
             self._inflight = self._launch(ahead, inflight)
             return self._process(inflight)
         outputs = self._process(inflight) if inflight is not None else []

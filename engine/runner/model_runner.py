@@ -74,6 +74,12 @@ class ModelRunner:
     def launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:
         """Runs the forward pass and sampling without waiting for the device. A lookahead batch
         takes its input ids from `inflight`, the still unresolved previous decode step."""
+        return self.sample(self.forward(batch, inflight))
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> "ForwardOutput":
+        """The forward pass alone (queued on the device): sampling can be launched later, once the
+        host has what it reads (a grammar's mask after the previous step is committed)."""
         fb = self._forward_batch(batch, inflight)
         plan = LogitsPlan.build(batch)
         if self.tp is not None:  # the other ranks run the same pass: their collectives pair with ours
@@ -84,7 +90,13 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb)
             logits = self.model.compute_logits(hidden[h2d(plan.rows, self.device)])
-        return self._sample(batch, plan, logits)
+        return ForwardOutput(batch, plan, logits)
+
+    @torch.inference_mode()
+    def sample(self, forward: "ForwardOutput") -> PendingResult:
+        """Sampling of a forward pass; the next forward must not be launched before this (CUDA
+        graphs share one logits buffer)."""
+        return self._sample(forward.batch, forward.plan, forward.logits)
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks' processes (nothing to do with one rank)."""
@@ -143,7 +155,9 @@ class ModelRunner:
             return self._finish_sample(batch, plan, logits, last, next_ids, chosen)
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
-        grammar_mask = grammar_vocab_mask([r.grammar for r in batch.reqs], self.config.vocab_size, self.device)
+        # a request that finished while this step's forward ran ahead needs no mask (its token is dropped)
+        grammars = [None if r.finished else r.grammar for r in batch.reqs]
+        grammar_mask = grammar_vocab_mask(grammars, self.config.vocab_size, self.device)
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device, grammar_mask)
         out = self.sampler.sample(last, sampling)
         chosen = out.original_logprobs
@@ -243,6 +257,14 @@ class ModelRunner:
         if self.device.type != "cuda":
             return f"a no-op on {self.device.type}"
         return "the memory saver is off: start the engine with enable_memory_saver=True to free GPU memory"
+
+
+@dataclass
+class ForwardOutput:
+    """A launched forward pass waiting for its sampling."""
+    batch: ScheduleBatch
+    plan: LogitsPlan
+    logits: torch.Tensor
 
 
 def _plain_greedy(req) -> bool:

@@ -22,6 +22,7 @@ class ScheduleBatch:
     # step; the runner takes input ids from that step's device tensor
     lookahead: bool = False
     lookahead_rows: Optional[list[int]] = None  # row of each request in that previous step
+    sample_after_commit: bool = False  # lookahead whose sampling reads the previous step's tokens
     num_decode_rows: int = 0  # mixed chunk: the last rows are running requests decoding one token
 
     @property

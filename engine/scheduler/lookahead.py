@@ -2,7 +2,8 @@
 
 With overlap scheduling, decode step N+1 is launched while step N still runs: every request
 feeds its in-flight token (still on the device) at position seq_len, so the host needs none of
-those values to build the step. That is only safe when nothing about step N+1 depends on them.
+those values to build the step's forward. Sampling that reads the output so far (a grammar's
+mask, penalties, min_new_tokens) is launched after step N is committed (sample_after_commit).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def lookahead_rows(scheduler: SchedulerView, inflight: ScheduleBatch) -> Optiona
     sampling state that reads the unknown token."""
     if scheduler.waiting or scheduler.chunked_req is not None or not inflight.forward_mode.is_decode:
         return None
-    if any(not _sampling_ignores_last_token(r) for r in scheduler.running):
+    if any(r.to_abort is not None for r in scheduler.running):
         return None
     rows = [i for i, r in enumerate(inflight.reqs) if not r.finished]  # finished ones drop out
     if not rows or len(rows) != len(scheduler.running) or scheduler.allocator.available_size() < len(rows):
@@ -35,9 +36,10 @@ def lookahead_rows(scheduler: SchedulerView, inflight: ScheduleBatch) -> Optiona
     return rows
 
 
-def _sampling_ignores_last_token(req: Req) -> bool:
-    """Penalties, min_new_tokens and a grammar (its vocab mask) read the output so far, so they
-    need the real token."""
+def sampling_reads_last_token(req: Req) -> bool:
+    """Penalties, min_new_tokens and a grammar (its vocab mask) read the output so far: such a
+    step's forward may still run ahead, but its sampling waits for the real token (the core
+    commits the previous step between the two)."""
     p = req.sampling_params
-    return (req.to_abort is None and req.grammar is None and p.min_new_tokens <= len(req.output_ids) + 1
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+    return (req.grammar is not None or p.min_new_tokens > len(req.output_ids) + 1
+            or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)

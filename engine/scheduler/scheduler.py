@@ -16,7 +16,7 @@ import torch
 from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.base import PrefixCache
 from engine.kv.pool import ReqToTokenPool
-from engine.scheduler.lookahead import lookahead_rows
+from engine.scheduler.lookahead import lookahead_rows, sampling_reads_last_token
 from engine.scheduler.new_token_ratio import NewTokenRatio
 from engine.scheduler.prefill_adder import PrefillAdder, never_fits
 from engine.scheduler.request import Req
@@ -272,6 +272,7 @@ class Scheduler:
         prefix_lens = [inflight.prefix_lens[i] + 1 for i in rows]
         batch = self._decode_schedule_batch(reqs, prefix_lens, slots, lookahead=True)
         batch.lookahead_rows = rows
+        batch.sample_after_commit = any(sampling_reads_last_token(r) for r in reqs)
         return batch
 
     # ---- retraction ----------------------------------------------------------------------------

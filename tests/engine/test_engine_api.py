@@ -200,6 +200,10 @@ def test_overlap_schedule_gives_the_same_outputs(engine_factory, engine, server_
     prompts = random_prompts(24, vocab, lengths=(4, 30), seed=21)
     params = [{"max_new_tokens": 5 + i % 13, "temperature": 1.0 if i % 3 else 0.0, "sampling_seed": i,
                "stop_token_ids": [7] if i % 5 == 0 else None} for i in range(24)]
+    for i in (1, 8):  # sampling that reads the output so far: forward runs ahead, sampling after the commit
+        params[i]["frequency_penalty"] = 1.5
+    params[4]["min_new_tokens"] = 6
+    params[11]["repetition_penalty"] = 1.3
     plain = engine_factory(enable_deterministic_inference=True, **server_kwargs)
     overlapped = engine_factory(enable_deterministic_inference=True, **server_kwargs)
     overlapped.local_core.overlap = True
