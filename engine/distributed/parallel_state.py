@@ -86,6 +86,11 @@ class TPGroup:
         self.device.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
 
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x into every rank's x (same shape and dtype), over the device group."""
+        self.device.broadcast(x, 0).wait()
+        return x
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's obj on every rank (pickled; tensors inside must be on the CPU)."""
         if self.is_leader:

@@ -44,10 +44,14 @@ class TPDriver:
     def send_plan(self, plan: KVPlan) -> None:
         self.group.broadcast_object(plan)
 
-    def send_forward(self, fb: Any, logit_rows: torch.Tensor) -> None:
-        """Before rank 0 runs the same pass: the workers enter its collectives with it."""
+    def send_forward(self, batch: Any, fb: Any, logit_rows: torch.Tensor, host_table: torch.Tensor) -> None:
+        """Before rank 0 runs the same pass: the workers enter its collectives with it.
+        host_table: the scheduler's req_to_token (the workers copy the entries the pass reads)."""
         self._check_ranks_alive()  # a waitpid each: cheap, and clearer than gloo's "Connection closed by peer"
-        self.group.broadcast_object(ForwardStep.of(fb, logit_rows))
+        step = ForwardStep.of(batch, fb, logit_rows, host_table)
+        self.group.broadcast_object(step)
+        if step.input_ids is None:  # the previous step's samples, still on the device
+            self.group.broadcast_tensor(fb.input_ids.contiguous())
 
     def _check_ranks_alive(self) -> None:
         gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.processes) if not p.is_alive()]

@@ -27,7 +27,7 @@ class KVPlan:
 @dataclass
 class ForwardStep:
     forward_mode: ForwardMode
-    input_ids: torch.Tensor
+    input_ids: Optional[torch.Tensor]  # None: sent by a device broadcast (a lookahead step)
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
@@ -41,19 +41,24 @@ class ForwardStep:
     table_entries: Optional[torch.Tensor]
 
     @classmethod
-    def of(cls, fb: Any, logit_rows: torch.Tensor) -> "ForwardStep":
-        """From rank 0's ForwardBatch, after its req_to_token is up to date."""
-        cpu = lambda t: t.detach().to("cpu")  # noqa: E731
+    def of(cls, batch: Any, fb: Any, logit_rows: torch.Tensor, host_table: torch.Tensor) -> "ForwardStep":
+        """From rank 0's ScheduleBatch and ForwardBatch, in host form without reading the device
+        back (that would stall overlap scheduling): a tensor already on the CPU is sent as is,
+        others are rebuilt from the batch. Input ids that only the device holds (a lookahead step
+        feeding the previous step's samples) are None here: they follow by a device broadcast."""
+        on_host = fb.input_ids.device.type == "cpu"
+        host = lambda t, rebuild: t if t.device.type == "cpu" else rebuild()  # noqa: E731
+        longs = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        input_ids = None if batch.lookahead and not on_host else host(fb.input_ids, lambda: longs(batch.input_ids()))
+        rows = host(fb.req_pool_indices, lambda: longs([r.req_pool_idx for r in batch.reqs]))
         entries = None
         if not fb.forward_mode.is_decode:  # whole rows: the prefix came from rank 0's cache
-            lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
-            rows = torch.repeat_interleave(cpu(fb.req_pool_indices), lens)
+            table_rows = torch.repeat_interleave(rows, torch.tensor(fb.seq_lens_cpu, dtype=torch.int64))
             cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in fb.seq_lens_cpu])
-            entries = torch.stack([rows, cols, cpu(fb.req_to_token[rows.to(fb.req_to_token.device),
-                                                                   cols.to(fb.req_to_token.device)])])
-        return cls(fb.forward_mode, cpu(fb.input_ids), cpu(fb.positions), cpu(fb.out_cache_loc),
-                   cpu(fb.req_pool_indices), cpu(fb.seq_lens), list(fb.seq_lens_cpu),
-                   list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu), cpu(logit_rows), entries)
+            entries = torch.stack([table_rows, cols, host_table[table_rows, cols]])
+        return cls(fb.forward_mode, input_ids, host(fb.positions, lambda: longs(batch.positions())),
+                   batch.out_cache_loc, rows, longs(fb.seq_lens_cpu), list(fb.seq_lens_cpu),
+                   list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu), logit_rows.cpu(), entries)
 
 
 @dataclass(frozen=True)

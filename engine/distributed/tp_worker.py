@@ -66,8 +66,13 @@ class TPWorker:
         from engine.runner.forward_batch import ForwardBatch
 
         dev = lambda t: t.to(self.device)  # noqa: E731
+        if step.input_ids is None:  # a lookahead step: rank 0's sampled ids follow over the device group
+            input_ids = self.tp.broadcast_tensor(torch.empty(len(step.out_cache_loc), dtype=torch.int64,
+                                                             device=self.device))
+        else:
+            input_ids = dev(step.input_ids)
         fb = ForwardBatch(
-            forward_mode=step.forward_mode, input_ids=dev(step.input_ids), positions=dev(step.positions),
+            forward_mode=step.forward_mode, input_ids=input_ids, positions=dev(step.positions),
             out_cache_loc=dev(step.out_cache_loc), req_pool_indices=dev(step.req_pool_indices),
             seq_lens=dev(step.seq_lens), seq_lens_cpu=step.seq_lens_cpu,
             extend_prefix_lens_cpu=step.extend_prefix_lens_cpu, extend_seq_lens_cpu=step.extend_seq_lens_cpu,

@@ -83,7 +83,7 @@ class ModelRunner:
         fb = self._forward_batch(batch, inflight)
         plan = LogitsPlan.build(batch)
         if self.tp is not None:  # the other ranks run the same pass: their collectives pair with ours
-            self.tp.send_forward(fb, plan.rows)
+            self.tp.send_forward(batch, fb, plan.rows, self.req_to_token_pool.req_to_token)
         if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
             logits = self.cuda_graph.replay(fb)  # decode: plan.rows is every row, in order
         else:

@@ -267,3 +267,30 @@ def test_engine_tp2_a_dead_rank_fails_requests_at_once(tiny_model_dir):
             eng.get_weights_by_name("model.norm.weight")
     finally:
         eng.shutdown()
+
+
+def test_engine_tp2_overlap_lookahead_steps_equal_tp1(engine, tiny_model_dir, monkeypatch):
+    """Overlap scheduling (the GPU default, forced on here): a lookahead step's input ids are the
+    previous step's samples, which on a GPU only the device holds; they go to the other ranks by
+    a device broadcast, taken here for every lookahead step."""
+    from engine import Engine
+    from engine.distributed import tp_messages
+
+    build = tp_messages.ForwardStep.of.__func__
+
+    def device_only_ids(cls, batch, *args):
+        step = build(cls, batch, *args)
+        if batch.lookahead:
+            step.input_ids = None  # as on a GPU: sent by TPGroup.broadcast_tensor
+        return step
+
+    monkeypatch.setattr(tp_messages.ForwardStep, "of", classmethod(device_only_ids))
+    prompts = _prompts()
+    expected = _greedy(engine, prompts)[0]
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu")
+    try:
+        eng.client.core.overlap = True
+        assert _greedy(eng, prompts)[0] == expected
+        assert eng.client.core.stats.num_lookahead_steps > 0
+    finally:
+        eng.shutdown()
