@@ -24,7 +24,7 @@ from pathlib import Path
 SCHEMA = {
     "type": "object",
     "properties": {
-        "id": {"type": "integer"},
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
         "status": {"enum": ["active", "pending", "closed", "archived"]},
         "owner": {"type": "object", "properties": {
             "name": {"type": "string", "maxLength": 24},
@@ -36,7 +36,7 @@ SCHEMA = {
             "required": ["name", "role", "contact"], "additionalProperties": False},
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue", "urgent", "later"]},
                  "minItems": 1, "maxItems": 4},
-        "scores": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 4},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "minItems": 2, "maxItems": 4},
         "priority": {"enum": [1, 2, 3]},
     },
     "required": ["id", "status", "owner", "tags", "scores", "priority"],

@@ -1,7 +1,8 @@
 """Structured output on the GPU: the grammar mask with CUDA graphs and the overlap scheduler.
 
-Constrained rows are never run ahead (their mask needs the real token), free rows in the same
-engine still are; every constrained output matches its regex and equals the plain loop's.
+A constrained row's forward runs ahead like a free row's; its sampling (the mask needs the real
+token) is launched after the previous step is committed. Every constrained output matches its
+regex and equals the plain loop's.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ def test_grammar_with_overlap_and_cuda_graphs():
     path = str(tiny_model_path())
     plain, _ = run(path, overlap=False, constrained=True)
     over, ahead = run(path, overlap=True, constrained=True)
-    assert ahead == 0  # a grammar row is never launched before its token is read back
+    assert ahead > 10  # forwards launched before the previous token was read back
     assert all(re.fullmatch(CODE, o["text"]) for o in over), [o["text"] for o in over]
     assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
-    _, free_ahead = run(path, overlap=True, constrained=False)
-    assert free_ahead > 10  # the same engine setup still runs free rows ahead
