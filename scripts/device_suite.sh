@@ -24,6 +24,7 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
   allgpu) ( kit && step allgpu 420 python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_train_gpu.py tests/gpu ) ;;
+  memsaver) ( kit && step memsaver 240 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py tests/gpu/test_colocate_gpu.py ) ;;
   probe) ( kit && step probe 200 python3 scripts/memory_cycles_probe.py --cycles 30 --json "$OUT/mem-probe.json" ) ;;
   grammargpu) ( kit && step grammargpu 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_grammar_gpu.py ) ;;
   grammarbench) ( kit && step grammarbench 240 python3 scripts/grammar_bench.py --batch 64 --runs 3 --json "$OUT/grammar-bench.json" ) ;;
