@@ -294,3 +294,22 @@ def test_engine_tp2_overlap_lookahead_steps_equal_tp1(engine, tiny_model_dir, mo
         assert eng.client.core.stats.num_lookahead_steps > 0
     finally:
         eng.shutdown()
+
+
+def test_engine_tp2_deterministic_mode_is_batch_invariant(tiny_model_dir):
+    """Batch-invariant kernels on every rank, and an all-reduce of 2 ranks sums in one order: a
+    request's logprobs are bitwise the same alone and in a batch."""
+    from engine import Engine
+
+    prompts = _prompts()
+    params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu",
+                 enable_deterministic_inference=True)
+    try:
+        batch = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        alone = eng.generate(input_ids=prompts[2:3], sampling_params=params, return_logprob=True)
+    finally:
+        eng.shutdown()
+    logprobs = lambda out: [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]  # noqa: E731
+    assert batch[2]["output_ids"] == alone[0]["output_ids"]
+    assert logprobs(batch[2]) == logprobs(alone[0])
