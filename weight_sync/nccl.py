@@ -129,7 +129,7 @@ class GroupSender(WeightSender):
     @classmethod
     def from_options(cls, group: Any = None, group_name: str = "weight_update_group", **_: Any) -> "GroupSender":
         if group is None:
-            raise ValueError("transport 'distributed' needs group: this trainer's weight_sync.nccl.WeightGroup (rank 0)")
+            raise ValueError("transport 'distributed' needs group: this trainer's weight_sync.weight_group.WeightGroup (rank 0)")
         return cls(group, group_name)
 
     def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
@@ -158,13 +158,16 @@ class GroupSender(WeightSender):
         names = [m.name for m in packed.metadata]
         dtypes = [str(m.dtype).removeprefix("torch.") for m in packed.metadata]
         shapes = [list(m.shape) for m in packed.metadata]
+        try:  # first: a broken group is refused before any engine waits for this broadcast
+            work = self.group.start_broadcast(packed.flattened_tensor.contiguous(), src=0)
+        except GroupBroken as exc:
+            raise WeightSyncError(str(exc)) from exc
         if self._pool_size < len(engines):
             self._pool, self._pool_size = ThreadPoolExecutor(len(engines), "tandem-weight-send"), len(engines)
-        # every engine's receive call blocks until this process broadcasts: they run beside it
+        # every engine's receive call blocks until it has this broadcast: they run beside it
         replies = [self._pool.submit(engine.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
                                      flush_cache=flush_cache, weight_version=weight_version,
                                      load_format="flattened_bucket") for engine in engines]
-        work = self.group.start_broadcast(packed.flattened_tensor.contiguous(), src=0)
         self._in_flight = _InFlight(packed, work, replies)
 
     def _wait(self) -> list[tuple[bool, str]]:

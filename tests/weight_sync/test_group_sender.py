@@ -118,3 +118,12 @@ def test_a_refusal_or_a_broken_group_raises():
     with pytest.raises(WeightSyncError, match="Connection reset by peer.*the engines answered"):
         sender.send_all(engines[:1], _buckets(1)[0], True, "v")
     assert sender.send(_Engine([], "e3"), _buckets(1)[0], True, "v") == (True, "Success.")
+
+    class Broken(_Group):
+        def start_broadcast(self, tensor, src=0):
+            raise GroupBroken("group 'g' failed earlier (Connection reset by peer); destroy it and form it again")
+
+    idle = _Engine([], "e4")
+    with pytest.raises(WeightSyncError, match="failed earlier"):
+        GroupSender(Broken([]), "g").send_all([idle], _buckets(1)[0], True, "v")
+    assert idle.calls == []  # no engine left waiting for a broadcast that cannot come
