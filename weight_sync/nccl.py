@@ -129,7 +129,8 @@ class GroupSender(WeightSender):
     @classmethod
     def from_options(cls, group: Any = None, group_name: str = "weight_update_group", **_: Any) -> "GroupSender":
         if group is None:
-            raise ValueError("transport 'distributed' needs group: this trainer's weight_sync.weight_group.WeightGroup (rank 0)")
+            raise ValueError("transport 'distributed' needs group: this trainer's "
+                             "weight_sync.weight_group.WeightGroup (rank 0)")
         return cls(group, group_name)
 
     def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
