@@ -125,6 +125,9 @@ def _start_group_trainer(args: argparse.Namespace, engine: Any, kwargs: dict) ->
     from engine.cli.group_trainer import GroupTrainerProcess
 
     on_gpu = engine.info.device.startswith("cuda")
+    if on_gpu and args.trainer_device is None and torch.cuda.device_count() < 2:
+        raise SystemExit("tandem bench-sync --transport nccl: the trainer needs a second GPU (NCCL refuses two "
+                         "ranks on one GPU); only one is visible")
     device = args.trainer_device or ("cuda:1" if on_gpu else "cpu")
     if on_gpu and torch.device(device) == torch.device(engine.info.device):
         raise SystemExit("tandem bench-sync --transport nccl: the trainer needs a GPU of its own (NCCL refuses "
