@@ -62,11 +62,17 @@ class GenerationControl:
         if isinstance(msg, SetWeightVersionReq):
             self.core.weight_version = str(msg.new_version)
             return Reply(self.core.weight_version)
+        tp = self.core.runner.tp  # tensor parallelism: rank t joins a trainer's group as rank_offset + t
         if isinstance(msg, InitWeightsGroupReq):
-            return Reply(self.groups.start(msg))
+            refusal = self.groups.start(msg)
+            if refusal is None and tp is not None:
+                tp.init_weights_group(msg)
+            return Reply(refusal)
         if isinstance(msg, WeightsGroupStatusReq):
             return Reply(self.groups.status(msg.group_name))
         if isinstance(msg, DestroyWeightsGroupReq):
+            if tp is not None:
+                tp.destroy_weights_group(msg.group_name)
             return Reply(self.groups.destroy(msg.group_name))
         if isinstance(msg, ReleaseMemoryReq):
             return self._release(check_memory_tags(msg.tags))
@@ -131,7 +137,9 @@ class GenerationControl:
         refusal = self._refusal(msg)
         if refusal is not None:  # before any write; a broadcast is still received, to stay in step
             discard = getattr(msg.source, "discard", None)
-            if discard is not None:
+            if discard is not None and core.runner.tp is not None:  # the trainer's broadcast reaches every rank
+                core.runner.tp.discard(msg.source, ctx)
+            elif discard is not None:
                 discard(ctx)
             raise ValueError(refusal)
         if core.runner.tp is not None:  # every tensor-parallel rank loads its shards of the same tensors

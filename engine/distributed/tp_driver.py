@@ -15,11 +15,13 @@ import torch
 
 from engine.config import ServerArgs
 from engine.distributed.parallel_state import TPAddress, TPGroup, free_port
-from engine.distributed.tp_messages import ForwardStep, KVPlan, LoadWeights, Stop
+from engine.distributed.tp_messages import DiscardWeights, ForwardStep, KVPlan, LoadWeights, Stop
+from engine.distributed.tp_weight_groups import DestroyWeightsGroup, InitWeightsGroup
 from engine.models.weight_cast import WeightsPartlyWritten
 
 logger = logging.getLogger("tandem")
 STOP_TIMEOUT_S = 30.0
+EVERY_RANK_READS = ("disk", "distributed")  # sources each rank reads itself: a checkpoint, a trainer's broadcast
 
 
 class TPDriver:
@@ -60,15 +62,14 @@ class TPDriver:
 
     def load_weights(self, source: Any, model: Any, ctx: Any) -> None:
         """Every rank loads its shards of the same update; any rank's failure is raised here.
-        A checkpoint on disk is read by every rank; any other source (tensors, a serialized
-        payload, a broadcast from the trainer's group, which only rank 0 joins) is received and
-        loaded by rank 0 first, then its full tensors go to the other ranks. A refusal on rank 0
-        (checked before any write) sends nothing."""
+        A checkpoint on disk is read, and a trainer's broadcast received, by every rank; any other
+        source (tensors, a serialized payload) is loaded by rank 0 first, then its full tensors go
+        to the other ranks (a refusal on rank 0, checked before any write, sends nothing)."""
         try:
             self._check_ranks_alive()
         except RuntimeError as exc:  # nothing written yet: an update refused before any write
             raise ValueError(str(exc)) from None
-        if getattr(source, "kind", None) == "disk":
+        if getattr(source, "kind", None) in EVERY_RANK_READS:
             self.group.broadcast_object(LoadWeights(source=source))
             error = _failure_of(lambda: source.load_into(model, ctx))
         else:
@@ -83,6 +84,19 @@ class TPDriver:
             kind, message = failures[0]
             raise WeightsPartlyWritten(f"rank 0 loaded the update but another tensor-parallel rank failed: "
                                        f"{kind}: {message}")
+
+    def discard(self, source: Any, ctx: Any) -> None:
+        """A refused broadcast update: every rank receives it and drops it (the trainer sends to all)."""
+        self.group.broadcast_object(DiscardWeights(source))
+        source.discard(ctx)
+
+    def init_weights_group(self, msg: Any) -> None:
+        """Rank 0 started forming `msg`'s group as rank_offset; rank t joins as rank_offset + t."""
+        self.group.broadcast_object(InitWeightsGroup(msg.master_address, msg.master_port, msg.rank_offset,
+                                                     msg.world_size, msg.group_name, msg.backend, msg.timeout_s))
+
+    def destroy_weights_group(self, name: str) -> None:
+        self.group.broadcast_object(DestroyWeightsGroup(name))
 
     def stop(self) -> None:
         if self._stopped:

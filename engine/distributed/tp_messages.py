@@ -70,5 +70,11 @@ class LoadWeights:
 
 
 @dataclass(frozen=True)
+class DiscardWeights:
+    """A refused broadcast update: every rank receives the trainer's tensors and drops them."""
+    source: Any
+
+
+@dataclass(frozen=True)
 class Stop:
     pass

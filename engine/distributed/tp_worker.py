@@ -20,7 +20,8 @@ import torch
 
 from engine.config import ServerArgs, configure_logging
 from engine.distributed.parallel_state import TPAddress, TPGroup, kv_heads_per_rank
-from engine.distributed.tp_messages import ForwardStep, LoadWeights, Stop
+from engine.distributed.tp_messages import DiscardWeights, ForwardStep, LoadWeights, Stop
+from engine.distributed.tp_weight_groups import DestroyWeightsGroup, InitWeightsGroup, RankWeightGroups
 
 logger = logging.getLogger("tandem")
 
@@ -48,6 +49,7 @@ class TPWorker:
         self.req_to_token = torch.zeros((plan.req_rows, plan.context_len + 1), dtype=torch.int64, device=device)
         backend = args.attention_backend or default_backend(device.type)
         self.attn_backend = create_attention_backend(backend, deterministic=args.enable_deterministic_inference)
+        self.weight_groups = RankWeightGroups()
 
     def run(self) -> None:
         while True:
@@ -56,6 +58,12 @@ class TPWorker:
                 self.forward(msg)
             elif isinstance(msg, LoadWeights):
                 self.tp.gather_objects(self.load_weights(msg))
+            elif isinstance(msg, DiscardWeights):
+                self.discard(msg.source)
+            elif isinstance(msg, InitWeightsGroup):
+                self.weight_groups.start(msg, self.tp.rank)
+            elif isinstance(msg, DestroyWeightsGroup):
+                self.weight_groups.destroy(msg.group_name)
             elif isinstance(msg, Stop):
                 return
             else:
@@ -88,17 +96,28 @@ class TPWorker:
 
     def load_weights(self, msg: LoadWeights) -> Any:
         """None, or the failure (type and message) for rank 0 to report."""
-        from weight_sync.base import LoadContext
-
         try:
             if msg.named_tensors is not None:
                 self.model.load_weights(msg.named_tensors)
             else:
-                msg.source.load_into(self.model, LoadContext(self.device))
+                msg.source.load_into(self.model, self._load_context(msg.source))
             return None
         except Exception as exc:  # reported by rank 0, which answers the update
             logger.exception("TP rank %d: weight update failed", self.tp.rank)
             return type(exc).__name__, str(exc)
+
+    def discard(self, source: Any) -> None:
+        """Receive a refused broadcast update and drop it: every rank stays in step with the trainer."""
+        try:
+            source.discard(self._load_context(source))
+        except Exception:  # rank 0 answers the caller; this rank only must not stop
+            logger.exception("TP rank %d: discarding a refused update failed", self.tp.rank)
+
+    def _load_context(self, source: Any) -> Any:
+        from weight_sync.base import LoadContext
+
+        name = getattr(source, "group_name", None)
+        return LoadContext(self.device, self.weight_groups.formed(name) if name is not None else {})
 
 
 def run_tp_worker(args: ServerArgs, rank: int, address: TPAddress) -> None:

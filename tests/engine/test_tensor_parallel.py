@@ -313,3 +313,56 @@ def test_engine_tp2_deterministic_mode_is_batch_invariant(tiny_model_dir):
     logprobs = lambda out: [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]  # noqa: E731
     assert batch[2]["output_ids"] == alone[0]["output_ids"]
     assert logprobs(batch[2]) == logprobs(alone[0])
+
+
+TRAINER = textwrap.dedent("""
+    import os, sys, torch
+    from safetensors.torch import load_file
+    from weight_sync.weight_group import WeightGroup
+    port, path = int(sys.argv[1]), sys.argv[2]
+    group = WeightGroup("127.0.0.1", port, 0, 3, "wg", backend="gloo", timeout_s=60)  # trainer + 2 TP ranks
+    for _ in range(2):  # the first time refused (weights released): every rank receives and drops it
+        for _, tensor in load_file(path).items():
+            group.broadcast(tensor.contiguous(), src=0)
+    group.broadcast(torch.ones(3), src=0)  # the second update: an unknown name, refused by every rank
+    print("trainer done", flush=True)
+    os._exit(0)  # no gloo teardown: the engine may have left the group already
+""")
+
+
+def test_engine_tp2_broadcast_update_reaches_every_rank(other_engine, tiny_model_dir, other_model_dir):
+    """A trainer's group of 3: the trainer, then the engine's ranks as rank_offset + t (SGLang's
+    numbering); each rank receives the broadcast and loads its shards, or drops it when the update
+    is refused (the next update still pairs with the trainer's broadcasts)."""
+    from safetensors.torch import load_file
+
+    from engine import Engine
+
+    prompts = _prompts()
+    expected = _greedy(other_engine, prompts)[0]
+    named = list(load_file(os.path.join(other_model_dir, "model.safetensors")).items())
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu")
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), os.path.join(other_model_dir,
+                               "model.safetensors")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        ok, message = eng.init_weights_update_group("127.0.0.1", port, 1, 3, "wg", backend="gloo")
+        assert ok, message
+        specs = ([n for n, _ in named], [str(t.dtype) for _, t in named], [list(t.shape) for _, t in named], "wg")
+        assert eng.release_memory_occupation(tags=["weights"])[0]
+        ok, message = eng.update_weights_from_distributed(*specs, weight_version="refused")
+        assert not ok and "weights are released" in message
+        assert eng.resume_memory_occupation(tags=["weights"])[0]
+        ok, message = eng.update_weights_from_distributed(*specs, weight_version="dist")
+        assert ok, message
+        assert _greedy(eng, prompts)[0] == expected
+        ok, message = eng.update_weights_from_distributed(["model.nope.weight"], ["float32"], [[3]], "wg")
+        assert not ok and "unknown weight 'model.nope.weight'" in message, message
+        assert trainer.wait(timeout=60) == 0, trainer.stdout.read()
+        assert eng.destroy_weights_update_group("wg")[0]
+        assert _greedy(eng, prompts)[0] == expected and eng.get_weight_version() == "dist"
+    finally:
+        trainer.kill()
+        eng.shutdown()
