@@ -39,7 +39,9 @@ class TPDriver:
         atexit.register(self.stop)
         try:
             self.group = TPGroup(address, 0)  # the rendezvous: waits for every rank
-        except BaseException:
+        except BaseException:  # the workers wait in the same rendezvous: nothing to tell them
+            self._stopped = True
+            atexit.unregister(self.stop)
             self._reap(0.0)
             raise
 
