@@ -6,9 +6,11 @@ Two groups share the store: `device` carries the forward pass's all-reduce / all
 GPUs, gloo on the CPU), `cpu` (always gloo) carries rank 0's pickled step messages to the other
 ranks, as SGLang's broadcast_pyobj does.
 
-Deterministic mode: for a fixed TP size an all-reduce sums the ranks' partials in a fixed order
-(with 2 ranks there is one order), so a row's bits do not depend on the batch; they do differ
-from TP=1's single matmul by rounding.
+Deterministic mode: with 2 ranks an all-reduce is one addition per element (a + b == b + a), so a
+row's bits do not depend on the batch (checked on the CPU); they differ from TP=1's by rounding.
+With more ranks the order of the sum is the collective's: gloo's and NCCL's ring split the tensor
+into chunks by its size, so an element's order can depend on the batch; not checked yet (a fixed
+order would gather the partials and sum them in rank order).
 """
 
 from __future__ import annotations
