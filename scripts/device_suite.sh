@@ -31,7 +31,8 @@ for s in "$@"; do case $s in
   train06*|train4b*)  # train06 | train06det | train4b | train4bdet: the qwen3_gpu recipe, 5 steps, peak device memory sampled
     ( kit; model=qwen3-0.6b; [[ $s == train4b* ]] && model=qwen3-4b; det=false; [[ $s == *det ]] && det=true
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/smi-$s.csv" & smi=$!
-      step "$s" 420 python3 -m engine.cli.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
+      lim=300; [[ $s == train4b* ]] && lim=420
+      step "$s" $lim python3 -m engine.cli.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
   cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;

@@ -126,15 +126,46 @@ def valid(outs: list[dict]) -> dict:
     import jsonschema
 
     complete = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
-    ok = 0
+    ok, failures = 0, []
     for o in complete:
         try:
             jsonschema.validate(json.loads(o["text"]), SCHEMA)
             ok += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
-    return {"complete": len(complete), "valid": ok, "total": len(outs),
+        except (ValueError, jsonschema.ValidationError) as exc:
+            failures.append({"text": o["text"], "error": str(exc)[:300]})
+    return {"complete": len(complete), "valid": ok, "total": len(outs), "failures": failures[:4],
             "mean_len": statistics.mean(len(o["output_ids"]) for o in outs)}
+
+
+class HostTimers:
+    """Seconds the core spends in the grammar's host work (the engine runs on a thread here)."""
+
+    def __init__(self) -> None:
+        import engine.runner.model_runner as runner
+        from engine.grammar.matcher import RequestGrammar
+
+        self.seconds = {"mask": 0.0, "accept": 0.0, "sample": 0.0, "process": 0.0}
+        self._wrap(runner, "grammar_vocab_mask", "mask")
+        self._wrap(RequestGrammar, "accept", "accept")
+        self._wrap(runner.ModelRunner, "_sample", "sample")
+        from engine.core.engine_core import EngineCore
+        self._wrap(EngineCore, "_process", "process")
+
+    def _wrap(self, owner, name: str, key: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict:
+        out, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return out
 
 
 def main() -> None:
@@ -152,6 +183,7 @@ def main() -> None:
     model_dir = build_model(Path(args.model_dir))
     report = {"compile": compile_times(model_dir), "batch": args.batch, "schema": SCHEMA}
     print("compile:", report["compile"], flush=True)
+    timers = HostTimers()
     eng = Engine(model_path=str(model_dir), load_format="dummy", **json.loads(args.engine_args))
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(args.input_len)] for _ in range(args.batch)]
@@ -162,11 +194,17 @@ def main() -> None:
         run(eng, prompts, free)
         run(eng, prompts, constrained)  # warm: compile, graphs, allocator
         rates: dict[str, list[float]] = {"free": [], "json_schema": []}
+        host: dict[str, list[dict]] = {"free": [], "json_schema": []}
         for _ in range(args.runs):
-            rate, _ = run(eng, prompts, free)
-            rates["free"].append(rate)
-            rate, outs = run(eng, prompts, constrained)
-            rates["json_schema"].append(rate)
+            for name, params in (("free", free), ("json_schema", constrained)):
+                timers.take()
+                ahead = eng.local_core.stats.num_lookahead_steps
+                start = time.perf_counter()
+                rate, outs = run(eng, prompts, params)
+                host[name].append({**timers.take(), "wall": time.perf_counter() - start,
+                                   "lookahead_steps": eng.local_core.stats.num_lookahead_steps - ahead})
+                rates[name].append(rate)
+        report["host_seconds"] = host
         report["tok_s"] = {k: statistics.median(v) for k, v in rates.items()}
         report["runs_tok_s"] = rates
         report["ratio"] = report["tok_s"]["json_schema"] / report["tok_s"]["free"]
