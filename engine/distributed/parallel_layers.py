@@ -117,7 +117,7 @@ class RowParallelLinear(TPSharded, Linear):
         return tensor.narrow(1, self.tp.rank * self.in_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(_linear(x, self.weight, None, self.deterministic))
+        out = self.tp.all_reduce(_linear(x, self.weight, None, self.deterministic), fixed_order=self.deterministic)
         return out if self.bias is None else out + self.bias
 
 
@@ -154,6 +154,7 @@ class VocabParallelEmbedding(VocabSlice, nn.Embedding):
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        # exact in any order: one rank holds each row, the others add zeros
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 

@@ -7,10 +7,10 @@ GPUs, gloo on the CPU), `cpu` (always gloo) carries rank 0's pickled step messag
 ranks, as SGLang's broadcast_pyobj does.
 
 Deterministic mode: with 2 ranks an all-reduce is one addition per element (a + b == b + a), so a
-row's bits do not depend on the batch (checked on the CPU); they differ from TP=1's by rounding.
-With more ranks the order of the sum is the collective's: gloo's and NCCL's ring split the tensor
-into chunks by its size, so an element's order can depend on the batch; not checked yet (a fixed
-order would gather the partials and sum them in rank order).
+row's bits do not depend on the batch; they differ from TP=1's by rounding. With more ranks a
+ring all-reduce (gloo's, NCCL's) splits the tensor into chunks by its size, so an element's order
+of summation depends on the batch (measured: TP=4 over gloo was not batch invariant); there
+`all_reduce(fixed_order=True)` gathers the partials and sums them in rank order instead.
 """
 
 from __future__ import annotations
@@ -76,10 +76,18 @@ class TPGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place."""
-        self.device.allreduce([x]).wait()
-        return x
+    def all_reduce(self, x: torch.Tensor, fixed_order: bool = False) -> torch.Tensor:
+        """Sum over ranks, in place. fixed_order: rank 0's + rank 1's + ..., whatever x's size
+        (the deterministic mode; the same as the plain sum with 2 ranks)."""
+        if not fixed_order or self.size == 2:
+            self.device.allreduce([x]).wait()
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.device.allgather([parts], [x.contiguous()]).wait()
+        total = parts[0]
+        for part in parts[1:]:
+            total += part
+        return x.copy_(total)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x, concatenated along dim in rank order."""

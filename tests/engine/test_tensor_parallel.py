@@ -296,14 +296,17 @@ def test_engine_tp2_overlap_lookahead_steps_equal_tp1(engine, tiny_model_dir, mo
         eng.shutdown()
 
 
-def test_engine_tp2_deterministic_mode_is_batch_invariant(tiny_model_dir):
-    """Batch-invariant kernels on every rank, and an all-reduce of 2 ranks sums in one order: a
-    request's logprobs are bitwise the same alone and in a batch."""
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_engine_tp_deterministic_mode_is_batch_invariant(tiny_model_dir, tp_size):
+    """Batch-invariant kernels on every rank, and all-reduces whose order of summation does not
+    depend on the batch (2 ranks: one addition; 4: rank order, as gloo's ring would not keep):
+    a request's logprobs are bitwise the same alone and in a batch. TP=4 also replicates the
+    tiny model's 2 kv heads."""
     from engine import Engine
 
     prompts = _prompts()
     params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu",
+    eng = Engine(model_path=tiny_model_dir, tp_size=tp_size, dtype="float32", device="cpu",
                  enable_deterministic_inference=True)
     try:
         batch = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
