@@ -1,0 +1,169 @@
+"""The soak (issue 14): `tandem serve` on the tiny model (CPU) under N minutes of mixed load, then
+the checks. Run it as a script (`python tests/soak/soak_run.py --minutes 30 --out /tmp/soak`)
+or through tests/soak/test_soak.py (marked `soak`). docs/soak.md has the figures.
+
+Load: client loops (streamed and not, /generate and chat, random sampling, clients leaving
+mid-way, aborts by rid) and one controller (pauses in every mode, weight updates alternating two
+checkpoints, flushes, aborts, malformed bodies). After it: no 5xx and no request without an
+answer (each has a timeout), the engine idle at once, every KV slot free after a flush, greedy
+output equal to a fresh engine on the final checkpoint, RSS bounded, SIGTERM exits promptly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the soak_* modules, when run as a script
+
+from soak_control import Controller  # noqa: E402
+from soak_requests import Clients, generation_mix  # noqa: E402
+from soak_server import ServeProcess, build_checkpoints  # noqa: E402
+from soak_tally import REQUEST_TIMEOUT_S, Tally  # noqa: E402
+
+GREEDY_PROMPT = [5, 17, 42, 99, 7, 300, 12, 8]
+GREEDY_PARAMS = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+RSS_GROWTH_MB = 64.0  # allowed growth over the run, plus RSS_GROWTH_SHARE of the warm RSS
+RSS_GROWTH_SHARE = 0.15
+IDLE_WITHIN_S = 30.0
+STOP_WITHIN_S = 10.0
+
+
+async def client_loop(clients: Clients, tally: Tally, rng: random.Random, stop_at: float) -> None:
+    mix = generation_mix()
+    kinds, weights = [m[:1] + m[2:] for m in mix], [m[1] for m in mix]
+    while time.monotonic() < stop_at:
+        (kind, action), = rng.choices(kinds, weights)
+        await tally.guarded(kind, action(clients, rng))
+
+
+async def sample_rss(server: ServeProcess, tally: Tally, samples: list, stop_at: float) -> None:
+    """RSS each minute, with a progress line (the log of a long run shows where it stands)."""
+    while True:
+        await asyncio.sleep(min(60.0, max(stop_at - time.monotonic(), 0.1)))
+        minute = (time.monotonic() - tally.started) / 60
+        samples.append([round(minute, 2), round(server.rss_mb(), 1)])
+        print(f"[soak] {minute:5.1f} min  rss {samples[-1][1]:7.1f} MiB  requests {sum(tally.counts.values())}"
+              f"  failures {sum(tally.failures().values())}", flush=True)
+        if time.monotonic() >= stop_at:
+            return
+
+
+async def drive(server: ServeProcess, checkpoints: tuple[str, str], minutes: float, num_clients: int,
+                seed: int, tally: Tally, rss: list) -> Controller:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT_S + 10, limits=limits) as http:
+        clients = Clients(http, server.admin)
+        controller = Controller(clients, tally, checkpoints)
+        stop_at = time.monotonic() + minutes * 60
+        await asyncio.gather(
+            *[client_loop(clients, tally, random.Random(seed * 1000 + i), stop_at) for i in range(num_clients)],
+            controller.run(random.Random(seed), stop_at, time.monotonic), sample_rss(server, tally, rss, stop_at))
+    return controller
+
+
+def after_load(server: ServeProcess, controller: Controller) -> dict[str, Any]:
+    """The server's state once the load stops: idle, KV all free after a flush, its greedy
+    output, its weight version and counters."""
+    http = httpx.Client(base_url=server.url, timeout=60)
+    http.post("/continue_generation", headers=server.admin)
+    start, loads = time.monotonic(), None
+    while time.monotonic() - start < IDLE_WITHIN_S:
+        loads = http.get("/v1/loads").json()["aggregate"]
+        if loads["num_total_reqs"] == 0:
+            break
+        time.sleep(0.2)
+    flush = http.post("/flush_cache", headers=server.admin).status_code
+    load = http.get("/v1/loads").json()["loads"][0]
+    greedy = http.post("/generate", json={"input_ids": GREEDY_PROMPT, "sampling_params": GREEDY_PARAMS}).json()
+    metrics = dict(re.findall(r"^(tandem_\w+?)(?:_total)? ([0-9.e+-]+)$", http.get("/metrics").text, re.M))
+    return {"idle_after_s": round(time.monotonic() - start, 2), "reqs_left": loads and loads["num_total_reqs"],
+            "flush_status": flush, "kv_used_after_flush": load["num_used_tokens"],
+            "kv_pool": load["max_total_num_tokens"], "health_generate": http.get("/health_generate").status_code,
+            "weight_version": http.get("/get_weight_version").json()["weight_version"],
+            "expected_weight_version": controller.version_name, "final_checkpoint": "ab"[controller.current],
+            "greedy_server": greedy["output_ids"],
+            "metrics": {k: float(v) for k, v in metrics.items()}}
+
+
+def fresh_greedy(model_path: str) -> list[int]:
+    from engine import Engine
+
+    with Engine(model_path=model_path, dtype="float32", device="cpu") as eng:
+        return eng.generate(input_ids=GREEDY_PROMPT, sampling_params=GREEDY_PARAMS)["output_ids"]
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """Every check the soak makes, as the list of those that failed (empty: passed)."""
+    out = [f"{k}: {n}" for k, n in report["failures"].items()]
+    state, rss = report["after"], report["rss_mb"]
+    if state["reqs_left"]:
+        out.append(f"{state['reqs_left']} requests still in the engine {IDLE_WITHIN_S:.0f} s after the load")
+    if state["flush_status"] != 200 or state["kv_used_after_flush"] > 1:  # slot 0 is the padding slot
+        out.append(f"KV not all free after a flush: {state['kv_used_after_flush']} of {state['kv_pool']} used "
+                   f"(flush answered {state['flush_status']})")
+    if state["health_generate"] != 200:
+        out.append(f"/health_generate answered {state['health_generate']}")
+    if state["expected_weight_version"] and state["weight_version"] != state["expected_weight_version"]:
+        out.append(f"weight_version {state['weight_version']} != last update's {state['expected_weight_version']}")
+    if state["greedy_server"] != report["greedy_fresh"]:
+        out.append("greedy output differs from a fresh engine on the final checkpoint")
+    warm = rss[1][1] if len(rss) > 2 else rss[0][1]  # after a minute of load: allocator pools are warm
+    if rss[-1][1] > warm * (1 + RSS_GROWTH_SHARE) + RSS_GROWTH_MB:
+        out.append(f"RSS grew from {warm} to {rss[-1][1]} MiB")
+    # uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done: -15 is a clean exit
+    if report["sigterm_exit"][0] not in (0, -signal.SIGTERM) or report["sigterm_exit"][1] > STOP_WITHIN_S:
+        out.append(f"SIGTERM: exit {report['sigterm_exit']}")
+    return out
+
+
+def run_soak(minutes: float, out_dir: Path, num_clients: int = 24, seed: int = 0) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = build_checkpoints(out_dir / "checkpoints")
+    server = ServeProcess(checkpoints[0], out_dir / "server.log")
+    try:
+        server.wait_ready()
+        tally, began = Tally(), time.monotonic()
+        rss = [[0.0, round(server.rss_mb(), 1)]]
+        controller = asyncio.run(drive(server, checkpoints, minutes, num_clients, seed, tally, rss))
+        load_s = time.monotonic() - began
+        state = after_load(server, controller)
+    finally:
+        exit_code, stop_s = server.stop(STOP_WITHIN_S)
+    report = {"minutes": minutes, "clients": num_clients, "seed": seed, "load_seconds": round(load_s, 1),
+              "requests": sum(tally.counts.values()), "by_kind": tally.by_kind(), "statuses": tally.statuses(),
+              "failures": tally.failures(), "failure_notes": tally.notes, "rss_mb": rss, "after": state,
+              "greedy_fresh": fresh_greedy(checkpoints[controller.current]),
+              "sigterm_exit": [exit_code, round(stop_s, 2)]}
+    report["checks_failed"] = failures(report)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--clients", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/soak"))
+    args = parser.parse_args()
+    report = run_soak(args.minutes, args.out, args.clients, args.seed)
+    print(json.dumps({k: v for k, v in report.items() if k != "failure_notes"}, indent=1))
+    for line in report["failure_notes"]:
+        print("[soak] failure:", line)
+    print("[soak] PASSED" if not report["checks_failed"] else f"[soak] FAILED: {report['checks_failed']}")
+    return 0 if not report["checks_failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
