@@ -5,6 +5,7 @@ purpose, some aborted by rid. Each returns its outcome for Tally.guarded."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import uuid
@@ -27,6 +28,11 @@ class Clients:
     http: httpx.AsyncClient
     admin: dict[str, str]
     live_rids: set[str] = field(default_factory=set)
+    finish_reasons: collections.Counter = field(default_factory=collections.Counter)  # (tag, reason) -> n
+
+    def note_finish(self, tag: str, path: str, answer: Any) -> None:
+        for reason in finish_reasons(path, answer):
+            self.finish_reasons[(tag, reason)] += 1
 
 
 def random_text(rng: random.Random) -> str:
@@ -81,7 +87,8 @@ def chat_body(rng: random.Random, stream: bool) -> dict[str, Any]:
     return body
 
 
-async def post_or_drop(clients: Clients, path: str, body: dict, rng: random.Random, drop: bool) -> Any:
+async def post_or_drop(clients: Clients, path: str, body: dict, rng: random.Random, drop: bool,
+                       tag: str = "answered") -> Any:
     """A non-streamed request; with `drop` the client gives up after a random short wait."""
     if drop:
         try:
@@ -93,22 +100,33 @@ async def post_or_drop(clients: Clients, path: str, body: dict, rng: random.Rand
     if resp.status_code != 200:
         return resp.status_code, resp.text[:200]
     answer = resp.json()
-    check_answer(path, answer)
+    clients.note_finish(tag, path, answer)
     return resp.status_code
 
 
-def check_answer(path: str, answer: Any) -> None:
-    """The shape a client relies on (raises for Tally's client_error)."""
+def finished_part(path: str, chunk: dict) -> Any:
+    """What of a streamed chunk has finished (a request's last chunk carries its finish reason)."""
     if path == "/generate":
-        for out in answer if isinstance(answer, list) else [answer]:
-            reason = out["meta_info"]["finish_reason"]["type"]
-            assert reason in ("length", "stop", "abort"), reason
-            assert isinstance(out["output_ids"], list)
-    else:
-        assert answer["choices"] and all("finish_reason" in c for c in answer["choices"])
+        return [chunk] if chunk["meta_info"].get("finish_reason") else []
+    return {"choices": [c for c in chunk.get("choices", []) if c.get("finish_reason")]}
 
 
-async def stream_or_drop(clients: Clients, path: str, body: dict, rng: random.Random, drop: bool) -> Any:
+def finish_reasons(path: str, answer: Any) -> list[str]:
+    """The finish reasons of a final answer or a stream's last chunk; checks the shape a client
+    relies on (raises for Tally's client_error)."""
+    if path == "/generate":
+        outs = answer if isinstance(answer, list) else [answer]
+        assert all(isinstance(out["output_ids"], list) for out in outs)
+        reasons = [out["meta_info"]["finish_reason"]["type"] for out in outs]
+        assert set(reasons) <= {"length", "stop", "abort"}, reasons
+        return reasons
+    choices = answer["choices"]
+    assert all("finish_reason" in c for c in choices)
+    return [str(c["finish_reason"]) for c in choices]
+
+
+async def stream_or_drop(clients: Clients, path: str, body: dict, rng: random.Random, drop: bool,
+                         tag: str = "answered") -> Any:
     """A streamed request read to its [DONE], or left after a few chunks with `drop`."""
     leave_after = rng.randint(1, 8) if drop else None
     chunks = 0
@@ -119,7 +137,7 @@ async def stream_or_drop(clients: Clients, path: str, body: dict, rng: random.Ra
             if line == STREAM_DONE:
                 return resp.status_code
             if line.startswith("data: "):
-                json.loads(line[6:])
+                clients.note_finish(tag, path, finished_part(path, json.loads(line[6:])))
                 chunks += 1
                 if chunks == leave_after:
                     return DROPPED
@@ -157,8 +175,8 @@ async def generate_then_abort(clients: Clients, rng: random.Random) -> Any:
     aborter = asyncio.ensure_future(abort_later())
     try:
         if body["stream"]:
-            return await stream_or_drop(clients, "/generate", body, rng, drop=False)
-        return await post_or_drop(clients, "/generate", body, rng, drop=False)
+            return await stream_or_drop(clients, "/generate", body, rng, drop=False, tag="aborted_by_rid")
+        return await post_or_drop(clients, "/generate", body, rng, drop=False, tag="aborted_by_rid")
     finally:
         clients.live_rids.discard(rid)
         await aborter

@@ -63,7 +63,7 @@ async def drive(server: ServeProcess, checkpoints: tuple[str, str], minutes: flo
                 seed: int, tally: Tally, rss: list) -> Controller:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT_S + 10, limits=limits) as http:
-        clients = Clients(http, server.admin)
+        clients = Clients(http, server.admin, finish_reasons=tally.finish_reasons)
         controller = Controller(clients, tally, checkpoints)
         stop_at = time.monotonic() + minutes * 60
         await asyncio.gather(
@@ -142,7 +142,9 @@ def run_soak(minutes: float, out_dir: Path, num_clients: int = 24, seed: int = 0
         exit_code, stop_s = server.stop(STOP_WITHIN_S)
     report = {"minutes": minutes, "clients": num_clients, "seed": seed, "load_seconds": round(load_s, 1),
               "requests": sum(tally.counts.values()), "by_kind": tally.by_kind(), "statuses": tally.statuses(),
-              "failures": tally.failures(), "failure_notes": tally.notes, "rss_mb": rss, "after": state,
+              "failures": tally.failures(),
+              "finish_reasons": {f"{tag}: {reason}": n for (tag, reason), n in sorted(tally.finish_reasons.items())},
+              "failure_notes": tally.notes, "rss_mb": rss, "after": state,
               "greedy_fresh": fresh_greedy(checkpoints[controller.current]),
               "sigterm_exit": [exit_code, round(stop_s, 2)]}
     report["checks_failed"] = failures(report)

@@ -29,6 +29,7 @@ class Tally:
     counts: collections.Counter = field(default_factory=collections.Counter)  # (kind, outcome) -> n
     expected: dict[str, set] = field(default_factory=dict)  # kind -> statuses that are fine
     notes: list[str] = field(default_factory=list)  # the first failures, described
+    finish_reasons: collections.Counter = field(default_factory=collections.Counter)  # (tag, reason) -> n
     started: float = field(default_factory=time.monotonic)
 
     def record(self, kind: str, outcome: Any, note: str = "") -> None:
