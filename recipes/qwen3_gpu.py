@@ -2,8 +2,8 @@
 
 Each step the engine releases its memory while the trainer steps in it, takes the new weights
 by CUDA IPC, then gets its KV cache back. By default the model is the Qwen3-0.6B shape with
-random weights (a speed, memory and exactness check, not learning); point it at a real HF
-checkpoint and a real task to train:
+random weights and a reward that varies whatever the weights (a speed, memory and exactness
+check, not learning); point it at a real HF checkpoint, a real task and its reward to train:
 
     tandem train --recipe qwen3_gpu --model /path/to/Qwen3-0.6B --steps 200 --task my_pkg.tasks:gsm8k \\
         --reward my_pkg.rewards:gsm8k_correct --max-new-tokens 1024
@@ -17,6 +17,7 @@ RECIPE = Recipe(
     dtype="bfloat16",
     device="cuda",
     task="rollout.tasks:addition",
+    reward="rollout.rewards:response_parity",  # varies on random weights, so every step updates the policy
     temperature=1.0,
     max_new_tokens=256,
     n_per_prompt=8,

@@ -53,6 +53,8 @@ class DeepSpeedTrainer(Trainer):
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6,
                                       weight_decay=weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config)
+        if zero_stage == 3:
+            _register_borrowed_parameters(policy)
         self._micro_left = 0
 
     @classmethod
@@ -109,6 +111,18 @@ class DeepSpeedTrainer(Trainer):
             params = [p for _, p in group]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 yield [(n, p.data) for n, p in group]
+
+
+def _register_borrowed_parameters(model: torch.nn.Module) -> None:
+    """ZeRO-3 gathers a module's parameters when that module's forward runs. Attention reads its
+    q/k norms' weights itself (one fused norm + rope kernel; their forwards never run), so they
+    are registered as the attention module's own: gathered for its forward and backward."""
+    from deepspeed.zero import register_external_parameter
+
+    for module in model.modules():
+        if getattr(module, "qk_norm", False):
+            register_external_parameter(module, module.q_norm.weight)
+            register_external_parameter(module, module.k_norm.weight)
 
 
 def _init_single_process_group(deepspeed) -> None:

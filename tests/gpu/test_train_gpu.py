@@ -23,7 +23,8 @@ def test_colocated_deepspeed_grpo_is_on_policy(tmp_path, zero_stage):
 
     recipe = with_overrides(load_recipe("qwen3_gpu"), {
         "model": "tiny", "steps": 3, "prompts_per_step": 8, "max_new_tokens": 32, "zero_stage": zero_stage,
-        "bucket_bytes": 64 << 10, "lr": 1e-4, "wandb": False, "engine_args": {"mem_fraction_static": 0.2}})
+        "bucket_bytes": 64 << 10, "lr": 1e-4, "wandb": False,
+        "engine_args": {"mem_fraction_static": 0.2, "enable_memory_saver": True}})
     result = run(recipe, tmp_path / f"zero{zero_stage}", quiet=True)
     rows = result.metrics
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
