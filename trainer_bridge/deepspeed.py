@@ -117,12 +117,12 @@ def _register_borrowed_parameters(model: torch.nn.Module) -> None:
     """ZeRO-3 gathers a module's parameters when that module's forward runs. Attention reads its
     q/k norms' weights itself (one fused norm + rope kernel; their forwards never run), so they
     are registered as the attention module's own: gathered for its forward and backward."""
-    from deepspeed.zero import register_external_parameter
+    import deepspeed  # deepspeed.zero is an attribute of the package, not an importable module
 
     for module in model.modules():
         if getattr(module, "qk_norm", False):
-            register_external_parameter(module, module.q_norm.weight)
-            register_external_parameter(module, module.k_norm.weight)
+            deepspeed.zero.register_external_parameter(module, module.q_norm.weight)
+            deepspeed.zero.register_external_parameter(module, module.k_norm.weight)
 
 
 def _init_single_process_group(deepspeed) -> None:
