@@ -119,6 +119,15 @@ def _join(engines: list, port: int, name: str, timeout_s: float = 60.0) -> list[
     return answers
 
 
+def _listening(trainer: subprocess.Popen) -> None:
+    """Wait out the trainer's start-up (imports, checkpoint read): a join with a timeout of a few
+    seconds must measure the group, not how long a loaded CI machine takes to start Python."""
+    for line in trainer.stdout:
+        if line.strip() == "listening":
+            return
+    raise AssertionError(f"the trainer ended before hosting the rendezvous (rc {trainer.wait()})")
+
+
 def _layout(trainer: subprocess.Popen) -> list[list[str]]:
     for line in trainer.stdout:
         if line.startswith("joined "):
@@ -223,6 +232,7 @@ def test_a_dead_or_silent_trainer_fails_the_update_in_time_and_the_group_forms_a
     port = _free_port()  # alive, joined, never sends: the group's timeout (3 s) ends the wait
     trainer = _slime_trainer(port, 2, "wg", other_model_dir, "silent")
     try:
+        _listening(trainer)
         _join([eng], port, "wg", timeout_s=3)
         _layout(trainer)
         start = time.monotonic()

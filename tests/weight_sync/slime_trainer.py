@@ -6,7 +6,7 @@ in tests/engine/test_weight_update_distributed.py. Run as a script:
 
 SEND: "tensors" (one broadcast per tensor, async then waited, as slime sends), "buckets" (one
 broadcast per flattened bucket of at most BUCKET_BYTES), "one-then-hang" (the first tensor, then
-nothing: killed mid-update), "silent" (joins, never sends). It prints "joined" and the bucket
+nothing: killed mid-update), "silent" (joins, never sends). It prints "listening" just before it hosts the rendezvous, "joined" and the bucket
 layout as JSON ({"buckets": [[name, ...], ...]}) once the group formed, "done" at the end.
 """
 
@@ -65,6 +65,7 @@ def main(argv: list[str]) -> None:
     port, world_size, group_name, model_dir, send = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
     bucket_bytes = int(argv[5]) if len(argv) > 5 else 64 << 10
     named = [kv for path in safetensors_files(model_dir) for kv in load_file(path).items()]
+    print("listening", flush=True)  # the store binds next: a joiner with a short timeout may start now
     pg = slime_init_process_group(f"tcp://127.0.0.1:{port}", world_size, 0, group_name)
     buckets = buckets_of(named, bucket_bytes)
     print("joined", json.dumps({"buckets": [[n for n, _ in b] for b in buckets]}), flush=True)
