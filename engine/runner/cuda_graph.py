@@ -44,7 +44,7 @@ class CudaGraphRunner:
         self.model = model
         # a re-capture (after release_memory_occupation) reuses its runner's stream: cuBLAS keeps a
         # workspace per stream it has seen, so a fresh stream per capture is memory never returned
-        self.stream = stream or torch.cuda.Stream(device)
+        self.stream = stream or (torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None)
         self.attn_backend = attn_backend
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
