@@ -8,6 +8,7 @@ directly runs the same type checks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -64,6 +65,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]]) -> SamplingParams:
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a dict (or a list of dicts, one per prompt), "
+                             f"got {type(d).__name__}")
         d = dict(d or {})
         allowed = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(allowed))
@@ -125,7 +129,13 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-            setattr(self, name, float(value))
+            try:
+                value = float(value)
+            except OverflowError:  # an int past float's range
+                raise ValueError(f"{name} must be a finite number, got {value}") from None
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            setattr(self, name, value)
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -28,6 +28,16 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> 
                                          local_files_only=True)
 
 
+def check_text(text: str, what: str) -> None:
+    """A ValueError for text the tokenizer cannot encode: a lone UTF-16 surrogate (JSON's
+    "\\ud800" escape decodes to one) is no Unicode character and has no UTF-8 bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text: it has a lone surrogate {text[exc.start]!r} at "
+                         f"character {exc.start} (send the character itself or its full surrogate pair)") from None
+
+
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
                         **template_kwargs: Any) -> list[int]:
     """Render messages with the tokenizer's chat template and return the prompt's token ids."""
@@ -35,9 +45,15 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation
         raise ValueError("this tokenizer has no chat_template; send a plain prompt instead")
     # Render to text, then encode: the return type of tokenize=True differs between
     # transformers versions (list vs BatchEncoding); the text path is the same everywhere.
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except TemplateError as exc:  # the template's raise_exception(...): it refuses these messages
+        raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+    check_text(text, "the chat messages' text")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -128,7 +128,12 @@ class Engine:
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        self.client.send(AbortReq(None if abort_all else rid))
+        """Abort the request `rid` (an unknown one is a no-op), or every request with abort_all.
+        No rid and no abort_all aborts nothing, as in SGLang (an empty /abort_request body must
+        not end every rollout in flight)."""
+        if not abort_all and not rid:
+            return
+        self.client.send(AbortReq(None if abort_all else str(rid)))
 
     def flush_cache(self) -> bool:
         return self._call(FlushCacheReq())

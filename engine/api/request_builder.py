@@ -15,6 +15,7 @@ from engine.core.messages import ReqInput
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
 from engine.sampling.seeds import derive_seed
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import check_text
 
 
 class RequestBuilder:
@@ -42,10 +43,12 @@ class RequestBuilder:
         params = self._sampling_params(sampling_params, len(prompts))
         self._check_counts(params)
         rids = self._rids(rid, len(prompts))
-        distribution = logprob_distribution or self.default_distribution
-        if distribution not in LOGPROB_DISTRIBUTIONS:
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob must be a bool, got {type(return_logprob).__name__}")
+        distribution = self.default_distribution if logprob_distribution is None else logprob_distribution
+        if not isinstance(distribution, str) or distribution not in LOGPROB_DISTRIBUTIONS:
             raise ValueError(f"logprob_distribution must be one of {LOGPROB_DISTRIBUTIONS}; got {distribution!r}")
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.vocab_size:
+        if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= self.vocab_size:  # bool is no count
             raise ValueError(f"top_logprobs_num must be an int in [0, {self.vocab_size}], got {top_logprobs_num!r}")
         out: list[ReqInput] = []
         for ids, p, base_rid in zip(prompts, params, rids):
@@ -70,6 +73,8 @@ class RequestBuilder:
             raise ValueError("one of prompt (text) or input_ids is required")
         if prompt is not None:
             single = isinstance(prompt, str)
+            if not single and not isinstance(prompt, (list, tuple)):
+                raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}")
             texts = [prompt] if single else list(prompt)
             if not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt must be a string or a list of strings")
@@ -77,6 +82,9 @@ class RequestBuilder:
                 raise ValueError("this engine was started with skip_tokenizer_init; pass input_ids")
             lists = [self._encode(t) for t in texts]
         else:
+            if not isinstance(input_ids, (list, tuple)):  # a dict or a str would iterate as if it were ids
+                raise ValueError(f"input_ids must be a list of ints (or a list of such lists), "
+                                 f"got {type(input_ids).__name__}")
             single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
             lists = [list(input_ids)] if single else [list(x) if isinstance(x, (list, tuple)) else x for x in input_ids]
         if not lists:
@@ -88,6 +96,7 @@ class RequestBuilder:
     def _encode(self, text: str) -> list[int]:
         if text == "":
             raise ValueError("prompt is empty; give at least one token of text")
+        check_text(text, "prompt")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _check_ids(self, ids: Any) -> None:
@@ -121,7 +130,7 @@ class RequestBuilder:
                              f"{room}shorten the prompt or start the engine with a larger --max-total-tokens")
 
     def _sampling_params(self, raw: Any, n_prompts: int) -> list[SamplingParams]:
-        if isinstance(raw, list):
+        if isinstance(raw, (list, tuple)):
             if len(raw) != n_prompts:
                 raise ValueError(f"sampling_params has {len(raw)} entries for {n_prompts} prompts")
             items = raw
@@ -148,10 +157,12 @@ class RequestBuilder:
     def _rids(self, rid: Any, n: int) -> list[str]:
         if rid is None:
             return [uuid.uuid4().hex for _ in range(n)]
-        rids = [rid] if isinstance(rid, str) else list(rid)
+        rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) else None
+        if rids is None or not all(isinstance(r, str) for r in rids):
+            raise ValueError(f"rid must be a string or a list of strings (one per prompt), got {rid!r}")
         if len(rids) != n:
             raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
-        return [str(r) for r in rids]
+        return rids
 
     def _check_counts(self, params: list[SamplingParams]) -> None:
         too_many = [p.n for p in params if p.n > self.max_n]
@@ -174,5 +185,9 @@ class RequestBuilder:
 
     @staticmethod
     def _check_logprob_start(start: int, prompt_len: int) -> None:
-        if not isinstance(start, int) or not -1 <= start < prompt_len:
+        if not _is_int(start) or not -1 <= start < prompt_len:
             raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {prompt_len}), got {start!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,91 @@
+"""A careless caller of Engine.generate / abort_request: every bad argument is a ValueError naming
+it, raised before anything reaches the core, and the engine keeps serving with nothing left in
+flight (no KV slot held, not paused)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+GEN = {"max_new_tokens": 2, "temperature": 0.0}
+
+
+def _clean(engine) -> None:
+    stats = engine.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.paused) == (0, 0, False)
+    engine.check_integrity()  # free + cached + in use == pool: no slot leaked
+    assert engine.generate(input_ids=[5, 6], sampling_params=GEN)["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("inf")), ("temperature", float("nan")), ("repetition_penalty", float("inf")),
+    ("top_p", float("-inf")), ("frequency_penalty", float("nan")), ("temperature", 10 ** 400),
+])
+def test_non_finite_sampling_floats_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        SamplingParams.from_dict({field: value})
+
+
+@pytest.mark.parametrize("sampling_params,message", [
+    ("temperature=0", "sampling_params must be a dict .* got str"),
+    (5, "sampling_params must be a dict .* got int"),
+    ([1], "sampling_params must be a dict .* got int"),
+])
+def test_sampling_params_of_the_wrong_type(engine, sampling_params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(input_ids=[5, 6], sampling_params=sampling_params)
+    _clean(engine)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"input_ids": 5}, "input_ids must be a list of ints .* got int"),
+    ({"input_ids": {5: 6}}, "input_ids must be a list of ints .* got dict"),  # it iterated as [5]
+    ({"prompt": 5}, "prompt must be a string or a list of strings, got int"),
+    ({"prompt": "\ud800"}, r"prompt is not valid Unicode text: it has a lone surrogate '\\ud800' at character 0"),
+    ({"prompt": ["ok", "a\udfffb"]}, "lone surrogate .* at character 1"),
+    ({"input_ids": [5, 6], "rid": 5}, "rid must be a string or a list of strings"),
+    ({"input_ids": [5, 6], "rid": {"a": 1}}, "rid must be a string or a list of strings"),
+    ({"input_ids": [5, 6], "rid": [None]}, "rid must be a string or a list of strings"),
+    ({"input_ids": [5, 6], "return_logprob": "yes"}, "return_logprob must be a bool, got str"),
+    ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": True}, "logprob_start_len must be -1"),
+    ({"input_ids": [5, 6], "return_logprob": True, "logprob_distribution": []}, "logprob_distribution must be one of"),
+    ({"input_ids": [5, 6], "return_logprob": True, "logprob_distribution": ""}, "logprob_distribution must be one of"),
+])
+def test_bad_generate_arguments(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(sampling_params=GEN, **kwargs)
+    _clean(engine)
+
+
+def test_top_logprobs_num_true_is_refused_not_a_failed_step(engine):
+    """True passed isinstance(int) and reached torch.topk in the core, which failed the whole batch's step."""
+    with pytest.raises(ValueError, match="top_logprobs_num must be an int in \\[0, 1024\\], got True"):
+        engine.generate(input_ids=[5, 6], sampling_params=GEN, return_logprob=True, top_logprobs_num=True)
+    out = engine.generate(input_ids=[5, 6], sampling_params=GEN, return_logprob=True, top_logprobs_num=1)
+    assert len(out["meta_info"]["output_top_logprobs"]) == 2
+    _clean(engine)
+
+
+def test_abort_with_no_rid_aborts_nothing(engine):
+    """SGLang: no rid and no abort_all is a no-op; it used to abort every request in flight."""
+    import threading
+
+    results = {}
+    engine.pause_generation("in_place")  # the request waits, so it is surely in flight below
+    try:
+        worker = threading.Thread(target=lambda: results.update(out=engine.generate(
+            input_ids=[5, 6], sampling_params=GEN, rid="keep-me")))
+        worker.start()
+        for _ in range(200):
+            if engine.get_stats().num_waiting_reqs == 1:
+                break
+            threading.Event().wait(0.01)
+        engine.abort_request()
+        engine.abort_request("")
+        engine.abort_request("no-such-rid")
+    finally:
+        engine.continue_generation()
+    worker.join(timeout=30)
+    assert results["out"]["meta_info"]["finish_reason"]["type"] == "length"
+    _clean(engine)
