@@ -32,8 +32,11 @@ DEFAULT_TIMEOUT_S = 30.0
 DEVICE_PREFIX = {"gloo": "cpu", "nccl": "cuda"}  # the first device of torch's backend map for each
 
 
-def check_group_args(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+def check_group_args(rank: int, world_size: int, backend: str, timeout_s: float,
+                     master_port: Optional[int] = None) -> None:
     """The checks that need no peer, so a bad call is refused before any rendezvous starts."""
+    if master_port is not None and not 0 < master_port < 65536:
+        raise ValueError(f"master_port must be a TCP port in [1, 65535]; got {master_port}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if not 0 <= rank < world_size:
@@ -52,7 +55,7 @@ class WeightGroup:
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "nccl",
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        check_group_args(rank, world_size, backend, timeout_s)
+        check_group_args(rank, world_size, backend, timeout_s, int(master_port))
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # torch's tcp:// rendezvous store: multi_tenant (one server per port in a process),
         # wait_for_workers (rank 0 waits for every rank; each client counts itself in)

@@ -41,7 +41,7 @@ class WeightGroups:
             state = "already exists" if name in self.formed else "is still forming"
             return False, f"weight update group {name!r} {state}"
         try:
-            check_group_args(msg.rank_offset, msg.world_size, msg.backend, msg.timeout_s)
+            check_group_args(msg.rank_offset, msg.world_size, msg.backend, msg.timeout_s, msg.master_port)
         except (ValueError, TypeError) as exc:
             return False, f"Failed to init weight update group {name!r}: {exc}"
         future: Future = Future()

@@ -99,7 +99,7 @@ class OpenAIServing:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
         ids = apply_chat_template(tok, messages)
-        max_tokens = req.max_completion_tokens or req.max_tokens or 128
+        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 128)  # 0 is 0
         return self.engine.async_generate(
             input_ids=ids, sampling_params=openai_sampling_params(req, max_tokens),
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,

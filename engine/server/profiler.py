@@ -36,8 +36,12 @@ class Profiler:
               with_stack: Optional[bool] = None, record_shapes: Optional[bool] = None) -> None:
         if self.running:
             raise ValueError("a profile is already running: POST /stop_profile first")
-        self.output_dir = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
-        os.makedirs(self.output_dir, exist_ok=True)
+        output_dir = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except (OSError, ValueError) as exc:  # read-only, a file in the way, a NUL in the name
+            raise ValueError(f"output_dir {output_dir!r} cannot be created: {exc}") from None
+        self.output_dir = output_dir
         self.profile = torch.profiler.profile(activities=self._activities(activities),
                                               with_stack=bool(with_stack), record_shapes=bool(record_shapes),
                                               experimental_config=_all_threads())
@@ -50,7 +54,10 @@ class Profiler:
         profile, self.profile = self.profile, None
         profile.stop()
         path = os.path.join(self.output_dir, f"tandem-{int(time.time() * 1000)}.trace.json")
-        profile.export_chrome_trace(path)
+        try:
+            profile.export_chrome_trace(path)
+        except OSError as exc:  # e.g. output_dir removed meanwhile: the profile is over either way
+            raise ValueError(f"the trace could not be written to {path}: {exc}") from None
         self.last_trace = path
         return path
 

@@ -1,0 +1,176 @@
+"""A hostile or careless HTTP client: each bad body is a 400 naming the problem (never a 500 or a
+hang), and afterwards the engine serves, idle, unpaused, with no KV slot leaked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.server.http import create_app
+
+GEN = {"max_new_tokens": 2, "temperature": 0.0}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def raw(engine):
+    """Under TestClient that answers a 500 rather than raising it, so the test sees what a client sees."""
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        yield c
+
+
+def _post_raw(client, path: str, body: bytes):
+    return client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+def _serving(client, engine) -> None:
+    stats = engine.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.paused) == (0, 0, False)
+    engine.check_integrity()
+    resp = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": GEN})
+    assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 2
+
+
+# JSON's \ud800 escape is legal JSON and decodes to a lone surrogate, which the tokenizer cannot
+# encode: it was a 500 on all three generation routes
+@pytest.mark.parametrize("path,body,message", [
+    ("/generate", b'{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}',
+     "prompt is not valid Unicode text: it has a lone surrogate '\\ud800' at character 0"),
+    ("/v1/completions", b'{"prompt": ["ok", "x\\udc00"], "max_tokens": 2}', "lone surrogate '\\udc00' at character 1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+     "the chat messages' text is not valid Unicode text"),
+    ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": Infinity}}',
+     "temperature must be a finite number, got inf"),
+    ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": -Infinity}',
+     "repetition_penalty must be a finite number, got -inf"),
+])
+def test_bad_text_and_non_finite_floats_are_400(raw, engine, path, body, message):
+    resp = _post_raw(raw, path, body)
+    assert resp.status_code == 400, resp.text
+    assert message in resp.json()["message"]
+    _serving(raw, engine)
+
+
+def test_a_valid_surrogate_pair_is_text(raw, engine):
+    resp = _post_raw(raw, "/generate", b'{"text": "\\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}')
+    assert resp.status_code == 200, resp.text
+
+
+def test_start_profile_with_an_unwritable_output_dir_is_400(raw, engine, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    resp = raw.post("/start_profile", json={"output_dir": str(blocker / "traces")})
+    assert resp.status_code == 400 and f"output_dir '{blocker / 'traces'}' cannot be created" in resp.json()["message"]
+    assert raw.post("/stop_profile").status_code == 400  # nothing was started
+    _serving(raw, engine)
+
+
+@pytest.mark.parametrize("port", [-1, 0, 70000])
+def test_init_weights_update_group_with_a_bad_port_names_it(raw, engine, port):
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo", "timeout_s": 1}
+    resp = raw.post("/init_weights_update_group", json=body)
+    assert resp.status_code == 400
+    assert resp.json()["message"].endswith(f"master_port must be a TCP port in [1, 65535]; got {port}")
+    _serving(raw, engine)
+
+
+def test_abort_request_with_an_empty_body_aborts_nothing(raw, engine):
+    """{} and {"rid": ""} used to abort every request in flight; SGLang does nothing for them."""
+    raw.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        import threading
+
+        answers = {}
+        worker = threading.Thread(target=lambda: answers.update(resp=raw.post(
+            "/generate", json={"input_ids": [5, 6], "sampling_params": GEN, "rid": "survivor"})))
+        worker.start()
+        for _ in range(500):
+            if engine.get_stats().num_waiting_reqs == 1:
+                break
+            threading.Event().wait(0.01)
+        assert raw.post("/abort_request", json={}).status_code == 200
+        assert raw.post("/abort_request", json={"rid": ""}).status_code == 200
+    finally:
+        raw.post("/continue_generation")
+    worker.join(timeout=30)
+    assert answers["resp"].json()["meta_info"]["finish_reason"]["type"] == "length"
+    _serving(raw, engine)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_max_tokens_zero_means_zero(raw, engine, field):
+    """0 fell through `or` to the default of 128 tokens."""
+    resp = raw.post("/v1/chat/completions", json={"messages": CHAT, field: 0})
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["completion_tokens"] == 0
+
+
+def test_sampling_params_list_of_non_dicts_is_400(raw, engine):
+    resp = raw.post("/generate", json={"text": ["a", "b"], "sampling_params": [GEN, "x"]})
+    assert resp.status_code == 400 and "sampling_params" in resp.json()["message"]
+    _serving(raw, engine)
+
+
+# ---- a fuzz over field types: any JSON value in any field is an answer below 500 --------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+                     st.sampled_from(["\ud800", "", "abort", "json_object", "user", "text"]))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                       max_leaves=6)
+_SAMPLING = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
+             "sampling_seed", "json_schema", "regex", "ebnf", "logit_bias", "min_new_tokens", "ignore_eos",
+             "repetition_penalty", "stream_interval", "skip_special_tokens", "no_stop_trim"]
+_ROUTE_FIELDS = {
+    "/generate": ["text", "input_ids", "return_logprob", "logprob_start_len", "top_logprobs_num", "rid",
+                  "logprob_distribution", "return_text_in_logprobs", "stream"],
+    "/v1/completions": ["prompt", "max_tokens", "logprobs", "echo", "n", "stop", "seed", "temperature",
+                        "response_format", "stream_options", "top_k", "stream"],
+    "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                             "response_format", "n", "seed", "stop", "stream"],
+}
+_BASE = {"/generate": {"input_ids": [5, 6], "sampling_params": dict(GEN)},
+         "/v1/completions": {"prompt": [5, 6], "max_tokens": 2, "temperature": 0.0},
+         "/v1/chat/completions": {"messages": CHAT, "max_tokens": 2, "temperature": 0.0}}
+
+
+@st.composite
+def _bodies(draw):
+    path = draw(st.sampled_from(sorted(_ROUTE_FIELDS)))
+    body = json.loads(json.dumps(_BASE[path]))
+    for field in draw(st.lists(st.sampled_from(_ROUTE_FIELDS[path]), min_size=1, max_size=3, unique=True)):
+        body[field] = draw(_VALUES)
+    if path == "/generate" and isinstance(body.get("sampling_params"), dict):
+        for field in draw(st.lists(st.sampled_from(_SAMPLING), max_size=2, unique=True)):
+            body["sampling_params"][field] = draw(_VALUES)
+    if "text" in body or "input_ids" not in body:
+        body.pop("input_ids", None)
+    for key in ("max_new_tokens", "max_tokens"):  # keep generation short: 2 tokens at most
+        target = body.get("sampling_params") if key == "max_new_tokens" else body
+        if isinstance(target, dict) and isinstance(target.get(key), int) and not isinstance(target[key], bool):
+            target[key] = max(min(target[key], 2), -1)
+    return path, body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(case=_bodies())
+def test_fuzzed_field_types_never_500(raw, engine, case):
+    path, body = case
+    text = json.dumps(body, allow_nan=True)  # NaN / Infinity as Python's json writes them
+    resp = _post_raw(raw, path, text.encode("utf-8", "surrogatepass"))
+    assert resp.status_code < 500, (path, body, resp.status_code, resp.text)
+    if resp.status_code == 400:
+        assert resp.json()["message"], (path, body)
+
+
+def test_after_the_fuzz_the_engine_is_clean(raw, engine):
+    _serving(raw, engine)
