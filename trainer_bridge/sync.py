@@ -55,8 +55,11 @@ def push_to_engines(engines: Sequence[Any], trainer_buckets: Iterable[Sequence[t
         else:  # the whole update in one send (a checkpoint): host copies, since runs expire
             send([(n, t.detach().cpu()) for run in trainer_buckets for n, t in run], True)
     finally:
-        on_all_engines(engines, lambda e: e.continue_generation())
-        release_shared_buckets()
+        try:  # a bucket still on the wire (the trainer's runs raised mid-way) lands before continuing
+            getattr(sender, "close", lambda: None)()
+        finally:
+            on_all_engines(engines, lambda e: e.continue_generation())
+            release_shared_buckets()
 
 
 def _send_buckets(trainer_buckets: Iterable[Sequence], bucket_bytes: int, send: Callable[[list, bool], None]) -> None:

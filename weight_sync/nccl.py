@@ -11,6 +11,7 @@ buckets alive). The group itself: weight_sync/weight_group.py.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
@@ -21,6 +22,7 @@ from weight_sync.base import LoadContext, WeightSender, WeightSource, WeightSync
 from weight_sync.bucket import FlattenedBucket, FlattenedTensorMetadata
 from weight_sync.weight_group import GroupBroken, WeightGroup, check_group_args  # noqa: F401 (the group's home)
 
+logger = logging.getLogger("tandem")
 LOAD_FORMATS = (None, "flattened_bucket")
 OUT_OF_STEP = "nothing was received, so the trainer's broadcasts are now out of step with this engine"
 
@@ -154,6 +156,21 @@ class GroupSender(WeightSender):
         if refusals:
             raise WeightSyncError(f"engine refused the weights: {refusals[0]}")
 
+    def close(self) -> None:
+        """After an update that failed mid-way (the trainer's runs raised): the bucket still on the
+        wire is waited for, and every engine's receive call answered, so no engine is told to
+        continue while its receive is still to come; its failure is logged (the caller is already
+        raising). The reply threads end."""
+        try:
+            if self._in_flight is not None:
+                self.finish()
+        except WeightSyncError as exc:
+            logger.warning("the weight update was abandoned; its last bucket also failed: %s", exc)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool, self._pool_size = None, 0
+
     def _start(self, engines: Sequence[Any], packed: FlattenedBucket, flush_cache: bool,
                weight_version: Optional[str]) -> None:
         names = [m.name for m in packed.metadata]
@@ -164,6 +181,8 @@ class GroupSender(WeightSender):
         except GroupBroken as exc:
             raise WeightSyncError(str(exc)) from exc
         if self._pool_size < len(engines):
+            if self._pool is not None:  # its threads are idle: the last bucket was waited for
+                self._pool.shutdown(wait=False)
             self._pool, self._pool_size = ThreadPoolExecutor(len(engines), "tandem-weight-send"), len(engines)
         # every engine's receive call blocks until it has this broadcast: they run beside it
         replies = [self._pool.submit(engine.update_weights_from_distributed, names, dtypes, shapes, self.group_name,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -127,3 +128,39 @@ def test_a_refusal_or_a_broken_group_raises():
     with pytest.raises(WeightSyncError, match="failed earlier"):
         GroupSender(Broken([]), "g").send_all([idle], _buckets(1)[0], True, "v")
     assert idle.calls == []  # no engine left waiting for a broadcast that cannot come
+
+
+def test_a_push_that_fails_mid_update_waits_for_its_bucket_on_the_wire_before_continuing():
+    """The trainer's runs fail after one bucket went out (a ZeRO-3 gather raising): that bucket's
+    broadcast and every engine's receive call end before the engines continue generating (they
+    would otherwise resume on half-updated weights while the receive is still to come), and the
+    trainer's error is the one raised."""
+    from trainer_bridge.sync import push_to_engines
+
+    events: list = []
+
+    class Slow(_Engine):
+        def update_weights_from_distributed(self, *args, **kwargs):
+            time.sleep(0.3)  # the receive call runs late (an HTTP round trip)
+            answer = super().update_weights_from_distributed(*args, **kwargs)
+            self.events.append(("received", self.name))
+            return answer
+
+        def pause_generation(self, mode):
+            self.events.append(("pause", self.name))
+
+        def continue_generation(self):
+            self.events.append(("continue", self.name))
+
+    engines = [Slow(events, "e1"), Slow(events, "e2")]
+
+    def runs():
+        yield _buckets(1)[0]
+        raise RuntimeError("gather failed")
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        push_to_engines(engines, runs(), "v1", transport="distributed", group=_Group(events), group_name="g")
+    order = [e for e in events if e[0] in ("received", "continue", "wait")]
+    assert order.index(("wait", 0)) < order.index(("continue", "e1"))
+    for name in ("e1", "e2"):
+        assert order.index(("received", name)) < min(order.index(("continue", n)) for n in ("e1", "e2"))
