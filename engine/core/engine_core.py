@@ -23,14 +23,15 @@ from engine.core.messages import WeightsGroupStatusReq
 from engine.core.output import build_output
 from engine.core.setup import CoreParts, build_core_parts
 from engine.core.weight_queries import weights_by_name, weights_checksum
+from engine.grammar.compile_queue import GrammarQueue
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
-from engine.grammar.matcher import RequestGrammar
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
 from engine.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
+GRAMMAR_POLL_S = 0.005  # an idle loop's wait for a compile: messages are read again after it
 CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
                     DestroyWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, WeightsGroupStatusReq)
 
@@ -63,7 +64,9 @@ class EngineCore:
         self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
         self._processing: Optional[ScheduleBatch] = None
         self.memory_released: set[str] = set()  # release_memory_occupation tags not yet resumed
-        self._grammars: Optional[GrammarCompiler] = None  # built on the first constrained request
+        # constrained requests wait here while their grammar compiles, off the loop
+        self.grammars = GrammarQueue(lambda: GrammarCompiler(self.tokenizer, self.parts.vocab_size,
+                                                             self.parts.eos_token_ids))
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> Any:
@@ -92,6 +95,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """At the end of the core loop: the other tensor-parallel ranks' processes stop too."""
+        self.grammars.shutdown()
         self.runner.shutdown()
 
     def info(self) -> CoreInfo:
@@ -110,7 +114,7 @@ class EngineCore:
             num_steps=st.num_steps, num_prefill_tokens=st.num_prefill_tokens, num_cached_tokens=st.num_cached_tokens,
             num_generated_tokens=st.num_generated_tokens, num_lookahead_steps=st.num_lookahead_steps,
             num_mixed_steps=st.num_mixed_steps, num_retractions=sched.num_retractions,
-            num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting),
+            num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting) + len(self.grammars.waiting),
             new_token_ratio=float(sched.new_token_ratio),
             kv_tokens_used=sched.allocator.size - sched.allocator.available_size(),
             kv_tokens_total=sched.allocator.size, num_weight_updates=self.control.num_updates,
@@ -120,31 +124,37 @@ class EngineCore:
 
     def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
         req = Req.from_input(msg)
-        try:
-            req.grammar = self._request_grammar(req)
-        except ValueError as exc:  # the front end compiled it already; only a core without a tokenizer
-            return [self._error_output(req, str(exc))]
         if self.tokenizer is not None and msg.core_detokenizes:  # else the front end decodes the final ids
             req.detokenizer = self.parts.make_detokenizer(req)
+        spec = grammar_spec(req.sampling_params)  # compiled again here: compiled grammars do not pickle
+        if spec is not None:
+            req.grammar = self.grammars.submit(req, spec)
+            if req.grammar is None:  # compiling: _admit_compiled queues it once its grammar is in
+                return []
         self.scheduler.add_request(req)
         return []
 
-    def _request_grammar(self, req: Req) -> Optional[RequestGrammar]:
-        """The request's matcher, compiled from its spec through the core's cache (compiled
-        grammars do not cross the process boundary)."""
-        spec = grammar_spec(req.sampling_params)
-        if spec is None:
-            return None
-        if self._grammars is None:
-            p = self.parts
-            self._grammars = GrammarCompiler(self.tokenizer, p.vocab_size, p.eos_token_ids)
-        return RequestGrammar(self._grammars.compile(*spec))
+    def _admit_compiled(self) -> list[ReqOutput]:
+        """Queue the requests whose grammar compiled; a grammar that failed (the front end checked
+        it already: only a core without tokenizer or xgrammar) fails its request."""
+        outputs = []
+        for req, grammar, error in self.grammars.pop_ready():
+            if error is not None:
+                outputs.append(self._error_output(req, error))
+            else:
+                req.grammar = grammar
+                self.scheduler.add_request(req)
+        return outputs
 
     def _abort(self, msg: AbortReq) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
         rids = [msg.rid] if msg.rid is not None else self._all_rids()
         for rid in rids:
-            req = self.scheduler.abort_request(rid, msg.message)
+            req = self.grammars.remove(rid)
+            if req is not None:  # still compiling its grammar: it never reached the scheduler
+                req.finished_reason = {"type": "abort", "message": msg.message}
+            else:
+                req = self.scheduler.abort_request(rid, msg.message)
             if req is not None and req.finished:  # it was waiting: finished right away
                 outputs.append(self._finish_output(req))
         if not self.generating:  # no step will release the running ones
@@ -156,9 +166,13 @@ class EngineCore:
 
     def _all_rids(self) -> list[str]:
         s = self.scheduler
-        return [r.rid for r in list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])]
+        queued = list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])
+        return self.grammars.rids() + [r.rid for r in queued]
 
     def has_work(self) -> bool:
+        return self._busy() or bool(self.grammars.waiting)
+
+    def _busy(self) -> bool:
         return self._inflight is not None or (self.generating and self.scheduler.has_work())
 
     @property
@@ -185,8 +199,14 @@ class EngineCore:
     def step(self) -> list[ReqOutput]:
         """One scheduling round. With overlap, a decode step is launched before the previous
         step's tokens are read back, so host work hides behind the device's."""
+        if not self._busy():  # only grammars compiling: wait a little for one instead of spinning
+            self.grammars.wait(GRAMMAR_POLL_S)
+        compiled = self._admit_compiled()
         if not self.generating:
-            return self.drain()
+            return compiled + self.drain()
+        return compiled + self._step_generating()
+
+    def _step_generating(self) -> list[ReqOutput]:
         inflight, self._inflight = self._inflight, None
         ahead = self.scheduler.schedule_lookahead(inflight.batch) if inflight is not None else None
         if ahead is not None:

@@ -3,7 +3,7 @@
 One compiler per tokenizer; compiled grammars are cached per (kind, spec) string, so a grammar
 that every request of a rollout carries is compiled once. Compiled grammars do not pickle, so
 the front end compiles to validate (a bad grammar is a ValueError there) and the core compiles
-again from the spec, through its own cache.
+again from the spec, through its own cache, on a worker thread (engine.grammar.compile_queue).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # cached here, by spec
         self._cache: dict[tuple[str, str], Any] = {}
+
+    def cached(self, kind: str, spec: str) -> Optional[Any]:
+        """The CompiledGrammar if (kind, spec) was compiled already, else None (never compiles)."""
+        return self._cache.get((kind, spec))
 
     def compile(self, kind: str, spec: str) -> Any:
         """The CompiledGrammar for (kind, spec); ValueError naming the field and xgrammar's reason."""

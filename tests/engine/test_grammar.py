@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -246,3 +248,72 @@ def test_openai_response_format(client):
     body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x"}}
     bad = client.post("/v1/completions", json=body)
     assert bad.status_code == 400 and "schema" in bad.json()["message"]
+
+
+class _GatedCompiler:
+    """The core's compiler, held at a gate: a compile that takes as long as the test wants."""
+
+    def __init__(self, make, gate) -> None:
+        self.inner, self.gate, self.calls = make(), gate, 0
+
+    def cached(self, kind, spec):
+        return self.inner.cached(kind, spec) if self.gate.is_set() else None
+
+    def compile(self, kind, spec):
+        self.calls += 1
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.inner.compile(kind, spec)
+
+
+def _gate_core_compiles(eng) -> tuple[threading.Event, list]:
+    core, gate, made = eng.local_core, threading.Event(), []
+    make = core.grammars._make_compiler
+
+    def gated():
+        made.append(_GatedCompiler(make, gate))
+        return made[0]
+
+    core.grammars._make_compiler = gated
+    return gate, made
+
+
+def test_a_compiling_grammar_never_stalls_running_requests(engine_factory):
+    """The core compiles on a worker thread: while a grammar compiles, free requests are served
+    to the end; the constrained one waits (counted as waiting), then runs and matches."""
+    eng = engine_factory()
+    gate, made = _gate_core_compiles(eng)
+    constrained: list = []
+    waiting = threading.Thread(target=lambda: constrained.append(
+        eng.generate("hello", sampling_params=sampled(1, regex=CODE)[0])))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while not (made and made[0].calls) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made and made[0].calls == 1, "the core never started compiling"
+    free = eng.generate(PROMPTS, sampling_params=sampled(4, max_new_tokens=12))  # served meanwhile
+    assert [len(o["output_ids"]) for o in free] == [12] * 4 or all(o["meta_info"]["finish_reason"] for o in free)
+    assert not constrained and eng.get_stats().num_waiting_reqs == 1
+    gate.set()
+    waiting.join(30)
+    assert constrained and re.fullmatch(CODE, constrained[0]["text"]), constrained
+    eng.check_integrity()
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_at_once(engine_factory):
+    eng = engine_factory()
+    gate, made = _gate_core_compiles(eng)
+    answer: list = []
+    waiting = threading.Thread(target=lambda: answer.append(
+        eng.generate("hello", sampling_params=sampled(1, regex=CODE)[0], rid="compiling")))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while not (made and made[0].calls) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    eng.abort_request("compiling")
+    waiting.join(10)
+    gate.set()
+    assert answer and answer[0]["meta_info"]["finish_reason"]["type"] == "abort", answer
+    assert eng.get_stats().num_waiting_reqs == 0
+    out = eng.generate("hello", sampling_params=sampled(1, regex=CODE)[0])
+    assert re.fullmatch(CODE, out["text"]) and made[0].inner.cached("regex", CODE) is not None
+    eng.check_integrity()

@@ -1,0 +1,74 @@
+"""GrammarQueue: a constrained request waits here while its grammar compiles on a worker thread.
+
+The core loop never compiles: on a Qwen-sized vocabulary xgrammar takes ~0.5 s to index the
+tokenizer (the first constrained request) and tens of ms per new schema, which would stall every
+running batch. xgrammar releases the GIL while it compiles, so the loop keeps stepping. A grammar
+already compiled (every sample of a GRPO group after the first) is attached at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.matcher import RequestGrammar
+
+
+class GrammarQueue:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+        self._make_compiler = make_compiler
+        self._compiler: Optional[GrammarCompiler] = None  # built on the worker: indexing the vocab is slow
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.waiting: list[tuple[Any, Future]] = []  # (request, its compile), in arrival order
+
+    def submit(self, req: Any, spec: tuple[str, str]) -> Optional[RequestGrammar]:
+        """The request's matcher now if its grammar is compiled already, else None: it waits here
+        until `pop_ready` hands it back."""
+        compiled = self._compiler.cached(*spec) if self._compiler is not None else None
+        if compiled is not None:
+            return RequestGrammar(compiled)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+        self.waiting.append((req, self._pool.submit(self._compile, spec)))
+        return None
+
+    def pop_ready(self) -> list[tuple[Any, Optional[RequestGrammar], Optional[str]]]:
+        """(request, matcher, None) for each compiled grammar, (request, None, reason) for each
+        that failed; those still compiling stay."""
+        ready = [(req, f) for req, f in self.waiting if f.done()]
+        if not ready:
+            return []
+        self.waiting = [(req, f) for req, f in self.waiting if not f.done()]
+        out = []
+        for req, future in ready:
+            error = future.exception()
+            out.append((req, None, str(error)) if error is not None else (req, RequestGrammar(future.result()), None))
+        return out
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a waiting compile ends or the timeout passes (the loop has nothing else to do)."""
+        if self.waiting:
+            concurrent.futures.wait([f for _, f in self.waiting], timeout_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def remove(self, rid: str) -> Optional[Any]:
+        """Take a waiting request out (it was aborted); its compile still fills the cache."""
+        for i, (req, _) in enumerate(self.waiting):
+            if req.rid == rid:
+                del self.waiting[i]
+                return req
+        return None
+
+    def rids(self) -> list[str]:
+        return [req.rid for req, _ in self.waiting]
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: tuple[str, str]) -> Any:
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler.compile(*spec)
