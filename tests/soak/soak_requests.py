@@ -1,6 +1,6 @@
 """The soak's generation requests: /generate and /v1/chat/completions, streamed or not, with
-random sampling parameters (n > 1, logprobs, penalties, seeds, stops), some left mid-way on
-purpose, some aborted by rid. Each returns its outcome for Tally.guarded."""
+random sampling parameters (n > 1, logprobs, penalties, seeds, stops), some under a regex (their
+output checked), some left mid-way on purpose, some aborted by rid. Each returns its outcome for Tally.guarded."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,6 +183,30 @@ async def generate_then_abort(clients: Clients, rng: random.Random) -> Any:
         await aborter
 
 
+async def generate_constrained(clients: Clients, rng: random.Random) -> Any:
+    """/generate under a regex: a few patterns recur (cached), a fresh one now and then (a
+    compile while the load runs). A request that stopped must match its pattern in full."""
+    pattern = f"[0-9]{{{rng.randint(1, 3 if rng.random() < 0.8 else 40)}}}-(yes|no|[a-z]{{2}})"
+    body = {"text": random_text(rng), "sampling_params": {
+        "max_new_tokens": 64, "temperature": rng.choice([0.0, 1.0]), "n": rng.choice([1, 1, 2]), "regex": pattern}}
+    resp = await clients.http.post("/generate", json=body)
+    if resp.status_code != 200:
+        return resp.status_code, resp.text[:200]
+    answer = resp.json()
+    for out in answer if isinstance(answer, list) else [answer]:
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert re.fullmatch(pattern, out["text"]), (pattern, out["text"])
+    clients.note_finish("constrained", "/generate", answer)
+    return resp.status_code
+
+
+async def malformed_grammar(clients: Clients, rng: random.Random) -> Any:
+    """A grammar that cannot compile: a 400 naming it, before anything runs."""
+    kind, spec = rng.choice([("regex", "[0-9"), ("json_schema", "{not json"), ("ebnf", "root ::= ")])
+    resp = await clients.http.post("/generate", json={"text": "hi", "sampling_params": {kind: spec}})
+    return resp.status_code
+
+
 def generation_mix() -> list[tuple[str, int, Any]]:
     """(kind, weight, action(clients, rng)) for the client loops."""
     return [
@@ -194,4 +219,6 @@ def generation_mix() -> list[tuple[str, int, Any]]:
         ("chat_stream_left", 5, lambda c, r: chat(c, r, stream=True, drop=True)),
         ("chat_left", 3, lambda c, r: chat(c, r, drop=True)),
         ("generate_aborted_by_rid", 5, generate_then_abort),
+        ("generate_constrained", 6, generate_constrained),
+        ("malformed_grammar", 1, malformed_grammar),
     ]
