@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,10 +60,16 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
 
 
 class TPGroup:
-    def __init__(self, address: TPAddress, rank: int) -> None:
+    def __init__(self, address: TPAddress, rank: int, check_alive: Optional[Callable[[], None]] = None) -> None:
+        """check_alive (rank 0): raises when a rank's process is gone; polled while rank 0 waits for
+        the others to join, so a rank that died at start is named at once, not after the timeout."""
         self.rank, self.size, self.backend = rank, address.size, address.backend
         self._store = dist.TCPStore(address.host, address.port, address.size, is_master=rank == 0,
                                     timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        if rank == 0:
+            _wait_for_ranks(self._store, self.size, check_alive or (lambda: None))
+        else:
+            self._store.set(f"tp_joined/{rank}", "1")
         self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("tp_cpu", self._store), rank, self.size, RENDEZVOUS_TIMEOUT)
         self.cpu.set_timeout(IDLE_TIMEOUT)
         if address.backend == "gloo":
@@ -71,6 +78,16 @@ class TPGroup:
             self.device.set_timeout(IDLE_TIMEOUT)
         else:
             self.device = dist.ProcessGroupNCCL(dist.PrefixStore("tp", self._store), rank, self.size)
+
+    def close(self) -> None:
+        """Shuts both groups down and drops the store (rank 0's stops listening): a stopped
+        engine keeps no sockets or threads of its group. Collectives fail afterwards."""
+        for pg in (self.device, self.cpu):
+            try:
+                pg.shutdown()
+            except Exception:  # a group whose peers are gone: nothing left to tell them
+                pass
+        self.device = self.cpu = self._store = None
 
     @property
     def is_leader(self) -> bool:
@@ -126,3 +143,16 @@ class TPGroup:
         parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
         self.cpu.allgather([parts], [mine]).wait()
         return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, lengths)]
+
+
+def _wait_for_ranks(store: dist.TCPStore, size: int, check_alive: Callable[[], None]) -> None:
+    """Until every other rank announced itself in the store, within the rendezvous timeout."""
+    keys = [f"tp_joined/{r}" for r in range(1, size)]
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        check_alive()
+        if time.monotonic() > deadline:
+            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+            raise RuntimeError(f"tensor-parallel rank(s) {', '.join(missing)} did not join rank 0 within "
+                               f"{RENDEZVOUS_TIMEOUT.total_seconds():g} s")
+        time.sleep(0.05)

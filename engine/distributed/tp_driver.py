@@ -7,6 +7,7 @@ KV plan once, then every forward pass and every weight update, in rank 0's order
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
 import multiprocessing as mp
 from typing import Any
@@ -29,6 +30,10 @@ class TPDriver:
         from engine.distributed.tp_worker import run_tp_worker
 
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and torch.cuda.device_count() < args.tp_size:  # rank t takes GPU t
+            visible = torch.cuda.device_count()
+            raise ValueError(f"tp_size {args.tp_size} needs {args.tp_size} GPUs; {visible} "
+                             f"{'is' if visible == 1 else 'are'} visible")
         address = TPAddress("127.0.0.1", free_port(), args.tp_size, backend)
         ctx = mp.get_context("spawn")
         self.processes = [ctx.Process(target=run_tp_worker, args=(args, rank, address), name=f"tandem-tp{rank}",
@@ -38,7 +43,9 @@ class TPDriver:
         self._stopped = False
         atexit.register(self.stop)
         try:
-            self.group = TPGroup(address, 0)  # the rendezvous: waits for every rank
+            # the rendezvous: waits for every rank, naming at once one that exited at start
+            self.group = TPGroup(address, 0, check_alive=lambda: self._check_ranks_alive(
+                "before joining rank 0 (its error is logged above)"))
         except BaseException:  # the workers wait in the same rendezvous: nothing to tell them
             self._stopped = True
             atexit.unregister(self.stop)
@@ -57,10 +64,11 @@ class TPDriver:
         if step.input_ids is None:  # the previous step's samples, still on the device
             self.group.broadcast_tensor(fb.input_ids.contiguous())
 
-    def _check_ranks_alive(self) -> None:
+    def _check_ranks_alive(self, when: str = "; this engine cannot run until restarted") -> None:
         gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.processes) if not p.is_alive()]
         if gone:
-            raise RuntimeError(f"tensor-parallel {', '.join(gone)} exited; this engine cannot run until restarted")
+            sep = "" if when.startswith(";") else " "
+            raise RuntimeError(f"tensor-parallel {', '.join(gone)} exited{sep}{when}")
 
     def load_weights(self, source: Any, model: Any, ctx: Any) -> None:
         """Every rank loads its shards of the same update; any rank's failure is raised here.
@@ -105,12 +113,18 @@ class TPDriver:
             return
         self._stopped = True
         atexit.unregister(self.stop)
+        told = False
         if hasattr(self, "group") and all(p.is_alive() for p in self.processes):
             try:
+                self.group.cpu.set_timeout(datetime.timedelta(seconds=STOP_TIMEOUT_S))  # bounded, even out of step
                 self.group.broadcast_object(Stop())
-            except RuntimeError:  # a worker is gone: the others exit with rank 0's process or are killed
+                told = True
+            except RuntimeError:
                 logger.warning("could not tell the tensor-parallel workers to stop; killing them")
-        self._reap(STOP_TIMEOUT_S)
+        # a rank not told (one is gone, or the Stop failed) would wait for it forever: killed at once
+        self._reap(STOP_TIMEOUT_S if told else 0.0)
+        if hasattr(self, "group"):
+            self.group.close()
 
     def _reap(self, timeout: float) -> None:
         for p in self.processes:

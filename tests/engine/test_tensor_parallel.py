@@ -369,3 +369,47 @@ def test_engine_tp2_broadcast_update_reaches_every_rank(other_engine, tiny_model
     finally:
         trainer.kill()
         eng.shutdown()
+
+
+def test_engine_tp4_shutdown_with_a_dead_rank_is_prompt_and_frees_the_group(tiny_model_dir):
+    """A dead rank cannot pass rank 0's Stop on: the living ranks are killed at once (not each
+    waited for), and rank 0's TCPStore and process groups are closed (its port refuses)."""
+    import socket
+    import time
+
+    from engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, tp_size=4, dtype="float32", device="cpu")
+    driver = eng.client.core.runner.tp
+    port = driver.group._store.port
+    driver.processes[0].kill()
+    driver.processes[0].join()
+    start = time.monotonic()
+    eng.shutdown()
+    assert time.monotonic() - start < 10
+    assert not any(p.is_alive() for p in driver.processes)
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+
+
+def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_at_once(tiny_model_dir, monkeypatch):
+    """A worker that exits at start (no GPU of its own, a broken install) is named at once, not
+    after the rendezvous timeout; with NCCL, too few GPUs are refused before any process starts."""
+    import datetime
+    import time
+
+    from engine.config import ServerArgs
+    from engine.distributed import parallel_state, tp_worker
+    from engine.distributed.tp_driver import TPDriver
+
+    monkeypatch.setattr(parallel_state, "RENDEZVOUS_TIMEOUT", datetime.timedelta(seconds=20))
+    monkeypatch.setattr(tp_worker, "run_tp_worker", os._exit)  # the child raises a TypeError and exits 1
+    args = ServerArgs(model_path=tiny_model_dir, tp_size=2, device="cpu")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(exit code 1\) exited before joining"):
+        TPDriver(args, torch.device("cpu"))
+    assert time.monotonic() - start < 15
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tp_size 2 needs 2 GPUs; 1 is visible"):
+        TPDriver(args, torch.device("cuda"))
+
