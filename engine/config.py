@@ -89,6 +89,8 @@ class ServerArgs:
         for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.health_check_timeout <= 0:
             raise ValueError(f"health_check_timeout must be > 0 seconds, got {self.health_check_timeout}")
         if self.max_prefill_tokens <= 0:

@@ -48,15 +48,44 @@ def plan_line(recipe: Recipe, source: ModelSource, output_dir: Path) -> str:
             f"{'one-step off-policy' if recipe.off_policy else 'on-policy'}; run folder {output_dir}")
 
 
-def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
+def check_recipe(recipe: Recipe) -> None:
+    """What can be checked before anything starts (a trainer, Ray, engine actors): the plug-ins
+    import, the choices are known ones, engine_args are ServerArgs fields. A bad value is a
+    ValueError naming the field, not an engine actor's traceback minutes later."""
+    from engine.config import ServerArgs
+    from recipes.weight_push import RECIPE_TRANSPORTS
+    from trainer_bridge.losses import AGGREGATIONS
+
     if recipe.off_policy and recipe.colocate:
         raise ValueError("off_policy needs engines generating while the trainer steps; colocate releases them then")
+    if recipe.aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {recipe.aggregation!r}")
+    if recipe.transport not in RECIPE_TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(RECIPE_TRANSPORTS)}; got {recipe.transport!r}")
+    try:
+        torch.device(recipe.device)
+    except RuntimeError:
+        raise ValueError(f"device {recipe.device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if not isinstance(getattr(torch, recipe.dtype, None), torch.dtype):
+        raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, ...); got {recipe.dtype!r}")
+    try:
+        ServerArgs.from_kwargs(**{"model_path": recipe.model, "dtype": recipe.dtype, **recipe.engine_args})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"engine_args: {exc}") from None
+    load_object(recipe.task, "task")
+    load_object(recipe.reward, "reward")
+    if recipe.rollout_fn:
+        load_object(recipe.rollout_fn, "rollout_fn")
+
+
+def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
+    check_recipe(recipe)
+    source = ModelSource.resolve(recipe.model, recipe.seed)  # a bad model path: refused before the run folder
+    output_dir.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     if recipe.torch_threads > 0:
         torch.set_num_threads(recipe.torch_threads)
     torch.manual_seed(recipe.seed)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    source = ModelSource.resolve(recipe.model, recipe.seed)
     report = RunReport(output_dir, recipe, quiet)
     report.plan(plan_line(recipe, source, output_dir))
     try:

@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -81,6 +82,26 @@ class Recipe:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_per_prompt < 2:
             raise ValueError("n_per_prompt must be >= 2: GRPO compares samples of one prompt")
+        for name, low, inclusive in (("temperature", 0, True), ("lr", 0, False), ("warm_start_lr", 0, False),
+                                     ("max_grad_norm", 0, False), ("clip_low", 0, True), ("clip_high", 0, True),
+                                     ("kl_coef", 0, True), ("tis_cap", 0, False)):
+            _check_number(name, getattr(self, name), low, inclusive)
+        for name in ("warm_start_steps", "torch_threads", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("warm_start_batch", "bucket_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+def _check_number(name: str, value: Any, low: float, inclusive: bool) -> None:
+    """A finite number above `low` (None passes: the optional fields' off)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < low or (value == low and not inclusive):
+        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {low}, got {value}")
 
 
 def load_recipe(name_or_path: str = "default") -> Recipe:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -45,7 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(_handler(args.command)(args) or 0)
+    handler = _handler(args.command)
+    try:
+        return int(handler(args) or 0)
+    except USER_ERRORS as exc:
+        if os.environ.get("TANDEM_DEBUG"):
+            raise
+        sys.exit(f"tandem {args.command}: {user_message(exc)}")
+
+
+# Bad input (a flag's value, a path, a recipe field) raises these with a message that says what to
+# change: the command prints that one line and exits 1, not a traceback (TANDEM_DEBUG=1 shows it).
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+
+
+def user_message(exc: BaseException) -> str:
+    """The error's own message; a Ray task's error is reported by its cause (not the remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and type(exc).__name__.startswith("RayTaskError"):
+        exc = cause
+    return str(exc).strip() or type(exc).__name__
 
 
 def _handler(command: str) -> Callable[[argparse.Namespace], Optional[int]]:

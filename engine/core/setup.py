@@ -7,6 +7,7 @@ once, and announced in one start-up line.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -47,11 +48,24 @@ class CoreParts:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError:  # torch lists every device type it knows, at length
+        raise ValueError(f"device {name!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+
+
+def load_hf_config(model_path: str) -> Any:
+    """The checkpoint's config.json; a path that is not a local checkpoint is a FileNotFoundError saying
+    so (transformers would take it for a hub repo id and complain about its characters)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        what = "does not exist" if not os.path.exists(model_path) else "has no config.json"
+        raise FileNotFoundError(f"model_path {model_path!r} {what}: pass a local HF checkpoint directory "
+                         f"(build a small one with `tandem tiny-model --out DIR`)")
+    return AutoConfig.from_pretrained(model_path)
 
 
 def build_core_parts(args: ServerArgs) -> CoreParts:
-    hf_config = AutoConfig.from_pretrained(args.model_path)
+    hf_config = load_hf_config(args.model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     backend = get_backend_spec(args.attention_backend or default_backend(device.type))
