@@ -80,6 +80,10 @@ class TPDriver:
         except RuntimeError as exc:  # nothing written yet: an update refused before any write
             raise ValueError(str(exc)) from None
         if getattr(source, "kind", None) in EVERY_RANK_READS:
+            too_small = self._group_too_small(ctx.groups.get(getattr(source, "group_name", None)))
+            if too_small is not None:  # rank 0 alone is in the trainer's group: it receives, drops, refuses
+                source.discard(ctx)
+                raise ValueError(too_small)
             self.group.broadcast_object(LoadWeights(source=source))
             error = _failure_of(lambda: source.load_into(model, ctx))
         else:
@@ -100,8 +104,21 @@ class TPDriver:
         self.group.broadcast_object(DiscardWeights(source))
         source.discard(ctx)
 
+    def _group_too_small(self, group: Any) -> Any:
+        """Why a trainer's group cannot reach every rank (None if it can): rank t is rank_offset + t."""
+        if group is None or group.rank + self.group.size <= group.world_size:
+            return None
+        return (f"weight update group {group.name!r} has world_size {group.world_size}, but this engine's "
+                f"{self.group.size} tensor-parallel ranks join it as ranks {group.rank}.."
+                f"{group.rank + self.group.size - 1} (rank_offset + t), so only rank 0 receives; destroy it and init it with world_size >= "
+                f"{group.rank + self.group.size} (the trainer, then every rank of every engine)")
+
     def init_weights_group(self, msg: Any) -> None:
         """Rank 0 started forming `msg`'s group as rank_offset; rank t joins as rank_offset + t."""
+        if msg.rank_offset + self.group.size > msg.world_size:
+            logger.warning("weight update group %r: world_size %d leaves no room for tensor-parallel ranks %d..%d "
+                           "(rank_offset + t); its updates will be refused", msg.group_name, msg.world_size,
+                           msg.world_size, msg.rank_offset + self.group.size - 1)
         self.group.broadcast_object(InitWeightsGroup(msg.master_address, msg.master_port, msg.rank_offset,
                                                      msg.world_size, msg.group_name, msg.backend, msg.timeout_s))
 

@@ -45,8 +45,8 @@ class RankWeightGroups:
         future: Future = Future()
         self._groups[msg.group_name] = future
         self._timeouts[msg.group_name] = msg.timeout_s
-        threading.Thread(target=_form, args=(msg, msg.rank_offset + tp_rank, future), name=f"tandem-tp-rendezvous-{msg.group_name}",
-                         daemon=True).start()
+        threading.Thread(target=_form, args=(msg, msg.rank_offset + tp_rank, future),
+                         name=f"tandem-tp-rendezvous-{msg.group_name}", daemon=True).start()
 
     def formed(self, name: str) -> dict[str, Any]:
         """{name: group} once formed (waiting up to its timeout), else {} (the source then says so)."""

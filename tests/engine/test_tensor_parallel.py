@@ -413,3 +413,48 @@ def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_at_once(tiny_mod
     with pytest.raises(ValueError, match="tp_size 2 needs 2 GPUs; 1 is visible"):
         TPDriver(args, torch.device("cuda"))
 
+
+SMALL_GROUP_TRAINER = textwrap.dedent("""
+    import os, sys, torch
+    from safetensors.torch import load_file
+    from weight_sync.weight_group import WeightGroup
+    port, path = int(sys.argv[1]), sys.argv[2]
+    group = WeightGroup("127.0.0.1", port, 0, 2, "small", backend="gloo", timeout_s=30)  # no room for rank 2
+    for _, tensor in load_file(path).items():
+        group.broadcast(tensor.contiguous(), src=0)
+    print("trainer done", flush=True)
+    os._exit(0)
+""")
+
+
+def test_engine_tp2_a_group_too_small_for_every_rank_is_refused_and_no_rank_changes(engine, tiny_model_dir,
+                                                                                   other_model_dir):
+    """world_size counts the trainer and every tensor-parallel rank (rank_offset + t): a group of 2
+    for a TP=2 engine at rank_offset 1 forms with rank 0 alone, so rank 1 can never receive. The
+    update is refused naming the world size (rank 0 still receives and drops the broadcast, so the
+    trainer is not left waiting), and no rank's weights change (rank 0 loading alone would leave
+    the ranks on different weights)."""
+    from safetensors.torch import load_file
+
+    from engine import Engine
+
+    prompts = _prompts()
+    expected = _greedy(engine, prompts)[0]
+    named = list(load_file(os.path.join(other_model_dir, "model.safetensors")).items())
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu")
+    trainer = subprocess.Popen([sys.executable, "-c", SMALL_GROUP_TRAINER, str(port),
+                                os.path.join(other_model_dir, "model.safetensors")], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ok, message = eng.init_weights_update_group("127.0.0.1", port, 1, 2, "small", backend="gloo", timeout_s=30)
+        assert ok, message
+        specs = ([n for n, _ in named], [str(t.dtype) for _, t in named], [list(t.shape) for _, t in named], "small")
+        ok, message = eng.update_weights_from_distributed(*specs, weight_version="v1")
+        assert not ok and message.startswith("Weights not updated") and "world_size >= 3" in message, message
+        assert trainer.wait(timeout=30) == 0, trainer.stdout.read()
+        assert _greedy(eng, prompts)[0] == expected and eng.get_weight_version() == "default"
+    finally:
+        trainer.kill()
+        eng.shutdown()
