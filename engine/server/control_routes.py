@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.server.protocol import (DestroyWeightsUpdateGroupRequest, InitWeightsUpdateGroupRequest,
+from engine.server.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpdateGroupRequest,
+                                    InitWeightsUpdateGroupRequest,
                                     MemoryOccupationRequest, PauseGenerationRequest, UnknownFields,
                                     UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                                     UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
@@ -23,8 +24,11 @@ from weight_sync.cuda_ipc import PAYLOAD_ERRORS
 
 
 def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: UnknownFields) -> None:
+    session = WeightUpdateSession()
+
     @app.post("/pause_generation")
-    async def pause_generation(req: PauseGenerationRequest) -> dict:
+    async def pause_generation(req: Optional[PauseGenerationRequest] = None) -> dict:
+        req = req or PauseGenerationRequest()  # no body: SGLang's default mode, abort
         unknown.note("/pause_generation", req)
         await asyncio.to_thread(engine.pause_generation, req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
@@ -85,6 +89,19 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
         ok, message = await asyncio.to_thread(engine.destroy_weights_update_group, req.group_name)
         return _reply(ok, message)
 
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(req: Optional[BeginWeightUpdateRequest] = None) -> JSONResponse:
+        """SGLang 0.5.23's session around a sync (Miles sends begin, the updates, end). tandem loads
+        weights as they come, so a session only checks the order; updates outside one still work
+        (slime never opens one)."""
+        req = req or BeginWeightUpdateRequest()
+        unknown.note("/begin_weight_update", req)
+        return _reply(*session.begin(req.selector))
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        return _reply(*session.end())
+
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest) -> dict:
         _abort_all_first(engine, req)
@@ -99,6 +116,27 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(req: Optional[MemoryOccupationRequest] = None) -> JSONResponse:
         return await _memory_call(engine.resume_memory_occupation, req)
+
+
+class WeightUpdateSession:
+    """Whether a begin_weight_update is open: a second begin, or an end with none open, is a 400
+    (SGLang's rule), so a trainer whose begin/end pairing broke finds out."""
+
+    def __init__(self) -> None:
+        self.selector: Optional[str] = None
+
+    def begin(self, selector: str) -> tuple[bool, str]:
+        if self.selector is not None:
+            return False, (f"a weight update session (selector {self.selector!r}) is already open; "
+                           "call end_weight_update first")
+        self.selector = selector
+        return True, f"Weight update session started (selector {selector!r})."
+
+    def end(self) -> tuple[bool, str]:
+        if self.selector is None:
+            return False, "no weight update session is open; call begin_weight_update first"
+        self.selector = None
+        return True, "Weight update session ended."
 
 
 async def _memory_call(verb: Callable[..., tuple[bool, str]], req: Optional[MemoryOccupationRequest]) -> JSONResponse:

@@ -43,6 +43,7 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
         return {"model_path": served.model_path, "tokenizer_path": served.tokenizer_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": await asyncio.to_thread(engine.get_weight_version),
                 "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": served.model_type, "architectures": served.architectures,
                 "served_model_name": served.name}
 
     @app.get("/get_weight_version")

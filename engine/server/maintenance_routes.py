@@ -29,7 +29,10 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest) -> Response:
         unknown.note("/abort_request", req)
-        engine.abort_request(req.rid or None, abort_all=req.abort_all)
+        if req.abort_all:
+            engine.abort_request(abort_all=True)
+        for rid in [] if req.abort_all else req.rids():  # no rid and no abort_all aborts nothing
+            engine.abort_request(rid)
         return Response(status_code=200)
 
     @app.post("/start_profile")

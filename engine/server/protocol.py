@@ -66,12 +66,31 @@ def _nulls_dropped(params: Any) -> Any:
 
 
 class AbortRequest(_Lenient):
-    rid: str = ""
+    rid: Optional[Union[str, list[str]]] = ""  # SGLang's BaseReq rid: null means none, a list aborts each
     abort_all: bool = False
+
+    def rids(self) -> list[str]:
+        rids = self.rid if isinstance(self.rid, list) else [self.rid]
+        return [r for r in rids if r]
 
 
 class PauseGenerationRequest(_Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+WEIGHT_SELECTORS = ("target", "draft", "all")
+
+
+class BeginWeightUpdateRequest(_Lenient):
+    """SGLang 0.5.23's /begin_weight_update (Miles opens one around every sync)."""
+    selector: str = "all"
+
+    @field_validator("selector")
+    @classmethod
+    def _known(cls, selector: str) -> str:
+        if selector not in WEIGHT_SELECTORS:
+            raise ValueError(f"selector must be one of {', '.join(WEIGHT_SELECTORS)}; got {selector!r}")
+        return selector
 
 
 class UpdateWeightsFromDiskRequest(_Lenient):
