@@ -32,13 +32,29 @@ def _serve(conn: Any, kwargs: dict, group_args: dict) -> None:
             group.destroy()
             conn.send(None)
             return
-        if method == "broadcast":
-            conn.send(_broadcast(trainer, group))
-        elif method == "bucket_specs":
-            conn.send([[(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in b.metadata]
-                       for b in trainer.buckets])
-        else:
-            conn.send(getattr(trainer, method)(*args))
+        try:
+            if method == "broadcast":
+                answer = _broadcast(trainer, group)
+            elif method == "bucket_specs":
+                answer = [[(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in b.metadata]
+                          for b in trainer.buckets]
+            else:
+                answer = getattr(trainer, method)(*args)
+        except Exception as exc:  # answered, and the trainer keeps serving (stop still reaches it)
+            answer = _Failure(f"{type(exc).__name__}: {_first_line(exc)}")
+        conn.send(answer)
+
+
+class _Failure:
+    """A call that raised in the trainer process: its error, raised again by the caller."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else "no detail"
 
 
 def _broadcast(trainer: Any, group: Any) -> float:
@@ -66,6 +82,7 @@ class GroupTrainerProcess:
         self._process = ctx.Process(target=_serve, args=(child, kwargs, group_args), daemon=True)
         self._process.start()
         self.layout: dict = {}
+        self._pending: list[str] = []  # calls sent, answers not read yet
 
     def joined(self, timeout_s: float) -> None:
         """After the engine joined: the trainer's layout, or its failure."""
@@ -78,21 +95,47 @@ class GroupTrainerProcess:
                                f"weight group formed") from None
 
     def start(self, method: str, *args: Any) -> None:
-        self._conn.send((method, args))
+        try:
+            self._conn.send((method, args))
+        except OSError:  # its end of the pipe is closed
+            self._process.join(5)
+            raise RuntimeError(f"the trainer process exited (code {self._process.exitcode}) before its call "
+                               f"{method}") from None
+        self._pending.append(method)
 
     def result(self) -> Any:
-        return self._conn.recv()
+        """The oldest call's answer; its failure in the trainer, or the trainer's exit, raised."""
+        method = self._pending.pop(0)
+        try:
+            while not self._conn.poll(1.0):  # a call's own waits are bounded (the group's timeout)
+                if not self._process.is_alive():
+                    raise EOFError
+            answer = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(5)
+            raise RuntimeError(f"the trainer process exited (code {self._process.exitcode}) during its call "
+                               f"{method}") from None
+        if isinstance(answer, _Failure):
+            raise RuntimeError(f"the trainer's call {method} failed: {answer.text}")
+        return answer
 
     def call(self, method: str, *args: Any) -> Any:
         self.start(method, *args)
         return self.result()
 
     def stop(self) -> None:
-        if self._process.is_alive():
-            try:
+        """Also after a failure elsewhere: an answer still owed (a broadcast the engine stopped
+        receiving ends within the group's timeout) is read and dropped first."""
+        try:
+            while self._pending:
+                try:
+                    self.result()
+                except RuntimeError:
+                    pass
+            if self._process.is_alive():
                 self.call("stop")
-            except (EOFError, OSError):
-                pass
+        except (RuntimeError, OSError):
+            pass
         self._process.join(30)
         if self._process.is_alive():
             self._process.kill()
