@@ -27,8 +27,7 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
     session = WeightUpdateSession()
 
     @app.post("/pause_generation")
-    async def pause_generation(req: Optional[PauseGenerationRequest] = None) -> dict:
-        req = req or PauseGenerationRequest()  # no body: SGLang's default mode, abort
+    async def pause_generation(req: PauseGenerationRequest) -> dict:
         unknown.note("/pause_generation", req)
         await asyncio.to_thread(engine.pause_generation, req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
@@ -90,11 +89,10 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
         return _reply(ok, message)
 
     @app.post("/begin_weight_update")
-    async def begin_weight_update(req: Optional[BeginWeightUpdateRequest] = None) -> JSONResponse:
+    async def begin_weight_update(req: BeginWeightUpdateRequest) -> JSONResponse:
         """SGLang 0.5.23's session around a sync (Miles sends begin, the updates, end). tandem loads
         weights as they come, so a session only checks the order; updates outside one still work
         (slime never opens one)."""
-        req = req or BeginWeightUpdateRequest()
         unknown.note("/begin_weight_update", req)
         return _reply(*session.begin(req.selector))
 

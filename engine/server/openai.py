@@ -98,7 +98,7 @@ class OpenAIServing:
         if tok is None:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-        ids = apply_chat_template(tok, messages)
+        ids = apply_chat_template(tok, messages, **(req.chat_template_kwargs or {}))
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 128)  # 0 is 0
         return self.engine.async_generate(
             input_ids=ids, sampling_params=openai_sampling_params(req, max_tokens),

@@ -197,6 +197,15 @@ class _OpenAISampling(_Lenient):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     response_format: Optional[ResponseFormat] = None
+    # SGLang's extra sampling fields on its OpenAI routes (sent through the openai package's extra_body)
+    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @property
     def include_usage(self) -> bool:
@@ -234,6 +243,19 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # SGLang's, e.g. {"enable_thinking": false}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        reserved = sorted(set(kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)")
+        return kwargs
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "return_dict",
+                                       "return_tensors"})
 
 
 def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> dict:
@@ -242,7 +264,11 @@ def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
         "top_k": req.top_k, "min_p": req.min_p, "n": req.n, "stop": req.stop,
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
+        "stop_token_ids": req.stop_token_ids, "min_new_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
     }
+    params.update({name: getattr(req, name) for name in ("json_schema", "regex", "ebnf") if getattr(req, name)})
     if req.seed is not None:
         params["sampling_seed"] = req.seed
     if req.response_format is not None:

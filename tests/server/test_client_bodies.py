@@ -1,6 +1,7 @@
 """Bodies real SGLang clients send that tandem once refused or answered short: Miles' weight-update
 session (/begin_weight_update, /end_weight_update), SGLang's nullable and list `rid` on
-/abort_request, a bodiless /pause_generation, and /model_info's model_type and architectures
+/abort_request, SGLang's extra sampling fields and chat_template_kwargs on the OpenAI routes, and
+/model_info's model_type and architectures
 (shared/reference/sglang-rl-api.md 1.6, 1.9, 1.10, 1.12; Miles sglang_engine.py)."""
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ def test_weight_update_session_order_is_checked(client):
     assert stray.status_code == 400 and stray.json()["success"] is False
     bad = client.post("/begin_weight_update", json={"selector": "both"})
     assert bad.status_code == 400 and "selector" in bad.json()["message"]
-    # no body at all: selector "all"
-    assert client.post("/begin_weight_update").json()["success"] is True
-    assert client.post("/end_weight_update").json()["success"] is True
+    assert client.post("/begin_weight_update", content=b"null").status_code == 400  # not an object
+    assert client.post("/end_weight_update").status_code == 400  # none open: a bodiless end is read
 
 
 def test_session_routes_take_the_admin_key(engine):
@@ -108,15 +108,6 @@ def test_abort_request_rid_null_and_list(client, engine):
     assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 3000
 
 
-def test_pause_and_continue_without_a_body(client):
-    """`curl -X POST /pause_generation` (no JSON at all) pauses in SGLang's default mode, abort."""
-    resp = client.post("/pause_generation")
-    assert resp.status_code == 200 and resp.json() == {"message": "Generation paused successfully.", "status": "ok"}
-    assert client.get("/get_server_info").json()["internal_states"][0]["paused"] is True
-    assert client.post("/continue_generation").status_code == 200
-    assert client.get("/get_server_info").json()["internal_states"][0]["paused"] is False
-
-
 def test_model_info_names_the_architecture(client, tiny_model_dir):
     with open(os.path.join(tiny_model_dir, "config.json")) as f:
         config = json.load(f)
@@ -125,3 +116,55 @@ def test_model_info_names_the_architecture(client, tiny_model_dir):
     assert info["architectures"] == config["architectures"] == ["Qwen3ForCausalLM"]
     assert info["is_generation"] is True and info["tokenizer_path"] == tiny_model_dir
 
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def test_openai_routes_take_sglangs_extra_sampling_fields(client, engine):
+    """SGLang's OpenAI routes accept its own sampling fields (the openai package sends them as
+    extra_body): they were dropped as unknown, so stop_token_ids did not stop and regex did not
+    constrain. Oracle: the same parameters through the in-process API."""
+    free = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 6, **GREEDY})["output_ids"]
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "stop_token_ids": [free[1]], "min_tokens": 1, **GREEDY}
+    out = client.post("/v1/completions", json=body).json()
+    direct = engine.generate(input_ids=[5, 6, 7], sampling_params={
+        "max_new_tokens": 6, "stop_token_ids": [free[1]], "min_new_tokens": 1, **GREEDY})
+    assert direct["meta_info"]["finish_reason"] == {"type": "stop", "matched": free[1]}
+    assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["text"] == direct["text"]
+    assert out["usage"]["completion_tokens"] == direct["meta_info"]["completion_tokens"] < 6
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "regex": "[a-z]+",
+                                                     "temperature": 0}).json()
+    text = chat["choices"][0]["message"]["content"]
+    assert text and set(text) <= set("abcdefghijklmnopqrstuvwxyz"), text
+    from engine.tokenizer import apply_chat_template
+
+    ids = apply_chat_template(engine.tokenizer, messages)
+    assert text == engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, "regex": "[a-z]+",
+                                                                   "temperature": 0})["text"]
+    both = client.post("/v1/chat/completions", json={"messages": messages, "regex": "[a-z]+",
+                                                     "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and "at most one" in both.json()["message"]
+
+
+def test_chat_template_kwargs_reach_the_template(engine_factory):
+    """Qwen3 users send chat_template_kwargs={"enable_thinking": false}; the template sees it."""
+    from engine.tokenizer import apply_chat_template
+
+    eng = engine_factory()
+    eng.tokenizer.chat_template += ("{%- if enable_thinking is defined and not enable_thinking %}"
+                                    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(create_app(eng)) as c:
+        plain = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+        off = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                   "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert plain["usage"]["prompt_tokens"] == len(apply_chat_template(eng.tokenizer, messages))
+        assert off["usage"]["prompt_tokens"] == len(apply_chat_template(eng.tokenizer, messages,
+                                                                        enable_thinking=False))
+        assert off["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+        reserved = c.post("/v1/chat/completions", json={"messages": messages,
+                                                        "chat_template_kwargs": {"tokenize": True}})
+        assert reserved.status_code == 400 and "tokenize" in reserved.json()["message"]
