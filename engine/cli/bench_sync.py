@@ -236,7 +236,9 @@ def _nccl_step(engine: Any, trainer: Any, scratch: str) -> tuple[float, float]:
         if not ok:
             raise RuntimeError(f"bucket refused: {message}")
     end = time.monotonic()
-    last_sent = trainer.result()
+    # the trainer's clock reading after its last send can trail the engine's load on a busy CPU
+    # (the same monotonic clock: both processes are on this host); the load is then ~0, not < 0
+    last_sent = min(trainer.result(), end)
     return last_sent - start, end - last_sent
 
 
