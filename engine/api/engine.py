@@ -95,12 +95,15 @@ class Engine:
 
     def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                        logprob_start_len=-1, top_logprobs_num=0, logprob_distribution=None,
-                       rid=None, stream: bool = False) -> GenerateStream:
-        """`await` it for the final dict(s), or `async for` over cumulative chunks when stream=True."""
+                       rid=None, stream: bool = False,
+                       loop: Optional[asyncio.AbstractEventLoop] = None) -> GenerateStream:
+        """`await` it for the final dict(s), or `async for` over cumulative chunks when stream=True.
+        Called off the event loop (a worker thread building a constrained request), `loop` is the
+        event loop that will read the stream."""
         reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
                                           logprob_start_len, top_logprobs_num, logprob_distribution,
                                           rid, stream=stream)
-        loop = asyncio.get_running_loop()
+        loop = loop or asyncio.get_running_loop()
         streams = GenerateStream(reqs, single, stream, loop)
         for r in reqs:
             self._submit(r, streams.sink_for(r.rid))

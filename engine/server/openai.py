@@ -42,14 +42,14 @@ class OpenAIServing:
         self.decode = token_decoder(engine.tokenizer)
 
     # ---- completions ---------------------------------------------------------------------------
-    def submit_completion(self, req: CompletionRequest) -> Any:
+    def submit_completion(self, req: CompletionRequest, loop: Any = None) -> Any:
         prompt = req.prompt
         key = "input_ids" if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str) else "prompt"
         wants_logprobs = req.logprobs is not None
         return self.engine.async_generate(
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
-            top_logprobs_num=req.logprobs or 0, stream=req.stream)
+            top_logprobs_num=req.logprobs or 0, stream=req.stream, loop=loop)
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:
         prompt = req.prompt
@@ -91,7 +91,7 @@ class OpenAIServing:
         return self._events(stream, req, "cmpl", "text_completion", delta)
 
     # ---- chat ----------------------------------------------------------------------------------
-    def submit_chat(self, req: ChatCompletionRequest) -> Any:
+    def submit_chat(self, req: ChatCompletionRequest, loop: Any = None) -> Any:
         from engine.tokenizer import apply_chat_template
 
         tok = self.engine.tokenizer
@@ -103,7 +103,7 @@ class OpenAIServing:
         return self.engine.async_generate(
             input_ids=ids, sampling_params=openai_sampling_params(req, max_tokens),
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-            stream=req.stream)
+            stream=req.stream, loop=loop)
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]

@@ -211,6 +211,11 @@ class _OpenAISampling(_Lenient):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def carries_grammar(self) -> bool:
+        """A grammar to compile: response_format json_object/json_schema, or SGLang's fields."""
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        return formatted or any(getattr(self, kind) for kind in ("json_schema", "regex", "ebnf"))
+
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]

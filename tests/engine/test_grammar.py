@@ -317,3 +317,38 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_at_once(engine_factor
     out = eng.generate("hello", sampling_params=sampled(1, regex=CODE)[0])
     assert re.fullmatch(CODE, out["text"]) and made[0].inner.cached("regex", CODE) is not None
     eng.check_integrity()
+
+
+def test_a_grammar_compiling_in_the_front_end_never_stalls_the_event_loop(engine_factory):
+    """The HTTP route builds a constrained request on a worker thread: while its compile is held,
+    the event loop answers other requests; then the request is served."""
+    from fastapi.testclient import TestClient
+
+    from engine.grammar.compiler import GrammarCompiler
+    from engine.server.http import create_app
+
+    eng = engine_factory()
+    gate = threading.Event()
+    front = _GatedCompiler(lambda: GrammarCompiler(eng.tokenizer, eng.builder.vocab_size), gate)
+    eng.builder._grammars = front
+    with TestClient(create_app(eng)) as client:
+        answers: list = []
+        body = {"text": "hello", "sampling_params": {"regex": CODE, "temperature": 1.0, "sampling_seed": 2}}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "regex": CODE, "max_tokens": 24}
+        posting = [threading.Thread(target=lambda: answers.append(client.post("/generate", json=body))),
+                   threading.Thread(target=lambda: answers.append(client.post("/v1/chat/completions", json=chat)))]
+        for thread in posting:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while front.calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert front.calls == 2, "the routes never started compiling"
+        start = time.monotonic()
+        free = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+        assert free.status_code == 200 and time.monotonic() - start < 10 and not answers
+        gate.set()
+        for thread in posting:
+            thread.join(30)
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    texts = [a.json().get("text") or a.json()["choices"][0]["message"]["content"] for a in answers]
+    assert all(re.fullmatch(CODE, t) for t in texts), texts
