@@ -10,7 +10,7 @@ import atexit
 import datetime
 import logging
 import multiprocessing as mp
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -41,6 +41,7 @@ class TPDriver:
         for p in self.processes:
             p.start()
         self._stopped = False
+        self.abandoned: Optional[str] = None  # why the ranks were stopped out of step (abandon)
         atexit.register(self.stop)
         try:
             # the rendezvous: waits for every rank, naming at once one that exited at start
@@ -64,7 +65,21 @@ class TPDriver:
         if step.input_ids is None:  # the previous step's samples, still on the device
             self.group.broadcast_tensor(fb.input_ids.contiguous())
 
+    def abandon(self, reason: str) -> None:
+        """Rank 0's pass failed after the workers entered it: they wait in its collectives, and the
+        next pass's collectives would pair with those (wrong tokens or a hang). Stop them; every
+        later pass and update fails at once, naming why."""
+        logger.error("stopping the tensor-parallel ranks: %s; this engine cannot run until restarted", reason)
+        self.abandoned = reason
+        self._stopped = True
+        atexit.unregister(self.stop)
+        self._reap(0.0)
+        self.group.close()
+
     def _check_ranks_alive(self, when: str = "; this engine cannot run until restarted") -> None:
+        if self.abandoned is not None:
+            raise RuntimeError(f"the tensor-parallel ranks were stopped after {self.abandoned}; "
+                               f"this engine cannot run until restarted")
         gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.processes) if not p.is_alive()]
         if gone:
             sep = "" if when.startswith(";") else " "
@@ -115,6 +130,7 @@ class TPDriver:
 
     def init_weights_group(self, msg: Any) -> None:
         """Rank 0 started forming `msg`'s group as rank_offset; rank t joins as rank_offset + t."""
+        self._check_ranks_alive()
         if msg.rank_offset + self.group.size > msg.world_size:
             logger.warning("weight update group %r: world_size %d leaves no room for tensor-parallel ranks %d..%d "
                            "(rank_offset + t); its updates will be refused", msg.group_name, msg.world_size,
@@ -123,7 +139,8 @@ class TPDriver:
                                                      msg.world_size, msg.group_name, msg.backend, msg.timeout_s))
 
     def destroy_weights_group(self, name: str) -> None:
-        self.group.broadcast_object(DestroyWeightsGroup(name))
+        if not self._stopped:  # stopped ranks hold no group
+            self.group.broadcast_object(DestroyWeightsGroup(name))
 
     def stop(self) -> None:
         if self._stopped:

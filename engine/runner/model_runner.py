@@ -82,15 +82,21 @@ class ModelRunner:
         host has what it reads (a grammar's mask after the previous step is committed)."""
         fb = self._forward_batch(batch, inflight)
         plan = LogitsPlan.build(batch)
-        if self.tp is not None:  # the other ranks run the same pass: their collectives pair with ours
-            self.tp.send_forward(batch, fb, plan.rows, self.req_to_token_pool.req_to_token)
+        if self.tp is None:
+            return ForwardOutput(batch, plan, self._logits(fb, plan))
+        self.tp.send_forward(batch, fb, plan.rows, self.req_to_token_pool.req_to_token)  # the ranks join the pass
+        try:
+            return ForwardOutput(batch, plan, self._logits(fb, plan))
+        except Exception as exc:  # the other ranks are left inside this pass's collectives
+            self.tp.abandon(f"rank 0's forward pass failed ({type(exc).__name__}: {exc})")
+            raise
+
+    def _logits(self, fb: ForwardBatch, plan: LogitsPlan) -> torch.Tensor:
         if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
-            logits = self.cuda_graph.replay(fb)  # decode: plan.rows is every row, in order
-        else:
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb)
-            logits = self.model.compute_logits(hidden[h2d(plan.rows, self.device)])
-        return ForwardOutput(batch, plan, logits)
+            return self.cuda_graph.replay(fb)  # decode: plan.rows is every row, in order
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.model.compute_logits(hidden[h2d(plan.rows, self.device)])
 
     @torch.inference_mode()
     def sample(self, forward: "ForwardOutput") -> PendingResult:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -457,4 +458,37 @@ def test_engine_tp2_a_group_too_small_for_every_rank_is_refused_and_no_rank_chan
         assert _greedy(eng, prompts)[0] == expected and eng.get_weight_version() == "default"
     finally:
         trainer.kill()
+        eng.shutdown()
+
+
+def test_engine_tp2_a_failed_pass_on_rank_0_stops_the_ranks_instead_of_diverging(tiny_model_dir):
+    """Rank 0 raises inside its forward after the workers joined the pass (an OOM, say): they are
+    left in its collectives, so the ranks are stopped and every later call fails at once, naming
+    why, instead of the next pass pairing with stale collectives."""
+    from engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu")
+    try:
+        runner = eng.client.core.runner
+        worker = runner.tp.processes[0]
+        real_forward = runner.model.forward
+
+        def failing_forward(*args, **kwargs):
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+        runner.model.forward = failing_forward
+        out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})[0]
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "CUDA out of memory (simulated)" in out["meta_info"]["finish_reason"]["message"]
+        runner.model.forward = real_forward
+        worker.join(10)
+        assert not worker.is_alive()
+        start = time.monotonic()
+        out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})[0]
+        message = out["meta_info"]["finish_reason"]["message"]
+        assert "stopped after rank 0's forward pass failed" in message and "restarted" in message, message
+        ok, message = eng.update_weights_from_disk(tiny_model_dir)
+        assert not ok and "stopped after rank 0's forward pass failed" in message
+        assert time.monotonic() - start < 10
+    finally:
         eng.shutdown()
