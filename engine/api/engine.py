@@ -84,9 +84,11 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_distribution: Optional[str] = None,
         rid: Union[str, list[str], None] = None,
+        token_ids_logprob: Union[list[int], list[list[int]], None] = None,
     ) -> Union[dict, list[dict]]:
         reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
-                                          logprob_start_len, top_logprobs_num, logprob_distribution, rid)
+                                          logprob_start_len, top_logprobs_num, logprob_distribution, rid,
+                                          token_ids_logprob=token_ids_logprob)
         results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
         for r in reqs:
             self._submit(r, results[r.rid].put)
@@ -96,13 +98,13 @@ class Engine:
     def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                        logprob_start_len=-1, top_logprobs_num=0, logprob_distribution=None,
                        rid=None, stream: bool = False,
-                       loop: Optional[asyncio.AbstractEventLoop] = None) -> GenerateStream:
+                       loop: Optional[asyncio.AbstractEventLoop] = None, token_ids_logprob=None) -> GenerateStream:
         """`await` it for the final dict(s), or `async for` over cumulative chunks when stream=True.
         Called off the event loop (a worker thread building a constrained request), `loop` is the
         event loop that will read the stream."""
         reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
                                           logprob_start_len, top_logprobs_num, logprob_distribution,
-                                          rid, stream=stream)
+                                          rid, stream=stream, token_ids_logprob=token_ids_logprob)
         loop = loop or asyncio.get_running_loop()
         streams = GenerateStream(reqs, single, stream, loop)
         for r in reqs:

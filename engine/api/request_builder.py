@@ -35,7 +35,7 @@ class RequestBuilder:
     def build(
         self, prompt: Union[str, list[str], None], input_ids: Any, sampling_params: Any,
         return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
-        logprob_distribution: Optional[str], rid: Any, stream: bool = False,
+        logprob_distribution: Optional[str], rid: Any, stream: bool = False, token_ids_logprob: Any = None,
     ) -> tuple[list[ReqInput], bool]:
         """Returns one ReqInput per (prompt, sample) pair, prompt-major, and whether the caller
         passed a single prompt (so the result is a dict rather than a list)."""
@@ -50,8 +50,9 @@ class RequestBuilder:
             raise ValueError(f"logprob_distribution must be one of {LOGPROB_DISTRIBUTIONS}; got {distribution!r}")
         if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= self.vocab_size:  # bool is no count
             raise ValueError(f"top_logprobs_num must be an int in [0, {self.vocab_size}], got {top_logprobs_num!r}")
+        id_lists = self._token_ids_logprob(token_ids_logprob, len(prompts))
         out: list[ReqInput] = []
-        for ids, p, base_rid in zip(prompts, params, rids):
+        for ids, p, base_rid, wanted in zip(prompts, params, rids, id_lists):
             self._check_logprob_start(logprob_start_len, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
@@ -60,7 +61,8 @@ class RequestBuilder:
                 out.append(ReqInput(
                     rid=base_rid if p.n == 1 else f"{base_rid}-{i}", input_ids=ids, sampling_params=p,
                     seed=seed, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, logprob_distribution=distribution, stream=stream,
+                    top_logprobs_num=top_logprobs_num, token_ids_logprob=wanted,
+                    logprob_distribution=distribution, stream=stream,
                 ))
         self._check_unique_rids(out)
         return out, single and params[0].n == 1
@@ -92,6 +94,35 @@ class RequestBuilder:
         for ids in lists:
             self._check_ids(ids)
         return lists, single
+
+    def _token_ids_logprob(self, raw: Any, n_prompts: int) -> list[Optional[list[int]]]:
+        """SGLang's token_ids_logprob: one list of ids for every prompt, or one list per prompt
+        (None or [] for none); each prompt's list serves all of its n samples."""
+        if raw is None:
+            return [None] * n_prompts
+        what = "token_ids_logprob must be a list of token ids, or one such list per prompt"
+        if not isinstance(raw, (list, tuple)):
+            raise ValueError(f"{what}; got {type(raw).__name__}")
+        if not raw:
+            return [None] * n_prompts
+        if all(isinstance(x, (list, tuple)) or x is None for x in raw):
+            if len(raw) != n_prompts:
+                raise ValueError(f"token_ids_logprob has {len(raw)} lists for {n_prompts} prompts")
+            return [self._checked_token_ids(x, what) if x else None for x in raw]
+        shared = self._checked_token_ids(raw, what)
+        return [shared] * n_prompts
+
+    def _checked_token_ids(self, ids: Any, what: str) -> list[int]:
+        ids = list(ids)
+        kinds = {type(t) for t in ids}
+        if not kinds <= {int}:  # bool is its own type: refused, as are floats and strings
+            bad = next(t for t in ids if type(t) is not int)
+            raise ValueError(f"{what}; got the entry {bad!r} ({type(bad).__name__})")
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"token_ids_logprob has token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        return ids
 
     def _encode(self, text: str) -> list[int]:
         if text == "":

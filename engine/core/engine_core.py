@@ -308,12 +308,16 @@ class EngineCore:
                 req.input_logprobs.extend(result.input_logprobs[i])
                 if req.top_logprobs_num and result.input_top_logprobs:
                     req.input_top_logprobs.extend(result.input_top_logprobs[i])
+                if req.token_ids_logprob and result.input_token_ids_logprobs:
+                    req.input_token_ids_logprobs.extend(result.input_token_ids_logprobs[i])
                 if not req.is_chunked:
                     req.input_logprobs_done = True
             if kept[i]:
                 req.output_logprobs.append(result.logprobs[i])
                 if req.top_logprobs_num:
                     req.output_top_logprobs.append(result.top_logprobs[i])
+                if req.token_ids_logprob:
+                    req.output_token_ids_logprobs.append(result.token_ids_logprobs[i])
 
     def _record_stats(self, batch: ScheduleBatch) -> None:
         self.stats.num_steps += 1

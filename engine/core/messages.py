@@ -46,6 +46,7 @@ class ReqInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None  # ids whose logprob every position reports
     logprob_distribution: str = "original"
     stream: bool = False
 

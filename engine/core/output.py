@@ -49,6 +49,14 @@ def _logprob_fields(req: Req, core: CoreView) -> dict[str, Any]:
         fields["output_top_logprobs"] = [
             [[lp, tok, None] for lp, tok in (entry or [])] for entry in req.output_top_logprobs
         ]
+    if req.token_ids_logprob:  # SGLang: per position, [logprob, id, text] per requested id, in its order
+        ids = req.token_ids_logprob
+        if req.logprob_start_len >= 0:  # the first prompt position has none, as for input_top_logprobs
+            rows = [[[lp, tok, None] for lp, tok in zip(values, ids)] for values in req.input_token_ids_logprobs]
+            fields["input_token_ids_logprobs"] = ([None] if req.logprob_start_len == 0 else []) + rows
+        fields["output_token_ids_logprobs"] = [
+            [[lp, tok, None] for lp, tok in zip(values, ids)] for values in req.output_token_ids_logprobs
+        ]
     return fields
 
 

@@ -155,22 +155,44 @@ class ModelRunner:
     # ---- outputs -------------------------------------------------------------------------------
     def _sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor) -> PendingResult:
         last = logits if plan.rows_are_last else logits[h2d(plan.last_rows, self.device)]
+        wants_ids = any(r.token_ids_logprob for r in batch.reqs)  # token_ids_logprob: rare, off by default
         if all(_plain_greedy(r) for r in batch.reqs):  # the common rollout/bench case: no setup
             next_ids = torch.argmax(last, dim=-1)
-            chosen = gather_token_logprobs(original_logprobs(last, self.log_softmax), next_ids)
-            return self._finish_sample(batch, plan, logits, last, next_ids, chosen)
+            original = original_logprobs(last, self.log_softmax)
+            chosen = gather_token_logprobs(original, next_ids)
+            pending = self._finish_sample(batch, plan, logits, last, next_ids, chosen)
+            if wants_ids:  # plain greedy: the processed distribution is the original one
+                pending.token_ids = self._token_ids_logprobs(batch, original, None)
+            return pending
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
         # a request that finished while this step's forward ran ahead needs no mask (its token is dropped)
         grammars = [None if r.finished else r.grammar for r in batch.reqs]
         grammar_mask = grammar_vocab_mask(grammars, self.config.vocab_size, self.device)
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device, grammar_mask)
-        out = self.sampler.sample(last, sampling)
+        out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
+        if not wants_ids:  # [B, V] each: not held while prompt or top logprobs take their memory
+            original = processed_all = None
         chosen = out.original_logprobs
         if any(r.logprob_distribution == "processed" for r in batch.reqs):
             processed = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)
             chosen = torch.where(processed, out.processed_logprobs, out.original_logprobs)
-        return self._finish_sample(batch, plan, logits, last, out.next_token_ids, chosen)
+        pending = self._finish_sample(batch, plan, logits, last, out.next_token_ids, chosen)
+        if wants_ids:
+            pending.token_ids = self._token_ids_logprobs(batch, original, processed_all)
+        return pending
+
+    def _token_ids_logprobs(self, batch: ScheduleBatch, original: torch.Tensor,
+                            processed: Optional[torch.Tensor]) -> torch.Tensor:
+        """[B, W] logprobs of each row's token_ids_logprob (padded to the longest), under the
+        distribution its sampled token's logprob uses: one gather (two with processed rows)."""
+        index = h2d(_padded_ids([r.token_ids_logprob for r in batch.reqs]), self.device)
+        values = original.gather(1, index)
+        wants_processed = [r.logprob_distribution == "processed" and bool(r.token_ids_logprob) for r in batch.reqs]
+        if processed is not None and any(wants_processed):
+            rows = h2d(torch.tensor(wants_processed), self.device).unsqueeze(1)
+            values = torch.where(rows, processed.gather(1, index), values)
+        return values
 
     def _finish_sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor, last: torch.Tensor,
                        next_ids: torch.Tensor, chosen: torch.Tensor) -> PendingResult:
@@ -184,6 +206,10 @@ class ModelRunner:
             pending.input_values = gather_token_logprobs(prompt_logprobs, targets)
             if k:  # input_top_logprobs: the top k at each prompt position too
                 pending.input_top = top_k_of(prompt_logprobs, k)
+            id_lists = [r.token_ids_logprob if n else None for r, n in zip(batch.reqs, plan.prompt_row_counts)]
+            if any(id_lists):  # input_token_ids_logprobs: each prompt row gathers its request's ids
+                per_row = torch.repeat_interleave(_padded_ids(id_lists), torch.tensor(plan.prompt_row_counts), dim=0)
+                pending.input_token_ids = prompt_logprobs.gather(1, h2d(per_row, self.device))
         pending.prompt_row_counts = plan.prompt_row_counts
         return pending
 
@@ -271,6 +297,17 @@ class ForwardOutput:
     batch: ScheduleBatch
     plan: LogitsPlan
     logits: torch.Tensor
+
+
+def _padded_ids(id_lists: list[Optional[list[int]]]) -> torch.Tensor:
+    """[B, W] int64 host tensor: each row's ids, then zeros (read, never reported)."""
+    width = max(len(ids) for ids in id_lists if ids)
+    flat: list[int] = []
+    for ids in id_lists:
+        ids = ids or []
+        flat.extend(ids)
+        flat.extend([0] * (width - len(ids)))
+    return torch.tensor(flat, dtype=torch.int64).view(len(id_lists), width)
 
 
 def _plain_greedy(req) -> bool:

@@ -24,6 +24,8 @@ class PendingResult:
     input_values: Optional[torch.Tensor] = None  # prompt logprobs on the device
     prompt_row_counts: Optional[list[int]] = None
     input_top: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # top-k at prompt positions
+    token_ids: Optional[torch.Tensor] = None  # [B, W] token_ids_logprob values (padded rows)
+    input_token_ids: Optional[torch.Tensor] = None  # [P, W] the same at prompt positions
 
     @classmethod
     def start(cls, batch: ScheduleBatch, next_ids: torch.Tensor, logprobs: torch.Tensor) -> "PendingResult":
@@ -45,7 +47,26 @@ class PendingResult:
         result.top_logprobs = self._top_lists()
         result.input_logprobs = self._input_lists()
         result.input_top_logprobs = self._input_top_lists()
+        if self.token_ids is not None:
+            result.token_ids_logprobs = self._token_ids_lists()
+        if self.input_token_ids is not None:
+            result.input_token_ids_logprobs = self._input_token_ids_lists()
         return result
+
+    def _token_ids_lists(self) -> list[Optional[list[float]]]:
+        values = self.token_ids.tolist()
+        return [values[i][: len(r.token_ids_logprob)] if r.token_ids_logprob else None
+                for i, r in enumerate(self.batch.reqs)]
+
+    def _input_token_ids_lists(self) -> list[list[list[float]]]:
+        """Per request, per prompt row: one value per requested id."""
+        values = self.input_token_ids.tolist()
+        out, offset = [], 0
+        for r, n in zip(self.batch.reqs, self.prompt_row_counts or [0] * self.batch.batch_size):
+            width = len(r.token_ids_logprob or ())
+            out.append([row[:width] for row in values[offset : offset + n]] if width else [])
+            offset += n
+        return out
 
     def _top_lists(self) -> list:
         reqs = self.batch.reqs

@@ -60,15 +60,23 @@ class Sampler:
             self._compile, self._compiled = False, None
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        return self.sample_with_distributions(logits, batch)[0]
+
+    def sample_with_distributions(self, logits: torch.Tensor, batch: SamplingBatch
+                                  ) -> tuple[SampleOutput, torch.Tensor, torch.Tensor]:
+        """sample, plus both whole [B, V] logprob tensors, original and processed (for the
+        logprobs of other ids: token_ids_logprob)."""
         raw = logits.float()
         penalised = apply_penalties(raw, batch)
         processed = log_softmax_processed(penalised, batch, self._log_softmax)
         tokens = self._pick(penalised, processed, batch)
-        return SampleOutput(
+        original = original_logprobs(raw, self._log_softmax)
+        out = SampleOutput(
             next_token_ids=tokens,
-            original_logprobs=gather_token_logprobs(original_logprobs(raw, self._log_softmax), tokens),
+            original_logprobs=gather_token_logprobs(original, tokens),
             processed_logprobs=gather_token_logprobs(processed, tokens),
         )
+        return out, original, processed
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         return self.sample(logits, batch)

@@ -61,3 +61,6 @@ class BatchResult:
     # per request: logprobs of prompt tokens computed by this pass, in position order
     input_logprobs: list[list[float]] = field(default_factory=list)
     input_top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)  # when top_logprobs_num
+    # token_ids_logprob (empty when no request of the batch asks): per request, one value per id
+    token_ids_logprobs: list[Optional[list[float]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[list[float]]] = field(default_factory=list)  # per prompt row

@@ -20,6 +20,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no prompt logprobs
     top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None  # SGLang's: these ids' logprobs at every position
     logprob_distribution: str = "original"
     stream: bool = False
 
@@ -45,6 +46,9 @@ class Req:
     input_logprobs: list[Optional[float]] = field(default_factory=list)
     input_logprobs_done: bool = False
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # token_ids_logprob: per position, one value per requested id (in its order)
+    output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
 
     # text, for stop strings and streaming (set by the core)
     detokenizer: Any = None
@@ -67,6 +71,7 @@ class Req:
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
             top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
+            token_ids_logprob=msg.token_ids_logprob if msg.return_logprob and msg.token_ids_logprob else None,
             logprob_distribution=msg.logprob_distribution,
             stream=msg.stream,
         )

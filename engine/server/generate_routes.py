@@ -18,7 +18,9 @@ from engine.server.openai_logprobs import token_decoder
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, UnknownFields
 
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
-TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs")
+# per position, a list of [logprob, id, text] (or null): top_logprobs_num's and token_ids_logprob's
+TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
+                     "output_token_ids_logprobs")
 
 
 def add_generate_routes(app: FastAPI, engine: Any, openai: OpenAIServing, unknown: UnknownFields) -> None:

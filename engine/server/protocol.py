@@ -43,6 +43,7 @@ class GenerateRequest(_Lenient):
     return_logprob: bool = False
     logprob_start_len: Optional[int] = None
     top_logprobs_num: Optional[int] = None
+    token_ids_logprob: Any = None  # list of ids or one list per prompt: checked by the RequestBuilder
     logprob_distribution: Optional[str] = None
     return_text_in_logprobs: bool = False
     stream: bool = False
@@ -52,7 +53,7 @@ class GenerateRequest(_Lenient):
         return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": _nulls_dropped(self.sampling_params),
                 "return_logprob": self.return_logprob,
                 "logprob_start_len": -1 if self.logprob_start_len is None else self.logprob_start_len,
-                "top_logprobs_num": self.top_logprobs_num or 0,
+                "top_logprobs_num": self.top_logprobs_num or 0, "token_ids_logprob": self.token_ids_logprob,
                 "logprob_distribution": self.logprob_distribution, "rid": self.rid}
 
 

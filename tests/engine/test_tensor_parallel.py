@@ -201,7 +201,12 @@ def test_engine_tp2_greedy_tokens_equal_tp1(engine_factory, tiny_model_dir):
     from engine import Engine
 
     common = dict(dtype="float32", device="cpu", chunked_prefill_size=16)
-    expected, _ = _greedy(engine_factory(**common), _prompts())
+    tp1 = engine_factory(**common)
+    expected, _ = _greedy(tp1, _prompts())
+    # token_ids_logprob: gathered on rank 0 from the logit rows the ranks computed together
+    ids_request = dict(input_ids=_prompts()[:2], sampling_params={"max_new_tokens": 3, "temperature": 0.0},
+                       return_logprob=True, logprob_start_len=1, token_ids_logprob=[3, 17, 40])
+    want_ids = tp1.generate(**ids_request)
     before = set(multiprocessing.active_children())
     eng = Engine(model_path=tiny_model_dir, tp_size=2, **common)
     try:
@@ -209,10 +214,17 @@ def test_engine_tp2_greedy_tokens_equal_tp1(engine_factory, tiny_model_dir):
         assert len(workers) == 1 and workers[0].is_alive()
         first, _ = _greedy(eng, _prompts())
         second, cached = _greedy(eng, _prompts())
+        got_ids = eng.generate(**ids_request)
     finally:
         eng.shutdown()
     assert first == expected
     assert second == expected
+    for got, want in zip(got_ids, want_ids):
+        for key in ("input_token_ids_logprobs", "output_token_ids_logprobs"):
+            flat = lambda rows: [e for row in rows for e in row]  # noqa: E731
+            assert [e[1] for e in flat(got["meta_info"][key])] == [e[1] for e in flat(want["meta_info"][key])]
+            assert [e[0] for e in flat(got["meta_info"][key])] == pytest.approx(
+                [e[0] for e in flat(want["meta_info"][key])], abs=1e-4)
     assert min(cached[:3]) >= 40, f"the shared prefix was not reused: cached_tokens {cached}"
     assert not any(p.is_alive() for p in workers)
     assert set(multiprocessing.active_children()) <= before

@@ -131,7 +131,7 @@ _SAMPLING = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "s
              "repetition_penalty", "stream_interval", "skip_special_tokens", "no_stop_trim"]
 _ROUTE_FIELDS = {
     "/generate": ["text", "input_ids", "return_logprob", "logprob_start_len", "top_logprobs_num", "rid",
-                  "logprob_distribution", "return_text_in_logprobs", "stream"],
+                  "logprob_distribution", "return_text_in_logprobs", "stream", "token_ids_logprob"],
     "/v1/completions": ["prompt", "max_tokens", "logprobs", "echo", "n", "stop", "seed", "temperature",
                         "response_format", "stream_options", "top_k", "stream"],
     "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
