@@ -2,11 +2,18 @@
 
 TRITON_INTERPRET must be set before triton's first import in the process, and pytest imports
 every test module into one process, so each such module calls this at its top.
+
+The interpreter runs `tl.dot` as numpy's matmul, whose BLAS kernel is chosen by the CPU: some
+(OpenBLAS's Haswell kernels, on AVX2 machines) give a row a result that depends on the other rows
+of its tile. A GPU's tensor-core dot does not, and the batch-invariance tests check the kernels'
+schedules, not numpy's BLAS: `row_invariant_interpreter_dot` makes the interpreter's dot compute
+each output element on its own (einsum's plain loops), the same on every CPU.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
 import pytest
@@ -22,3 +29,27 @@ def import_triton_or_skip() -> ModuleType:
     if cpu and type(triton.language.standard.cdiv).__name__ != "InterpretedFunction":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
     return triton
+
+
+def row_invariant_interpreter_dot() -> bool:
+    """Patch the interpreter's tl.dot (see above) when triton runs interpreted in this process.
+    -> whether it was patched (False: no interpreted triton, or a triton without this builder)."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
+        return False
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or getattr(original, "row_invariant", False):
+        return original is not None
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if any(x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating() for x in (a, b)):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)  # fp8: not used here
+        out = np.einsum("...ik,...kj->...ij", a.data, b.data, dtype=d.data.dtype, optimize=False)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    create_dot.row_invariant = True
+    builder.create_dot = create_dot
+    return True
