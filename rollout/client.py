@@ -25,15 +25,17 @@ class EngineClient:
     def generate(self, prompt: Union[str, list[str], None] = None, sampling_params: Any = None,
                  input_ids: Any = None, return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, rid: Any = None,
-                 logprob_distribution: Optional[str] = None) -> Union[dict, list[dict]]:
+                 logprob_distribution: Optional[str] = None, token_ids_logprob: Any = None) -> Union[dict, list[dict]]:
         """Engine.generate's dicts. logprob_distribution: "original" or "processed" (DESIGN
-        section 3); None: the engine's default."""
+        section 3); None: the engine's default. token_ids_logprob: SGLang's ids whose logprobs
+        come back at every position (one list, or one per prompt)."""
         raise NotImplementedError
 
     async def async_generate(self, prompt: Union[str, list[str], None] = None, sampling_params: Any = None,
                              input_ids: Any = None, return_logprob: bool = False, logprob_start_len: int = -1,
                              top_logprobs_num: int = 0, rid: Any = None,
-                             logprob_distribution: Optional[str] = None) -> Union[dict, list[dict]]:
+                             logprob_distribution: Optional[str] = None,
+                             token_ids_logprob: Any = None) -> Union[dict, list[dict]]:
         raise NotImplementedError
 
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
@@ -104,19 +106,22 @@ class InProcessClient(EngineClient):
         self.owns = owns
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                 token_ids_logprob=None):
         return self.engine.generate(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
                                     return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                                     top_logprobs_num=top_logprobs_num, rid=rid,
-                                    logprob_distribution=logprob_distribution)
+                                    logprob_distribution=logprob_distribution, token_ids_logprob=token_ids_logprob)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                             token_ids_logprob=None):
         return await self.engine.async_generate(prompt=prompt, sampling_params=sampling_params,
                                                 input_ids=input_ids, return_logprob=return_logprob,
                                                 logprob_start_len=logprob_start_len,
                                                 top_logprobs_num=top_logprobs_num, rid=rid,
-                                                logprob_distribution=logprob_distribution)
+                                                logprob_distribution=logprob_distribution,
+                                                token_ids_logprob=token_ids_logprob)
 
     def abort_request(self, rid=None, abort_all=False):
         self.engine.abort_request(rid, abort_all=abort_all)
@@ -183,7 +188,7 @@ def as_client(engine: Any) -> EngineClient:
 
 def generate_body(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                   logprob_start_len: int, top_logprobs_num: int, rid: Any,
-                  logprob_distribution: Optional[str] = None) -> dict:
+                  logprob_distribution: Optional[str] = None, token_ids_logprob: Any = None) -> dict:
     """SGLang's /generate body (unset fields left out, as SGLang's own clients do)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
@@ -194,6 +199,8 @@ def generate_body(prompt: Any, sampling_params: Any, input_ids: Any, return_logp
         body["rid"] = rid
     if logprob_distribution is not None:
         body["logprob_distribution"] = logprob_distribution
+    if token_ids_logprob is not None:
+        body["token_ids_logprob"] = token_ids_logprob
     return body
 
 

@@ -33,13 +33,15 @@ class EngineActor:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                       logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+                       logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                       token_ids_logprob=None):
         """Engine.generate's dicts; many calls run at once (bad input raises ValueError here)."""
         return await self.engine.async_generate(prompt=prompt, sampling_params=sampling_params,
                                                 input_ids=input_ids, return_logprob=return_logprob,
                                                 logprob_start_len=logprob_start_len,
                                                 top_logprobs_num=top_logprobs_num, rid=rid,
-                                                logprob_distribution=logprob_distribution)
+                                                logprob_distribution=logprob_distribution,
+                                                token_ids_logprob=token_ids_logprob)
 
     async def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
         self.engine.abort_request(rid, abort_all=abort_all)

@@ -39,15 +39,17 @@ class HttpClient(EngineClient):
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                 token_ids_logprob=None):
         body = generate_body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                             top_logprobs_num, rid, logprob_distribution)
+                             top_logprobs_num, rid, logprob_distribution, token_ids_logprob)
         return _generate_reply(self._sync.post("/generate", json=body, timeout=self.timeout_s))
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                             token_ids_logprob=None):
         body = generate_body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                             top_logprobs_num, rid, logprob_distribution)
+                             top_logprobs_num, rid, logprob_distribution, token_ids_logprob)
         response = await self._async_client().post("/generate", json=body, timeout=self.timeout_s)
         return _generate_reply(response)
 

@@ -37,14 +37,18 @@ class RayClient(EngineClient):
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                 token_ids_logprob=None):
         return self._get(self.actor.generate.remote(prompt, sampling_params, input_ids, return_logprob,
-                                                    logprob_start_len, top_logprobs_num, rid, logprob_distribution))
+                                                    logprob_start_len, top_logprobs_num, rid, logprob_distribution,
+                                                    token_ids_logprob))
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                             token_ids_logprob=None):
         return await self.actor.generate.remote(prompt, sampling_params, input_ids, return_logprob,
-                                                logprob_start_len, top_logprobs_num, rid, logprob_distribution)
+                                                logprob_start_len, top_logprobs_num, rid, logprob_distribution,
+                                                token_ids_logprob)
 
     def abort_request(self, rid=None, abort_all=False):
         self._get(self.actor.abort_request.remote(rid, abort_all))

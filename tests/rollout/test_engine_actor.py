@@ -56,6 +56,10 @@ def test_generate_through_the_actor_equals_an_in_process_engine(engine_actor, or
     processed = client.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True,
                                 logprob_distribution="processed")
     assert processed["meta_info"]["logprob_distribution"] == "processed"
+    asked = dict(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True, token_ids_logprob=[9, 4])
+    want = oracle_a.generate(**asked)["meta_info"]["output_token_ids_logprobs"]
+    assert client.generate(**asked)["meta_info"]["output_token_ids_logprobs"] == want and len(want) == 8
+    assert asyncio.run(client.async_generate(**asked))["meta_info"]["output_token_ids_logprobs"] == want
     assert client.health() and client.get_weight_version() == "default"
     info = client.get_server_info()
     assert info["weight_version"] == "default" and info["internal_states"][0]["num_running_reqs"] == 0

@@ -61,6 +61,15 @@ def test_generate_by_ids_and_text_equals_the_engine(served, oracle_a):
     processed = client.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "temperature": 0.5},
                                 return_logprob=True, logprob_distribution="processed")
     assert processed["meta_info"]["logprob_distribution"] == "processed"
+    ids = [7, 3, 7]  # token_ids_logprob reaches the server: the engine's values, in the order asked
+    asked = dict(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True, token_ids_logprob=ids)
+    want = oracle_a.generate(**asked)["meta_info"]["output_token_ids_logprobs"]
+    assert client.generate(**asked)["meta_info"]["output_token_ids_logprobs"] == want
+    assert asyncio.run(client.async_generate(**asked))["meta_info"]["output_token_ids_logprobs"] == want
+    assert [[e[1] for e in row] for row in want] == [ids] * 8
+    from rollout.client import InProcessClient
+
+    assert InProcessClient(oracle_a).generate(**asked)["meta_info"]["output_token_ids_logprobs"] == want
 
     async def concurrent() -> list:
         return await asyncio.gather(*[client.async_generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS])
