@@ -24,13 +24,6 @@ def grammar_spec(params: Any) -> Optional[tuple[str, str]]:
     return None
 
 
-def carries_grammar(raw_params: Any) -> bool:
-    """Whether raw sampling params (a dict, or a list of them, as a client sent them) set a grammar."""
-    items = raw_params if isinstance(raw_params, (list, tuple)) else [raw_params]
-    return any(isinstance(item, dict) and any(item.get(kind) is not None for kind in GRAMMAR_KINDS)
-               for item in items)
-
-
 class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> None:
         xgrammar = _import_xgrammar()

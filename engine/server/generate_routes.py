@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 
-from engine.grammar.compiler import carries_grammar
+from engine.sampling_params import carries_grammar
 from engine.server.disconnect import await_or_abort, streaming_response
 from engine.server.openai import OpenAIServing
 from engine.server.openai_logprobs import token_decoder
