@@ -23,6 +23,7 @@ _BOOL_FIELDS = (
 )
 _GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
 _OPTIONAL_STR_FIELDS = _GRAMMAR_FIELDS + ("stop_regex",)
+_UNSUPPORTED_FIELDS = ("stop_regex", "logit_bias")  # refused if set until implemented
 
 
 def carries_grammar(raw_params: Any) -> bool:
@@ -30,7 +31,6 @@ def carries_grammar(raw_params: Any) -> bool:
     items = raw_params if isinstance(raw_params, (list, tuple)) else [raw_params]
     return any(isinstance(item, dict) and any(item.get(kind) is not None for kind in _GRAMMAR_FIELDS)
                for item in items)
-_UNSUPPORTED_FIELDS = ("stop_regex", "logit_bias")  # refused if set until implemented
 
 
 @dataclass

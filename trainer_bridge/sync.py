@@ -56,7 +56,7 @@ def push_to_engines(engines: Sequence[Any], trainer_buckets: Iterable[Sequence[t
             send([(n, t.detach().cpu()) for run in trainer_buckets for n, t in run], True)
     finally:
         try:  # a bucket still on the wire (the trainer's runs raised mid-way) lands before continuing
-            getattr(sender, "close", lambda: None)()
+            sender.close()
         finally:
             on_all_engines(engines, lambda e: e.continue_generation())
             release_shared_buckets()

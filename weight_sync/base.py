@@ -71,6 +71,10 @@ class WeightSender:
 
         on_all_engines(engines, one)
 
+    def close(self) -> None:
+        """At the end of an update, also one that failed mid-way: whatever the transport still
+        has in flight lands (or fails) before the engines continue. Nothing, for most."""
+
 
 class WeightSyncError(RuntimeError):
     """An engine refused a bucket; its reason is the message."""

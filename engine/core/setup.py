@@ -60,7 +60,7 @@ def load_hf_config(model_path: str) -> Any:
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         what = "does not exist" if not os.path.exists(model_path) else "has no config.json"
         raise FileNotFoundError(f"model_path {model_path!r} {what}: pass a local HF checkpoint directory "
-                         f"(build a small one with `tandem tiny-model --out DIR`)")
+                                f"(build a small one with `tandem tiny-model --out DIR`)")
     return AutoConfig.from_pretrained(model_path)
 
 

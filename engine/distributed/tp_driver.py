@@ -71,10 +71,8 @@ class TPDriver:
         later pass and update fails at once, naming why."""
         logger.error("stopping the tensor-parallel ranks: %s; this engine cannot run until restarted", reason)
         self.abandoned = reason
-        self._stopped = True
-        atexit.unregister(self.stop)
-        self._reap(0.0)
-        self.group.close()
+        if not self._stopped:
+            self._end(told=False)
 
     def _check_ranks_alive(self, when: str = "; this engine cannot run until restarted") -> None:
         if self.abandoned is not None:
@@ -125,8 +123,9 @@ class TPDriver:
             return None
         return (f"weight update group {group.name!r} has world_size {group.world_size}, but this engine's "
                 f"{self.group.size} tensor-parallel ranks join it as ranks {group.rank}.."
-                f"{group.rank + self.group.size - 1} (rank_offset + t), so only rank 0 receives; destroy it and init it with world_size >= "
-                f"{group.rank + self.group.size} (the trainer, then every rank of every engine)")
+                f"{group.rank + self.group.size - 1} (rank_offset + t), so only rank 0 receives; destroy it and "
+                f"init it with world_size >= {group.rank + self.group.size} (the trainer, then every rank of every "
+                f"engine)")
 
     def init_weights_group(self, msg: Any) -> None:
         """Rank 0 started forming `msg`'s group as rank_offset; rank t joins as rank_offset + t."""
@@ -145,17 +144,22 @@ class TPDriver:
     def stop(self) -> None:
         if self._stopped:
             return
+        self._end(told=hasattr(self, "group") and all(p.is_alive() for p in self.processes) and self._tell_stop())
+
+    def _tell_stop(self) -> bool:
+        try:
+            self.group.cpu.set_timeout(datetime.timedelta(seconds=STOP_TIMEOUT_S))  # bounded, even out of step
+            self.group.broadcast_object(Stop())
+            return True
+        except RuntimeError:
+            logger.warning("could not tell the tensor-parallel workers to stop; killing them")
+            return False
+
+    def _end(self, told: bool) -> None:
+        """A rank not told to stop (one is gone, the Stop failed, the ranks were abandoned) would
+        wait forever: killed at once."""
         self._stopped = True
         atexit.unregister(self.stop)
-        told = False
-        if hasattr(self, "group") and all(p.is_alive() for p in self.processes):
-            try:
-                self.group.cpu.set_timeout(datetime.timedelta(seconds=STOP_TIMEOUT_S))  # bounded, even out of step
-                self.group.broadcast_object(Stop())
-                told = True
-            except RuntimeError:
-                logger.warning("could not tell the tensor-parallel workers to stop; killing them")
-        # a rank not told (one is gone, or the Stop failed) would wait for it forever: killed at once
         self._reap(STOP_TIMEOUT_S if told else 0.0)
         if hasattr(self, "group"):
             self.group.close()

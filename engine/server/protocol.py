@@ -180,6 +180,9 @@ class ResponseFormat(_Lenient):
         return {}
 
 
+OPENAI_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # SGLang's grammar fields on its OpenAI routes
+
+
 class _OpenAISampling(_Lenient):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -215,7 +218,7 @@ class _OpenAISampling(_Lenient):
     def carries_grammar(self) -> bool:
         """A grammar to compile: response_format json_object/json_schema, or SGLang's fields."""
         formatted = self.response_format is not None and self.response_format.type != "text"
-        return formatted or any(getattr(self, kind) for kind in ("json_schema", "regex", "ebnf"))
+        return formatted or any(getattr(self, kind) for kind in OPENAI_GRAMMAR_FIELDS)
 
 
 class CompletionRequest(_OpenAISampling):
@@ -274,7 +277,7 @@ def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
     }
-    params.update({name: getattr(req, name) for name in ("json_schema", "regex", "ebnf") if getattr(req, name)})
+    params.update({name: getattr(req, name) for name in OPENAI_GRAMMAR_FIELDS if getattr(req, name)})
     if req.seed is not None:
         params["sampling_seed"] = req.seed
     if req.response_format is not None:
