@@ -38,7 +38,7 @@ for s in "$@"; do case $s in
   cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;
   restgpu) ( kit && step restgpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
   newgpu) ( kit && step newgpu 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py tests/gpu/test_memory_saver_gpu.py tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
-  traingpu) ( kit && step traingpu 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_gpu.py ) ;;
+  traingpu) ( kit && step traingpu 220 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_gpu.py ) ;;
   sync8) ( kit && step sync8 120 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" \
            && step sync8long 150 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 200 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc-200.json" \
            && step sync8inproc 90 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport inprocess --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-inproc.json" ) ;;

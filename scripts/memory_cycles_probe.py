@@ -26,17 +26,45 @@ def live_graphs() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph))
 
 
+def live_blocks() -> dict:
+    """(size, where it was allocated) -> count, over the allocator's live blocks (history on)."""
+    out: dict = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for blk in seg["blocks"]:
+            if blk["state"] != "active_allocated":
+                continue
+            frames = [f"{f['filename'].split('/')[-1]}:{f['line']}" for f in blk.get("frames", [])
+                      if "torch/" not in f["filename"] or "cuda/graphs" in f["filename"]][:3]
+            key = (blk["size"], " < ".join(frames))
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def print_new_blocks(before: dict, after: dict) -> None:
+    grown = sorted(((k, after[k] - before.get(k, 0)) for k in after if after[k] > before.get(k, 0)),
+                   key=lambda kv: -kv[0][0] * kv[1])
+    print(f"  live blocks new since cycle 1: {sum(k[0] * n for k, n in grown) / 2**20:.1f} MB in "
+          f"{sum(n for _, n in grown)} blocks", flush=True)
+    for (size, where), n in grown[:8]:
+        print(f"    +{n} x {size / 2**20:.2f} MB  {where}", flush=True)
+
+
 def cycles(eng, named, tags, n) -> list[dict]:
     rows = []
+    before = None
     for i in range(n):
         assert eng.release_memory_occupation(tags)[0]
-        assert eng.resume_memory_occupation(["weights"])[0]
-        assert eng.update_weights_from_tensor(named, weight_version=str(i))[0]
+        if "weights" in tags:
+            assert eng.resume_memory_occupation(["weights"])[0]
+            assert eng.update_weights_from_tensor(named, weight_version=str(i))[0]
         rest = [t for t in tags if t != "weights"]
         assert eng.resume_memory_occupation(rest)[0]
         eng.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)
         rows.append({"used_mb": used() / 2**20, "alloc_mb": torch.cuda.memory_allocated() / 2**20,
                      "reserved_mb": torch.cuda.memory_reserved() / 2**20, "graphs": live_graphs()})
+        if i == 0:
+            before = live_blocks()
+    print_new_blocks(before, live_blocks())
     return rows
 
 
@@ -58,7 +86,9 @@ def main() -> None:
     report = {}
     try:
         eng.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)
-        for name, tags in (("weights+kv", ["weights", "kv_cache"]), ("all", ["weights", "kv_cache", "cuda_graph"]),
+        torch.cuda.memory._record_memory_history(max_entries=200_000)  # frames of live blocks
+        for name, tags in (("weights+kv", ["weights", "kv_cache"]), ("cuda_graph", ["cuda_graph"]),
+                           ("all", ["weights", "kv_cache", "cuda_graph"]),
                            ("weights+kv again", ["weights", "kv_cache"])):
             rows = cycles(eng, named, tags, args.cycles)
             first, last = rows[0], rows[-1]

@@ -65,6 +65,13 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
 
+    def release(self) -> None:
+        """Destroy the graphs now (their executables and their pool's hold), not whenever the
+        last reference happens to go: a re-capture after this must not stack on top of them."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode and forward_batch.batch_size <= self.max_bs
 

@@ -237,6 +237,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         if "cuda_graph" in tags and self.cuda_graph is not None:
             self._capture_stream = self.cuda_graph.stream  # the next capture's (see CudaGraphRunner)
+            self.cuda_graph.release()
             self.cuda_graph = None  # the graphs, their memory pool and static buffers
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # captured in the pool; allocated again on use
                 torch._C._cuda_clearCublasWorkspaces()
