@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -20,7 +21,7 @@ import torch
 
 from weight_sync.base import LoadContext, WeightSender, WeightSource, WeightSyncError
 from weight_sync.bucket import FlattenedBucket, FlattenedTensorMetadata
-from weight_sync.weight_group import GroupBroken, WeightGroup, check_group_args  # noqa: F401 (the group's home)
+from weight_sync.weight_group import DEFAULT_TIMEOUT_S, GroupBroken, WeightGroup, check_group_args  # noqa: F401 (the group's home)
 
 logger = logging.getLogger("tandem")
 LOAD_FORMATS = (None, "flattened_bucket")
@@ -195,14 +196,22 @@ class GroupSender(WeightSender):
         try:
             self.group.wait(flight.work)
         except GroupBroken as exc:  # an engine died or never joined the broadcast
-            answers = [_answer(f) for f in flight.replies]  # each fails within its own timeout
+            answers = [_answer(f, self._reply_timeout_s()) for f in flight.replies]
             raise WeightSyncError(f"{exc}; the engines answered: {[m for _, m in answers]}") from exc
-        return [_answer(f) for f in flight.replies]
+        return [_answer(f, self._reply_timeout_s()) for f in flight.replies]
+
+    def _reply_timeout_s(self) -> float:
+        """An engine answers once it has the broadcast; one that does not within the group's own
+        timeout (a client with none, a wedged engine) fails the update rather than hanging it."""
+        timeout = getattr(self.group, "timeout", None)
+        return timeout.total_seconds() if timeout is not None else DEFAULT_TIMEOUT_S
 
 
-def _answer(future: Future) -> tuple[bool, str]:
+def _answer(future: Future, timeout_s: float) -> tuple[bool, str]:
     try:
-        ok, message = future.result()
+        ok, message = future.result(timeout=timeout_s)
+    except FutureTimeout:
+        return False, f"the engine did not answer its receive call within {timeout_s:g} s"
     except Exception as exc:  # e.g. an HTTP error: the engine's receive call raised
         return False, f"the engine's receive call raised {type(exc).__name__}: {exc}"
     return bool(ok), str(message)

@@ -164,3 +164,28 @@ def test_a_push_that_fails_mid_update_waits_for_its_bucket_on_the_wire_before_co
     assert order.index(("wait", 0)) < order.index(("continue", "e1"))
     for name in ("e1", "e2"):
         assert order.index(("received", name)) < min(order.index(("continue", n)) for n in ("e1", "e2"))
+
+
+def test_an_engine_that_never_answers_fails_the_update_within_the_groups_timeout():
+    """The broadcast went through but an engine's receive call never returns (a wedged engine, a
+    client without a timeout): the update fails naming it, within the group's timeout, not a hang."""
+    import datetime
+
+    release = threading.Event()
+
+    class Wedged(_Engine):
+        def update_weights_from_distributed(self, *args, **kwargs):
+            release.wait(30)
+            return True, "Success."
+
+    group = _Group([])
+    group.timeout = datetime.timedelta(seconds=0.3)
+    sender = GroupSender(group, "g")
+    start = time.perf_counter()
+    try:
+        with pytest.raises(WeightSyncError, match="did not answer its receive call within 0.3 s"):
+            sender.send_all([_Engine([], "ok"), Wedged([], "stuck")], _buckets(1)[0], True, "v")
+        assert time.perf_counter() - start < 5
+    finally:
+        release.set()
+        sender.close()
