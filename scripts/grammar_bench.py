@@ -127,10 +127,13 @@ def run(eng, prompts, params) -> tuple[float, list[dict]]:
 def _timed_run(eng, timers, prompts, params, rates: list, host: list) -> list[dict]:
     timers.take()
     ahead = eng.local_core.stats.num_lookahead_steps
+    masks = eng.local_core.runner.grammar_masks
+    taken = masks.num_taken
     start = time.perf_counter()
     rate, outs = run(eng, prompts, params)
     host.append({**timers.take(), "wall": time.perf_counter() - start,
-                 "lookahead_steps": eng.local_core.stats.num_lookahead_steps - ahead})
+                 "lookahead_steps": eng.local_core.stats.num_lookahead_steps - ahead,
+                 "prefetched_masks": masks.num_taken - taken})
     rates.append(rate)
     return outs
 
@@ -160,11 +163,14 @@ class HostTimers:
     """Seconds the core spends in the grammar's host work (the engine runs on a thread here)."""
 
     def __init__(self) -> None:
+        import engine.grammar.mask_prefetch as prefetch
         import engine.runner.model_runner as runner
         from engine.grammar.matcher import RequestGrammar
 
-        self.seconds = {"mask": 0.0, "accept": 0.0, "sample": 0.0, "process": 0.0}
-        self._wrap(runner, "grammar_vocab_mask", "mask")
+        # mask: fills on the core thread; mask_background: fills on the prefetch thread (overlapped)
+        self.seconds = {"mask": 0.0, "mask_background": 0.0, "accept": 0.0, "sample": 0.0, "process": 0.0}
+        self._wrap(runner, "fill_bitmask", "mask")
+        self._wrap(prefetch, "fill_bitmask", "mask_background")
         self._wrap(RequestGrammar, "accept", "accept")
         self._wrap(runner.ModelRunner, "_sample", "sample")
         from engine.core.engine_core import EngineCore
@@ -196,11 +202,18 @@ def main() -> None:
     parser.add_argument("--model-dir", default="/tmp/q06-bigvocab")
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine-args", default="{}", help="JSON of extra Engine kwargs")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="fill every grammar mask on the core thread (the A/B of engine/grammar/mask_prefetch.py)")
     args = parser.parse_args()
     from engine import Engine
 
+    if args.no_prefetch:
+        from engine.runner.model_runner import ModelRunner
+        ModelRunner.prefetch_grammar_mask = lambda self, batch: None
+
     model_dir = build_model(Path(args.model_dir))
-    report = {"compile": compile_times(model_dir), "batch": args.batch, "schema": SCHEMA}
+    report = {"compile": compile_times(model_dir), "batch": args.batch, "prefetch": not args.no_prefetch,
+              "schema": SCHEMA}
     print("compile:", report["compile"], flush=True)
     timers = HostTimers()
     eng = Engine(model_path=str(model_dir), load_format="dummy", **json.loads(args.engine_args))

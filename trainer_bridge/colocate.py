@@ -62,16 +62,28 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
             on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, None, "release"))
         with clock("train"):
             result = train_step()
+            _return_cached_memory()
         with clock("resume_weights"):
             on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, WEIGHT_TAGS, "resume"))
         resumed += WEIGHT_TAGS
         with clock("push"):
             push()
+            _return_cached_memory()
     finally:
         missing = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in resumed]
         with clock("resume_kv"):
             on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
     return result, ColocatePhases(**clock.seconds)
+
+
+def _return_cached_memory() -> None:
+    """The train step's activations (and a ZeRO-3 push's gathered buckets) stay cached in this
+    process's allocator after they die; the engines cannot take that memory back until it is
+    returned to the driver (on the H200 a Qwen3-4B step left too little for the engine's resume)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _memory(verb: Callable, tags: Any, what: str) -> None:

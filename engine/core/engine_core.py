@@ -214,7 +214,7 @@ class EngineCore:
             if ahead.sample_after_commit:  # forward now; sampling once the tokens it reads are in
                 self._uncommitted.append(ahead)
                 forward = self.runner.forward(ahead, inflight)
-                outputs = self._process(inflight)
+                outputs = self._process(inflight, then=ahead)
                 self._inflight = self.runner.sample(forward)
                 return outputs
             self._inflight = self._launch(ahead, inflight)
@@ -234,18 +234,24 @@ class EngineCore:
         self._uncommitted.append(batch)
         return self.runner.launch(batch, inflight)
 
-    def _process(self, pending: PendingResult) -> list[ReqOutput]:
+    def _process(self, pending: PendingResult, then: Optional[ScheduleBatch] = None) -> list[ReqOutput]:
+        """Commit a step's tokens. `then`: the lookahead batch launched meanwhile, whose grammar
+        mask is filled in the background once the matchers have these tokens."""
         batch = pending.batch
         result = pending.resolve()
         self._record_stats(batch)
         grown = self.scheduler.commit(batch, result.next_token_ids)
         self._uncommitted.remove(batch)
         self._processing = batch
+        self.runner.grammar_masks.drop()  # nothing reads a matcher while it advances
+        grammar_stops = {id(req): self._advance_grammar(req) for req in grown if req.grammar is not None}
+        if then is not None and grammar_stops:
+            self.runner.prefetch_grammar_mask(then)
         self._record_logprobs(batch, result)
         outputs: list[ReqOutput] = []
         for req in grown:
             req.note_weight_version(self.weight_version)
-            outputs.extend(self._after_token(req))
+            outputs.extend(self._after_token(req, grammar_stops.get(id(req))))
         for req in self._prompt_only(batch):  # max_new_tokens=0: prompt logprobs, no output
             req.finished_reason = {"type": "length", "length": 0}
             self.scheduler.release(req)
@@ -259,13 +265,13 @@ class EngineCore:
             return []
         return [r for r in batch.reqs if not r.finished and not r.is_chunked and r.sampling_params.max_new_tokens == 0]
 
-    def _after_token(self, req: Req) -> list[ReqOutput]:
+    def _after_token(self, req: Req, grammar_stop: Optional[dict] = None) -> list[ReqOutput]:
+        """grammar_stop: what the request's grammar said of this token (_advance_grammar)."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         if req.detokenizer is not None and (req.stream or req.sampling_params.stop):
             self._detokenize(req)  # text is needed now; otherwise once, at the end
-        reason = self._advance_grammar(req)
-        reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len) or reason
+        reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len) or grammar_stop
         if reason is None:
             return [ReqOutput(req.rid, False, build_output(req, self))] if req.stream else []
         req.finished_reason = reason

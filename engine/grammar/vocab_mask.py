@@ -19,14 +19,26 @@ from engine.kernels.device_copy import h2d
 def grammar_vocab_mask(grammars: Sequence[Optional[Any]], vocab_size: int,
                        device: torch.device | str) -> Optional[torch.Tensor]:
     """grammars: one RequestGrammar or None per row. None when no row has a grammar."""
-    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    return bitmask_to_device(fill_bitmask(grammars, vocab_size), vocab_size, device)
+
+
+def fill_bitmask(grammars: Sequence[Optional[Any]], vocab_size: int) -> Optional[torch.Tensor]:
+    """The packed host bitmask [B, ceil(V/32)] int32 of the rows' next tokens; None when no row
+    has a grammar (and, in a row, a grammar that has terminated allows everything: its request
+    is finishing and its token is dropped)."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated()]
     if not rows:
         return None
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab_size)  # all bits set: all allowed
     _batch_matcher().batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
-    return unpack_forbidden(h2d(bitmask, device), vocab_size)
+    return bitmask
+
+
+def bitmask_to_device(bitmask: Optional[torch.Tensor], vocab_size: int,
+                      device: torch.device | str) -> Optional[torch.Tensor]:
+    return None if bitmask is None else unpack_forbidden(h2d(bitmask, device), vocab_size)
 
 
 def unpack_forbidden(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

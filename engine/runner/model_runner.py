@@ -16,7 +16,8 @@ import torch
 
 from engine.attention.registry import create_attention_backend
 from engine.kernels import batch_invariant as bi
-from engine.grammar.vocab_mask import grammar_vocab_mask
+from engine.grammar.mask_prefetch import MaskPrefetch
+from engine.grammar.vocab_mask import bitmask_to_device, fill_bitmask
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
 from engine.runner.forward_batch import ForwardBatch
@@ -57,6 +58,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(config.attention_backend, deterministic=config.deterministic)
         self.log_softmax = bi.log_softmax if config.deterministic else None
         self.sampler = Sampler(log_softmax=self.log_softmax)
+        self.grammar_masks = MaskPrefetch()  # the lookahead step's bitmask, filled during the commit
         self.memory_saver = memory_saver or MemorySaver(False, self.device)
         # a region freed while released would be unmapped twice: bring it back before the runner goes
         weakref.finalize(self, self.memory_saver.resume_all).atexit = False
@@ -106,6 +108,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        self.grammar_masks.shutdown()
         if self.tp is not None:
             self.tp.stop()
 
@@ -166,10 +169,8 @@ class ModelRunner:
             return pending
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
-        # a request that finished while this step's forward ran ahead needs no mask (its token is dropped)
-        grammars = [None if r.finished else r.grammar for r in batch.reqs]
-        grammar_mask = grammar_vocab_mask(grammars, self.config.vocab_size, self.device)
-        sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device, grammar_mask)
+        sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
+        sampling.grammar_mask = bitmask_to_device(self._grammar_bitmask(batch), self.config.vocab_size, self.device)
         out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
         if not wants_ids:  # [B, V] each: not held while prompt or top logprobs take their memory
             original = processed_all = None
@@ -181,6 +182,23 @@ class ModelRunner:
         if wants_ids:
             pending.token_ids = self._token_ids_logprobs(batch, original, processed_all)
         return pending
+
+    def prefetch_grammar_mask(self, batch: ScheduleBatch) -> None:
+        """Start filling the bitmask `batch` (a launched lookahead step) will sample with; its rows'
+        matchers have taken every committed token (engine/grammar/mask_prefetch.py)."""
+        if any(r.grammar is not None for r in batch.reqs):
+            self.grammar_masks.start(batch, self._live_grammars(batch), self.config.vocab_size)
+
+    def _grammar_bitmask(self, batch: ScheduleBatch) -> Optional[torch.Tensor]:
+        prefetched = self.grammar_masks.take(batch)
+        if prefetched is not None:
+            return prefetched
+        return fill_bitmask(self._live_grammars(batch), self.config.vocab_size)
+
+    @staticmethod
+    def _live_grammars(batch: ScheduleBatch) -> list:
+        # a request that finished while this step's forward ran ahead needs no mask (its token is dropped)
+        return [None if r.finished else r.grammar for r in batch.reqs]
 
     def _token_ids_logprobs(self, batch: ScheduleBatch, original: torch.Tensor,
                             processed: Optional[torch.Tensor]) -> torch.Tensor:

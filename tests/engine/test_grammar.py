@@ -110,6 +110,21 @@ def test_structural_tag_sglang_form(engine):
     engine.generate("hello", sampling_params=sampled(1, max_new_tokens=8, structural_tag=json.dumps(tag))[0])
 
 
+def test_bounded_json_strings_never_hold_a_raw_control_character():
+    """xgrammar's character of a string with maxLength/minLength admits U+0000..U+001F, which
+    json.loads refuses; tandem's schema grammar excludes them there as in unbounded strings."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine.grammar.compiler import _json_schema_grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
+                                               "b": {"type": "string", "minLength": 1}}, "required": ["a", "b"]}
+    grammar = _json_schema_grammar(json.dumps(schema))
+    assert _is_grammar_accept_string(grammar, '{"a": "x y", "b": "z"}')
+    for bad in ('{"a": "x\x10", "b": "z"}', '{"a": "x", "b": "\x03"}', '{"a": "123456789", "b": "z"}'):
+        assert not _is_grammar_accept_string(grammar, bad), bad
+
+
 def test_min_new_tokens_yields_to_a_complete_grammar(engine):
     """min_new_tokens bans EOS, but once the grammar allows only EOS the grammar wins (no row of
     all -inf); before that the ban holds."""
@@ -183,8 +198,9 @@ def test_deterministic_mode_same_alone_and_batched(engine_factory):
 
 def test_grammar_rows_run_ahead_with_sampling_after_the_commit(engine_factory):
     """Overlap (forced on the CPU): a grammar row's forward is launched before the previous token
-    is read; its mask, which needs that token, is built after the commit. Same outputs as the
-    plain loop, and the lookahead really ran."""
+    is read; its mask, which needs that token, is filled in the background once the commit has
+    advanced the matchers. Same outputs as the plain loop, and the lookahead and the prefetched
+    masks really ran."""
     prompts = [[5 + i, 9, 12 + 2 * i] for i in range(6)]
     params = [{"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": i,
                **({"regex": "[0-9]{3}-[a-z]{2}"} if i % 2 else {})} for i in range(6)]
@@ -196,6 +212,7 @@ def test_grammar_rows_run_ahead_with_sampling_after_the_commit(engine_factory):
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", o["text"]) for o in got[1::2]), [o["text"] for o in got]
     assert overlapped.local_core.stats.num_lookahead_steps > 5
+    assert overlapped.local_core.runner.grammar_masks.num_taken > 5
     overlapped.check_integrity()
 
 

@@ -1,0 +1,59 @@
+"""MaskPrefetch: the next step's grammar bitmask filled on a worker thread while the host works on.
+
+With overlap scheduling the lookahead step's forward is already on the device when the previous
+step's tokens are committed. The rows' matchers are advanced first; the bitmask for the lookahead
+step is then filled here (xgrammar releases the GIL) while the core finishes the commit (stop
+checks, outputs) and the runner prepares the sampling tensors. At ~1.5 ms a step for 64 JSON
+rows on the H200's host that fill was otherwise serial host work on a host-bound decode loop.
+
+The worker only reads matchers that nothing else touches until the prefetch is taken or
+dropped: `take` and `drop` wait for it, and the core drops any prefetch before it advances
+matchers again.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import torch
+
+from engine.grammar.vocab_mask import fill_bitmask
+
+
+class MaskPrefetch:
+    def __init__(self) -> None:
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._batch: Any = None
+        self._future: Optional[Future] = None
+        self.num_taken = 0  # prefetched masks a step sampled with
+
+    def start(self, batch: Any, grammars: Sequence[Optional[Any]], vocab_size: int) -> None:
+        """Fill `batch`'s bitmask (one RequestGrammar or None per row) in the background."""
+        self.drop()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, "tandem-grammar-mask")
+        self._batch = batch
+        self._future = self._pool.submit(fill_bitmask, list(grammars), vocab_size)
+
+    def take(self, batch: Any) -> Optional[torch.Tensor]:
+        """The packed host bitmask prefetched for this very batch, or None (a prefetch for
+        another batch is dropped)."""
+        if self._future is None or self._batch is not batch:
+            self.drop()
+            return None
+        future, self._future, self._batch = self._future, None, None
+        self.num_taken += 1
+        return future.result()
+
+    def drop(self) -> None:
+        """Wait for any fill in flight and forget it (its matchers may be advanced after this)."""
+        future, self._future, self._batch = self._future, None, None
+        if future is not None:
+            future.exception()  # waits; a failed fill is simply recomputed on the core thread
+
+    def shutdown(self) -> None:
+        self.drop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
