@@ -111,7 +111,7 @@ def _run_phases(recipe: Recipe, source: ModelSource, report: RunReport,
     start = time.perf_counter()
     with EnginePool(recipe, source) as pool:
         report.note(f"{recipe.num_engines} engines ready in {time.perf_counter() - start:.1f}s")
-        pusher = WeightPusher(pool.clients, recipe.transport, recipe.bucket_bytes)
+        pusher = WeightPusher(pool.clients, recipe.transport, recipe.bucket_bytes, recipe.keep_cuda_graphs)
         if recipe.warm_start_steps:
             _warm_start(recipe, trainer, task, tokenizer, report)
         if recipe.kl_coef > 0:

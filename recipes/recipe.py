@@ -61,6 +61,7 @@ class Recipe:
     trainer: str = "torch"  # torch: AdamW here; deepspeed: ZeRO (GPU)
     zero_stage: int = 2
     colocate: bool = False  # engines release their GPU memory while the trainer steps
+    keep_cuda_graphs: bool = False  # colocated: release weights + KV only; no graph re-capture per step
     transport: str = "tensor"  # trainer_bridge.sync.TRANSPORTS
     bucket_bytes: int = 512 << 20
     # ---- run

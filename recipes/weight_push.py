@@ -20,13 +20,15 @@ RECIPE_TRANSPORTS = ("tensor", "disk")
 
 
 class WeightPusher:
-    def __init__(self, engines: Sequence[Any], transport: str = "tensor", bucket_bytes: int = 512 << 20) -> None:
+    def __init__(self, engines: Sequence[Any], transport: str = "tensor", bucket_bytes: int = 512 << 20,
+                 keep_cuda_graphs: bool = False) -> None:
         if transport not in RECIPE_TRANSPORTS:
             raise ValueError(f"recipes push weights by {' or '.join(RECIPE_TRANSPORTS)} (CUDA IPC or shared "
                              f"memory, or a safetensors directory); got transport {transport!r}")
         self.engines = list(engines)
         self.transport = transport
         self.bucket_bytes = bucket_bytes
+        self.keep_cuda_graphs = keep_cuda_graphs
 
     def push(self, trainer: Any, version: str) -> float:
         """Every bucket of the trainer's weights to every engine -> seconds taken."""
@@ -38,4 +40,4 @@ class WeightPusher:
     def colocated(self, train: Callable[[], T], trainer: Any, version: str) -> tuple[T, ColocatePhases]:
         """release -> train -> resume weights -> push -> resume KV; -> (train's result, phase times).
         Every engine gets its memory back even when training or the push fails."""
-        return colocated_step(self.engines, train, lambda: self.push(trainer, version))
+        return colocated_step(self.engines, train, lambda: self.push(trainer, version), self.keep_cuda_graphs)

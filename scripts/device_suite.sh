@@ -29,10 +29,11 @@ for s in "$@"; do case $s in
   grammargpu) ( kit && step grammargpu 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_grammar_gpu.py ) ;;
   grammarbench) ( kit && step grammarbench 240 python3 scripts/grammar_bench.py --batch 64 --runs 3 --json "$OUT/grammar-bench.json" ) ;;
   grammarbenchnp) ( kit && step grammarbenchnp 240 python3 scripts/grammar_bench.py --batch 64 --runs 3 --no-prefetch --json "$OUT/grammar-bench-noprefetch.json" ) ;;
-  train06*|train4b*)  # train06 | train06det | train4b | train4bdet: the qwen3_gpu recipe, 5 steps, peak device memory sampled
+  train06*|train4b*)  # train06 | train06det | train4b | train4bdet (| train06keepdet: graphs kept): the qwen3_gpu recipe, 5 steps, peak device memory sampled
     ( kit; model=qwen3-0.6b; [[ $s == train4b* ]] && model=qwen3-4b; det=false; [[ $s == *det ]] && det=true
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/smi-$s.csv" & smi=$!
       lim=170; extra=(); [[ $s == train4b* ]] && lim=260 && extra=(--engine-args '{"mem_fraction_static": 0.25, "enable_memory_saver": true}')
+      [[ $s == *keep* ]] && extra+=(--keep-cuda-graphs true)
       step "$s" $lim python3 -m engine.cli.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;

@@ -24,6 +24,7 @@ from trainer_bridge.sync import on_all_engines
 T = TypeVar("T")
 WEIGHT_TAGS = ["weights", "cuda_graph"]  # back before the push: the push writes into the weights
 KV_TAGS = ["kv_cache"]  # back last
+KEEP_GRAPHS_TAGS = ["weights", "kv_cache"]  # released when the CUDA graphs stay (keep_cuda_graphs)
 
 
 class ColocateError(RuntimeError):
@@ -50,16 +51,21 @@ class PushConfig:
     bucket_bytes: int = 512 << 20
 
 
-def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Callable[[], Any]) -> tuple[T, ColocatePhases]:
+def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Callable[[], Any],
+                   keep_cuda_graphs: bool = False) -> tuple[T, ColocatePhases]:
     """-> (train_step's result, the phase times). push runs once, after the train step, while the
-    engines hold their weights but not their KV (trainer_bridge.sync.push_to_engines, say)."""
+    engines hold their weights but not their KV (trainer_bridge.sync.push_to_engines, say).
+    keep_cuda_graphs: release weights and KV only. The graphs keep their memory pool (small next
+    to weights + KV) and replay on weights and KV restored at the same addresses, so resuming skips
+    their re-capture (seconds a step on the H200: most of resume_kv in docs/benchmarks.md)."""
     if not engines:
         raise ValueError("colocated_step needs at least one engine")
     clock = _Clock()
     resumed: list[str] = []
     try:
         with clock("release"):
-            on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, None, "release"))
+            tags = KEEP_GRAPHS_TAGS if keep_cuda_graphs else None  # None: every tag
+            on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, tags, "release"))
         with clock("train"):
             result = train_step()
             _return_cached_memory()

@@ -161,3 +161,19 @@ def test_a_refused_release_is_reported_and_nothing_is_left_released(engine):
     assert engine.get_server_info()["internal_states"][0]["memory_released"] == []
     with pytest.raises(ValueError, match="at least one engine"):
         colocated_step([], lambda: None, lambda: None)
+
+
+def test_keep_cuda_graphs_releases_weights_and_kv_only(engine, trainer):
+    calls: list = []
+    client = RecordingClient(engine, calls)
+    samples = _rollouts(client)
+    calls.clear()
+    push = lambda: push_weights(client, trainer.policy.model.named_parameters(), "kept",  # noqa: E731
+                                bucket_bytes=64 << 10)
+    colocated_step([client], _train_step(trainer, samples), push, keep_cuda_graphs=True)
+    memory = [c for c in calls if c[0] in ("release", "resume")]
+    assert memory == [("release", ["weights", "kv_cache"]), ("resume", ("weights", "cuda_graph")),
+                      ("resume", ("kv_cache",))]
+    info = engine.get_server_info()["internal_states"][0]
+    assert info["memory_released"] == [] and not info["paused"] and engine.get_weight_version() == "kept"
+    assert all(s.weight_versions == ["kept"] * 6 for s in _rollouts(client))
