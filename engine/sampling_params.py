@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -23,7 +24,9 @@ _BOOL_FIELDS = (
 )
 _GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
 _OPTIONAL_STR_FIELDS = _GRAMMAR_FIELDS + ("stop_regex",)
-_UNSUPPORTED_FIELDS = ("stop_regex", "logit_bias")  # refused if set until implemented
+_UNSUPPORTED_FIELDS = ("stop_regex",)  # refused if set until implemented
+_TOKEN_ID = re.compile(r"-?[0-9]+")  # a negative id parses, so its error names the range
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's [-100, 100]: enough to force or ban any token, far from fp32 overflow
 
 
 def carries_grammar(raw_params: Any) -> bool:
@@ -57,7 +60,7 @@ class SamplingParams:
     ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
     stop_regex: Optional[str] = None
-    logit_bias: Optional[dict] = None
+    logit_bias: Optional[dict] = None  # {str(token id): bias added to the logit}, normalised from int keys
     custom_params: Optional[dict] = None  # accepted for client compatibility, unused
     stream_interval: Optional[int] = None
 
@@ -69,6 +72,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _normalised_logit_bias(self.logit_bias)
 
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]]) -> SamplingParams:
@@ -121,6 +126,7 @@ class SamplingParams:
             seed = self.sampling_seed
             _check(-(1 << 63) <= seed < (1 << 64), "sampling_seed", "a 64-bit integer", seed)
         self._validate_stop_token_ids(vocab_size)
+        self._validate_logit_bias(vocab_size)
         return self
 
     def _validate_stop_token_ids(self, vocab_size: Optional[int]) -> None:
@@ -128,6 +134,23 @@ class SamplingParams:
         for tok in self.stop_token_ids or ():
             ok = tok >= 0 and (vocab_size is None or tok < vocab_size)
             _check(ok, "stop_token_ids", f"in [0, {hi}", tok)
+
+    def _validate_logit_bias(self, vocab_size: Optional[int]) -> None:
+        if self.logit_bias and self.is_greedy:
+            # the runner argmaxes plain greedy rows without the sampler (engine/runner/model_runner.py
+            # _plain_greedy does not look at logit_bias yet): refused rather than silently unbiased
+            raise ValueError("logit_bias with greedy sampling (temperature 0 or top_k 1) is not supported yet; "
+                             "use temperature > 0 (a +100 bias still picks its token)")
+        hi = vocab_size - 1 if vocab_size is not None else "inf"
+        for key in self.logit_bias or ():
+            tok = int(key)
+            _check(tok >= 0 and (vocab_size is None or tok < vocab_size), "logit_bias",
+                   f"keyed by token ids in [0, {hi}]", key)
+
+    def logit_bias_ids(self) -> tuple[list[int], list[float]]:
+        """(token ids, biases) of logit_bias, for the sampler."""
+        items = (self.logit_bias or {}).items()
+        return [int(k) for k, _ in items], [v for _, v in items]
 
     def _check_types(self) -> None:
         for name in _INT_FIELDS:
@@ -164,6 +187,30 @@ class SamplingParams:
         if ids is not None:
             if not isinstance(ids, (list, tuple, set)) or not all(_is_int(t) for t in ids):
                 raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+
+
+def _normalised_logit_bias(bias: dict) -> dict[str, float]:
+    """SGLang's logit_bias {token id (a decimal string; an int in-process): bias} -> {str(id): float}.
+    Bias values are checked here (they need no vocab); ids' range in validate."""
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        if _is_int(key):
+            key = str(key)
+        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key.strip()):  # no "1.5", "", "abc"
+            raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            raise ValueError(f"logit_bias[{key!r}] must be a finite number, got {value!r}")
+        _check(-LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE, f"logit_bias[{key!r}]",
+               f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]", value)
+        out[str(int(key))] = float(value)
+    return out
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _is_int(value: Any) -> bool:

@@ -3,11 +3,12 @@
 Pipeline per row (every step vectorised over the batch and skipped when no row needs it):
   original  = log_softmax(raw fp32 logits)
   penalties : repetition (HF: over prompt+output), then frequency/presence (over output)
+  logit_bias: added to the penalised logits (SGLang: after the penalties)
   min_new_tokens: banned stop ids -> -inf; grammar: tokens the row's grammar forbids -> -inf
   temperature, then top-k / top-p / min-p as -inf masks (SGLang semantics: all three
   thresholds are taken on the same post-temperature distribution)
   processed = log_softmax(result)
-Greedy rows take argmax of the penalised logits. Sampled rows take
+Greedy rows take argmax of the penalised (and biased) logits. Sampled rows take
 argmax(processed + Gumbel(seed, position, id)): the noise is a counter-based hash, so a row's
 token depends only on its own logits, seed and position, never on the batch.
 """
@@ -100,8 +101,8 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties, the min_new_tokens ban and the grammar mask on fp32 logits; returns a new tensor
-    when changed (the raw logits stay for the original logprobs)."""
+    """Penalties, logit_bias, the min_new_tokens ban and the grammar mask on fp32 logits; returns a
+    new tensor when changed (the raw logits stay for the original logprobs)."""
     x = logits
     if batch.need_repetition:
         pen = batch.repetition_penalties.unsqueeze(1)
@@ -111,6 +112,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         counts = batch.output_counts
         x = x - batch.frequency_penalties.unsqueeze(1) * counts
         x = x - batch.presence_penalties.unsqueeze(1) * (counts > 0).float()
+    if batch.logit_bias is not None:  # before the bans: a biased token stays banned
+        x = x + batch.logit_bias
     banned = _banned_ids(batch)
     if banned is not None:
         x = x.masked_fill(banned, float("-inf"))

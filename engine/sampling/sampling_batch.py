@@ -47,6 +47,7 @@ class SamplingBatch:
     seen_mask: Optional[torch.Tensor]  # [B, V] bool, id occurs in prompt or output
     suppress_mask: Optional[torch.Tensor]  # [B, V] bool, ids banned by min_new_tokens
     grammar_mask: Optional[torch.Tensor]  # [B, V] bool, ids the row's grammar forbids next
+    logit_bias: Optional[torch.Tensor]  # [B, V] float32 added to the logits (SGLang's logit_bias)
     all_greedy: bool
     any_greedy: bool
     need_repetition: bool
@@ -97,6 +98,7 @@ class SamplingBatch:
             seen_mask=_seen_mask(rows, vocab_size, device) if need_rep else None,
             suppress_mask=_suppress_mask(rows, vocab_size, device),
             grammar_mask=grammar_mask,
+            logit_bias=_logit_bias(rows, vocab_size, device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             need_repetition=need_rep,
@@ -147,3 +149,14 @@ def _suppress_mask(rows: list[SamplingRow], vocab_size: int, device) -> Optional
     mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
     idx = _scatter_ids(banned, device)
     return mask.index_put_(idx, torch.ones_like(idx[0], dtype=torch.bool))
+
+
+def _logit_bias(rows: list[SamplingRow], vocab_size: int, device) -> Optional[torch.Tensor]:
+    """Dense [B, V] biases, or None when no row sets logit_bias (the common case: no tensor)."""
+    if not any(r.params.logit_bias for r in rows):
+        return None
+    pairs = [r.params.logit_bias_ids() for r in rows]
+    bias = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    idx = _scatter_ids([(ids,) for ids, _ in pairs], device)
+    values = torch.tensor([v for _, vals in pairs for v in vals], dtype=torch.float32)
+    return bias.index_put_(idx, h2d(values, device))
