@@ -39,8 +39,17 @@ def check_text(text: str, what: str) -> None:
 
 
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
-                        **template_kwargs: Any) -> list[int]:
-    """Render messages with the tokenizer's chat template and return the prompt's token ids."""
+                        assistant_prefix: str = "", **template_kwargs: Any) -> list[int]:
+    """Render messages with the tokenizer's chat template and return the prompt's token ids.
+    `assistant_prefix`: text the reply continues (SGLang's continue_final_message), appended to
+    the rendered prompt before encoding."""
+    text = render_chat_template(tokenizer, messages, add_generation_prompt, **template_kwargs) + assistant_prefix
+    check_text(text, "the chat messages' text")
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
+                         **template_kwargs: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this tokenizer has no chat_template; send a plain prompt instead")
     # Render to text, then encode: the return type of tokenize=True differs between
@@ -48,13 +57,12 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
-    except TemplateError as exc:  # the template's raise_exception(...): it refuses these messages
+        return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
+    except (TemplateError, TypeError) as exc:
+        # the template's raise_exception(...) refuses these messages, or it met a value of the
+        # wrong shape (a tojson of an undefined field): the request's fault, as in SGLang
         raise ValueError(f"the chat template cannot render these messages: {exc}") from None
-    check_text(text, "the chat messages' text")
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class IncrementalDetokenizer:

@@ -15,7 +15,8 @@ from engine.sampling_params import carries_grammar
 from engine.server.disconnect import await_or_abort, streaming_response
 from engine.server.openai import OpenAIServing
 from engine.server.openai_logprobs import token_decoder
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, UnknownFields
+from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.protocol import GenerateRequest, UnknownFields
 
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
 # per position, a list of [logprob, id, text] (or null): top_logprobs_num's and token_ids_logprob's

@@ -15,12 +15,17 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, output_entries,
                                            token_decoder)
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
+from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
 
 
 def _finish_reason(meta: dict) -> Optional[str]:
     reason = meta.get("finish_reason")
     return None if reason is None else reason["type"]
+
+
+def _matched_stop(meta: dict) -> Any:
+    """SGLang's matched_stop: the stop string or token id that ended the choice (None otherwise)."""
+    return (meta.get("finish_reason") or {}).get("matched")
 
 
 def usage(metas: list[dict], n: int) -> dict:
@@ -72,7 +77,7 @@ class OpenAIServing:
                 entries, tops = echo_entries(meta) if req.echo else output_entries(meta)
                 logprobs = completion_logprobs(entries, tops, self.decode)
             choices.append({"index": i, "text": head + o["text"], "logprobs": logprobs,
-                            "finish_reason": _finish_reason(meta), "matched_stop": None})
+                            "finish_reason": _finish_reason(meta), "matched_stop": _matched_stop(meta)})
         metas = [o["meta_info"] for o in outs]
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
@@ -92,16 +97,15 @@ class OpenAIServing:
 
     # ---- chat ----------------------------------------------------------------------------------
     def submit_chat(self, req: ChatCompletionRequest, loop: Any = None) -> Any:
-        from engine.tokenizer import apply_chat_template
-
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
-        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-        ids = apply_chat_template(tok, messages, **(req.chat_template_kwargs or {}))
-        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 128)  # 0 is 0
+        params = openai_sampling_params(req, _chat_max_tokens(req))
+        tools = req.template_tools()
+        if tools:  # SGLang keeps special tokens when tools are offered: tool-call markers stay in the text
+            params["skip_special_tokens"] = False
         return self.engine.async_generate(
-            input_ids=ids, sampling_params=openai_sampling_params(req, max_tokens),
+            input_ids=_chat_prompt_ids(tok, req, tools), sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             stream=req.stream, loop=loop)
 
@@ -112,7 +116,8 @@ class OpenAIServing:
             meta = o["meta_info"]
             logprobs = chat_logprobs(*output_entries(meta), self.decode) if req.logprobs else None
             choices.append({"index": i, "message": {"role": "assistant", "content": o["text"]},
-                            "logprobs": logprobs, "finish_reason": _finish_reason(meta), "matched_stop": None})
+                            "logprobs": logprobs, "finish_reason": _finish_reason(meta),
+                            "matched_stop": _matched_stop(meta)})
         metas = [o["meta_info"] for o in outs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
@@ -145,6 +150,7 @@ class OpenAIServing:
                       "finish_reason": _finish_reason(meta)}
             sent_chars[index], sent_tokens[index] = len(chunk["text"]), len(chunk["output_ids"])
             if choice["finish_reason"] is not None:
+                choice["matched_stop"] = _matched_stop(meta)
                 finals[index] = meta
             yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]})
         if req.include_usage:
@@ -152,6 +158,30 @@ class OpenAIServing:
             yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
                         "usage": usage(metas, req.n)})
         yield "data: [DONE]\n\n"
+
+
+def _chat_max_tokens(req: ChatCompletionRequest) -> int:
+    return next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 128)  # 0 is 0
+
+
+def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[dict]]) -> list[int]:
+    """The template's prompt, as SGLang renders it: tools as sent, else (a template that wants
+    them flat) each tool's function; with continue_final_message the last assistant message's
+    text is the start of the reply."""
+    from engine.tokenizer import apply_chat_template
+
+    messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+    prefix = ""
+    if req.continue_final_message and messages[-1]["role"] == "assistant":
+        prefix = messages.pop()["content"]
+    render = lambda t: apply_chat_template(tok, messages, assistant_prefix=prefix, tools=t,  # noqa: E731
+                                           **req.template_kwargs())
+    try:
+        return render(tools)
+    except ValueError:
+        if not tools:
+            raise
+        return render([t.get("function", t) for t in tools])
 
 
 def _sse(payload: dict) -> str:

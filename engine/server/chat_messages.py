@@ -1,0 +1,84 @@
+"""Chat messages and tools as the chat template sees them, the way SGLang hands them over:
+every field the client sent (tool_calls, tool_call_id, name, reasoning_content, ...), null content
+as "", tool-call arguments parsed from their JSON string into an object (HF templates expect one),
+and `tools` passed to the template unless tool_choice is "none" (a named choice keeps that tool)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import field_validator
+
+from engine.server.protocol import _Lenient
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessage(_Lenient):
+    role: Role
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _lower(cls, role: Any) -> Any:
+        return role.lower() if isinstance(role, str) else role  # SGLang: roles are case-insensitive
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Optional[str]:
+        """OpenAI content parts [{"type": "text", "text": ...}] -> one string (text only)."""
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported; got type {part.get('type')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def template_dict(self, index: int) -> dict[str, Any]:
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        if self.role == "assistant" and isinstance(extra.get("tool_calls"), list):
+            extra["tool_calls"] = [_parsed_arguments(call, index) for call in extra["tool_calls"]]
+        return {"role": self.role, "content": self.content or "", **extra}
+
+
+def _parsed_arguments(call: Any, index: int) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"messages[{index}].tool_calls: function.arguments must be a JSON object (as a string)")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class ToolFunction(_Lenient):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ChatTool(_Lenient):
+    type: str = "function"
+    function: ToolFunction
+
+
+def template_tools(tools: Optional[list[ChatTool]], tool_choice: Any) -> Optional[list[dict]]:
+    """The tools the template renders, each as the client sent it; None for none."""
+    if not tools or tool_choice == "none":
+        return None
+    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        chosen = [t for t in tools if t.function.name == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names tool {name!r}, which is not in tools")
+        tools = chosen
+    elif tool_choice not in (None, "auto", "required"):
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function; got {tool_choice!r}")
+    return [t.model_dump(exclude_unset=True) for t in tools]

@@ -1,0 +1,138 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic), as the openai package and SGLang's
+OpenAI layer send them. Top-level nulls mean the default (OpenAI marks these fields nullable);
+unknown fields are ignored. Sampling values are checked by SamplingParams, so the messages match
+/generate's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from engine.server.chat_messages import ChatMessage, ChatTool, template_tools
+from engine.server.protocol import _Lenient, _NullsAsDefaults
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
+
+    def grammar(self) -> dict:
+        """The sampling_params grammar field this format asks for (SGLang's mapping)."""
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "json_schema":
+            schema = (self.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            return {"json_schema": json.dumps(schema)}
+        return {}
+
+
+OPENAI_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # SGLang's grammar fields on its OpenAI routes
+
+
+class _OpenAISampling(_NullsAsDefaults):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    response_format: Optional[ResponseFormat] = None
+    logit_bias: Optional[dict[str, Any]] = None  # {"token id": bias}: checked by SamplingParams
+    # SGLang's extra sampling fields on its OpenAI routes (sent through the openai package's extra_body)
+    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def carries_grammar(self) -> bool:
+        """A grammar to compile: response_format json_object/json_schema, or SGLang's fields."""
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        return formatted or any(getattr(self, kind) for kind in OPENAI_GRAMMAR_FIELDS)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    continue_final_message: bool = False  # SGLang: the last assistant message is a prefix to continue
+    reasoning_effort: Optional[str] = None  # handed to the chat template (gpt-oss templates read it)
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # SGLang's, e.g. {"enable_thinking": false}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        reserved = sorted(set(kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)")
+        return kwargs
+
+    def template_tools(self) -> Optional[list[dict]]:
+        return template_tools(self.tools, self.tool_choice)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """reasoning_effort, then chat_template_kwargs (which win), as SGLang passes them."""
+        extra = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**extra, **(self.chat_template_kwargs or {})}
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "return_dict",
+                                       "return_tensors", "tools", "continue_final_message"})
+
+
+def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> dict:
+    params = {
+        "max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": req.top_k, "min_p": req.min_p, "n": req.n, "stop": req.stop,
+        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
+        "stop_token_ids": req.stop_token_ids, "min_new_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+    }
+    params.update({name: getattr(req, name) for name in OPENAI_GRAMMAR_FIELDS if getattr(req, name)})
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed
+    if req.logit_bias:  # {} is no bias (OpenAI's default)
+        params["logit_bias"] = req.logit_bias
+    if req.response_format is not None:
+        params.update(req.response_format.grammar())
+    return params
