@@ -79,9 +79,9 @@ class Engine:
         prompt: Union[str, list[str], None] = None,
         sampling_params: Union[dict, list[dict], None] = None,
         input_ids: Union[list[int], list[list[int]], None] = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
+        return_logprob: Union[bool, list[bool]] = False,  # these three: one value, or one per prompt
+        logprob_start_len: Union[int, list[int]] = -1,
+        top_logprobs_num: Union[int, list[int]] = 0,
         logprob_distribution: Optional[str] = None,
         rid: Union[str, list[str], None] = None,
         token_ids_logprob: Union[list[int], list[list[int]], None] = None,

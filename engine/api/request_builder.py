@@ -34,34 +34,35 @@ class RequestBuilder:
 
     def build(
         self, prompt: Union[str, list[str], None], input_ids: Any, sampling_params: Any,
-        return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
+        return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
         logprob_distribution: Optional[str], rid: Any, stream: bool = False, token_ids_logprob: Any = None,
     ) -> tuple[list[ReqInput], bool]:
         """Returns one ReqInput per (prompt, sample) pair, prompt-major, and whether the caller
-        passed a single prompt (so the result is a dict rather than a list)."""
+        passed a single prompt (so the result is a dict rather than a list). return_logprob,
+        logprob_start_len and top_logprobs_num are one value, or one per prompt (SGLang)."""
         prompts, single = self._token_lists(prompt, input_ids)
-        params = self._sampling_params(sampling_params, len(prompts))
+        n = len(prompts)
+        params = self._sampling_params(sampling_params, n)
         self._check_counts(params)
-        rids = self._rids(rid, len(prompts))
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob must be a bool, got {type(return_logprob).__name__}")
+        rids = self._rids(rid, n, single)
+        want = _per_prompt("return_logprob", return_logprob, n, _check_return_logprob)
+        starts = _per_prompt("logprob_start_len", logprob_start_len, n, lambda v: v)
+        tops = _per_prompt("top_logprobs_num", top_logprobs_num, n, self._checked_top_logprobs_num)
         distribution = self.default_distribution if logprob_distribution is None else logprob_distribution
         if not isinstance(distribution, str) or distribution not in LOGPROB_DISTRIBUTIONS:
             raise ValueError(f"logprob_distribution must be one of {LOGPROB_DISTRIBUTIONS}; got {distribution!r}")
-        if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= self.vocab_size:  # bool is no count
-            raise ValueError(f"top_logprobs_num must be an int in [0, {self.vocab_size}], got {top_logprobs_num!r}")
-        id_lists = self._token_ids_logprob(token_ids_logprob, len(prompts))
+        id_lists = self._token_ids_logprob(token_ids_logprob, n)
         out: list[ReqInput] = []
-        for ids, p, base_rid, wanted in zip(prompts, params, rids, id_lists):
-            self._check_logprob_start(logprob_start_len, len(ids))
+        for ids, p, base_rid, wanted, lp, start, top in zip(prompts, params, rids, id_lists, want, starts, tops):
+            self._check_logprob_start(start, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
             for i in range(p.n):
                 seed = base_seed if p.n == 1 else derive_seed(base_seed, i)
                 out.append(ReqInput(
                     rid=base_rid if p.n == 1 else f"{base_rid}-{i}", input_ids=ids, sampling_params=p,
-                    seed=seed, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, token_ids_logprob=wanted,
+                    seed=seed, return_logprob=lp, logprob_start_len=start,
+                    top_logprobs_num=top, token_ids_logprob=wanted,
                     logprob_distribution=distribution, stream=stream,
                 ))
         self._check_unique_rids(out)
@@ -185,9 +186,17 @@ class RequestBuilder:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._grammars.compile(*spec)
 
-    def _rids(self, rid: Any, n: int) -> list[str]:
+    def _checked_top_logprobs_num(self, k: Any) -> int:
+        if not _is_int(k) or not 0 <= k <= self.vocab_size:  # bool is no count
+            raise ValueError(f"top_logprobs_num must be an int in [0, {self.vocab_size}], got {k!r}")
+        return k
+
+    @staticmethod
+    def _rids(rid: Any, n: int, single: bool) -> list[str]:
         if rid is None:
             return [uuid.uuid4().hex for _ in range(n)]
+        if isinstance(rid, str) and not single:  # SGLang: one string for a batch names its items rid_i
+            return [f"{rid}_{i}" for i in range(n)]
         rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) else None
         if rids is None or not all(isinstance(r, str) for r in rids):
             raise ValueError(f"rid must be a string or a list of strings (one per prompt), got {rid!r}")
@@ -218,6 +227,21 @@ class RequestBuilder:
     def _check_logprob_start(start: int, prompt_len: int) -> None:
         if not _is_int(start) or not -1 <= start < prompt_len:
             raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {prompt_len}), got {start!r}")
+
+
+def _check_return_logprob(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"return_logprob must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _per_prompt(name: str, value: Any, n_prompts: int, check: Any) -> list:
+    """One value for every prompt, or a list of one per prompt (SGLang's batch form); each checked."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_prompts:
+            raise ValueError(f"{name} has {len(value)} values for {n_prompts} prompts (give one, or one per prompt)")
+        return [check(v) for v in value]
+    return [check(value)] * n_prompts
 
 
 def _is_int(value: Any) -> bool:
