@@ -115,7 +115,9 @@ class OpenAIServing:
         for i, o in enumerate(outs):
             meta = o["meta_info"]
             logprobs = chat_logprobs(*output_entries(meta), self.decode) if req.logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": o["text"]},
+            # SGLang's ChatMessage always has these keys (null here: no reasoning or tool-call parser)
+            message = {"role": "assistant", "content": o["text"], "reasoning_content": None, "tool_calls": None}
+            choices.append({"index": i, "message": message,
                             "logprobs": logprobs, "finish_reason": _finish_reason(meta),
                             "matched_stop": _matched_stop(meta)})
         metas = [o["meta_info"] for o in outs]

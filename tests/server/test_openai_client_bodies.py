@@ -74,7 +74,8 @@ def test_tool_call_history_reaches_the_template(chat):
     out = c.post("/v1/chat/completions", json={"messages": sent, "max_tokens": 4, **GREEDY}).json()
     assert out["usage"]["prompt_tokens"] == len(ids)
     direct = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY})
-    assert out["choices"][0]["message"]["content"] == direct["text"]
+    message = out["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": direct["text"], "reasoning_content": None, "tool_calls": None}
     call["function"]["arguments"] = "not json"
     bad = c.post("/v1/chat/completions", json={"messages": sent})
     assert bad.status_code == 400 and "messages[1].tool_calls" in bad.json()["message"]
