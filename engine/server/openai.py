@@ -54,7 +54,7 @@ class OpenAIServing:
         return self.engine.async_generate(
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
-            top_logprobs_num=req.logprobs or 0, stream=req.stream, loop=loop)
+            top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream, loop=loop)
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:
         prompt = req.prompt
@@ -107,7 +107,7 @@ class OpenAIServing:
         return self.engine.async_generate(
             input_ids=_chat_prompt_ids(tok, req, tools), sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-            stream=req.stream, loop=loop)
+            rid=req.rid, stream=req.stream, loop=loop)
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]

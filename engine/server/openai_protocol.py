@@ -67,6 +67,7 @@ class _OpenAISampling(_NullsAsDefaults):
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    rid: Optional[Union[str, list[str]]] = None  # SGLang's: the id /abort_request takes (one per prompt)
 
     @property
     def include_usage(self) -> bool:

@@ -7,7 +7,10 @@ in-process engine on the same ids."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -146,3 +149,21 @@ def test_matched_stop_names_the_stop(client, engine):
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     final = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"] is not None]
     assert len(final) == 1 and final[0]["matched_stop"] == want
+
+
+def test_rid_names_the_request_for_abort_request(engine_factory, live_server_factory):
+    """SGLang's OpenAI routes take rid, so a client can abort a chat turn it started."""
+    eng = engine_factory()
+    server = live_server_factory(eng)
+    out: list = []
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True, "rid": "turn-9"}
+    thread = threading.Thread(target=lambda: out.append(httpx.post(f"{server.url}/v1/chat/completions", json=body,
+                                                                   timeout=60)))
+    thread.start()
+    deadline = time.monotonic() + 20
+    while eng.get_stats().num_running_reqs < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "turn-9"}).status_code == 200
+    thread.join(30)
+    choice = out[0].json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < out[0].json()["usage"]["completion_tokens"] < 3000
