@@ -136,11 +136,6 @@ class SamplingParams:
             _check(ok, "stop_token_ids", f"in [0, {hi}", tok)
 
     def _validate_logit_bias(self, vocab_size: Optional[int]) -> None:
-        if self.logit_bias and self.is_greedy:
-            # the runner argmaxes plain greedy rows without the sampler (engine/runner/model_runner.py
-            # _plain_greedy does not look at logit_bias yet): refused rather than silently unbiased
-            raise ValueError("logit_bias with greedy sampling (temperature 0 or top_k 1) is not supported yet; "
-                             "use temperature > 0 (a +100 bias still picks its token)")
         hi = vocab_size - 1 if vocab_size is not None else "inf"
         for key in self.logit_bias or ():
             tok = int(key)

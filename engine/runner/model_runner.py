@@ -333,5 +333,5 @@ def _plain_greedy(req) -> bool:
     """Greedy with nothing that reshapes the logits: argmax of the raw logits, and the processed
     distribution equals the original one."""
     p = req.sampling_params
-    return (p.is_greedy and req.grammar is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)
+    return (p.is_greedy and req.grammar is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)

@@ -106,9 +106,17 @@ def test_ids_outside_the_vocab_are_refused(key):
     SamplingParams(temperature=1.0, logit_bias={"31": 100, "0": -100}).validate(vocab_size=V)
 
 
-def test_greedy_with_bias_is_refused_until_the_runner_reads_it():
-    """The runner argmaxes plain greedy rows without the sampler (model_runner._plain_greedy)."""
-    for params in ({"temperature": 0}, {"top_k": 1}):
-        with pytest.raises(ValueError, match="logit_bias with greedy sampling"):
-            SamplingParams(logit_bias={"1": 5.0}, **params).validate(vocab_size=V)
-    SamplingParams(temperature=0, logit_bias={}).validate(vocab_size=V)  # {}: no bias
+def test_greedy_engine_requests_follow_the_bias(engine_factory):
+    """Greedy rows with a bias go through the sampler (the runner's plain-greedy argmax skips it):
+    +100 forces the token, -100 on the unbiased choice yields the runner-up; top_k 1 alike."""
+    eng = engine_factory()
+    prompt = [5, 6, 7, 8]
+    greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = eng.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+    for params in ({**greedy}, {**greedy, "temperature": 1.0, "top_k": 1}):
+        forced = eng.generate(input_ids=prompt, sampling_params={**params, "logit_bias": {"42": 100}})
+        assert forced["output_ids"] == [42] * 3
+    banned = eng.generate(input_ids=prompt, sampling_params={**greedy, "max_new_tokens": 1,
+                                                              "logit_bias": {str(plain[0]): -100}})
+    assert banned["output_ids"][0] != plain[0]
+    assert eng.generate(input_ids=prompt, sampling_params={**greedy, "logit_bias": {}})["output_ids"] == plain

@@ -77,6 +77,8 @@ def test_bad_values_are_400_naming_the_field(client, route, bias, expect):
     assert resp.status_code == 400 and expect in resp.json()["message"], resp.text
 
 
-def test_greedy_with_bias_is_a_400_saying_why(client):
-    resp = client.post("/v1/completions", json={"prompt": "hi", "temperature": 0, "logit_bias": {"5": 1}})
-    assert resp.status_code == 400 and "logit_bias with greedy sampling" in resp.json()["message"]
+def test_greedy_completion_with_bias_picks_the_token(client, engine):
+    resp = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                                "logit_bias": {str(TOKEN): 100}})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == engine.tokenizer.decode([TOKEN]) * 2
