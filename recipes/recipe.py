@@ -8,15 +8,17 @@ gives the fields to change from the defaults. Every field is a command-line over
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import json
-import math
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from recipes.validate import check_fields
 
 TRAINERS = ("torch", "deepspeed")
 ENGINE_BACKENDS = ("ray", "in_process")
@@ -74,55 +76,27 @@ class Recipe:
     save_checkpoint: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.trainer not in TRAINERS:
             raise ValueError(f"trainer must be one of {', '.join(TRAINERS)}; got {self.trainer!r}")
         if self.engine_backend not in ENGINE_BACKENDS:
             raise ValueError(f"engine_backend must be one of {', '.join(ENGINE_BACKENDS)}; got {self.engine_backend!r}")
-        for name in ("steps", "n_per_prompt", "prompts_per_step", "num_engines", "max_new_tokens", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_per_prompt < 2:
-            raise ValueError("n_per_prompt must be >= 2: GRPO compares samples of one prompt")
-        for name, low, inclusive in (("temperature", 0, True), ("lr", 0, False), ("warm_start_lr", 0, False),
-                                     ("max_grad_norm", 0, False), ("clip_low", 0, True), ("clip_high", 0, True),
-                                     ("kl_coef", 0, True), ("tis_cap", 0, False)):
-            _check_number(name, getattr(self, name), low, inclusive)
-        for name in ("warm_start_steps", "torch_threads", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("warm_start_batch", "bucket_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-
-
-def _check_number(name: str, value: Any, low: float, inclusive: bool) -> None:
-    """A finite number above `low` (None passes: the optional fields' off)."""
-    if value is None:
-        return
-    if not math.isfinite(value) or value < low or (value == low and not inclusive):
-        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {low}, got {value}")
 
 
 def load_recipe(name_or_path: str = "default") -> Recipe:
     """A recipe by name (recipes/<name>.py), by a .py path defining RECIPE, or a .yaml/.json file
-    of fields over the defaults."""
+    of fields over the defaults. Anything wrong (a missing file, a syntax error, an unknown field,
+    a bad value) is one ValueError naming the file."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml", ".json"):
         return _from_mapping(path)
     if path.suffix == ".py":
-        if not path.exists():
-            raise ValueError(f"recipe file {path} does not exist")
-        spec = importlib.util.spec_from_file_location(f"tandem_recipe_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _exec_file(path)
+    elif re.fullmatch(r"\w+", name_or_path):
+        module = _import_named(name_or_path)
     else:
-        try:
-            module = importlib.import_module(f"recipes.{name_or_path}")
-        except ModuleNotFoundError as exc:
-            raise ValueError(f"no recipe {name_or_path!r}: expected recipes/{name_or_path}.py, a .py file "
-                             f"or a .yaml file (available: {', '.join(available_recipes())})") from exc
+        raise ValueError(f"recipe {name_or_path!r}: pass a recipe name ({', '.join(available_recipes())}), "
+                         f"a .py file defining RECIPE, or a .yaml/.json file of fields")
     recipe = getattr(module, "RECIPE", None)
     if not isinstance(recipe, Recipe):
         raise ValueError(f"recipe {name_or_path!r} must define RECIPE = Recipe(...)")
@@ -134,19 +108,69 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in here.glob("*.py") if re.search(r"(?m)^RECIPE = Recipe\(", p.read_text()))
 
 
-def with_overrides(recipe: Recipe, overrides: dict[str, Any]) -> Recipe:
-    """Fields replaced by values given as strings (from the command line) or typed values."""
+def _exec_file(path: Path) -> Any:
+    if not path.is_file():
+        hint = f" (a shipped recipe is named without .py: --recipe {path.stem})" \
+            if path.stem in available_recipes() else ""
+        raise ValueError(f"recipe file {path} does not exist{hint}")
+    spec = importlib.util.spec_from_file_location(f"tandem_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code: report where it failed, in one line
+        raise ValueError(f"recipe file {path}: {_where(exc, path)}") from exc
+    return module
+
+
+def _import_named(name: str) -> Any:
+    file = Path(__file__).parent / f"{name}.py"
+    try:
+        return importlib.import_module(f"recipes.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"recipes.{name}":
+            raise ValueError(f"recipe {name!r} ({file}): {_where(exc, file)}") from exc
+        raise ValueError(f"no recipe {name!r}: expected recipes/{name}.py, a .py file or a .yaml/.json file "
+                         f"(available: {', '.join(available_recipes())})") from exc
+    except Exception as exc:
+        raise ValueError(f"recipe {name!r} ({file}): {_where(exc, file)}") from exc
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """'line N: Kind: message', N the last line of the recipe file `path` the error passed."""
+    if isinstance(exc, SyntaxError):
+        return f"line {exc.lineno}: SyntaxError: {exc.msg}"
+    line = None
+    for frame, lineno in _frames(exc):
+        if Path(frame).resolve() == path.resolve():
+            line = lineno
+    kind = "" if isinstance(exc, ValueError) else f"{type(exc).__name__}: "
+    return (f"line {line}: " if line else "") + f"{kind}{exc}"
+
+
+def _frames(exc: BaseException) -> list[tuple[str, int]]:
+    import traceback
+
+    return [(f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith("<")]
+
+
+def with_overrides(recipe: Recipe, overrides: dict[str, Any], flags: bool = True) -> Recipe:
+    """Fields replaced by values given as strings (from the command line) or typed values.
+    flags: errors name the field as its command-line flag (--n-per-prompt), else as the field."""
     fields = {f.name: f for f in dataclasses.fields(Recipe)}
     typed = {}
     for key, value in overrides.items():
         name = key.replace("-", "_")
         if name not in fields:
-            raise ValueError(f"unknown recipe field {key!r}; fields: {', '.join(fields)}")
-        typed[name] = parse_value(fields[name], value) if isinstance(value, str) else value
+            close = difflib.get_close_matches(name, fields, n=1)
+            raise ValueError(f"unknown recipe field {key!r}; " + (f"did you mean {close[0]!r}?" if close else
+                                                                  f"fields: {', '.join(fields)}"))
+        label = f"--{name.replace('_', '-')}" if flags else name
+        typed[name] = parse_value(fields[name], value, label) if isinstance(value, str) else value
     return dataclasses.replace(recipe, **typed)
 
 
-def parse_value(f: dataclasses.Field, text: str) -> Any:
+def parse_value(f: dataclasses.Field, text: str, label: Optional[str] = None) -> Any:
     """A command-line string as the field's type: ints, floats, bools (true/false), None
     (none/null for optional fields), dicts as JSON."""
     kind = typing.get_type_hints(Recipe)[f.name]
@@ -166,27 +190,56 @@ def parse_value(f: dataclasses.Field, text: str) -> Any:
                 raise ValueError(text)
             return value
         if kind is int:
-            return int(float(text)) if "e" in text.lower() else int(text, 0)
+            return _parse_int(text)
         return kind(text)
     except ValueError:
-        raise ValueError(f"--{f.name.replace('_', '-')}: cannot read {text!r} as {getattr(kind, '__name__', kind)}") \
-            from None
+        label = label or f"--{f.name.replace('_', '-')}"
+        raise ValueError(f"{label}: cannot read {text!r} as {getattr(kind, '__name__', kind)}") from None
+
+
+def _parse_int(text: str) -> int:
+    """"12", "0x10", or a whole number in float notation ("1e6", "2.0"); "1.5" is refused, not cut."""
+    try:
+        return int(text, 0) if text.strip().lower().startswith(("0x", "0o", "0b")) else int(text)
+    except ValueError:
+        value = float(text)
+        if not value.is_integer():
+            raise
+        return int(value)
 
 
 def _from_mapping(path: Path) -> Recipe:
-    if not path.exists():
+    if not path.is_file():
         raise ValueError(f"recipe file {path} does not exist")
+    data = _read_mapping(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe file {path}: a recipe file is a mapping of field: value")
+    base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ValueError(f"recipe file {path}: base must be a recipe name or file, got {base!r}")
+    try:
+        return with_overrides(load_recipe(base) if base else Recipe(), data, flags=False)
+    except ValueError as exc:
+        raise ValueError(f"recipe file {path}: {exc}") from None
+
+
+def _read_mapping(path: Path) -> Any:
     text = path.read_text()
     if path.suffix == ".json":
-        data = json.loads(text)
-    else:
         try:
-            import yaml
-        except ImportError:
-            raise ValueError(f"reading {path} needs PyYAML (pip install pyyaml), or write the recipe as "
-                             f".json or .py") from None
-        data = yaml.safe_load(text) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a recipe file is a mapping of field: value")
-    base = load_recipe(data.pop("base")) if "base" in data else Recipe()
-    return with_overrides(base, data)
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"recipe file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column "
+                             f"{exc.colno})") from None
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(f"reading {path} needs PyYAML (pip install pyyaml), or write the recipe as "
+                         f".json or .py") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ValueError(f"recipe file {path} is not valid YAML: {getattr(exc, 'problem', None) or exc}"
+                         f"{where}") from None

@@ -31,7 +31,7 @@ def _exit_message(argv: list[str]) -> str:
                                            "callable 'nope'"),
     (["--task", "nope"], "tandem train: task 'nope': use 'module:function'"),
     (["--rollout-fn", "recipes.nope:f"], "tandem train: rollout_fn 'recipes.nope:f': cannot import"),
-    (["--temperature", "nan"], "tandem train: temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "nan"], "tandem train: temperature must be a finite number > 0"),
     (["--lr", "-1"], "tandem train: lr must be a finite number > 0, got -1.0"),
     (["--tis-cap", "0"], "tandem train: tis_cap must be a finite number > 0, got 0.0"),
     (["--warm-start-steps", "-3"], "tandem train: warm_start_steps must be >= 0, got -3"),
