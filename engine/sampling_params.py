@@ -26,7 +26,9 @@ _GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled
 _OPTIONAL_STR_FIELDS = _GRAMMAR_FIELDS + ("stop_regex",)
 _UNSUPPORTED_FIELDS = ("stop_regex",)  # refused if set until implemented
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # a negative id parses, so its error names the range
-LOGIT_BIAS_RANGE = 100.0  # OpenAI's [-100, 100]: enough to force or ban any token, far from fp32 overflow
+# SGLang takes any bias (clients ban a token with -1e4, say); bounded only so that logits + bias
+# stays finite in float32. OpenAI's own API stops at +-100, which forces or bans a token already.
+LOGIT_BIAS_RANGE = 1e30
 
 
 def carries_grammar(raw_params: Any) -> bool:
