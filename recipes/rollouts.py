@@ -10,6 +10,7 @@ its engine several times.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import time
 import uuid
@@ -19,6 +20,9 @@ from typing import Any, Callable, Optional
 from recipes.multi_turn import RolloutFn, TurnContext
 from recipes.recipe import Recipe
 from rollout.manager import RolloutManager
+from rollout.plugins import plugin_error
+from rollout.rewards import checked_reward
+from rollout.tasks import draw_problems
 from rollout.types import Sample
 
 
@@ -42,9 +46,9 @@ class Rollouts:
         self.recipe = recipe
         self.tokenizer = tokenizer
         self.task = task
-        self.reward_fn = reward_fn
+        self.reward_fn = checked_reward(reward_fn, recipe.reward)  # a float in [0, 1], or the run stops
         self.rollout_fn = rollout_fn
-        self.manager = RolloutManager(engines, reward_fn=reward_fn)
+        self.manager = RolloutManager(engines, reward_fn=self.reward_fn)
         self._tag = uuid.uuid4().hex[:8]  # request ids stay unique across runs on the same engines
 
     def generate(self, step: int) -> RolloutResult:
@@ -53,7 +57,8 @@ class Rollouts:
 
     async def agenerate(self, step: int) -> RolloutResult:
         start = time.perf_counter()
-        problems = self.task.problems(random.Random(f"{self.recipe.seed}-prompts-{step}"), self.recipe.prompts_per_step)
+        rng = random.Random(f"{self.recipe.seed}-prompts-{step}")
+        problems = draw_problems(self.task, rng, self.recipe.prompts_per_step, self.recipe.task)
         prompts = [self.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
         params = [self._sampling_params(step, g) for g in range(len(problems))]
         if self.rollout_fn is None:
@@ -62,6 +67,15 @@ class Rollouts:
         else:
             groups = await self._plugin_groups(step, problems, prompts, params)
         return RolloutResult(groups, time.perf_counter() - start)
+
+    def abort(self) -> None:
+        """End every request in flight on every engine (the run is stopping): the rollout thread
+        then finishes at once instead of generating a step nobody will train on."""
+        for engine in self.manager.engines:
+            try:
+                engine.abort_request(abort_all=True)
+            except Exception:  # an engine already gone has nothing left to abort
+                pass
 
     def _sampling_params(self, step: int, group: int) -> dict:
         seed = random.Random(f"{self.recipe.seed}-sampling-{step}-{group}").getrandbits(62)
@@ -76,7 +90,7 @@ class Rollouts:
                 sample_params = {**base, "sampling_seed": (base["sampling_seed"] + 7919 * i) % (1 << 62)}
                 ctx = TurnContext(engine, self.tokenizer, list(prompt), problem, sample_params, g, i,
                                   rid=f"turns-{self._tag}-{step}-{g}-{i}")
-                calls.append(self.rollout_fn(ctx))
+                calls.append(self._call_plugin(ctx))
         samples = await asyncio.gather(*calls)
         n = self.recipe.n_per_prompt
         groups = [list(samples[g * n:(g + 1) * n]) for g in range(len(problems))]
@@ -84,3 +98,19 @@ class Rollouts:
             for s in group:
                 s.reward = float(self.reward_fn(s))
         return groups
+
+    async def _call_plugin(self, ctx: TurnContext) -> Sample:
+        """The rollout_fn on one sample; its errors and a result that is no Sample name it."""
+        path = self.recipe.rollout_fn
+        try:
+            pending = self.rollout_fn(ctx)
+            sample = await pending if inspect.isawaitable(pending) else pending
+        except Exception as exc:
+            raise plugin_error("rollout_fn", path, exc) from exc
+        if inspect.isawaitable(pending) and not isinstance(sample, Sample):
+            raise ValueError(f"rollout_fn {path!r} returned {type(sample).__name__}, not a Sample (build one with "
+                             f"recipes.multi_turn.Transcript.to_sample)")
+        if not isinstance(sample, Sample):
+            raise ValueError(f"rollout_fn {path!r} returned {type(sample).__name__}: it must be an async "
+                             f"function, `async def fn(ctx) -> Sample`")
+        return sample

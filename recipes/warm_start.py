@@ -13,6 +13,7 @@ import random
 from typing import Any
 
 from recipes.recipe import Recipe
+from rollout.tasks import draw_problems
 
 
 def demonstrations(task: Any, problem: Any) -> list[tuple[str, str, bool]]:
@@ -30,7 +31,7 @@ def warm_start(trainer: Any, task: Any, tokenizer: Any, recipe: Recipe) -> list[
     losses = []
     for _ in range(recipe.warm_start_steps):
         contexts, targets = [], []
-        for problem in task.problems(rng, recipe.warm_start_batch):
+        for problem in draw_problems(task, rng, recipe.warm_start_batch, recipe.task):
             for context, target, ends in demonstrations(task, problem):
                 contexts.append(tokenizer.encode(context, add_special_tokens=False))
                 targets.append(tokenizer.encode(target, add_special_tokens=False) + ([eos] if ends else []))

@@ -8,8 +8,12 @@ numbers into single digits: "3+4=" is four tokens and the answer "7" one.
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass
+from typing import Any
+
+from rollout.plugins import load_object, plugin_error
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,10 @@ class Addition:
     """a+b= with operands in [0, max_operand]: (max_operand + 1)^2 distinct problems."""
 
     max_operand: int = 9
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_operand, int) or self.max_operand < 0:
+            raise ValueError(f"max_operand must be an integer >= 0, got {self.max_operand!r}")
 
     def problems(self, rng: random.Random, count: int) -> list[Problem]:
         out = []
@@ -38,6 +46,10 @@ class Copy:
 
     length: int = 3
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.length, int) or self.length < 1:
+            raise ValueError(f"length must be an integer >= 1, got {self.length!r}")
+
     def problems(self, rng: random.Random, count: int) -> list[Problem]:
         out = []
         for _ in range(count):
@@ -52,3 +64,38 @@ def addition(max_operand: int = 9) -> Addition:
 
 def copy(length: int = 3) -> Copy:
     return Copy(length)
+
+
+def load_task(path: str, args: dict) -> Any:
+    """The task factory at `path` called with `args` (a recipe's task and task_args) -> the task.
+    Arguments the factory does not take, a factory that raises, or a result without `problems`
+    are one ValueError naming the task."""
+    factory = load_object(path, "task")
+    try:
+        inspect.signature(factory).bind(**args)
+    except TypeError as exc:
+        raise ValueError(f"task {path!r} does not take task_args {args}: {exc} (set --task-args to its "
+                         f"arguments, '{{}}' for none)") from None
+    except ValueError:  # no signature to read (a builtin): let the call decide
+        pass
+    try:
+        task = factory(**args)
+    except Exception as exc:
+        raise plugin_error("task", path, exc) from exc
+    if not callable(getattr(task, "problems", None)):
+        raise ValueError(f"task {path!r} returned {type(task).__name__}, which has no problems(rng, count) method")
+    return task
+
+
+def draw_problems(task: Any, rng: random.Random, count: int, path: str) -> list[Problem]:
+    """task.problems(rng, count), checked: exactly `count` items, each with a str prompt and an answer."""
+    try:
+        problems = list(task.problems(rng, count))
+    except Exception as exc:
+        raise plugin_error("task", path, exc, "in problems()") from exc
+    if len(problems) != count:
+        raise ValueError(f"task {path!r}: problems(rng, {count}) returned {len(problems)} problems, not {count}")
+    for p in problems:
+        if not isinstance(getattr(p, "prompt", None), str) or not hasattr(p, "answer"):
+            raise ValueError(f"task {path!r}: problems() must return Problem(prompt: str, answer) items; got {p!r}")
+    return problems
