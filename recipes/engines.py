@@ -30,11 +30,16 @@ class EnginePool:
     def __init__(self, recipe: Recipe, source: ModelSource) -> None:
         self.recipe = recipe
         self.clients: list[Any] = []
+        self._owns_ray = False
         kwargs = engine_kwargs(recipe, source)
-        if recipe.engine_backend == "in_process":
-            self._start_in_process(kwargs)
-        else:
-            self._start_ray(kwargs)
+        try:
+            if recipe.engine_backend == "in_process":
+                self._start_in_process(kwargs)
+            else:
+                self._start_ray(kwargs)
+        except BaseException:  # the engines started before the failure (or Ctrl-C) are shut down
+            self.close()
+            raise
 
     def _start_in_process(self, kwargs: dict) -> None:
         from engine import Engine
@@ -49,12 +54,13 @@ class EnginePool:
         except ImportError:
             raise SystemExit("engine_backend 'ray' needs Ray: pip install -e '.[rl]' "
                              "(or run with --engine-backend in_process)") from None
-        from rollout.engine_actor import start_engine_actors
+        from rollout.engine_actor import ensure_ray, start_engine_actors
         from rollout.ray_client import RayClient
 
         num_gpus = None
         if self.recipe.device != "cpu" and self.recipe.colocate:
             num_gpus = 1.0 / (self.recipe.num_engines + 1)  # the trainer holds a share of the same GPU
+        self._owns_ray = ensure_ray()  # a failed start or Ctrl-C while actors load: close() ends Ray
         actors = start_engine_actors(self.recipe.num_engines, kwargs, num_gpus=num_gpus)
         self.clients = [RayClient(a, owns=True) for a in actors]
 
@@ -65,6 +71,19 @@ class EnginePool:
             except Exception as exc:  # shutting down: report, keep closing the others
                 print(f"warning: an engine did not shut down cleanly: {exc}")
         self.clients = []
+        self._stop_ray()
+
+    def _stop_ray(self) -> None:
+        """The Ray cluster this pool started (not one it joined) ends with it: no raylet or
+        worker outlives the run, whether it finished, failed or was interrupted."""
+        if self._owns_ray:
+            import ray
+
+            from rollout.engine_actor import reassert_signal_handlers
+
+            ray.shutdown()
+            reassert_signal_handlers()  # Ctrl-C / SIGTERM still stop the rest of the run (the checkpoint)
+            self._owns_ray = False
 
     def __enter__(self) -> "EnginePool":
         return self

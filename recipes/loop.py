@@ -9,6 +9,8 @@ generated on version k-1 while step k trains, and TIS corrects the one-step lag.
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,12 +20,12 @@ from typing import Any, Optional
 import torch
 
 from recipes.engines import EnginePool
+from recipes.interrupt import RunInterrupted, signals_stop_the_run
 from recipes.model_source import ModelSource
-from rollout.plugins import load_object
+from recipes.preflight import Plugins, preflight
 from recipes.recipe import Recipe
 from recipes.report import RunReport
 from recipes.rollouts import RolloutResult, Rollouts
-from recipes.trainer_setup import build_trainer
 from recipes.warm_start import warm_start
 from recipes.weight_push import WeightPusher
 from trainer_bridge.losses import group_advantages
@@ -48,40 +50,27 @@ def plan_line(recipe: Recipe, source: ModelSource, output_dir: Path) -> str:
             f"{'one-step off-policy' if recipe.off_policy else 'on-policy'}; run folder {output_dir}")
 
 
-def check_recipe(recipe: Recipe) -> None:
-    """What can be checked before anything starts (a trainer, Ray, engine actors): the plug-ins
-    import, the choices are known ones, engine_args are ServerArgs fields. A bad value is a
-    ValueError naming the field, not an engine actor's traceback minutes later."""
-    from engine.config import ServerArgs
-    from recipes.weight_push import RECIPE_TRANSPORTS
-    from trainer_bridge.losses import AGGREGATIONS
-
-    if recipe.off_policy and recipe.colocate:
-        raise ValueError("off_policy needs engines generating while the trainer steps; colocate releases them then")
-    if recipe.aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {recipe.aggregation!r}")
-    if recipe.transport not in RECIPE_TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(RECIPE_TRANSPORTS)}; got {recipe.transport!r}")
-    try:
-        torch.device(recipe.device)
-    except RuntimeError:
-        raise ValueError(f"device {recipe.device!r} is not a torch device: use cpu, cuda or cuda:N") from None
-    if not isinstance(getattr(torch, recipe.dtype, None), torch.dtype):
-        raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, ...); got {recipe.dtype!r}")
-    try:
-        ServerArgs.from_kwargs(**{"model_path": recipe.model, "dtype": recipe.dtype, **recipe.engine_args})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"engine_args: {exc}") from None
-    load_object(recipe.task, "task")
-    load_object(recipe.reward, "reward")
-    if recipe.rollout_fn:
-        load_object(recipe.rollout_fn, "rollout_fn")
-
-
 def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
-    check_recipe(recipe)
+    """The whole run; refused before its folder exists when preflight finds a problem. Ctrl-C or
+    SIGTERM: the engines and Ray shut down on the way out, then RunInterrupted (a SystemExit:
+    the CLI prints no traceback) after saying where the partial run is."""
+    with signals_stop_the_run() as stop:
+        try:
+            return _run(recipe, output_dir, quiet)
+        except KeyboardInterrupt:
+            signum = stop.signum or signal.SIGINT
+        _say_interrupted(signum, recipe, output_dir)
+    raise RunInterrupted(signum)
+
+
+def _run(recipe: Recipe, output_dir: Path, quiet: bool) -> RunResult:
+    plugins = preflight(recipe, output_dir)
     source = ModelSource.resolve(recipe.model, recipe.seed)  # a bad model path: refused before the run folder
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output-dir {output_dir}: cannot create it ({exc.strerror}); pass a writable "
+                         f"path") from None
     threads = torch.get_num_threads()
     if recipe.torch_threads > 0:
         torch.set_num_threads(recipe.torch_threads)
@@ -89,22 +78,33 @@ def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
     report = RunReport(output_dir, recipe, quiet)
     report.plan(plan_line(recipe, source, output_dir))
     try:
-        checkpoint, last_groups = _run_phases(recipe, source, report, output_dir)
+        checkpoint, last_groups = _run_phases(recipe, source, plugins, report, output_dir)
     finally:
         curve = report.close()
         torch.set_num_threads(threads)  # the caller's setting, as it was
     return RunResult(output_dir, report.rows, checkpoint, curve, last_groups)
 
 
-def _run_phases(recipe: Recipe, source: ModelSource, report: RunReport,
+def _say_interrupted(signum: int, recipe: Recipe, output_dir: Path) -> None:
+    metrics = output_dir / "metrics.jsonl"
+    if not metrics.exists():
+        print(f"tandem train: interrupted ({signal.Signals(signum).name}) before the run started; nothing was "
+              f"written", file=sys.stderr, flush=True)
+        return
+    done = len(metrics.read_text().splitlines())
+    saved = "metrics.jsonl" + (", reward_curve.png" if (output_dir / "reward_curve.png").exists() else "")
+    print(f"tandem train: interrupted ({signal.Signals(signum).name}) after {done} of {recipe.steps} steps; "
+          f"the partial run is in {output_dir} ({saved}; no checkpoint)", file=sys.stderr, flush=True)
+
+
+def _run_phases(recipe: Recipe, source: ModelSource, plugins: Plugins, report: RunReport,
                 output_dir: Path) -> tuple[Optional[Path], list]:
     """trainer -> engines -> warm start -> push version 0 -> GRPO steps -> checkpoint."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # here, not at the top: a Ctrl-C while it loads is caught by run()
+
+    from recipes.trainer_setup import build_trainer
 
     tokenizer = AutoTokenizer.from_pretrained(source.path)
-    task = load_object(recipe.task, "task")(**recipe.task_args)
-    reward_fn = load_object(recipe.reward, "reward")
-    rollout_fn = load_object(recipe.rollout_fn, "rollout_fn") if recipe.rollout_fn else None
     start = time.perf_counter()
     trainer = build_trainer(recipe, source)
     report.note(f"trainer ready in {time.perf_counter() - start:.1f}s")
@@ -113,11 +113,11 @@ def _run_phases(recipe: Recipe, source: ModelSource, report: RunReport,
         report.note(f"{recipe.num_engines} engines ready in {time.perf_counter() - start:.1f}s")
         pusher = WeightPusher(pool.clients, recipe.transport, recipe.bucket_bytes, recipe.keep_cuda_graphs)
         if recipe.warm_start_steps:
-            _warm_start(recipe, trainer, task, tokenizer, report)
+            _warm_start(recipe, trainer, plugins.task, tokenizer, report)
         if recipe.kl_coef > 0:
             trainer.freeze_reference()
         pusher.push(trainer, "0")  # the engines start from the (warm-started) policy
-        rollouts = Rollouts(recipe, pool.clients, tokenizer, task, reward_fn, rollout_fn)
+        rollouts = Rollouts(recipe, pool.clients, tokenizer, plugins.task, plugins.reward_fn, plugins.rollout_fn)
         last_groups = _grpo_steps(recipe, trainer, rollouts, pusher, report)
     checkpoint = None
     if recipe.save_checkpoint:
@@ -152,8 +152,11 @@ def _grpo_steps(recipe: Recipe, trainer: Any, rollouts: Rollouts, pusher: Weight
             report.step(metrics)
             groups = result.groups
         return groups
+    except BaseException:  # a failure or Ctrl-C: end the rollout in flight, do not wait it out
+        rollouts.abort()
+        raise
     finally:
-        background.shutdown(wait=True)
+        background.shutdown(wait=True, cancel_futures=True)
 
 
 def _train_and_push(recipe: Recipe, trainer: Any, pusher: WeightPusher, result: RolloutResult, step: int,

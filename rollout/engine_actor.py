@@ -16,8 +16,10 @@ rollout.ray_client.RayClient; `start_engine_actors` starts a local Ray cluster i
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 MAX_CONCURRENT_CALLS = 16384  # Ray's default for async actors (1000) would queue a large rollout batch
 
@@ -162,13 +164,63 @@ def engine_actor_class() -> Any:
     return ray.remote(EngineActor)
 
 
-def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs: Any) -> None:
-    """Join the Ray cluster this process is in, or start a light local one (no dashboard)."""
+def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs: Any) -> bool:
+    """Join the Ray cluster this process is in, or start a light local one (no dashboard).
+    -> True when this call started it (the caller may then shut it down)."""
     import ray
 
     if ray.is_initialized():
+        return False
+    with _signals_held():
+        ray.init(include_dashboard=False, num_cpus=num_cpus, configure_logging=False, **init_kwargs)
+    return True
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """ray.init starts the GCS, raylet and agents as child processes; a Ctrl-C midway leaves some
+    running with no owner (ray.shutdown does not know them yet). So SIGINT is held while it runs
+    and delivered after it returns, Ray shut down first. SIGTERM too when the caller handles it
+    (`tandem train` does): then Ray's own SIGTERM handlers (Python's sys.exit in its Node, a C++
+    stack dump in its core worker) are kept out and the caller's is put back after ray.init."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    ray.init(include_dashboard=False, num_cpus=num_cpus, configure_logging=False, **init_kwargs)
+    import ray._private.utils as ray_utils
+
+    held: list[int] = []
+    caught = [signal.SIGINT] + ([signal.SIGTERM] if callable(signal.getsignal(signal.SIGTERM)) else [])
+    previous = {s: signal.getsignal(s) for s in caught}
+    ray_sets_sigterm = getattr(ray_utils, "set_sigterm_handler", None)
+    for s in caught:
+        signal.signal(s, lambda signum, frame: held.append(signum))
+    if signal.SIGTERM in caught and ray_sets_sigterm is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if ray_sets_sigterm is not None:
+            ray_utils.set_sigterm_handler = ray_sets_sigterm
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    if held:
+        import ray
+
+        ray.shutdown()
+        reassert_signal_handlers()
+        signal.raise_signal(held[0])
+
+
+def reassert_signal_handlers() -> None:
+    """ray.shutdown (its C++ core worker) resets SIGTERM's disposition under Python's feet: the
+    Python handler is still named by signal.getsignal but a SIGTERM kills the process. Setting the
+    handlers again makes them real (main thread only; default handlers are left as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(s)
+        if callable(handler):
+            signal.signal(s, handler)
 
 
 def colocation_group(n: int, gpus_per_bundle: float = 1, cpus_per_bundle: float = 1,

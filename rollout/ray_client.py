@@ -121,12 +121,16 @@ class RayClient(EngineClient):
     def get_server_info(self):
         return self._get(self.actor.get_server_info.remote())
 
-    def close(self):
+    def close(self, timeout_s: float = 30.0):
+        """Shut the engine down and end the actor; an actor that does not answer within timeout_s
+        (or died) is killed all the same, so closing never hangs on it."""
         if self.owns:
             import ray
 
-            self._get(self.actor.shutdown.remote())
-            ray.kill(self.actor)
+            try:
+                ray.get(self.actor.shutdown.remote(), timeout=timeout_s)
+            finally:
+                ray.kill(self.actor)
 
 
 def _tensors_of(payload: Any) -> list:

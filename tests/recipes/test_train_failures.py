@@ -1,0 +1,129 @@
+"""`tandem train` failing the way a new user makes it fail: each is one line naming what to change and
+exit status 1 (refused before the run folder when it can be known up front), never a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from engine.cli.main import main
+
+FAST = ["--engine-backend", "in_process", "--num-engines", "1", "--steps", "1", "--prompts-per-step", "2",
+        "--warm-start-steps", "0", "--wandb", "false", "--save-checkpoint", "false", "--quiet"]
+
+PLUGINS = '''
+import math
+
+def task_raises(**kw):
+    raise RuntimeError("no dataset")
+
+def reward_big(sample):
+    return 5.0
+
+def reward_nan(sample):
+    return math.nan
+
+def reward_two(sample, other):
+    return 1.0
+
+async def rollout_raises(ctx):
+    raise ConnectionError("tool server down")
+
+async def rollout_dict(ctx):
+    return {"text": "7"}
+
+def rollout_sync(ctx):
+    return None
+'''
+
+
+def _exit_message(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert isinstance(exc.value.code, str), exc.value.code  # sys.exit(message): status 1
+    assert "\n" not in exc.value.code
+    return exc.value.code
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    """A user's plug-in module in the working directory, imported as `tandem train` would."""
+    name = f"user_plugins_{os.getpid()}_{len(sys.modules)}"
+    (tmp_path / f"{name}.py").write_text(PLUGINS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_object appends the cwd: undone after
+    return name
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--task-args", '{"nope": 1}'], "task 'rollout.tasks:addition' does not take task_args {'nope': 1}"),
+    (["--task-args", '{"max_operand": -1}'], "task 'rollout.tasks:addition': max_operand must be an integer >= 0"),
+    (["--device", "cuda"], "device 'cuda' needs a CUDA GPU, but "),
+    (["--device", "cuda:1"], "device 'cuda:1' needs a CUDA GPU, but "),
+    (["--trainer", "deepspeed"], "trainer 'deepspeed' runs on CUDA GPUs: on the CPU use --trainer torch"),
+    (["--recipe", "qwen3_gpu"], "device 'cuda' needs a CUDA GPU, but "),
+    (["--temperature", "0"], "temperature must be a finite number > 0"),
+])
+def test_refused_before_the_run_folder(tmp_path, flags, message):
+    out = tmp_path / "run"
+    text = _exit_message(["train", *FAST, "--output-dir", str(out), *flags])
+    assert text.startswith(f"tandem train: {message}"), text
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--task", "{m}:task_raises"], "task '{m}:task_raises' raised RuntimeError: no dataset ({m}.py, line 5)"),
+    (["--reward", "{m}:reward_two"], "reward '{m}:reward_two' must take one argument (the Sample); its signature "
+                                     "is reward_two(sample, other)"),
+    (["--rollout-fn", "{m}:rollout_sync"], "rollout_fn '{m}:rollout_sync' must be an async function: "
+                                           "`async def fn(ctx) -> Sample` (recipes/multi_turn.py)"),
+])
+def test_bad_plugins_are_refused_before_the_run_folder(tmp_path, plugins, flags, message):
+    out = tmp_path / "run"
+    flags = [f.format(m=plugins) for f in flags]
+    assert _exit_message(["train", *FAST, "--output-dir", str(out), *flags]) == f"tandem train: {message.format(m=plugins)}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--reward", "{m}:reward_big"], "reward '{m}:reward_big' returned 5.0 for the response "),
+    (["--reward", "{m}:reward_nan"], "reward '{m}:reward_nan' returned nan for the response "),
+    (["--rollout-fn", "{m}:rollout_raises"], "rollout_fn '{m}:rollout_raises' raised ConnectionError: tool server "
+                                             "down ({m}.py, line 17)"),
+    (["--rollout-fn", "{m}:rollout_dict"], "rollout_fn '{m}:rollout_dict' returned dict, not a Sample"),
+])
+def test_plugins_failing_in_the_first_step(tmp_path, plugins, flags, message):
+    out = tmp_path / "run"
+    text = _exit_message(["train", *FAST, "--output-dir", str(out), *[f.format(m=plugins) for f in flags]])
+    assert text.startswith(f"tandem train: {message.format(m=plugins)}"), text
+    assert (out / "metrics.jsonl").read_text() == ""  # the step never finished
+
+
+def test_output_dir_not_empty_file_or_unwritable(tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert _exit_message(["train", *FAST, "--output-dir", str(full)]) == (
+        f"tandem train: --output-dir {full} is not empty (metrics.jsonl): pass a new folder, or remove this one to "
+        f"run there again")
+    assert (full / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the earlier run is untouched
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert _exit_message(["train", *FAST, "--output-dir", str(afile)]) == (
+        f"tandem train: --output-dir {afile} is a file, not a folder: pass a new folder's path")
+    text = _exit_message(["train", *FAST, "--output-dir", "/proc/tandem-run"])
+    assert text == "tandem train: --output-dir /proc/tandem-run: cannot create it (No such file or directory); " \
+                   "pass a writable path"
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a user without write permission (tests run as root)
+    assert _exit_message(["train", *FAST, "--output-dir", str(tmp_path / "new")]) == (
+        f"tandem train: --output-dir {tmp_path / 'new'}: this user cannot create folders in {tmp_path}; pass a "
+        f"writable path")
+
+
+def test_an_empty_existing_output_dir_is_used(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert main(["train", *FAST, "--output-dir", str(out)]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
