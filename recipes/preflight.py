@@ -50,10 +50,30 @@ def check_recipe(recipe: Recipe) -> None:
     check_device(recipe)
     if not isinstance(getattr(torch, recipe.dtype, None), torch.dtype):
         raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, ...); got {recipe.dtype!r}")
+    kwargs = {"model_path": recipe.model, "dtype": recipe.dtype, "device": recipe.device,
+              "enable_deterministic_inference": recipe.deterministic}  # as recipes.engines passes them
     try:
-        ServerArgs.from_kwargs(**{"model_path": recipe.model, "dtype": recipe.dtype, **recipe.engine_args})
+        ServerArgs.from_kwargs(**{**kwargs, **recipe.engine_args})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"engine_args: {exc}") from None
+    check_attention(recipe)
+
+
+def check_attention(recipe: Recipe) -> None:
+    """The trainer's Policy runs the engine's attention backend (its logprobs must match), so only
+    backends it has a packed twin of; Triton on the CPU only under its interpreter (the engine
+    would abort every request with that error, and the step would find no response to train)."""
+    from engine.attention.registry import deterministic_backends
+
+    backend = recipe.engine_args.get("attention_backend")
+    if backend is None:
+        return
+    if backend not in deterministic_backends():
+        raise ValueError(f"engine_args: attention_backend {backend!r}: the trainer recomputes the rollout "
+                         f"logprobs with {' or '.join(deterministic_backends())} attention only")
+    if backend == "triton" and recipe.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("engine_args: attention_backend 'triton' on the CPU needs TRITON_INTERPRET=1 (Triton's "
+                         "interpreter, slow); leave it out to use torch attention there")
 
 
 def check_device(recipe: Recipe) -> None:

@@ -66,6 +66,7 @@ class Rollouts:
                                                   labels=[p.answer for p in problems])
         else:
             groups = await self._plugin_groups(step, problems, prompts, params)
+        check_not_failed([s for g in groups for s in g], step)
         return RolloutResult(groups, time.perf_counter() - start)
 
     def abort(self) -> None:
@@ -114,3 +115,16 @@ class Rollouts:
             raise ValueError(f"rollout_fn {path!r} returned {type(sample).__name__}: it must be an async "
                              f"function, `async def fn(ctx) -> Sample`")
         return sample
+
+
+def check_not_failed(samples: list[Sample], step: int) -> None:
+    """An engine that failed a request aborts it with "engine error: ..." (its log has the
+    traceback): training on the partial responses would be wrong, and if every sample was
+    aborted the step would only report an empty batch. Either is one line with the engine's why."""
+    for s in samples:
+        reason = s.metadata.get("finish_reason")
+        message = reason.get("message") if isinstance(reason, dict) else None
+        if s.status == "aborted" and isinstance(message, str) and message.startswith("engine error"):
+            raise ValueError(f"step {step}: an engine failed a rollout ({message}); its log above has the traceback")
+    if samples and all(s.status == "aborted" for s in samples):
+        raise ValueError(f"step {step}: the engines aborted every rollout; their log above says why")

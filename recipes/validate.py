@@ -64,6 +64,8 @@ def _check_ranges(r: Any) -> None:
     for name in NON_NEGATIVE_INTS:
         if getattr(r, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(r, name)}")
+    if r.seed >= 1 << 64:
+        raise ValueError(f"seed must be < 2**64 (torch's generator takes 64 bits), got {r.seed}")
     if r.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {r.zero_stage}")
 

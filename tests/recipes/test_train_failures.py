@@ -65,6 +65,11 @@ def plugins(tmp_path, monkeypatch):
     (["--trainer", "deepspeed"], "trainer 'deepspeed' runs on CUDA GPUs: on the CPU use --trainer torch"),
     (["--recipe", "qwen3_gpu"], "device 'cuda' needs a CUDA GPU, but "),
     (["--temperature", "0"], "temperature must be a finite number > 0"),
+    (["--seed", str(1 << 64)], "seed must be < 2**64 (torch's generator takes 64 bits), got 18446744073709551616"),
+    (["--engine-args", '{"attention_backend": "flashinfer"}'], "engine_args: attention_backend 'flashinfer' has no "
+                                                               "deterministic mode"),
+    (["--engine-args", '{"attention_backend": "flashinfer"}', "--deterministic", "false"],
+     "engine_args: attention_backend 'flashinfer': the trainer recomputes the rollout logprobs with torch or triton"),
 ])
 def test_refused_before_the_run_folder(tmp_path, flags, message):
     out = tmp_path / "run"
@@ -127,3 +132,38 @@ def test_an_empty_existing_output_dir_is_used(tmp_path):
     out.mkdir()
     assert main(["train", *FAST, "--output-dir", str(out)]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_triton_attention_on_the_cpu_needs_its_interpreter(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    text = _exit_message(["train", *FAST, "--output-dir", str(tmp_path / "run"), "--engine-args",
+                          '{"attention_backend": "triton"}'])
+    assert text == ("tandem train: engine_args: attention_backend 'triton' on the CPU needs TRITON_INTERPRET=1 "
+                    "(Triton's interpreter, slow); leave it out to use torch attention there")
+
+
+def test_an_engine_error_fails_the_step_with_its_message(monkeypatch):
+    """Oracle: a real engine failing every forward (Triton attention off CUDA, no interpreter), which
+    aborts each request with "engine error: ..."; the step was reported as an empty batch."""
+    from transformers import AutoTokenizer
+
+    from engine import Engine
+    from engine.testing.tiny_model import tiny_model_path
+    from recipes.recipe import Recipe
+    from recipes.rollouts import Rollouts
+    from rollout.client import InProcessClient
+    from rollout.rewards import exact_match
+    from rollout.tasks import addition
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = str(tiny_model_path())
+    engine = Engine(model_path=path, device="cpu", attention_backend="triton", log_level="critical")
+    try:
+        rollouts = Rollouts(Recipe(prompts_per_step=2, n_per_prompt=2), [InProcessClient(engine)],
+                            AutoTokenizer.from_pretrained(path), addition(5), exact_match)
+        with pytest.raises(ValueError) as exc:
+            rollouts.generate(1)
+    finally:
+        engine.shutdown()
+    assert str(exc.value) == ("step 1: an engine failed a rollout (engine error: RuntimeError: attention_backend "
+                              "'triton' needs a CUDA device (or TRITON_INTERPRET=1)); its log above has the traceback")
