@@ -37,8 +37,10 @@ class EnginePool:
                 self._start_in_process(kwargs)
             else:
                 self._start_ray(kwargs)
-        except BaseException:  # the engines started before the failure (or Ctrl-C) are shut down
+        except BaseException as exc:  # the engines started before the failure (or Ctrl-C) are shut down
             self.close()
+            if isinstance(exc, Exception) and not isinstance(exc, (ValueError, OSError)):
+                raise _start_error(exc) from exc
             raise
 
     def _start_in_process(self, kwargs: dict) -> None:
@@ -90,3 +92,11 @@ class EnginePool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _start_error(exc: Exception) -> ValueError:
+    """An engine's start-up failed with an error no check names (say, a KV pool too large to
+    allocate): one line, with what to look at."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return ValueError(f"the engines did not start: {type(exc).__name__}: {first} (check --engine-args and "
+                      f"free memory; TANDEM_DEBUG=1 shows the traceback)")

@@ -287,8 +287,20 @@ def wait_until_ready(refs: list, actors: list, timeout_s: float, what: str) -> N
 
     try:
         ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:  # one engine's start-up raised: that error, as in-process
+        for actor in actors:
+            ray.kill(actor)
+        raise _creation_error(exc) from exc
     except ray.exceptions.GetTimeoutError:
         for actor in actors:
             ray.kill(actor)
         raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s: does the Ray cluster have those resources "
                            f"free (ray.available_resources() = {ray.available_resources()})?") from None
+
+
+def _creation_error(exc: Exception) -> BaseException:
+    """The exception an actor's __init__ raised (Ray wraps it in a RayTaskError inside an
+    ActorDiedError), else the Ray error itself."""
+    task_error = exc.args[0] if exc.args else None
+    cause = getattr(task_error, "cause", None)
+    return cause if isinstance(cause, Exception) else exc

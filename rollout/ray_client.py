@@ -20,6 +20,20 @@ from rollout.client import EngineClient
 TENSOR_TRANSPORTS = ("auto", "ray", "ipc")
 
 
+class EngineDied(ConnectionError):
+    """The engine actor's process is gone (killed, out of memory, crashed): every call to it fails
+    with this one-line reason instead of Ray's multi-line ActorDiedError."""
+
+    @classmethod
+    def from_ray(cls, exc: Exception) -> "EngineDied":
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if line.startswith("The actor is dead")), lines[0] if lines else "")
+        reason = reason.split(" Some common causes")[0]
+        actor = (getattr(exc, "actor_id", None) or "?")[:8]
+        return cls(f"engine actor {actor} died: {reason} (killed, out of memory or a crash: the Ray logs under "
+                   f"/tmp/ray/session_latest/logs say which)")
+
+
 class RayClient(EngineClient):
     def __init__(self, actor: Any, tensor_transport: str = "auto", owns: bool = False) -> None:
         """actor: an EngineActor handle; owns=True: close() shuts its engine down and ends it."""
@@ -33,7 +47,18 @@ class RayClient(EngineClient):
     def _get(self, ref: Any) -> Any:
         import ray
 
-        return ray.get(ref)
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ActorDiedError as exc:
+            raise EngineDied.from_ray(exc) from exc
+
+    async def _await(self, ref: Any) -> Any:
+        import ray
+
+        try:
+            return await ref
+        except ray.exceptions.ActorDiedError as exc:
+            raise EngineDied.from_ray(exc) from exc
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
@@ -46,15 +71,15 @@ class RayClient(EngineClient):
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
                              token_ids_logprob=None):
-        return await self.actor.generate.remote(prompt, sampling_params, input_ids, return_logprob,
-                                                logprob_start_len, top_logprobs_num, rid, logprob_distribution,
-                                                token_ids_logprob)
+        return await self._await(self.actor.generate.remote(prompt, sampling_params, input_ids, return_logprob,
+                                                            logprob_start_len, top_logprobs_num, rid,
+                                                            logprob_distribution, token_ids_logprob))
 
     def abort_request(self, rid=None, abort_all=False):
         self._get(self.actor.abort_request.remote(rid, abort_all))
 
     async def async_abort_request(self, rid=None, abort_all=False):
-        await self.actor.abort_request.remote(rid, abort_all)
+        await self._await(self.actor.abort_request.remote(rid, abort_all))
 
     def flush_cache(self):
         return self._get(self.actor.flush_cache.remote())
@@ -129,6 +154,8 @@ class RayClient(EngineClient):
 
             try:
                 ray.get(self.actor.shutdown.remote(), timeout=timeout_s)
+            except ray.exceptions.ActorDiedError:
+                pass  # nothing left to shut down
             finally:
                 ray.kill(self.actor)
 

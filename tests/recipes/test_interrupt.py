@@ -1,10 +1,12 @@
 """Ctrl-C / SIGTERM during `tandem train`: the command exits within seconds with 130 / 143, says it
 was interrupted and where the partial run is, prints no traceback, and leaves no Ray process (raylet,
-GCS, agents, engine actors) behind, whether the signal comes while Ray starts or between steps."""
+GCS, agents, engine actors) behind, whether the signal comes while Ray starts or between steps. An
+engine actor killed mid-run is one line too."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -89,4 +91,21 @@ def test_signals_with_ray_leave_no_process(tmp_path, signum, when):
         time.sleep(1.0)
     rc, err, seconds = run.stop(signum)
     _assert_interrupted(run, rc, err, seconds, signum)
+    assert run.leftovers() == []
+
+
+def test_an_engine_actor_killed_mid_run_is_one_line(tmp_path):
+    """kill -9 of an engine actor's process (as the OOM killer would): was an ActorDiedError traceback."""
+    pytest.importorskip("ray")
+    run = Run(tmp_path / "run", "--engine-backend", "ray")
+    run.wait_for(lambda: run.steps_done() >= 1)
+    ps = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout.splitlines()
+    (engine_pid,) = [int(line.split()[0]) for line in ps
+                     if line.split()[1] == str(run.proc.pid) and "ray::EngineActor" in line]
+    os.kill(engine_pid, signal.SIGKILL)
+    rc = run.proc.wait(timeout=60)
+    err = run.proc.stderr.read()
+    assert rc == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("tandem train: engine actor ")
+    assert " died: The actor is dead because its worker process has died." in err.strip().splitlines()[-1]
     assert run.leftovers() == []

@@ -167,3 +167,12 @@ def test_an_engine_error_fails_the_step_with_its_message(monkeypatch):
         engine.shutdown()
     assert str(exc.value) == ("step 1: an engine failed a rollout (engine error: RuntimeError: attention_backend "
                               "'triton' needs a CUDA device (or TRITON_INTERPRET=1)); its log above has the traceback")
+
+
+def test_an_engine_that_cannot_start_is_one_line(tmp_path):
+    """A KV pool far beyond memory (a RuntimeError from torch's allocator, no check names it)."""
+    text = _exit_message(["train", *FAST, "--output-dir", str(tmp_path / "run"), "--engine-args",
+                          '{"context_length": 10000000}'])
+    assert text.startswith("tandem train: the engines did not start: RuntimeError: ")
+    assert "can't allocate memory" in text
+    assert text.endswith("(check --engine-args and free memory; TANDEM_DEBUG=1 shows the traceback)")

@@ -230,8 +230,19 @@ def test_an_actor_the_cluster_cannot_place_times_out_with_a_clear_error(ray_clus
         start_engine_actors(1, {"model_path": model_a, **ENGINE_KWARGS}, num_gpus=64, start_timeout_s=1)
 
 
+def test_an_engine_actor_that_fails_to_start_raises_its_own_error(ray_cluster, model_a):
+    """In-process the Engine raises ValueError; through Ray it was an ActorDiedError whose message is
+    the remote traceback (the CLI printed it all). Now the same ValueError, Ray's error its cause."""
+    from rollout.engine_actor import start_engine_actors
+
+    with pytest.raises(ValueError) as exc:
+        start_engine_actors(1, {"model_path": model_a, **ENGINE_KWARGS, "tp_size": 3})
+    assert str(exc.value) == "tp_size 3 must divide num_attention_heads 4"
+    assert isinstance(exc.value.__cause__, ray_cluster.exceptions.RayActorError)
+
+
 def test_a_dead_engine_actor_reads_unhealthy_and_its_calls_raise(ray_cluster):
-    from rollout.ray_client import RayClient
+    from rollout.ray_client import EngineDied, RayClient
 
     @ray_cluster.remote(num_cpus=0)
     class Stub:  # answers like an engine actor until killed
@@ -241,6 +252,9 @@ def test_a_dead_engine_actor_reads_unhealthy_and_its_calls_raise(ray_cluster):
         async def generate(self, *args) -> dict:
             return {"output_ids": [1]}
 
+        async def shutdown(self) -> None:
+            pass
+
     client = RayClient(Stub.remote())
     assert client.health() and client.generate(input_ids=[5]) == {"output_ids": [1]}
     ray_cluster.kill(client.actor)  # takes effect asynchronously: a call may still get in first
@@ -248,8 +262,13 @@ def test_a_dead_engine_actor_reads_unhealthy_and_its_calls_raise(ray_cluster):
     while client.health() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not client.health()
-    with pytest.raises(ray_cluster.exceptions.RayActorError):
+    with pytest.raises(EngineDied) as exc:  # one line (an OSError: the CLI prints it), Ray's error as the cause
         client.generate(input_ids=[5])
+    assert str(exc.value).startswith(f"engine actor {client.actor._actor_id.hex()[:8]} died: ")
+    assert "\n" not in str(exc.value) and isinstance(exc.value.__cause__, ray_cluster.exceptions.RayActorError)
+    with pytest.raises(EngineDied):
+        asyncio.run(client.async_generate(input_ids=[5]))
+    RayClient(client.actor, owns=True).close()  # a dead engine closes quietly
     with pytest.raises(ValueError, match="tensor_transport"):
         RayClient(client.actor, tensor_transport="pigeon")
 
