@@ -21,6 +21,7 @@ import torch
 
 from recipes.engines import EnginePool
 from recipes.interrupt import RunInterrupted, signals_stop_the_run
+from recipes.memory_check import check_cpu_memory
 from recipes.model_source import ModelSource
 from recipes.preflight import Plugins, preflight
 from recipes.recipe import Recipe
@@ -66,6 +67,7 @@ def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
 def _run(recipe: Recipe, output_dir: Path, quiet: bool) -> RunResult:
     plugins = preflight(recipe, output_dir)
     source = ModelSource.resolve(recipe.model, recipe.seed)  # a bad model path: refused before the run folder
+    check_cpu_memory(recipe, source.path)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
