@@ -30,4 +30,19 @@ class ModelSource:
             raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a "
                              f"config.json (download an HF checkpoint, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
                              f"--local-dir DIR`, and pass --model DIR)")
+        _check_checkpoint(Path(model))
         return cls(str(Path(model).resolve()), "auto", model)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_checkpoint(path: Path) -> None:
+    """Weights and a tokenizer next to config.json: refused here, before the run folder, rather
+    than by the trainer or an engine once they start."""
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model {str(path)!r} has a config.json but no *.safetensors weights: tandem loads "
+                         f"safetensors checkpoints (an HF download of the model has them)")
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"model {str(path)!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the "
+                         f"tokenizer files of the model it was trained from into it")

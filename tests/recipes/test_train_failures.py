@@ -176,3 +176,21 @@ def test_an_engine_that_cannot_start_is_one_line(tmp_path):
     assert text.startswith("tandem train: the engines did not start: RuntimeError: ")
     assert "can't allocate memory" in text
     assert text.endswith("(check --engine-args and free memory; TANDEM_DEBUG=1 shows the traceback)")
+
+
+def test_a_model_folder_without_weights_or_tokenizer_is_refused_up_front(tmp_path):
+    import shutil
+
+    from engine.testing.tiny_model import tiny_model_path
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(tiny_model_path() / "config.json", model)
+    out = tmp_path / "run"
+    assert _exit_message(["train", *FAST, "--model", str(model), "--output-dir", str(out)]) == (
+        f"tandem train: model {str(model)!r} has a config.json but no *.safetensors weights: tandem loads "
+        f"safetensors checkpoints (an HF download of the model has them)")
+    shutil.copy(tiny_model_path() / "model.safetensors", model)
+    assert _exit_message(["train", *FAST, "--model", str(model), "--output-dir", str(out)]).startswith(
+        f"tandem train: model {str(model)!r} has no tokenizer (tokenizer.json, tokenizer_config.json")
+    assert not out.exists()
