@@ -208,10 +208,23 @@ def _parse_int(text: str) -> int:
         return int(value)
 
 
+_LOADING: list[Path] = []  # the recipe files whose `base:` chain is being read (a cycle never ends)
+
+
 def _from_mapping(path: Path) -> Recipe:
     if not path.is_file():
         raise ValueError(f"recipe file {path} does not exist")
-    data = _read_mapping(path)
+    if path.resolve() in _LOADING:
+        chain = " -> ".join(str(p) for p in [*_LOADING, path.resolve()])
+        raise ValueError(f"the base: chain comes back to {path} ({chain})")  # prefixed by the file naming it
+    _LOADING.append(path.resolve())
+    try:
+        return _from_data(path, _read_mapping(path))
+    finally:
+        _LOADING.pop()
+
+
+def _from_data(path: Path, data: Any) -> Recipe:
     if not isinstance(data, dict):
         raise ValueError(f"recipe file {path}: a recipe file is a mapping of field: value")
     base = data.pop("base", None)

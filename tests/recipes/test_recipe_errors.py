@@ -91,3 +91,15 @@ def test_bad_flag_values(field, text, message):
     with pytest.raises(ValueError) as exc:
         with_overrides(Recipe(), {field: text})
     assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_a_base_chain_that_loops_is_refused(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(f"base: {b}\nsteps: 1\n")
+    b.write_text(f"base: {a}\nlr: 0.01\n")
+    with pytest.raises(ValueError) as exc:
+        load_recipe(str(a))
+    assert str(exc.value) == f"recipe file {a}: recipe file {b}: the base: chain comes back to {a} ({a} -> {b} -> {a})"
+    b.write_text("base: default\nlr: 0.01\n")
+    r = load_recipe(str(a))
+    assert (r.steps, r.lr, r.prompts_per_step) == (1, 0.01, 32)  # a over b over default
