@@ -55,16 +55,17 @@ def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
     """The whole run; refused before its folder exists when preflight finds a problem. Ctrl-C or
     SIGTERM: the engines and Ray shut down on the way out, then RunInterrupted (a SystemExit:
     the CLI prints no traceback) after saying where the partial run is."""
+    started: list[Path] = []  # the run folder, once this run has made it
     with signals_stop_the_run() as stop:
         try:
-            return _run(recipe, output_dir, quiet)
+            return _run(recipe, output_dir, quiet, started)
         except KeyboardInterrupt:
             signum = stop.signum or signal.SIGINT
-        _say_interrupted(signum, recipe, output_dir)
+        _say_interrupted(signum, recipe, started[0] if started else None)
     raise RunInterrupted(signum)
 
 
-def _run(recipe: Recipe, output_dir: Path, quiet: bool) -> RunResult:
+def _run(recipe: Recipe, output_dir: Path, quiet: bool, started: list[Path]) -> RunResult:
     plugins = preflight(recipe, output_dir)
     source = ModelSource.resolve(recipe.model, recipe.seed)  # a bad model path: refused before the run folder
     check_cpu_memory(recipe, source.path)
@@ -73,6 +74,7 @@ def _run(recipe: Recipe, output_dir: Path, quiet: bool) -> RunResult:
     except OSError as exc:
         raise ValueError(f"--output-dir {output_dir}: cannot create it ({exc.strerror}); pass a writable "
                          f"path") from None
+    started.append(output_dir)
     threads = torch.get_num_threads()
     if recipe.torch_threads > 0:
         torch.set_num_threads(recipe.torch_threads)
@@ -87,9 +89,9 @@ def _run(recipe: Recipe, output_dir: Path, quiet: bool) -> RunResult:
     return RunResult(output_dir, report.rows, checkpoint, curve, last_groups)
 
 
-def _say_interrupted(signum: int, recipe: Recipe, output_dir: Path) -> None:
-    metrics = output_dir / "metrics.jsonl"
-    if not metrics.exists():
+def _say_interrupted(signum: int, recipe: Recipe, output_dir: Optional[Path]) -> None:
+    metrics = output_dir / "metrics.jsonl" if output_dir else None
+    if metrics is None or not metrics.exists():
         print(f"tandem train: interrupted ({signal.Signals(signum).name}) before the run started; nothing was "
               f"written", file=sys.stderr, flush=True)
         return

@@ -109,3 +109,22 @@ def test_an_engine_actor_killed_mid_run_is_one_line(tmp_path):
     assert err.strip().splitlines()[-1].startswith("tandem train: engine actor ")
     assert " died: The actor is dead because its worker process has died." in err.strip().splitlines()[-1]
     assert run.leftovers() == []
+
+
+def test_sigint_before_the_run_folder_names_nothing(tmp_path, monkeypatch):
+    """Ctrl-C during the preflight (a task factory reading its data, say) says nothing was written; an existing
+    empty --output-dir is not reported as a partial run."""
+    from recipes import loop
+    from recipes.interrupt import RunInterrupted
+    from recipes.recipe import Recipe
+
+    def interrupted(*args):
+        signal.raise_signal(signal.SIGINT)  # through run()'s handler, as a real Ctrl-C
+
+    monkeypatch.setattr(loop, "preflight", interrupted)
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(RunInterrupted) as exc:
+        loop.run(Recipe(engine_backend="in_process"), out, quiet=True)
+    assert exc.value.code == 130 and list(out.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # run() put the handlers back
