@@ -88,7 +88,8 @@ def test_refused_before_the_run_folder(tmp_path, flags, message):
 def test_bad_plugins_are_refused_before_the_run_folder(tmp_path, plugins, flags, message):
     out = tmp_path / "run"
     flags = [f.format(m=plugins) for f in flags]
-    assert _exit_message(["train", *FAST, "--output-dir", str(out), *flags]) == f"tandem train: {message.format(m=plugins)}"
+    text = _exit_message(["train", *FAST, "--output-dir", str(out), *flags])
+    assert text == f"tandem train: {message.format(m=plugins)}"
     assert not out.exists()
 
 
@@ -121,7 +122,7 @@ def test_output_dir_not_empty_file_or_unwritable(tmp_path, monkeypatch):
     text = _exit_message(["train", *FAST, "--output-dir", "/proc/tandem-run"])
     assert text == "tandem train: --output-dir /proc/tandem-run: cannot create it (No such file or directory); " \
                    "pass a writable path"
-    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a user without write permission (tests run as root)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a user without write permission (tests run as root)
     assert _exit_message(["train", *FAST, "--output-dir", str(tmp_path / "new")]) == (
         f"tandem train: --output-dir {tmp_path / 'new'}: this user cannot create folders in {tmp_path}; pass a "
         f"writable path")

@@ -55,7 +55,8 @@ def test_rewards_must_be_finite_floats_in_0_1():
     for value, shown in ((5.0, "5.0"), (-1, "-1.0"), (math.nan, "nan"), (math.inf, "inf")):
         with pytest.raises(ValueError) as exc:
             checked_reward(lambda s, v=value: v, "my:reward")(_sample())
-        assert str(exc.value) == f"reward 'my:reward' returned {shown} for the response '7': a reward is a float in [0, 1]"
+        assert str(exc.value) == (f"reward 'my:reward' returned {shown} for the response '7': a reward is a float "
+                                  f"in [0, 1]")
     for value, kind in ((None, "NoneType"), ("good", "str"), ([1.0], "list"), (torch.ones(2), "Tensor")):
         with pytest.raises(ValueError, match=rf"reward 'my:reward' returned .* \({kind}\) for the response '7'"):
             checked_reward(lambda s, v=value: v, "my:reward")(_sample())
