@@ -39,6 +39,8 @@ RANK_SCRIPT = textwrap.dedent('''
     tp = TPGroup(TPAddress("127.0.0.1", port, 2, "gloo"), rank)
     torch.save({"layers": layer_outputs(tp, torch.load(f"{work}/ref.pt")), "models": model_outputs(tp, work)},
                f"{work}/rank{rank}.pt")
+    tp.gather_objects(rank)  # both ranks done before rank 0's store goes away
+    tp.close()  # groups shut down here, not torn apart at exit (rank 0 aborted there: flaky in CI)
 ''')
 
 
