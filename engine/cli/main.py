@@ -45,14 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler = _handler(args.command)
+    try:
+        args = build_parser().parse_args(argv)  # imports torch: a Ctrl-C often lands here
+        handler = _handler(args.command)
+    except KeyboardInterrupt:
+        _interrupted("tandem")
     try:
         return int(handler(args) or 0)
     except USER_ERRORS as exc:
         if os.environ.get("TANDEM_DEBUG"):
             raise
         sys.exit(f"tandem {args.command}: {user_message(exc)}")
+    except KeyboardInterrupt:
+        _interrupted(f"tandem {args.command}")
+
+
+def _interrupted(who: str) -> None:
+    """Ctrl-C: one line and the shell's 130, not a traceback (TANDEM_DEBUG=1 shows it)."""
+    if os.environ.get("TANDEM_DEBUG"):
+        raise
+    print(f"{who}: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 # Bad input (a flag's value, a path, a recipe field) raises these with a message that says what to

@@ -111,3 +111,15 @@ def test_serve_runs_the_core_in_a_process_on_a_gpu_unless_told(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_core_process({})["core_process"] is False
     assert default_core_process({"core_process": True})["core_process"] is True
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_handler", lambda command: interrupted)
+    monkeypatch.delenv("TANDEM_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["tiny-model", "--out", "/tmp/unused"])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err.strip() == "tandem tiny-model: interrupted"
