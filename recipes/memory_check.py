@@ -21,19 +21,22 @@ HEADROOM = 0.8  # of MemAvailable: activations, the tokenizer, Python, the rollo
 
 
 def check_cpu_memory(recipe: Recipe, model_path: str) -> None:
-    available = available_bytes()
-    if recipe.device != "cpu" or available is None:
+    if recipe.device != "cpu":
         return
-    params, kv_per_token = _model_sizes(model_path)
-    width = torch.empty((), dtype=getattr(torch, recipe.dtype)).element_size()
+    available = available_bytes()
+    if available is None:
+        return
+    dtype = getattr(torch, recipe.dtype)
+    params, kv_per_token = _model_sizes(model_path, dtype)
+    width = torch.empty((), dtype=dtype).element_size()
     trainer = params * width * (4 + (1 if recipe.kl_coef > 0 else 0))  # + the frozen KL reference
     tokens = _kv_tokens(recipe)
-    engine = params * width + tokens * kv_per_token * width
+    engine = params * width + tokens * kv_per_token
     need = trainer + recipe.num_engines * engine
     if need <= HEADROOM * available:
         return
     fits = int((HEADROOM * available - trainer - recipe.num_engines * params * width)
-               // (recipe.num_engines * kv_per_token * width)) // 1024 * 1024
+               // (recipe.num_engines * kv_per_token)) // 1024 * 1024
     hint = "use "
     if fits >= 1024:
         fewer = "use fewer --num-engines, " if recipe.num_engines > 1 else "use "
@@ -55,17 +58,18 @@ def available_bytes() -> Optional[int]:
     return None
 
 
-def _model_sizes(model_path: str) -> tuple[int, int]:
-    """(parameters, KV elements per token) of the checkpoint's architecture, built on the meta device."""
+def _model_sizes(model_path: str, dtype: torch.dtype) -> tuple[int, int]:
+    """(parameters, KV bytes per token) of the checkpoint's architecture, built on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.models.decoder import head_dim_of
+    from engine.runner.memory import kv_bytes_per_token
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return params, 2 * config.num_hidden_layers * kv_heads * head_dim
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return params, kv_bytes_per_token(config.num_hidden_layers, kv_heads, head_dim_of(config), dtype)
 
 
 def _kv_tokens(recipe: Recipe) -> int:
