@@ -22,8 +22,8 @@ _FLOAT_FIELDS = (
 _BOOL_FIELDS = (
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
 )
-_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
-_OPTIONAL_STR_FIELDS = _GRAMMAR_FIELDS + ("stop_regex",)
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
+_OPTIONAL_STR_FIELDS = GRAMMAR_FIELDS + ("stop_regex",)
 _UNSUPPORTED_FIELDS = ("stop_regex",)  # refused if set until implemented
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # a negative id parses, so its error names the range
 # SGLang takes any bias (clients ban a token with -1e4, say); bounded only so that logits + bias
@@ -34,7 +34,7 @@ LOGIT_BIAS_RANGE = 1e30
 def carries_grammar(raw_params: Any) -> bool:
     """Whether raw sampling params (a dict, or a list of them, as a client sent them) set a grammar."""
     items = raw_params if isinstance(raw_params, (list, tuple)) else [raw_params]
-    return any(isinstance(item, dict) and any(item.get(kind) is not None for kind in _GRAMMAR_FIELDS)
+    return any(isinstance(item, dict) and any(item.get(kind) is not None for kind in GRAMMAR_FIELDS)
                for item in items)
 
 
@@ -106,7 +106,7 @@ class SamplingParams:
         for name in _UNSUPPORTED_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is not supported yet")
-        grammars = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
             raise ValueError(f"set at most one of json_schema, regex, ebnf, structural_tag; got {grammars}")
         _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)

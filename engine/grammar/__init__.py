@@ -6,6 +6,6 @@ and an engine without xgrammar serves every request that carries no grammar.
 
 from engine.grammar.compiler import GRAMMAR_KINDS, GrammarCompiler, grammar_spec
 from engine.grammar.matcher import RequestGrammar
-from engine.grammar.vocab_mask import grammar_vocab_mask
+from engine.grammar.vocab_mask import bitmask_to_device, fill_bitmask
 
-__all__ = ["GRAMMAR_KINDS", "GrammarCompiler", "RequestGrammar", "grammar_spec", "grammar_vocab_mask"]
+__all__ = ["GRAMMAR_KINDS", "GrammarCompiler", "RequestGrammar", "bitmask_to_device", "fill_bitmask", "grammar_spec"]

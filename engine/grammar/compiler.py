@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+from engine.sampling_params import GRAMMAR_FIELDS
+
+GRAMMAR_KINDS = GRAMMAR_FIELDS  # the sampling params that carry a grammar
 MAX_CACHED_GRAMMARS = 1024
 
 

@@ -1,4 +1,5 @@
-"""grammar_vocab_mask: the [B, V] bool mask of tokens the rows' grammars forbid next.
+"""The grammar mask of a batch: fill_bitmask (host, packed), then bitmask_to_device ([B, V] bool,
+True = the row's grammar forbids that token next).
 
 xgrammar fills a packed int32 bitmask on the host (one bit per token; the rows of a batch in
 parallel on its thread pool); the packed mask (1/32 of the unpacked bytes: 19 KB a row at a
@@ -14,12 +15,6 @@ from typing import Any, Optional, Sequence
 import torch
 
 from engine.kernels.device_copy import h2d
-
-
-def grammar_vocab_mask(grammars: Sequence[Optional[Any]], vocab_size: int,
-                       device: torch.device | str) -> Optional[torch.Tensor]:
-    """grammars: one RequestGrammar or None per row. None when no row has a grammar."""
-    return bitmask_to_device(fill_bitmask(grammars, vocab_size), vocab_size, device)
 
 
 def fill_bitmask(grammars: Sequence[Optional[Any]], vocab_size: int) -> Optional[torch.Tensor]:

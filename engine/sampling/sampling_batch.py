@@ -63,8 +63,9 @@ class SamplingBatch:
     @classmethod
     def build(
         cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",
-        grammar_mask: Optional[torch.Tensor] = None,
     ) -> SamplingBatch:
+        """The batch's sampling tensors; grammar_mask is None here: the runner sets it after,
+        once the grammar fill (on a worker thread) is in."""
         greedy = [r.params.is_greedy for r in rows]
         temps = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
         top_ks = [_top_k(r.params, g, vocab_size) for r, g in zip(rows, greedy)]
@@ -97,7 +98,7 @@ class SamplingBatch:
             output_counts=_output_counts(rows, vocab_size, device) if need_fp else None,
             seen_mask=_seen_mask(rows, vocab_size, device) if need_rep else None,
             suppress_mask=_suppress_mask(rows, vocab_size, device),
-            grammar_mask=grammar_mask,
+            grammar_mask=None,
             logit_bias=_logit_bias(rows, vocab_size, device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
