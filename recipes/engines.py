@@ -79,12 +79,9 @@ class EnginePool:
         """The Ray cluster this pool started (not one it joined) ends with it: no raylet or
         worker outlives the run, whether it finished, failed or was interrupted."""
         if self._owns_ray:
-            import ray
+            from rollout.engine_actor import shutdown_ray
 
-            from rollout.engine_actor import reassert_signal_handlers
-
-            ray.shutdown()
-            reassert_signal_handlers()  # Ctrl-C / SIGTERM still stop the rest of the run (the checkpoint)
+            shutdown_ray()  # Ctrl-C / SIGTERM still stop the rest of the run (the checkpoint)
             self._owns_ray = False
 
     def __enter__(self) -> "EnginePool":

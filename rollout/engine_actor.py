@@ -204,11 +204,16 @@ def _signals_held() -> Iterator[None]:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     if held:
-        import ray
-
-        ray.shutdown()
-        reassert_signal_handlers()
+        shutdown_ray()
         signal.raise_signal(held[0])
+
+
+def shutdown_ray() -> None:
+    """ray.shutdown, with this process's Ctrl-C / SIGTERM handlers working again after it."""
+    import ray
+
+    ray.shutdown()
+    reassert_signal_handlers()
 
 
 def reassert_signal_handlers() -> None:
