@@ -167,10 +167,14 @@ class HostTimers:
         import engine.runner.model_runner as runner
         from engine.grammar.matcher import RequestGrammar
 
-        # mask: fills on the core thread; mask_background: fills on the prefetch thread (overlapped)
-        self.seconds = {"mask": 0.0, "mask_background": 0.0, "accept": 0.0, "sample": 0.0, "process": 0.0}
+        # mask: fills on the core thread; mask_background: fills on the prefetch thread (overlapped);
+        # prefetch_start: the core's hand-off to that thread; prefetch_take: its wait for the fill
+        self.seconds = {"mask": 0.0, "mask_background": 0.0, "prefetch_start": 0.0, "prefetch_take": 0.0,
+                        "accept": 0.0, "sample": 0.0, "process": 0.0}
         self._wrap(runner, "fill_bitmask", "mask")
-        self._wrap(prefetch, "fill_bitmask", "mask_background")
+        self._wrap(prefetch, "run_fill", "mask_background")
+        self._wrap(prefetch.MaskPrefetch, "start", "prefetch_start")
+        self._wrap(prefetch.MaskPrefetch, "take", "prefetch_take")
         self._wrap(RequestGrammar, "accept", "accept")
         self._wrap(runner.ModelRunner, "_sample", "sample")
         from engine.core.engine_core import EngineCore

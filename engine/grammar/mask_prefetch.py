@@ -2,9 +2,14 @@
 
 With overlap scheduling the lookahead step's forward is already on the device when the previous
 step's tokens are committed. The rows' matchers are advanced first; the bitmask for the lookahead
-step is then filled here (xgrammar releases the GIL) while the core finishes the commit (stop
-checks, outputs) and the runner prepares the sampling tensors. At ~1.5 ms a step for 64 JSON
-rows on the H200's host that fill was otherwise serial host work on a host-bound decode loop.
+step is then filled here while the core finishes the commit (stop checks, outputs) and the runner
+prepares the sampling tensors. At ~1.1 ms a step for 64 JSON rows on the H200's host that fill is
+otherwise serial host work on a host-bound decode loop.
+
+The worker must be inside xgrammar's fill (which releases the GIL) before `start` returns. A
+Python thread woken while another runs Python gets the GIL only when that one blocks or after
+CPython's switch interval (5 ms): a worker merely submitted to would start when the core blocks
+in `take`, filling nothing in the background at all. The start-up hand-off costs tens of µs.
 
 The worker only reads matchers that nothing else touches until the prefetch is taken or
 dropped: `take` and `drop` wait for it, and the core drops any prefetch before it advances
@@ -13,12 +18,13 @@ matchers again.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import torch
 
-from engine.grammar.vocab_mask import fill_bitmask
+from engine.grammar.vocab_mask import MaskFill, prepare_fill, run_fill
 
 
 class MaskPrefetch:
@@ -29,20 +35,28 @@ class MaskPrefetch:
         self.num_taken = 0  # prefetched masks a step sampled with
 
     def start(self, batch: Any, grammars: Sequence[Optional[Any]], vocab_size: int) -> None:
-        """Fill `batch`'s bitmask (one RequestGrammar or None per row) in the background."""
+        """Fill `batch`'s bitmask (one RequestGrammar or None per row) in the background; returns
+        once the worker is filling."""
         self.drop()
+        fill = prepare_fill(grammars, vocab_size)  # Python work stays on this thread
+        if fill is None:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, "tandem-grammar-mask")
+        entered = threading.Event()
         self._batch = batch
-        self._future = self._pool.submit(fill_bitmask, list(grammars), vocab_size)
+        self._future = self._pool.submit(_fill_in_background, fill, entered)
+        entered.wait()  # blocks (GIL released) until the worker runs; it hands the GIL back on entering xgrammar
 
     def take(self, batch: Any) -> Optional[torch.Tensor]:
         """The packed host bitmask prefetched for this very batch, or None (a prefetch for
-        another batch is dropped)."""
+        another batch is dropped, and a batch with no live grammar had none)."""
         if self._future is None or self._batch is not batch:
             self.drop()
             return None
         future, self._future, self._batch = self._future, None, None
+        if future.exception() is not None:
+            return None  # filled again on the core thread, which raises the error there
         self.num_taken += 1
         return future.result()
 
@@ -57,3 +71,8 @@ class MaskPrefetch:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _fill_in_background(fill: MaskFill, entered: threading.Event) -> Optional[torch.Tensor]:
+    entered.set()
+    return run_fill(fill)

@@ -10,25 +10,45 @@ grammar forbid nothing.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
 from engine.kernels.device_copy import h2d
 
 
-def fill_bitmask(grammars: Sequence[Optional[Any]], vocab_size: int) -> Optional[torch.Tensor]:
-    """The packed host bitmask [B, ceil(V/32)] int32 of the rows' next tokens; None when no row
-    has a grammar (and, in a row, a grammar that has terminated allows everything: its request
-    is finishing and its token is dropped)."""
+class MaskFill(NamedTuple):
+    """A fill ready to run: the rows of `bitmask` that `matchers` fill (the others allow everything)."""
+    bitmask: torch.Tensor
+    matchers: list
+    rows: list[int]
+
+
+def prepare_fill(grammars: Sequence[Optional[Any]], vocab_size: int) -> Optional[MaskFill]:
+    """The fill of a batch's rows (one RequestGrammar or None each); None when no row has a live
+    grammar (a grammar that has terminated allows everything: its request is finishing and its
+    token is dropped)."""
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated()]
     if not rows:
         return None
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab_size)  # all bits set: all allowed
-    _batch_matcher().batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
-    return bitmask
+    return MaskFill(bitmask, [grammars[row].matcher for row in rows], rows)
+
+
+def run_fill(fill: Optional[MaskFill]) -> Optional[torch.Tensor]:
+    """The packed host bitmask [B, ceil(V/32)] int32 of `fill` (xgrammar releases the GIL and
+    fills the rows on its own threads)."""
+    if fill is None:
+        return None
+    _batch_matcher().batch_fill_next_token_bitmask(fill.matchers, fill.bitmask, fill.rows)
+    return fill.bitmask
+
+
+def fill_bitmask(grammars: Sequence[Optional[Any]], vocab_size: int) -> Optional[torch.Tensor]:
+    """prepare_fill then run_fill, on the calling thread."""
+    return run_fill(prepare_fill(grammars, vocab_size))
 
 
 def bitmask_to_device(bitmask: Optional[torch.Tensor], vocab_size: int,

@@ -212,7 +212,7 @@ def test_grammar_rows_run_ahead_with_sampling_after_the_commit(engine_factory):
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", o["text"]) for o in got[1::2]), [o["text"] for o in got]
     assert overlapped.local_core.stats.num_lookahead_steps > 5
-    assert overlapped.local_core.runner.grammar_masks.num_taken > 5
+    assert overlapped.local_core.runner.grammar_masks.num_taken >= 4  # steps with a live grammar row, bar the first
     overlapped.check_integrity()
 
 
