@@ -9,7 +9,7 @@ very lengths the constrained run produced (ignore_eos), so the two differ only b
 free run to the full --output-len is reported too. Reported: output tok/s of each (median of
 --runs), the ratio, host seconds in the grammar's work, outputs that parse and validate against
 the schema, and the compile times (tokenizer info, first compile, cached compile).
-Usage: python scripts/grammar_bench.py [--batch 64] [--runs 3] [--json out.json]
+Usage: python scripts/grammar_bench.py [--batch 64] [--runs 3] [--variants prefetch,noprefetch] [--json out.json]
 """
 
 from __future__ import annotations
@@ -197,7 +197,43 @@ class HostTimers:
         return out
 
 
+def apply_variant(name: str) -> None:
+    """prefetch (the default) | noprefetch (every mask filled on the core thread) | threadsN
+    (prefetch, xgrammar filling with N threads; its default is half the host's cores)."""
+    import engine.grammar.vocab_mask as vocab_mask
+    from engine.runner.model_runner import ModelRunner
+
+    ModelRunner.prefetch_grammar_mask = _PREFETCH if name != "noprefetch" else lambda self, batch: None
+    threads = int(name[len("threads"):]) if name.startswith("threads") else "auto"
+    import xgrammar
+
+    vocab_mask._batch_matcher = lambda: _MATCHERS.setdefault(threads, xgrammar.BatchGrammarMatcher(max_threads=threads))
+
+
+_MATCHERS: dict = {}
+_PREFETCH = None
+
+
+def measure(eng, timers, prompts, free, constrained, runs: int) -> dict:
+    # like for like: the free run generates exactly the lengths the constrained run produced
+    # (ignore_eos), so both drain the batch the same way and differ only by the grammar
+    rates: dict[str, list[float]] = {"free": [], "json_schema": [], "free_full_length": []}
+    host: dict[str, list[dict]] = {k: [] for k in rates}
+    for _ in range(runs):
+        timed = lambda name, params: _timed_run(eng, timers, prompts, params, rates[name], host[name])  # noqa: E731
+        outs = timed("json_schema", constrained)
+        timed("free", [{**p, "max_new_tokens": len(o["output_ids"]), "ignore_eos": True}
+                       for p, o in zip(free, outs)])
+        timed("free_full_length", free)
+    tok_s = {k: statistics.median(v) for k, v in rates.items()}
+    return {"tok_s": tok_s, "runs_tok_s": rates, "host_seconds": host,
+            "ratio": tok_s["json_schema"] / tok_s["free"],
+            "ratio_vs_full_length": tok_s["json_schema"] / tok_s["free_full_length"],
+            "outputs": valid(outs), "sample": outs[0]["text"][:300]}
+
+
 def main() -> None:
+    global _PREFETCH
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=512)
@@ -206,18 +242,16 @@ def main() -> None:
     parser.add_argument("--model-dir", default="/tmp/q06-bigvocab")
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine-args", default="{}", help="JSON of extra Engine kwargs")
-    parser.add_argument("--no-prefetch", action="store_true",
-                        help="fill every grammar mask on the core thread (the A/B of engine/grammar/mask_prefetch.py)")
+    parser.add_argument("--variants", default="prefetch",
+                        help="comma-separated, measured in turn on one engine: prefetch | noprefetch "
+                             "(the A/B of engine/grammar/mask_prefetch.py) | threadsN (xgrammar's fill threads)")
     args = parser.parse_args()
     from engine import Engine
+    from engine.runner.model_runner import ModelRunner
 
-    if args.no_prefetch:
-        from engine.runner.model_runner import ModelRunner
-        ModelRunner.prefetch_grammar_mask = lambda self, batch: None
-
+    _PREFETCH = ModelRunner.prefetch_grammar_mask
     model_dir = build_model(Path(args.model_dir))
-    report = {"compile": compile_times(model_dir), "batch": args.batch, "prefetch": not args.no_prefetch,
-              "schema": SCHEMA}
+    report = {"compile": compile_times(model_dir), "batch": args.batch, "schema": SCHEMA, "variants": {}}
     print("compile:", report["compile"], flush=True)
     timers = HostTimers()
     eng = Engine(model_path=str(model_dir), load_format="dummy", **json.loads(args.engine_args))
@@ -228,24 +262,12 @@ def main() -> None:
     constrained = [{**base, "sampling_seed": i, "json_schema": json.dumps(SCHEMA)} for i in range(args.batch)]
     try:
         run(eng, prompts, free)
-        run(eng, prompts, constrained)  # warm: compile, graphs, allocator
-        # like for like: the free run generates exactly the lengths the constrained run produced
-        # (ignore_eos), so both drain the batch the same way and differ only by the grammar
-        rates: dict[str, list[float]] = {"free": [], "json_schema": [], "free_full_length": []}
-        host: dict[str, list[dict]] = {k: [] for k in rates}
-        for _ in range(args.runs):
-            timed = lambda name, params: _timed_run(eng, timers, prompts, params, rates[name], host[name])  # noqa: E731
-            outs = timed("json_schema", constrained)
-            timed("free", [{**p, "max_new_tokens": len(o["output_ids"]), "ignore_eos": True}
-                           for p, o in zip(free, outs)])
-            timed("free_full_length", free)
-        report["host_seconds"] = host
-        report["tok_s"] = {k: statistics.median(v) for k, v in rates.items()}
-        report["runs_tok_s"] = rates
-        report["ratio"] = report["tok_s"]["json_schema"] / report["tok_s"]["free"]
-        report["ratio_vs_full_length"] = report["tok_s"]["json_schema"] / report["tok_s"]["free_full_length"]
-        report["outputs"] = valid(outs)
-        report["sample"] = outs[0]["text"][:300]
+        for name in args.variants.split(","):
+            apply_variant(name)
+            run(eng, prompts, constrained)  # warm: compile, graphs, allocator, the variant's threads
+            result = measure(eng, timers, prompts, free, constrained, args.runs)
+            report["variants"][name] = result
+            print(name, {k: result[k] for k in ("tok_s", "ratio", "outputs")}, flush=True)
     finally:
         eng.shutdown()
     print(json.dumps({k: v for k, v in report.items() if k != "schema"}, indent=1))
