@@ -163,22 +163,29 @@ class HostTimers:
     """Seconds the core spends in the grammar's host work (the engine runs on a thread here)."""
 
     def __init__(self) -> None:
+        import engine.core.engine_core as core
         import engine.grammar.mask_prefetch as prefetch
         import engine.runner.model_runner as runner
-        from engine.grammar.matcher import RequestGrammar
+        from engine.grammar.bitmask_ring import BitmaskRing
+        from engine.sampling.sampler import Sampler
+        from engine.sampling.sampling_batch import SamplingBatch
 
         # mask: fills on the core thread; mask_background: fills on the prefetch thread (overlapped);
-        # prefetch_start: the core's hand-off to that thread; prefetch_take: its wait for the fill
-        self.seconds = {"mask": 0.0, "mask_background": 0.0, "prefetch_start": 0.0, "prefetch_take": 0.0,
-                        "accept": 0.0, "sample": 0.0, "process": 0.0}
+        # prefetch_start: the core's hand-off to that thread; prefetch_take: its wait for the fill;
+        # mask_to_device: copy + unpack; sampling_build / sampler: the sampling set-up and kernels
+        # (inside sample, as the mask's parts are); accept: matchers advanced (inside process)
+        self.seconds = dict.fromkeys(["mask", "mask_background", "prefetch_start", "prefetch_take", "mask_to_device",
+                                      "accept", "sampling_build", "sampler", "sample", "process"], 0.0)
         self._wrap(runner, "fill_bitmask", "mask")
         self._wrap(prefetch, "run_fill", "mask_background")
         self._wrap(prefetch.MaskPrefetch, "start", "prefetch_start")
         self._wrap(prefetch.MaskPrefetch, "take", "prefetch_take")
-        self._wrap(RequestGrammar, "accept", "accept")
+        self._wrap(BitmaskRing, "to_device", "mask_to_device")
+        self._wrap(core, "accept_tokens", "accept")
+        self._wrap(SamplingBatch, "build", "sampling_build")
+        self._wrap(Sampler, "sample_with_distributions", "sampler")
         self._wrap(runner.ModelRunner, "_sample", "sample")
-        from engine.core.engine_core import EngineCore
-        self._wrap(EngineCore, "_process", "process")
+        self._wrap(core.EngineCore, "_process", "process")
 
     def _wrap(self, owner, name: str, key: str) -> None:
         inner = getattr(owner, name)

@@ -25,6 +25,7 @@ from engine.core.setup import CoreParts, build_core_parts
 from engine.core.weight_queries import weights_by_name, weights_checksum
 from engine.grammar.compile_queue import GrammarQueue
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
+from engine.grammar.matcher import accept_tokens
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -244,7 +245,7 @@ class EngineCore:
         self._uncommitted.remove(batch)
         self._processing = batch
         self.runner.grammar_masks.drop()  # nothing reads a matcher while it advances
-        grammar_stops = {id(req): self._advance_grammar(req) for req in grown if req.grammar is not None}
+        grammar_stops = self._advance_grammars([req for req in grown if req.grammar is not None])
         if then is not None and grammar_stops:
             self.runner.prefetch_grammar_mask(then)
         self._record_logprobs(batch, result)
@@ -279,18 +280,16 @@ class EngineCore:
         return [self._finish_output(req)]
 
     @staticmethod
-    def _advance_grammar(req: Req) -> Optional[dict]:
-        """Feed the committed token to the request's grammar: a stop reason once the grammar has
-        terminated (it accepted a stop token), an abort if it refuses the token (only possible
-        when nothing the grammar allows was left to sample)."""
-        if req.grammar is None:
-            return None
-        token = req.output_ids[-1]
-        if not req.grammar.accept(token):
-            return {"type": "abort", "message": f"the grammar refused token {token}: no allowed token was left"}
-        if req.grammar.is_terminated():
-            return {"type": "stop", "matched": token}
-        return None
+    def _advance_grammars(reqs: list[Req]) -> dict[int, Optional[dict]]:
+        """Feed each request's committed token to its grammar, one call for the batch. Per request
+        (by id): a stop reason once its grammar has terminated (it accepted a stop token), an abort
+        if it refused the token (only possible when nothing the grammar allows was left to
+        sample), else None."""
+        if not reqs:
+            return {}
+        tokens = [req.output_ids[-1] for req in reqs]
+        accepted = accept_tokens([req.grammar for req in reqs], tokens)
+        return {id(req): _grammar_verdict(req.grammar, token, ok) for req, token, ok in zip(reqs, tokens, accepted)}
 
     def _finish_output(self, req: Req) -> ReqOutput:
         if req.detokenizer is not None and req.stop_text_len is None:
@@ -355,3 +354,11 @@ class EngineCore:
         if req.finished_reason is None or req.finished_reason.get("type") != "abort":
             req.finished_reason = {"type": "abort", "message": message}
         return ReqOutput(req.rid, True, build_output(req, self))
+
+
+def _grammar_verdict(grammar, token: int, accepted: bool) -> Optional[dict]:
+    if not accepted:
+        return {"type": "abort", "message": f"the grammar refused token {token}: no allowed token was left"}
+    if grammar.is_terminated():
+        return {"type": "stop", "matched": token}
+    return None

@@ -6,6 +6,7 @@ and an engine without xgrammar serves every request that carries no grammar.
 
 from engine.grammar.compiler import GRAMMAR_KINDS, GrammarCompiler, grammar_spec
 from engine.grammar.matcher import RequestGrammar
-from engine.grammar.vocab_mask import bitmask_to_device, fill_bitmask
+from engine.grammar.bitmask_ring import BitmaskRing
+from engine.grammar.vocab_mask import fill_bitmask
 
-__all__ = ["GRAMMAR_KINDS", "GrammarCompiler", "RequestGrammar", "bitmask_to_device", "fill_bitmask", "grammar_spec"]
+__all__ = ["GRAMMAR_KINDS", "BitmaskRing", "GrammarCompiler", "RequestGrammar", "fill_bitmask", "grammar_spec"]

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from engine.grammar.bitmask_ring import BitmaskRing
 from engine.grammar.vocab_mask import MaskFill, prepare_fill, run_fill
 
 
@@ -34,11 +35,11 @@ class MaskPrefetch:
         self._future: Optional[Future] = None
         self.num_taken = 0  # prefetched masks a step sampled with
 
-    def start(self, batch: Any, grammars: Sequence[Optional[Any]], vocab_size: int) -> None:
-        """Fill `batch`'s bitmask (one RequestGrammar or None per row) in the background; returns
-        once the worker is filling."""
+    def start(self, batch: Any, grammars: Sequence[Optional[Any]], ring: BitmaskRing) -> None:
+        """Fill `batch`'s bitmask (one RequestGrammar or None per row, into a buffer of `ring`) in
+        the background; returns once the worker is filling."""
         self.drop()
-        fill = prepare_fill(grammars, vocab_size)  # Python work stays on this thread
+        fill = prepare_fill(grammars, ring)  # Python work stays on this thread
         if fill is None:
             return
         if self._pool is None:

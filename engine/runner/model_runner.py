@@ -17,7 +17,8 @@ import torch
 from engine.attention.registry import create_attention_backend
 from engine.kernels import batch_invariant as bi
 from engine.grammar.mask_prefetch import MaskPrefetch
-from engine.grammar.vocab_mask import bitmask_to_device, fill_bitmask
+from engine.grammar.bitmask_ring import BitmaskRing
+from engine.grammar.vocab_mask import fill_bitmask
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
 from engine.runner.forward_batch import ForwardBatch
@@ -59,6 +60,7 @@ class ModelRunner:
         self.log_softmax = bi.log_softmax if config.deterministic else None
         self.sampler = Sampler(log_softmax=self.log_softmax)
         self.grammar_masks = MaskPrefetch()  # the lookahead step's bitmask, filled during the commit
+        self.grammar_bitmasks = BitmaskRing(config.vocab_size, self.device)
         self.memory_saver = memory_saver or MemorySaver(False, self.device)
         # a region freed while released would be unmapped twice: bring it back before the runner goes
         weakref.finalize(self, self.memory_saver.resume_all).atexit = False
@@ -170,7 +172,7 @@ class ModelRunner:
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
-        sampling.grammar_mask = bitmask_to_device(self._grammar_bitmask(batch), self.config.vocab_size, self.device)
+        sampling.grammar_mask = self.grammar_bitmasks.to_device(self._grammar_bitmask(batch))
         out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
         if not wants_ids:  # [B, V] each: not held while prompt or top logprobs take their memory
             original = processed_all = None
@@ -187,13 +189,13 @@ class ModelRunner:
         """Start filling the bitmask `batch` (a launched lookahead step) will sample with; its rows'
         matchers have taken every committed token (engine/grammar/mask_prefetch.py)."""
         if any(r.grammar is not None for r in batch.reqs):
-            self.grammar_masks.start(batch, self._live_grammars(batch), self.config.vocab_size)
+            self.grammar_masks.start(batch, self._live_grammars(batch), self.grammar_bitmasks)
 
     def _grammar_bitmask(self, batch: ScheduleBatch) -> Optional[torch.Tensor]:
         prefetched = self.grammar_masks.take(batch)
         if prefetched is not None:
             return prefetched
-        return fill_bitmask(self._live_grammars(batch), self.config.vocab_size)
+        return fill_bitmask(self._live_grammars(batch), self.grammar_bitmasks)
 
     @staticmethod
     def _live_grammars(batch: ScheduleBatch) -> list:

@@ -28,7 +28,7 @@ class LiveGrammar:
 @pytest.fixture
 def slow_fill(monkeypatch):
     calls = {"entered": [], "release": threading.Event(), "fail": False}
-    monkeypatch.setattr(mask_prefetch, "prepare_fill", lambda grammars, vocab: grammars if any(grammars) else None)
+    monkeypatch.setattr(mask_prefetch, "prepare_fill", lambda grammars, ring: grammars if any(grammars) else None)
 
     def fill(grammars):
         calls["entered"].append(time.perf_counter())
@@ -45,7 +45,7 @@ def test_the_worker_is_filling_when_start_returns(slow_fill):
     prefetch = MaskPrefetch()
     batch = object()
     for n in range(1, 4):
-        prefetch.start(batch, [LiveGrammar(), None], vocab_size=64)
+        prefetch.start(batch, [LiveGrammar(), None], ring=None)
         assert len(slow_fill["entered"]) == n  # no blocking call ran on this thread since start
         slow_fill["release"].set()
         assert prefetch.take(batch).tolist() == [[n], [n]]
@@ -57,13 +57,13 @@ def test_the_worker_is_filling_when_start_returns(slow_fill):
 def test_a_prefetch_for_another_batch_or_a_failed_one_is_not_taken(slow_fill):
     prefetch = MaskPrefetch()
     slow_fill["release"].set()
-    prefetch.start(first := object(), [LiveGrammar()], vocab_size=64)
+    prefetch.start(first := object(), [LiveGrammar()], ring=None)
     assert prefetch.take(object()) is None  # another batch: dropped, filled on the core thread
     assert prefetch.take(first) is None  # already dropped
     slow_fill["fail"] = True
-    prefetch.start(first, [LiveGrammar()], vocab_size=64)
+    prefetch.start(first, [LiveGrammar()], ring=None)
     assert prefetch.take(first) is None  # the core thread fills it again and sees the error itself
-    prefetch.start(first, [None, None], vocab_size=64)  # no live grammar: nothing to fill
+    prefetch.start(first, [None, None], ring=None)  # no live grammar: nothing to fill
     assert prefetch.take(first) is None and len(slow_fill["entered"]) == 2
     assert prefetch.num_taken == 0
     prefetch.shutdown()
