@@ -175,7 +175,8 @@ class HostTimers:
         # mask_to_device: copy + unpack; sampling_build / sampler: the sampling set-up and kernels
         # (inside sample, as the mask's parts are); accept: matchers advanced (inside process)
         self.seconds = dict.fromkeys(["mask", "mask_background", "prefetch_start", "prefetch_take", "mask_to_device",
-                                      "accept", "sampling_build", "sampler", "sample", "process"], 0.0)
+                                      "accept", "sampling_build", "sampler", "sample", "process",
+                                      "prefetch_prepare"], 0.0)
         self._wrap(runner, "fill_bitmask", "mask")
         self._wrap(prefetch, "run_fill", "mask_background")
         self._wrap(prefetch.MaskPrefetch, "start", "prefetch_start")
@@ -186,6 +187,38 @@ class HostTimers:
         self._wrap(Sampler, "sample_with_distributions", "sampler")
         self._wrap(runner.ModelRunner, "_sample", "sample")
         self._wrap(core.EngineCore, "_process", "process")
+        self._wrap(prefetch, "prepare_fill", "prefetch_prepare")
+        self._trace_handoffs(prefetch)
+
+    def _trace_handoffs(self, prefetch) -> None:
+        """worker_start_delay: start called -> the worker runs (prepare included); worker_return_delay:
+        take called or xgrammar's fill done, whichever is later -> take has the mask (the worker's
+        way back through the GIL)."""
+        self.seconds.update(worker_start_delay=0.0, worker_return_delay=0.0)
+        marks: dict = {}
+        start, take, fill = prefetch.MaskPrefetch.start, prefetch.MaskPrefetch.take, prefetch._fill_in_background
+        run_fill = prefetch.run_fill
+
+        def traced_start(mp, *args, **kwargs):
+            marks["start"] = time.perf_counter()
+            return start(mp, *args, **kwargs)
+
+        def traced_fill(f, entered):
+            self.seconds["worker_start_delay"] += time.perf_counter() - marks.pop("start", time.perf_counter())
+            entered.set()
+            out = run_fill(f)
+            marks["filled"] = time.perf_counter()
+            return out
+
+        def traced_take(mp, batch):
+            called = time.perf_counter()
+            out = take(mp, batch)
+            if "filled" in marks:  # from whichever came last, take called or fill done, to the mask in hand
+                self.seconds["worker_return_delay"] += time.perf_counter() - max(called, marks.pop("filled"))
+            return out
+
+        prefetch.MaskPrefetch.start, prefetch.MaskPrefetch.take = traced_start, traced_take
+        prefetch._fill_in_background = traced_fill
 
     def _wrap(self, owner, name: str, key: str) -> None:
         inner = getattr(owner, name)
@@ -206,8 +239,11 @@ class HostTimers:
 
 def apply_variant(name: str) -> None:
     """prefetch (the default) | noprefetch (every mask filled on the core thread) | threadsN
-    (prefetch, xgrammar filling with N threads; its default is half the host's cores)."""
+    (prefetch, xgrammar filling with N threads; its default is half the host's cores) | switchN
+    (prefetch, CPython's GIL switch interval N us instead of 5000)."""
     import engine.grammar.vocab_mask as vocab_mask
+
+    sys.setswitchinterval(int(name[len("switch"):]) * 1e-6 if name.startswith("switch") else 0.005)
     from engine.runner.model_runner import ModelRunner
 
     ModelRunner.prefetch_grammar_mask = _PREFETCH if name != "noprefetch" else lambda self, batch: None

@@ -24,6 +24,7 @@ class BitmaskRing:
         self._slots: list[Optional[torch.Tensor]] = [None] * depth
         self._copied: list[Optional[torch.cuda.Event]] = [None] * depth
         self._next = 0
+        self._bits = bit_values(self.device)  # made once: each op a step is a launch on the host's clock
 
     @torch.inference_mode(False)  # written both inside the runner's inference mode and outside it
     def take(self, rows: int) -> torch.Tensor:
@@ -32,7 +33,6 @@ class BitmaskRing:
         self._next = (slot + 1) % len(self._slots)
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()  # the transfer that last read this buffer has run
-            self._copied[slot] = None
         buffer = self._slots[slot]
         if buffer is None or buffer.shape[0] < rows:
             pinned = self.device.type == "cuda"
@@ -45,13 +45,14 @@ class BitmaskRing:
         if bitmask is None:
             return None
         if self.device.type != "cuda":
-            return unpack_forbidden(bitmask, self.vocab_size)  # reads the buffer before returning
+            return unpack_forbidden(bitmask, self.vocab_size, self._bits)  # reads the buffer before returning
         on_device = bitmask.to(self.device, non_blocking=True)  # pinned: no staging copy
         slot = self._slot_of(bitmask)
         if slot is not None:
-            self._copied[slot] = torch.cuda.Event()
+            if self._copied[slot] is None:
+                self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
-        return unpack_forbidden(on_device, self.vocab_size)
+        return unpack_forbidden(on_device, self.vocab_size, self._bits)
 
     def _slot_of(self, bitmask: torch.Tensor) -> Optional[int]:
         for slot, buffer in enumerate(self._slots):
@@ -60,8 +61,13 @@ class BitmaskRing:
         return None
 
 
-def unpack_forbidden(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, ceil(V/32)] int32 (bit set = allowed) -> [B, V] bool (True = forbidden), on bitmask's device."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return (bits == 0).reshape(bitmask.shape[0], -1)[:, :vocab_size]
+def unpack_forbidden(bitmask: torch.Tensor, vocab_size: int, bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, ceil(V/32)] int32 (bit set = allowed) -> [B, V] bool (True = forbidden), on bitmask's
+    device. `bits`: bit_values on that device, if made already."""
+    bits = bit_values(bitmask.device) if bits is None else bits
+    return ((bitmask.unsqueeze(-1) & bits) == 0).reshape(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+def bit_values(device: torch.device | str) -> torch.Tensor:
+    """[32] int32: 1 << k for each bit k (bit 31 is int32's sign bit)."""
+    return torch.tensor([(1 << k) - (1 << 32 if k == 31 else 0) for k in range(32)], dtype=torch.int32, device=device)
