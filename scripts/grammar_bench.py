@@ -188,6 +188,9 @@ class HostTimers:
         self._wrap(runner.ModelRunner, "_sample", "sample")
         self._wrap(core.EngineCore, "_process", "process")
         self._wrap(prefetch, "prepare_fill", "prefetch_prepare")
+        from engine.scheduler.scheduler import Scheduler
+        self.seconds["schedule_lookahead"] = 0.0
+        self._wrap(Scheduler, "schedule_lookahead", "schedule_lookahead")
         self._trace_handoffs(prefetch)
 
     def _trace_handoffs(self, prefetch) -> None:
@@ -240,13 +243,16 @@ class HostTimers:
 def apply_variant(name: str) -> None:
     """prefetch (the default) | noprefetch (every mask filled on the core thread) | threadsN
     (prefetch, xgrammar filling with N threads; its default is half the host's cores) | switchN
-    (prefetch, CPython's GIL switch interval N us instead of 5000)."""
+    (prefetch, CPython's GIL switch interval N us instead of 5000) | nopreschedule (the next
+    lookahead step scheduled at the next step, not while the mask fills)."""
     import engine.grammar.vocab_mask as vocab_mask
+    from engine.core.engine_core import EngineCore
 
     sys.setswitchinterval(int(name[len("switch"):]) * 1e-6 if name.startswith("switch") else 0.005)
     from engine.runner.model_runner import ModelRunner
 
     ModelRunner.prefetch_grammar_mask = _PREFETCH if name != "noprefetch" else lambda self, batch: None
+    EngineCore._preschedule = _PRESCHEDULE if name != "nopreschedule" else lambda self, batch: None
     threads = int(name[len("threads"):]) if name.startswith("threads") else "auto"
     import xgrammar
 
@@ -254,7 +260,7 @@ def apply_variant(name: str) -> None:
 
 
 _MATCHERS: dict = {}
-_PREFETCH = None
+_PREFETCH = _PRESCHEDULE = None
 
 
 def measure(eng, timers, prompts, free, constrained, runs: int) -> dict:
@@ -276,7 +282,7 @@ def measure(eng, timers, prompts, free, constrained, runs: int) -> dict:
 
 
 def main() -> None:
-    global _PREFETCH
+    global _PREFETCH, _PRESCHEDULE
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=512)
@@ -292,7 +298,9 @@ def main() -> None:
     from engine import Engine
     from engine.runner.model_runner import ModelRunner
 
-    _PREFETCH = ModelRunner.prefetch_grammar_mask
+    from engine.core.engine_core import EngineCore
+
+    _PREFETCH, _PRESCHEDULE = ModelRunner.prefetch_grammar_mask, EngineCore._preschedule
     model_dir = build_model(Path(args.model_dir))
     report = {"compile": compile_times(model_dir), "batch": args.batch, "schema": SCHEMA, "variants": {}}
     print("compile:", report["compile"], flush=True)
