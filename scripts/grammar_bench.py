@@ -243,27 +243,23 @@ class HostTimers:
 def apply_variant(name: str) -> None:
     """prefetch (the default) | noprefetch (every mask filled on the core thread) | threadsN
     (prefetch, xgrammar filling with N threads; its default is half the host's cores) | switchN
-    (prefetch, CPython's GIL switch interval N us instead of 5000) | nopreschedule (the next
-    lookahead step scheduled at the next step, not while the mask fills) | torchthreadsN (prefetch,
+    (prefetch, CPython's GIL switch interval N us instead of 5000) | torchthreadsN (prefetch,
     torch's CPU ops on N threads: its idle OpenMP threads spin on cores xgrammar fills on)."""
     import torch
-    import engine.grammar.vocab_mask as vocab_mask
-    from engine.core.engine_core import EngineCore
-
-    sys.setswitchinterval(int(name[len("switch"):]) * 1e-6 if name.startswith("switch") else 0.005)
-    from engine.runner.model_runner import ModelRunner
-
-    ModelRunner.prefetch_grammar_mask = _PREFETCH if name != "noprefetch" else lambda self, batch: None
-    EngineCore._preschedule = _PRESCHEDULE if name != "nopreschedule" else lambda self, batch: None
-    torch.set_num_threads(int(name[len("torchthreads"):]) if name.startswith("torchthreads") else _TORCH_THREADS)
-    threads = int(name[len("threads"):]) if name.startswith("threads") else "auto"
     import xgrammar
 
+    import engine.grammar.vocab_mask as vocab_mask
+    from engine.runner.model_runner import ModelRunner
+
+    sys.setswitchinterval(int(name[len("switch"):]) * 1e-6 if name.startswith("switch") else 0.005)
+    ModelRunner.prefetch_grammar_mask = _PREFETCH if name != "noprefetch" else lambda self, batch: None
+    torch.set_num_threads(int(name[len("torchthreads"):]) if name.startswith("torchthreads") else _TORCH_THREADS)
+    threads = int(name[len("threads"):]) if name.startswith("threads") else "auto"
     vocab_mask._batch_matcher = lambda: _MATCHERS.setdefault(threads, xgrammar.BatchGrammarMatcher(max_threads=threads))
 
 
 _MATCHERS: dict = {}
-_PREFETCH = _PRESCHEDULE = None
+_PREFETCH = None
 _TORCH_THREADS = 0
 
 
@@ -286,7 +282,7 @@ def measure(eng, timers, prompts, free, constrained, runs: int) -> dict:
 
 
 def main() -> None:
-    global _PREFETCH, _PRESCHEDULE, _TORCH_THREADS
+    global _PREFETCH, _TORCH_THREADS
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=512)
@@ -302,11 +298,9 @@ def main() -> None:
     from engine import Engine
     from engine.runner.model_runner import ModelRunner
 
-    from engine.core.engine_core import EngineCore
-
     import torch
 
-    _PREFETCH, _PRESCHEDULE = ModelRunner.prefetch_grammar_mask, EngineCore._preschedule
+    _PREFETCH = ModelRunner.prefetch_grammar_mask
     _TORCH_THREADS = torch.get_num_threads()
     model_dir = build_model(Path(args.model_dir))
     report = {"compile": compile_times(model_dir), "batch": args.batch, "schema": SCHEMA, "variants": {}}

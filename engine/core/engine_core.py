@@ -29,7 +29,6 @@ from engine.grammar.matcher import accept_tokens
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
-from engine.scheduler.lookahead import prescheduled_still_valid
 from engine.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
@@ -64,8 +63,6 @@ class EngineCore:
         self.overlap = self.runner.device.type == "cuda" and not server_args.disable_overlap_schedule
         self._inflight: Optional[PendingResult] = None  # launched, result not read yet
         self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
-        # (batch, the lookahead step over it): scheduled while a grammar mask filled, not launched
-        self._prescheduled: Optional[tuple[ScheduleBatch, ScheduleBatch]] = None
         self._processing: Optional[ScheduleBatch] = None
         self.memory_released: set[str] = set()  # release_memory_occupation tags not yet resumed
         # constrained requests wait here while their grammar compiles, off the loop
@@ -189,7 +186,6 @@ class EngineCore:
         nothing runs on the device and no request waits for a step to be released. A batch that
         fails here fails its requests, as a failed step does."""
         inflight, self._inflight = self._inflight, None
-        self._discard_prescheduled()
         outputs: list[ReqOutput] = []
         if inflight is not None:
             try:
@@ -213,14 +209,13 @@ class EngineCore:
 
     def _step_generating(self) -> list[ReqOutput]:
         inflight, self._inflight = self._inflight, None
-        ahead = self._lookahead(inflight.batch) if inflight is not None else None
+        ahead = self.scheduler.schedule_lookahead(inflight.batch) if inflight is not None else None
         if ahead is not None:
             self.stats.num_lookahead_steps += 1
             if ahead.sample_after_commit:  # forward now; sampling once the tokens it reads are in
                 self._uncommitted.append(ahead)
                 forward = self.runner.forward(ahead, inflight)
                 outputs = self._process(inflight, then=ahead)
-                self._preschedule(ahead)
                 self._inflight = self.runner.sample(forward)
                 return outputs
             self._inflight = self._launch(ahead, inflight)
@@ -235,32 +230,6 @@ class EngineCore:
             else:
                 outputs += self._process(pending)
         return outputs
-
-    def _lookahead(self, batch: ScheduleBatch) -> Optional[ScheduleBatch]:
-        """The lookahead step over `batch`: the one scheduled ahead if nothing came in since that
-        changes it (new requests, aborts), else scheduled now."""
-        pre, self._prescheduled = self._prescheduled, None
-        if pre is not None:
-            over, ahead = pre
-            if over is batch and prescheduled_still_valid(self.scheduler, ahead):
-                return ahead
-            self.scheduler.discard_lookahead(ahead)
-        return self.scheduler.schedule_lookahead(batch)
-
-    def _preschedule(self, batch: ScheduleBatch) -> None:
-        """Schedule the step after `batch` now, between its commit and its sampling: this host work
-        then runs while the prefetch thread fills `batch`'s grammar mask (engine/grammar/
-        mask_prefetch.py), which otherwise held up the sampling (the decisions are those the next
-        step would take, rechecked there)."""
-        self._discard_prescheduled()
-        ahead = self.scheduler.schedule_lookahead(batch)
-        if ahead is not None:
-            self._prescheduled = (batch, ahead)
-
-    def _discard_prescheduled(self) -> None:
-        pre, self._prescheduled = self._prescheduled, None
-        if pre is not None:
-            self.scheduler.discard_lookahead(pre[1])
 
     def _launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:
         self._uncommitted.append(batch)
@@ -378,7 +347,6 @@ class EngineCore:
             # second final answer for a request is dropped by the front end, a missing one hangs
             failed += [r for r in self._processing.reqs if r.finished and r not in failed]
         self._uncommitted, self._processing, self._inflight = [], None, None
-        self._discard_prescheduled()
         return [self._error_output(r, message) for r in failed]
 
     def _error_output(self, req: Req, message: str) -> ReqOutput:

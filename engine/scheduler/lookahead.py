@@ -36,17 +36,6 @@ def lookahead_rows(scheduler: SchedulerView, inflight: ScheduleBatch) -> Optiona
     return rows
 
 
-def prescheduled_still_valid(scheduler: SchedulerView, ahead: ScheduleBatch) -> bool:
-    """A lookahead step scheduled early (before the batch it continues was sampled) still is what
-    lookahead_rows would choose now: nothing arrived, nothing is to abort, none of its requests
-    ended, and it still covers every running request."""
-    if scheduler.waiting or scheduler.chunked_req is not None:
-        return False
-    if any(r.to_abort is not None for r in scheduler.running):
-        return False
-    return len(ahead.reqs) == len(scheduler.running) and not any(r.finished for r in ahead.reqs)
-
-
 def sampling_reads_last_token(req: Req) -> bool:
     """Penalties, min_new_tokens and a grammar (its vocab mask) read the output so far: such a
     step's forward may still run ahead, but its sampling waits for the real token (the core

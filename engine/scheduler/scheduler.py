@@ -275,11 +275,6 @@ class Scheduler:
         batch.sample_after_commit = any(sampling_reads_last_token(r) for r in reqs)
         return batch
 
-    def discard_lookahead(self, batch: ScheduleBatch) -> None:
-        """Give back the slots of a lookahead step that was scheduled but never launched (its
-        req_to_token entries are rewritten by the step that replaces it)."""
-        self.allocator.free(batch.out_cache_loc)
-
     # ---- retraction ----------------------------------------------------------------------------
     def _free_decode_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()

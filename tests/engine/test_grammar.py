@@ -216,55 +216,6 @@ def test_grammar_rows_run_ahead_with_sampling_after_the_commit(engine_factory):
     overlapped.check_integrity()
 
 
-def test_lookahead_scheduled_during_the_mask_fill(engine_factory):
-    """Overlap (forced): the step after a grammar batch is scheduled while that batch's mask
-    fills, and launched by the next step unless something came in meanwhile. Here a request
-    arrives after one such step and another is aborted after a later one: both times the early
-    step is given back (no KV slot leaks) and scheduled again; every output equals the plain
-    loop's (deterministic mode: a row's tokens do not depend on its batch)."""
-    import queue
-
-    prompts = [[5 + i, 9, 12 + 2 * i] for i in range(5)]
-    params = [{"max_new_tokens": 70, "temperature": 1.0, "sampling_seed": i, "regex": "[a-z]{60}"} for i in range(4)]
-    late = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 9}
-    plain = engine_factory(enable_deterministic_inference=True)
-    want = plain.generate(input_ids=prompts[:4], sampling_params=params)
-    want_late = plain.generate(input_ids=prompts[4], sampling_params=late)
-    eng = engine_factory(enable_deterministic_inference=True)
-    core = eng.local_core
-    core.overlap = True
-    events = {"prescheduled": 0, "discarded": 0}
-    preschedule, discard = core._preschedule, core.scheduler.discard_lookahead
-    late_out: "queue.Queue" = queue.Queue()
-
-    def counted_preschedule(batch):
-        preschedule(batch)
-        events["prescheduled"] += core._prescheduled is not None
-        if events["prescheduled"] == 2:  # the front end's thread would send this between two steps
-            reqs, _ = eng.builder.build(None, prompts[4], late, False, -1, 0, None, "late")
-            eng._submit(reqs[0], late_out.put)
-        if events["prescheduled"] == 5:
-            eng.abort_request(batch.reqs[0].rid)
-
-    def counted_discard(batch):
-        events["discarded"] += 1
-        discard(batch)
-
-    core._preschedule, core.scheduler.discard_lookahead = counted_preschedule, counted_discard
-    got = eng.generate(input_ids=prompts[:4], sampling_params=params, rid=[f"r{i}" for i in range(4)])
-    got_late = eng._wait_final(late_out)
-    aborted = [o for o in got if o["meta_info"]["finish_reason"]["type"] == "abort"]
-    assert len(aborted) == 1 and events["discarded"] >= 2 and events["prescheduled"] > 10, events
-    for out, expected in zip(got, want):
-        if out in aborted:  # what it had before the abort is a prefix of its full output
-            assert expected["output_ids"][: len(out["output_ids"])] == out["output_ids"]
-        else:
-            assert out["output_ids"] == expected["output_ids"]
-            assert re.fullmatch("[a-z]{60}", out["text"]), out["text"]
-    assert got_late["output_ids"] == want_late["output_ids"]
-    eng.check_integrity()
-
-
 def test_unpacked_mask_matches_xgrammar_apply():
     """The [B, V] mask equals what xgrammar's own apply_token_bitmask_inplace does."""
     vocab = 70  # not a multiple of 32
