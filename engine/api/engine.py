@@ -21,7 +21,7 @@ from engine.api.generate_stream import GenerateStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs, configure_logging
-from engine.core.messages import GetWeightsByNameReq, WeightsChecksumReq
+from engine.core.messages import GetWeightsByNameReq, WeightsCheckerReq, WeightsChecksumReq
 from engine.core.messages import WeightsGroupStatusReq
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
@@ -268,6 +268,13 @@ class Engine:
         """sha256 hex over every parameter (SGLang's compute_weights_checksum): equal for equal
         weights on any engine; engine.core.weight_queries.weights_checksum hashes a trainer's."""
         return self._call(WeightsChecksumReq())
+
+    def check_weights(self, action: str = "checksum", skip_tensor_list: Optional[list[str]] = None,
+                      allow_quant_error: bool = False) -> dict:
+        """SGLang's weights checker (Miles' --check-weight-update-equal): "snapshot", then
+        "reset_tensors", then after a sync "compare" (success only if every tensor was rewritten to
+        its snapshot); "checksum" hashes each tensor. {"success", "message"[, "checksums"]}."""
+        return self._call(WeightsCheckerReq(str(action), tuple(skip_tensor_list or ()), bool(allow_quant_error)))
 
     def check_integrity(self) -> None:
         """Asserts free + cached + in use == pool size (checked on the core)."""

@@ -18,7 +18,8 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
                                   UpdateWeightsReq)
-from engine.core.messages import GetWeightsByNameReq, WeightsChecksumReq
+from engine.core.messages import GetWeightsByNameReq, WeightsCheckerReq, WeightsChecksumReq
+from engine.core.weight_checker import WeightChecker
 from engine.core.messages import WeightsGroupStatusReq
 from engine.core.output import build_output
 from engine.core.setup import CoreParts, build_core_parts
@@ -65,6 +66,7 @@ class EngineCore:
         self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
         self._processing: Optional[ScheduleBatch] = None
         self.memory_released: set[str] = set()  # release_memory_occupation tags not yet resumed
+        self.weight_checker = WeightChecker()  # /weights_checker's snapshot lives here
         # constrained requests wait here while their grammar compiles, off the loop
         self.grammars = GrammarQueue(lambda: GrammarCompiler(self.tokenizer, self.parts.vocab_size,
                                                              self.parts.eos_token_ids))
@@ -85,13 +87,17 @@ class EngineCore:
             return self.snapshot()
         if isinstance(msg, CheckIntegrityReq):
             return self.scheduler.check_integrity()
-        if isinstance(msg, (GetWeightsByNameReq, WeightsChecksumReq)) and self.runner.tp is not None:
-            raise ValueError("get_weights_by_name and the weights checksum read one rank's shards under "
-                             "tp_size > 1: not supported yet")
+        if isinstance(msg, (GetWeightsByNameReq, WeightsChecksumReq, WeightsCheckerReq)) and self.runner.tp is not None:
+            raise ValueError("get_weights_by_name, the weights checksum and weights_checker read one rank's "
+                             "shards under tp_size > 1: not supported yet")
+        if isinstance(msg, (GetWeightsByNameReq, WeightsChecksumReq, WeightsCheckerReq)) and "weights" in self.memory_released:
+            raise ValueError("the weights are released (release_memory_occupation): resume them first")
         if isinstance(msg, GetWeightsByNameReq):
             return weights_by_name(self.runner.model, msg.name, msg.truncate_size)
         if isinstance(msg, WeightsChecksumReq):
             return weights_checksum(self.runner.model.named_parameters())
+        if isinstance(msg, WeightsCheckerReq):
+            return self.weight_checker.run(self.runner.model, msg.action, msg.skip_tensor_list, msg.allow_quant_error)
         raise TypeError(f"unknown message type {type(msg).__name__}")
 
     def shutdown(self) -> None:

@@ -162,6 +162,14 @@ class WeightsChecksumReq:
 
 
 @dataclass
+class WeightsCheckerReq:
+    """SGLang's /weights_checker: snapshot | reset_tensors | compare | checksum (engine/core/weight_checker.py)."""
+    action: str
+    skip_tensor_list: tuple[str, ...] = ()
+    allow_quant_error: bool = False
+
+
+@dataclass
 class CheckIntegrityReq:
     """Asserts free + cached + in use == pool size; the AssertionError comes back to the caller."""
 

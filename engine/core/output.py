@@ -26,6 +26,7 @@ def build_output(req: Req, core: CoreView) -> dict[str, Any]:
         "weight_versions": _weight_spans(req),
         "sampling_seed": req.seed,
         "num_retractions": req.num_retractions,
+        "total_retractions": req.num_retractions,  # SGLang's name for the same count
     }
     if req.return_logprob:
         meta.update(_logprob_fields(req, core))

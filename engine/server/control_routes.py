@@ -9,6 +9,7 @@ A payload that cannot be decoded is a 400 naming the problem, never a 500.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI
@@ -18,7 +19,8 @@ from engine.server.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpda
                                     InitWeightsUpdateGroupRequest,
                                     MemoryOccupationRequest, PauseGenerationRequest, UnknownFields,
                                     UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
-                                    UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
+                                    UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest,
+                                    WeightsCheckerRequest)
 from engine.server.served_model import ServedModel
 from weight_sync.cuda_ipc import PAYLOAD_ERRORS
 
@@ -114,6 +116,23 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(req: Optional[MemoryOccupationRequest] = None) -> JSONResponse:
         return await _memory_call(engine.resume_memory_occupation, req)
+
+
+def add_weights_checker_route(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
+    @app.post("/weights_checker")
+    async def weights_checker(req: Optional[WeightsCheckerRequest] = None) -> JSONResponse:
+        """Miles' --check-weight-update-equal: snapshot, reset_tensors, (sync), compare; 400 when a
+        tensor differs. checksum replies in SGLang's per-rank shape (one rank here)."""
+        req = req or WeightsCheckerRequest()
+        unknown.note("/weights_checker", req)
+        result = await asyncio.to_thread(engine.check_weights, req.action, req.skip_tensor_list, req.allow_quant_error)
+        if req.action == "checksum":
+            sums = result.pop("checksums")
+            rank_sum = hashlib.sha256("".join(f"{k}:{v}" for k, v in sorted(sums.items())).encode()).hexdigest()[:16]
+            result["ranks"] = [{"checksums": sums, "per_gpu_checksum": rank_sum,
+                                "parallelism_info": [{"role": "tp", "tp_rank": 0, "tp_size": 1, "rank": 0, "size": 1}]}]
+            result["per_engine_checksum"] = rank_sum
+        return _reply(result.pop("success"), result.pop("message"), **result)
 
 
 class WeightUpdateSession:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.server.access import AccessMiddleware, AccessPolicy
 from engine.server.body_limit import BodyLimitMiddleware
-from engine.server.control_routes import add_control_routes
+from engine.server.control_routes import add_control_routes, add_weights_checker_route
 from engine.server.disconnect import ClientGone
 from engine.server.errors import error_response
 from engine.server.generate_routes import add_generate_routes
@@ -39,6 +39,7 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     add_info_routes(app, engine, served)
     add_generate_routes(app, engine, OpenAIServing(engine, served.name), unknown)
     add_control_routes(app, engine, served, unknown)
+    add_weights_checker_route(app, engine, unknown)
     add_maintenance_routes(app, engine, unknown)
     args = engine.server_args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes,

@@ -130,6 +130,12 @@ class InitWeightsUpdateGroupRequest(_Lenient):
     timeout_s: float = Field(30.0, gt=0, le=600)  # the rendezvous' bound (tandem's; SGLang has none)
 
 
+class WeightsCheckerRequest(_Lenient):
+    action: str = "checksum"
+    skip_tensor_list: Optional[list[str]] = None
+    allow_quant_error: bool = False
+
+
 class DestroyWeightsUpdateGroupRequest(_Lenient):
     group_name: str = "weight_update_group"
 
