@@ -23,8 +23,7 @@ _BOOL_FIELDS = (
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
 )
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
-_OPTIONAL_STR_FIELDS = GRAMMAR_FIELDS + ("stop_regex",)
-_UNSUPPORTED_FIELDS = ("stop_regex",)  # refused if set until implemented
+_OPTIONAL_STR_FIELDS = GRAMMAR_FIELDS
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # a negative id parses, so its error names the range
 # SGLang takes any bias (clients ban a token with -1e4, say); bounded only so that logits + bias
 # stays finite in float32. OpenAI's own API stops at +-100, which forces or bans a token already.
@@ -61,7 +60,7 @@ class SamplingParams:
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
-    stop_regex: Optional[str] = None
+    stop_regex: Optional[Union[str, list[str]]] = None  # normalised to list[str] | None (engine/scheduler/finish.py)
     logit_bias: Optional[dict] = None  # {str(token id): bias added to the logit}, normalised from int keys
     custom_params: Optional[dict] = None  # accepted for client compatibility, unused
     stream_interval: Optional[int] = None
@@ -72,6 +71,10 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is not None:
             self.stop = list(self.stop)
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        elif self.stop_regex is not None:
+            self.stop_regex = list(self.stop_regex)
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.logit_bias is not None:
@@ -103,9 +106,11 @@ class SamplingParams:
 
     def validate(self, vocab_size: Optional[int] = None) -> SamplingParams:
         """Raise ValueError naming the field and its allowed range; return self."""
-        for name in _UNSUPPORTED_FIELDS:
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported yet")
+        for pattern in self.stop_regex or ():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
             raise ValueError(f"set at most one of json_schema, regex, ebnf, structural_tag; got {grammars}")
@@ -180,6 +185,10 @@ class SamplingParams:
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
                 raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        regex = self.stop_regex
+        if regex is not None and not isinstance(regex, str):
+            if not isinstance(regex, (list, tuple)) or not all(isinstance(s, str) for s in regex):
+                raise ValueError(f"stop_regex must be a string or a list of strings, got {regex!r}")
         ids = self.stop_token_ids
         if ids is not None:
             if not isinstance(ids, (list, tuple, set)) or not all(_is_int(t) for t in ids):

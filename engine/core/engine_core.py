@@ -276,7 +276,7 @@ class EngineCore:
         """grammar_stop: what the request's grammar said of this token (_advance_grammar)."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        if req.detokenizer is not None and (req.stream or req.sampling_params.stop):
+        if req.detokenizer is not None and (req.stream or req.sampling_params.stop or req.sampling_params.stop_regex):
             self._detokenize(req)  # text is needed now; otherwise once, at the end
         reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len) or grammar_stop
         if reason is None:

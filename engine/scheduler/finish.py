@@ -1,6 +1,9 @@
-"""Stop checks, in SGLang's order: length, then (after min_new_tokens) stop strings before EOS."""
+"""Stop checks, in SGLang's order: length, then (after min_new_tokens) stop strings, stop
+regexes, then EOS and stop tokens."""
 
 from __future__ import annotations
+
+import re
 
 from typing import Optional
 
@@ -17,6 +20,8 @@ def check_finished(req: Req, eos_token_ids: tuple[int, ...], context_len: int) -
     if n_out < params.min_new_tokens:
         return None
     matched = _match_stop_string(req)
+    if matched is None:
+        matched = _match_stop_regex(req)
     if matched is not None:
         return {"type": "stop", "matched": matched}
     token = req.output_ids[-1]
@@ -43,3 +48,16 @@ def _match_stop_string(req: Req) -> Optional[str]:
     if not req.sampling_params.no_stop_trim:
         req.text = req.text[: best[0]]
     return best[1]
+
+
+def _match_stop_regex(req: Req) -> Optional[str]:
+    """The first stop_regex found in the text so far; the text is kept whole, as SGLang keeps it
+    (its trim looks for the pattern itself in the text). The whole text is searched: a pattern
+    such as `answer: \\d+\\.` may start far back, and a match can only end in the new token."""
+    patterns = req.sampling_params.stop_regex
+    if not patterns or not req.text:
+        return None
+    for pattern in patterns:
+        if re.search(pattern, req.text):
+            return pattern
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -69,6 +70,27 @@ def test_stop_strings_trim_text(engine):
     assert out["text"] == text[: text.index(stop)]
     kept = engine.generate(prompt="The quick brown fox", sampling_params={**base, "stop": stop, "no_stop_trim": True})
     assert kept["text"].endswith(stop) or stop in kept["text"]
+
+
+def test_stop_regex_ends_at_the_first_match(engine):
+    """Oracle: the greedy run without the regex. The stopped run is its prefix, ending at the
+    first token whose text matches; SGLang keeps the matched text and names the pattern."""
+    base = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    ref = engine.generate(prompt="The quick brown fox", sampling_params=base)
+    tok = engine.local_core.tokenizer
+    letters = [c for c in ref["text"][len(ref["text"]) // 2:] if c.isalpha()]
+    if not letters:
+        pytest.skip("generated text has no letter to stop at")
+    pattern = f"{re.escape(letters[0])}.?"
+    out = engine.generate(prompt="The quick brown fox", sampling_params={**base, "stop_regex": pattern})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    ids = out["output_ids"]
+    assert ids == ref["output_ids"][: len(ids)] and len(ids) < len(ref["output_ids"])
+    first = next(n for n in range(1, len(ref["output_ids"]) + 1)
+                 if re.search(pattern, tok.decode(ref["output_ids"][:n], skip_special_tokens=True)))
+    assert len(ids) == first and re.search(pattern, out["text"])
+    both = engine.generate(prompt="The quick brown fox", sampling_params={**base, "stop_regex": ["^$never", pattern]})
+    assert both["output_ids"] == ids and both["meta_info"]["finish_reason"]["matched"] == pattern
 
 
 def test_text_prompt_round_trip(engine):

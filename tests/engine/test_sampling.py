@@ -101,10 +101,13 @@ def test_defaults_and_normalisation():
     assert SamplingParams.from_dict({"top_k": 1}).is_greedy
 
 
-@pytest.mark.parametrize("field", ["stop_regex"])  # grammars: tests/engine/test_grammar.py
-def test_unimplemented_fields_refused(field):
-    with pytest.raises(ValueError, match=f"{field} is not supported yet"):
-        SamplingParams.from_dict({field: "x"}).validate()
+def test_stop_regex_normalised_and_checked():
+    assert SamplingParams.from_dict({"stop_regex": "a+b"}).validate().stop_regex == ["a+b"]
+    assert SamplingParams.from_dict({"stop_regex": ["x", "y\\d"]}).validate().stop_regex == ["x", "y\\d"]
+    with pytest.raises(ValueError, match="stop_regex '\\(' is not a valid regular expression"):
+        SamplingParams.from_dict({"stop_regex": "("}).validate()
+    with pytest.raises(ValueError, match="stop_regex must be a string or a list of strings"):
+        SamplingParams.from_dict({"stop_regex": 3})
 
 
 # ---- seeds and noise ------------------------------------------------------------------

@@ -235,3 +235,18 @@ def test_input_top_logprobs_match_hf(client, tiny_model_dir):
             assert [e[0] for e in entry] == pytest.approx(expected_values[pos - 1].tolist(), abs=1e-4)
     plain = client.post("/generate", json={**body, "top_logprobs_num": 0}).json()["meta_info"]
     assert "input_top_logprobs" not in plain
+
+
+def test_stop_regex_in_generate_body(client):
+    """SGLang's sampling_params.stop_regex (a string or a list): the run ends at the first match
+    and finish_reason names the pattern; a pattern that does not compile is a 400 naming it."""
+    base = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    ref = client.post("/generate", json={"text": "The quick brown fox", "sampling_params": base}).json()
+    ok = client.post("/generate", json={"text": "The quick brown fox",
+                                        "sampling_params": {**base, "stop_regex": ["\\S\\s"]}})
+    assert ok.status_code == 200, ok.text
+    out = ok.json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "\\S\\s"}
+    assert out["output_ids"] == ref["output_ids"][: len(out["output_ids"])]
+    bad = client.post("/generate", json={"text": "hi", "sampling_params": {**base, "stop_regex": "(unclosed"}})
+    assert bad.status_code == 400 and "stop_regex" in bad.text
