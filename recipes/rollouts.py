@@ -108,12 +108,10 @@ class Rollouts:
             sample = await pending if inspect.isawaitable(pending) else pending
         except Exception as exc:
             raise plugin_error("rollout_fn", path, exc) from exc
-        if inspect.isawaitable(pending) and not isinstance(sample, Sample):
-            raise ValueError(f"rollout_fn {path!r} returned {type(sample).__name__}, not a Sample (build one with "
-                             f"recipes.multi_turn.Transcript.to_sample)")
         if not isinstance(sample, Sample):
-            raise ValueError(f"rollout_fn {path!r} returned {type(sample).__name__}: it must be an async "
-                             f"function, `async def fn(ctx) -> Sample`")
+            fix = ("build one with recipes.multi_turn.Transcript.to_sample" if inspect.isawaitable(pending)
+                   else "it must be an async function, `async def fn(ctx) -> Sample`")
+            raise ValueError(f"rollout_fn {path!r} returned {type(sample).__name__}, not a Sample: {fix}")
         return sample
 
 

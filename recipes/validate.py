@@ -14,10 +14,11 @@ import numbers
 import typing
 from typing import Any
 
-# (field, lower bound, bound allowed); None values of Optional fields pass
+# None values of Optional fields pass every check
 POSITIVE_INTS = ("steps", "prompts_per_step", "num_engines", "max_new_tokens", "micro_batch_size",
                  "warm_start_batch", "bucket_bytes")
 NON_NEGATIVE_INTS = ("warm_start_steps", "torch_threads", "seed")
+# (field, lower bound, bound allowed)
 FLOAT_BOUNDS = (("lr", 0, False), ("warm_start_lr", 0, False), ("max_grad_norm", 0, False),
                 ("clip_low", 0, True), ("clip_high", 0, True), ("kl_coef", 0, True), ("tis_cap", 0, False))
 
