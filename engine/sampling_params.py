@@ -107,10 +107,7 @@ class SamplingParams:
     def validate(self, vocab_size: Optional[int] = None) -> SamplingParams:
         """Raise ValueError naming the field and its allowed range; return self."""
         for pattern in self.stop_regex or ():
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
+            _check_stop_regex(pattern)
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
             raise ValueError(f"set at most one of json_schema, regex, ebnf, structural_tag; got {grammars}")
@@ -193,6 +190,17 @@ class SamplingParams:
         if ids is not None:
             if not isinstance(ids, (list, tuple, set)) or not all(_is_int(t) for t in ids):
                 raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+
+
+def _check_stop_regex(pattern: str) -> None:
+    """A regular expression that does not match the empty string (one that does would stop every
+    request at its first token); engine/scheduler/stop_regex.py searches it."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
+    if compiled.search("") is not None:
+        raise ValueError(f"stop_regex {pattern!r} matches the empty string, so it would stop at the first token")
 
 
 def _normalised_logit_bias(bias: dict) -> dict[str, float]:

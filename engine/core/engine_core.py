@@ -97,8 +97,18 @@ class EngineCore:
         if isinstance(msg, WeightsChecksumReq):
             return weights_checksum(self.runner.model.named_parameters())
         if isinstance(msg, WeightsCheckerReq):
-            return self.weight_checker.run(self.runner.model, msg.action, msg.skip_tensor_list, msg.allow_quant_error)
+            return self._check_weights(msg)
         raise TypeError(f"unknown message type {type(msg).__name__}")
+
+    def _check_weights(self, msg: WeightsCheckerReq) -> dict:
+        resetting = msg.action == "reset_tensors"
+        if resetting and self.scheduler.num_holding_kv():
+            raise ValueError("reset_tensors while requests hold KV would finish them on random weights: "
+                             "pause generation or let them finish first")
+        result = self.weight_checker.run(self.runner.model, msg.action, msg.skip_tensor_list, msg.allow_quant_error)
+        if resetting:  # cached prefixes were computed with the old weights
+            self.scheduler.flush_cache()
+        return result
 
     def shutdown(self) -> None:
         """At the end of the core loop: the other tensor-parallel ranks' processes stop too."""

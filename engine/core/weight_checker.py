@@ -6,8 +6,10 @@ values, and after the trainer's sync `compare` demands each equal its snapshot a
 persistent buffers (rotary caches) are derived, never synced, so they are left alone.
 `checksum` hashes each tensor (16 hex digits of sha256, as SGLang replies).
 
-Runs on the core between steps, so it sees the weights the next step uses. Between a reset and
-the sync the engine generates from random weights; that is the check's point, not a fault.
+Runs on the core between steps, so it sees the weights the next step uses. The core refuses a
+reset while requests hold KV and drops the prefix cache after one (engine/core/engine_core.py):
+nothing computed with the old weights is reused with the random ones, or after the sync. The
+snapshot is a host copy of the whole model (its size in host memory) until the next snapshot.
 """
 
 from __future__ import annotations
@@ -44,25 +46,30 @@ class WeightChecker:
 
     @torch.no_grad()
     def _reset(self, model: nn.Module, skipped: set[str]) -> dict:
-        gen = torch.Generator(device="cpu").manual_seed(0)
+        """Random values drawn in place on each tensor's device and dtype (no host-size noise;
+        CUDA graphs keep reading the same addresses)."""
+        generators: dict[torch.device, torch.Generator] = {}
         count = 0
         for name, tensor in synced_tensors(model):
             if name in skipped:
                 continue
-            noise = torch.randn(tensor.shape, generator=gen) if tensor.is_floating_point() else \
-                torch.randint(0, 2, tensor.shape, generator=gen)
-            tensor.copy_(noise)  # in place: CUDA graphs keep reading the same addresses
+            gen = generators.setdefault(tensor.device, torch.Generator(device=tensor.device).manual_seed(0))
+            if tensor.is_floating_point():
+                tensor.normal_(generator=gen)
+            else:
+                tensor.random_(0, 2, generator=gen)
             count += 1
         return {"success": True, "message": f"{count} tensors reset to random values"}
 
     def _compare(self, model: nn.Module, skipped: set[str], allow_quant_error: bool) -> dict:
         if self._snapshot is None:
             raise ValueError("weights_checker compare needs a snapshot first: POST {\"action\": \"snapshot\"}")
-        differing = []
+        differing, compared = [], 0
         for name, tensor in synced_tensors(model):
             want = self._snapshot.get(name)
             if name in skipped or want is None:
                 continue
+            compared += 1
             got = tensor.detach().cpu()
             same = torch.equal(got, want) if not allow_quant_error or not got.is_floating_point() else \
                 torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3)
@@ -71,7 +78,7 @@ class WeightChecker:
         if differing:
             shown = ", ".join(differing[:8]) + (f" and {len(differing) - 8} more" if len(differing) > 8 else "")
             return {"success": False, "message": f"{len(differing)} tensors differ from the snapshot: {shown}"}
-        return {"success": True, "message": f"all {len(self._snapshot)} snapshot tensors equal"}
+        return {"success": True, "message": f"all {compared} compared tensors equal their snapshot"}
 
 
 def synced_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

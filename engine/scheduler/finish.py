@@ -3,11 +3,10 @@ regexes, then EOS and stop tokens."""
 
 from __future__ import annotations
 
-import re
-
 from typing import Optional
 
 from engine.scheduler.request import Req
+from engine.scheduler.stop_regex import StopRegexTooSlow, new_match
 
 
 def check_finished(req: Req, eos_token_ids: tuple[int, ...], context_len: int) -> Optional[dict]:
@@ -20,10 +19,11 @@ def check_finished(req: Req, eos_token_ids: tuple[int, ...], context_len: int) -
     if n_out < params.min_new_tokens:
         return None
     matched = _match_stop_string(req)
-    if matched is None:
-        matched = _match_stop_regex(req)
     if matched is not None:
         return {"type": "stop", "matched": matched}
+    regex_reason = _match_stop_regex(req)
+    if regex_reason is not None:
+        return regex_reason
     token = req.output_ids[-1]
     if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in eos_token_ids):
         return {"type": "stop", "matched": token}
@@ -50,14 +50,18 @@ def _match_stop_string(req: Req) -> Optional[str]:
     return best[1]
 
 
-def _match_stop_regex(req: Req) -> Optional[str]:
-    """The first stop_regex found in the text so far; the text is kept whole, as SGLang keeps it
-    (its trim looks for the pattern itself in the text). The whole text is searched: a pattern
-    such as `answer: \\d+\\.` may start far back, and a match can only end in the new token."""
+def _match_stop_regex(req: Req) -> Optional[dict]:
+    """The finish reason of the first stop_regex the new text completes (the text is kept
+    whole, as SGLang keeps it: its trim looks for the pattern itself in the text), or an abort
+    when a pattern is too slow to search (engine/scheduler/stop_regex.py)."""
     patterns = req.sampling_params.stop_regex
     if not patterns or not req.text:
         return None
+    checked, req.stop_regex_checked = req.stop_regex_checked, len(req.text)
     for pattern in patterns:
-        if re.search(pattern, req.text):
-            return pattern
+        try:
+            if new_match(pattern, req.text, checked):
+                return {"type": "stop", "matched": pattern}
+        except StopRegexTooSlow as exc:
+            return {"type": "abort", "message": str(exc)}
     return None

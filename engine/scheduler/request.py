@@ -55,6 +55,7 @@ class Req:
     detokenized_len: int = 0  # output tokens already fed to the detokenizer
     text: str = ""
     stop_text_len: Optional[int] = None  # where a matched stop string starts
+    stop_regex_checked: int = 0  # characters of text already searched for stop_regex
 
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None

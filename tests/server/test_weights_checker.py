@@ -75,3 +75,31 @@ def test_bad_actions_are_clear_errors(engine_factory):
         resp = c.post("/weights_checker", json={"action": "explode"}, headers={"Authorization": "Bearer adm"})
         assert resp.status_code == 400 and "explode" in resp.text
         assert c.post("/weights_checker", headers={"Authorization": "Bearer adm"}).json()["success"]  # no body: checksum
+
+
+def test_reset_drops_the_prefix_cache_and_waits_for_running_requests(engine_factory):
+    """Nothing computed with the old weights serves the random ones: a reset empties the prefix
+    cache, and is refused while a request holds KV (paused in place here)."""
+    import threading
+    import time
+
+    eng = engine_factory()
+    core = eng.local_core
+    eng.generate(input_ids=list(range(5, 60)), sampling_params={"max_new_tokens": 2, "temperature": 0.0})
+    assert core.scheduler.tree_cache.total_size() > 0
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (eng.generate(input_ids=[5, 6, 7], sampling_params={
+        "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}), done.set()))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not core.scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    eng.pause_generation(mode="in_place")
+    with pytest.raises(ValueError, match="while requests hold KV"):
+        eng.check_weights("reset_tensors")
+    eng.continue_generation()
+    assert done.wait(60)
+    worker.join()
+    assert eng.check_weights("reset_tensors")["success"]
+    assert core.scheduler.tree_cache.total_size() == 0
+    eng.check_integrity()

@@ -1,0 +1,49 @@
+"""stop_regex matching: SGLang's sampling param, searched only where a new match can be, and
+with a time limit, because it runs on the core loop that serves every request.
+
+A match must end in the text the newest token added (an older one would have stopped the run
+already), so a pattern of bounded width W is searched from W characters before that text; one
+without a bound (`\\d+`, `.*`) from LOOKBACK characters before it (SGLang searches the whole
+output: a stop pattern that spans more than 2,048 characters is not one a client sends). The
+`regex` module's timeout turns catastrophic backtracking into a clear abort of that request
+instead of a stalled engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import regex
+
+try:
+    from re import _parser as _sre_parse  # Python >= 3.11
+except ImportError:  # pragma: no cover
+    import sre_parse as _sre_parse  # type: ignore[no-redef]
+
+LOOKBACK = 2048  # characters searched before the new text, for a pattern with no width bound
+SEARCH_TIMEOUT_S = 0.02
+
+
+class StopRegexTooSlow(Exception):
+    pass
+
+
+def new_match(pattern: str, text: str, checked: int) -> bool:
+    """Whether `pattern` matches `text` somewhere a match could not have been before the text
+    grew past `checked` characters; StopRegexTooSlow past SEARCH_TIMEOUT_S."""
+    compiled, width = _compiled(pattern)
+    start = max(0, checked - (width if width is not None else LOOKBACK))
+    try:
+        return compiled.search(text, start, timeout=SEARCH_TIMEOUT_S) is not None
+    except TimeoutError:
+        raise StopRegexTooSlow(f"stop_regex {pattern!r} took over {SEARCH_TIMEOUT_S * 1e3:.0f} ms on this "
+                               "output; simplify the pattern") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> tuple[regex.Pattern, int | None]:
+    """The pattern compiled for the `regex` module (which takes re's syntax) and its maximum
+    width in characters, None when unbounded."""
+    widest = _sre_parse.parse(pattern).getwidth()[1]
+    return regex.compile(pattern), (None if widest >= _sre_parse.MAXREPEAT else int(widest))

@@ -1,0 +1,59 @@
+"""stop_regex search (engine/scheduler/stop_regex.py): only where a new match can be, within a
+time limit. Oracle: re.search over the whole text, as SGLang searches it."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from engine.scheduler import finish
+from engine.scheduler.stop_regex import LOOKBACK, new_match
+
+
+def checkpoints(text: str, step: int) -> list[int]:
+    """The text's lengths after each token, with tokens of `step` characters."""
+    return sorted({min(end, len(text)) for end in range(step, len(text) + step, step)})
+
+
+def first_stop(pattern: str, text: str, step: int) -> int:
+    """The length at which new_match first fires as the text grows token by token."""
+    checked = 0
+    for end in checkpoints(text, step):
+        if new_match(pattern, text[:end], checked):
+            return end
+        checked = end
+    return -1
+
+
+@pytest.mark.parametrize("pattern", [r"ab", r"\d+\.", r"(?<=x)y", r"^Answer", r"(?m)^Answer: \w", r"b\b", r"[0-9]{2,5}!"])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_windowed_search_stops_where_a_whole_text_search_first_matches(pattern, step):
+    texts = ["zzzabzz", "the answer is 12345. done", "axy then xy", "Answer first", "no\nAnswer: yes",
+             "ab b c", "xx 1234! yy", "Answer" + "q" * 50, "q" * 50 + "\nAnswer: z"]
+    for text in texts:
+        want = next((end for end in checkpoints(text, step) if re.search(pattern, text[:end])), -1)
+        assert first_stop(pattern, text, step) == want, (pattern, text, step)
+
+
+def test_unbounded_pattern_looks_back_lookback_characters():
+    text = "Answer: " + "7" * (LOOKBACK - 20) + "."
+    assert new_match(r"Answer: \d+\.", text, len(text) - 1)  # its start is within reach
+    far = "Answer: " + "7" * (LOOKBACK + 50) + "."
+    assert not new_match(r"Answer: \d+\.", far, len(far) - 1)  # past LOOKBACK: not searched (documented)
+
+
+def test_catastrophic_pattern_aborts_its_request_instead_of_stalling_the_loop():
+    req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=[r"(a|aa)+$"]), text="a" * 40 + "b",
+                          stop_regex_checked=0)
+    reason = finish._match_stop_regex(req)
+    assert reason["type"] == "abort" and "(a|aa)+$" in reason["message"] and "simplify" in reason["message"]
+
+
+def test_patterns_that_match_nothing_or_everything_are_refused():
+    for pattern in ["x*", "", "$", "(?:)"]:
+        with pytest.raises(ValueError, match="matches the empty string"):
+            SamplingParams.from_dict({"stop_regex": pattern}).validate()
+    SamplingParams.from_dict({"stop_regex": ["x+", "^The"]}).validate()
