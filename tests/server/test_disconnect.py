@@ -123,7 +123,10 @@ def test_200_streams_with_a_third_leaving_finish_as_fast_as_without_them(engine_
     stayers = [t for t in results if t >= 0]
     assert len(stayers) == 133 and results.count(-1.0) == 67
     with_leavers = max(stayers)
-    assert with_leavers <= 1.5 * alone + 1.0, (with_leavers, alone)
+    # the leavers' prompts are prefilled and their first chunks decoded, so the stayers pay some
+    # time for them (measured on 2 cores: 4.2-4.6 s vs 2.2-3.4 s alone, at this and the previous
+    # release); decoding on for nobody (issue 14) costs minutes, and the token count below is exact
+    assert with_leavers <= 2.0 * alone + 1.0, (with_leavers, alone)
     assert wait_until(lambda: idle(eng), timeout=5) < 2.0  # leavers were aborted, not decoded on
     # stayers' tokens plus a few steps per leaver (3 read, a step or two before the abort lands)
     assert eng.get_stats().num_generated_tokens - tokens_before < 133 * STAY_TOKENS + 67 * 50
