@@ -67,14 +67,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_types()
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is not None:
-            self.stop = list(self.stop)
-        if isinstance(self.stop_regex, str):
-            self.stop_regex = [self.stop_regex]
-        elif self.stop_regex is not None:
-            self.stop_regex = list(self.stop_regex)
+        self.stop, self.stop_regex = _str_list(self.stop), _str_list(self.stop_regex)
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.logit_bias is not None:
@@ -96,6 +89,11 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def watches_text(self) -> bool:
+        """Stop strings or stop regexes: the core must detokenize as it generates."""
+        return bool(self.stop or self.stop_regex)
 
     @property
     def is_greedy(self) -> bool:
@@ -178,18 +176,22 @@ class SamplingParams:
         self._check_list_types()
 
     def _check_list_types(self) -> None:
-        stop = self.stop
-        if stop is not None and not isinstance(stop, str):
-            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-                raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-        regex = self.stop_regex
-        if regex is not None and not isinstance(regex, str):
-            if not isinstance(regex, (list, tuple)) or not all(isinstance(s, str) for s in regex):
-                raise ValueError(f"stop_regex must be a string or a list of strings, got {regex!r}")
+        for name in ("stop", "stop_regex"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+                    raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
         ids = self.stop_token_ids
         if ids is not None:
             if not isinstance(ids, (list, tuple, set)) or not all(_is_int(t) for t in ids):
                 raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+
+
+def _str_list(value: Optional[Union[str, list[str]]]) -> Optional[list[str]]:
+    """A string or a sequence of strings -> a list of them; None stays None."""
+    if value is None:
+        return None
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _check_stop_regex(pattern: str) -> None:

@@ -19,10 +19,10 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
                                   UpdateWeightsReq)
 from engine.core.messages import GetWeightsByNameReq, WeightsCheckerReq, WeightsChecksumReq
-from engine.core.weight_checker import WeightChecker
 from engine.core.messages import WeightsGroupStatusReq
 from engine.core.output import build_output
 from engine.core.setup import CoreParts, build_core_parts
+from engine.core.weight_checker import WeightChecker
 from engine.core.weight_queries import weights_by_name, weights_checksum
 from engine.grammar.compile_queue import GrammarQueue
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an idle loop's wait for a compile: messages are read again after it
 CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
                     DestroyWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, WeightsGroupStatusReq)
+# messages that read the loaded weights on rank 0 (refused under TP and while they are released)
+WEIGHT_READS = (GetWeightsByNameReq, WeightsChecksumReq, WeightsCheckerReq)
 
 
 @dataclass
@@ -87,10 +89,10 @@ class EngineCore:
             return self.snapshot()
         if isinstance(msg, CheckIntegrityReq):
             return self.scheduler.check_integrity()
-        if isinstance(msg, (GetWeightsByNameReq, WeightsChecksumReq, WeightsCheckerReq)) and self.runner.tp is not None:
+        if isinstance(msg, WEIGHT_READS) and self.runner.tp is not None:
             raise ValueError("get_weights_by_name, the weights checksum and weights_checker read one rank's "
                              "shards under tp_size > 1: not supported yet")
-        if isinstance(msg, (GetWeightsByNameReq, WeightsChecksumReq, WeightsCheckerReq)) and "weights" in self.memory_released:
+        if isinstance(msg, WEIGHT_READS) and "weights" in self.memory_released:
             raise ValueError("the weights are released (release_memory_occupation): resume them first")
         if isinstance(msg, GetWeightsByNameReq):
             return weights_by_name(self.runner.model, msg.name, msg.truncate_size)
@@ -286,7 +288,7 @@ class EngineCore:
         """grammar_stop: what the request's grammar said of this token (_advance_grammar)."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        if req.detokenizer is not None and (req.stream or req.sampling_params.stop or req.sampling_params.stop_regex):
+        if req.detokenizer is not None and (req.stream or req.sampling_params.watches_text):
             self._detokenize(req)  # text is needed now; otherwise once, at the end
         reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len) or grammar_stop
         if reason is None:

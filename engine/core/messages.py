@@ -54,7 +54,7 @@ class ReqInput:
     def core_detokenizes(self) -> bool:
         """The core builds text only when it must see it while generating (stop strings); the
         front end decodes every other request's ids (engine/api/text_builder.py)."""
-        return bool(self.sampling_params.stop or self.sampling_params.stop_regex)
+        return self.sampling_params.watches_text
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from engine.core.weight_queries import tensor_bytes
+
 ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")
 
 
@@ -92,5 +94,4 @@ def synced_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
-    return hashlib.sha256(raw).hexdigest()[:16]
+    return hashlib.sha256(tensor_bytes(tensor)).hexdigest()[:16]

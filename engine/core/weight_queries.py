@@ -20,8 +20,13 @@ def weights_checksum(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
     hasher = hashlib.sha256()
     for name, tensor in sorted(named_params, key=lambda item: item[0]):
         hasher.update(name.encode())
-        hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        hasher.update(tensor_bytes(tensor))
     return hasher.hexdigest()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's raw bytes on the host, in its dtype and row-major order."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def weights_by_name(model: nn.Module, name: str, truncate_size: int = 100) -> list:

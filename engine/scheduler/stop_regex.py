@@ -12,7 +12,6 @@ instead of a stalled engine.
 from __future__ import annotations
 
 import functools
-import re
 
 import regex
 
