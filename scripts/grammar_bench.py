@@ -127,6 +127,7 @@ def run(eng, prompts, params) -> tuple[float, list[dict]]:
 def _timed_run(eng, timers, prompts, params, rates: list, host: list) -> list[dict]:
     timers.take()
     ahead = eng.local_core.stats.num_lookahead_steps
+    kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
     masks = eng.local_core.runner.grammar_masks
     taken = masks.num_taken
     start = time.perf_counter()
@@ -188,6 +189,8 @@ class HostTimers:
         self._wrap(runner.ModelRunner, "_sample", "sample")
         self._wrap(core.EngineCore, "_process", "process")
         self._wrap(prefetch, "prepare_fill", "prefetch_prepare")
+        self.seconds["prefetch_drop"] = 0.0  # the core joining the worker (with a gate: the fill's wait)
+        self._wrap(prefetch.MaskPrefetch, "drop", "prefetch_drop")
         from engine.scheduler.scheduler import Scheduler
         self.seconds["schedule_lookahead"] = 0.0
         self._wrap(Scheduler, "schedule_lookahead", "schedule_lookahead")
@@ -206,12 +209,15 @@ class HostTimers:
             marks["start"] = time.perf_counter()
             return start(mp, *args, **kwargs)
 
-        def traced_fill(f, entered):
+        def traced_fill(f, entered, gate, seq):
             self.seconds["worker_start_delay"] += time.perf_counter() - marks.pop("start", time.perf_counter())
             entered.set()
-            out = run_fill(f)
-            marks["filled"] = time.perf_counter()
-            return out
+            try:
+                return run_fill(f)
+            finally:
+                marks["filled"] = time.perf_counter()
+                if gate is not None:
+                    gate.open(seq)
 
         def traced_take(mp, batch):
             called = time.perf_counter()
@@ -240,8 +246,9 @@ class HostTimers:
         return out
 
 
-def apply_variant(name: str) -> None:
-    """prefetch (the default) | noprefetch (every mask filled on the core thread) | threadsN
+def apply_variant(name: str, eng) -> None:
+    """prefetch (the default) | nogate (prefetch, but sampling waits for the fill on the host:
+    no StreamGate) | noprefetch (every mask filled on the core thread) | threadsN
     (prefetch, xgrammar filling with N threads; its default is half the host's cores) | switchN
     (prefetch, CPython's GIL switch interval N us instead of 5000) | torchthreadsN (prefetch,
     torch's CPU ops on N threads: its idle OpenMP threads spin on cores xgrammar fills on)."""
@@ -251,14 +258,19 @@ def apply_variant(name: str) -> None:
     import engine.grammar.vocab_mask as vocab_mask
     from engine.runner.model_runner import ModelRunner
 
+    kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
+    masks = eng.local_core.runner.grammar_masks
+    gate = _GATE.setdefault("gate", masks.gate)  # the engine's own, kept from the first variant
+    masks.gate = None if kind in ("nogate", "noprefetch") else gate
     sys.setswitchinterval(int(name[len("switch"):]) * 1e-6 if name.startswith("switch") else 0.005)
-    ModelRunner.prefetch_grammar_mask = _PREFETCH if name != "noprefetch" else lambda self, batch: None
+    ModelRunner.prefetch_grammar_mask = _PREFETCH if kind != "noprefetch" else lambda self, batch: None
     torch.set_num_threads(int(name[len("torchthreads"):]) if name.startswith("torchthreads") else _TORCH_THREADS)
     threads = int(name[len("threads"):]) if name.startswith("threads") else "auto"
     vocab_mask._batch_matcher = lambda: _MATCHERS.setdefault(threads, xgrammar.BatchGrammarMatcher(max_threads=threads))
 
 
 _MATCHERS: dict = {}
+_GATE: dict = {}
 _PREFETCH = None
 _TORCH_THREADS = 0
 
@@ -292,7 +304,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine-args", default="{}", help="JSON of extra Engine kwargs")
     parser.add_argument("--variants", default="prefetch",
-                        help="comma-separated, measured in turn on one engine: prefetch | noprefetch "
+                        help="comma-separated, measured in turn on one engine: prefetch | nogate | noprefetch "
                              "(the A/B of engine/grammar/mask_prefetch.py) | threadsN (xgrammar's fill threads)")
     args = parser.parse_args()
     from engine import Engine
@@ -315,7 +327,7 @@ def main() -> None:
     try:
         run(eng, prompts, free)
         for name in args.variants.split(","):
-            apply_variant(name)
+            apply_variant(name, eng)
             run(eng, prompts, constrained)  # warm: compile, graphs, allocator, the variant's threads
             result = measure(eng, timers, prompts, free, constrained, args.runs)
             report["variants"][name] = result

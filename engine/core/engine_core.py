@@ -257,12 +257,13 @@ class EngineCore:
         """Commit a step's tokens. `then`: the lookahead batch launched meanwhile, whose grammar
         mask is filled in the background once the matchers have these tokens."""
         batch = pending.batch
+        # joins the mask worker: the device may wait on its gate, and nothing reads a matcher while it advances
+        self.runner.grammar_masks.drop()
         result = pending.resolve()
         self._record_stats(batch)
         grown = self.scheduler.commit(batch, result.next_token_ids)
         self._uncommitted.remove(batch)
         self._processing = batch
-        self.runner.grammar_masks.drop()  # nothing reads a matcher while it advances
         grammar_stops = self._advance_grammars([req for req in grown if req.grammar is not None])
         if then is not None and grammar_stops:
             self.runner.prefetch_grammar_mask(then)

@@ -18,6 +18,7 @@ from engine.attention.registry import create_attention_backend
 from engine.kernels import batch_invariant as bi
 from engine.grammar.mask_prefetch import MaskPrefetch
 from engine.grammar.bitmask_ring import BitmaskRing
+from engine.grammar.stream_gate import StreamGate
 from engine.grammar.vocab_mask import fill_bitmask
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
@@ -59,7 +60,8 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(config.attention_backend, deterministic=config.deterministic)
         self.log_softmax = bi.log_softmax if config.deterministic else None
         self.sampler = Sampler(log_softmax=self.log_softmax)
-        self.grammar_masks = MaskPrefetch()  # the lookahead step's bitmask, filled during the commit
+        # the lookahead step's bitmask, filled during the commit; on CUDA the device waits for it
+        self.grammar_masks = MaskPrefetch(StreamGate.create(self.device))
         self.grammar_bitmasks = BitmaskRing(config.vocab_size, self.device)
         self.memory_saver = memory_saver or MemorySaver(False, self.device)
         # a region freed while released would be unmapped twice: bring it back before the runner goes

@@ -16,6 +16,7 @@ import torch
 
 import engine.grammar.mask_prefetch as mask_prefetch
 from engine.grammar.mask_prefetch import MaskPrefetch
+from engine.grammar.vocab_mask import MaskFill
 
 
 class LiveGrammar:
@@ -28,17 +29,37 @@ class LiveGrammar:
 @pytest.fixture
 def slow_fill(monkeypatch):
     calls = {"entered": [], "release": threading.Event(), "fail": False}
-    monkeypatch.setattr(mask_prefetch, "prepare_fill", lambda grammars, ring: grammars if any(grammars) else None)
 
-    def fill(grammars):
+    def prepare(grammars, ring):
+        if not any(grammars):
+            return None
+        return MaskFill(torch.zeros((len(grammars), 1), dtype=torch.int32), list(grammars), list(range(len(grammars))))
+
+    def fill(mask_fill):
         calls["entered"].append(time.perf_counter())
         calls["release"].wait(5)
         if calls["fail"]:
             raise RuntimeError("fill failed")
-        return torch.full((len(grammars), 1), len(calls["entered"]), dtype=torch.int32)
+        mask_fill.bitmask.fill_(len(calls["entered"]))
+        return mask_fill.bitmask
 
+    monkeypatch.setattr(mask_prefetch, "prepare_fill", prepare)
     monkeypatch.setattr(mask_prefetch, "run_fill", fill)
     return calls
+
+
+class FakeGate:
+    """Records what the device would be told: waits queued, and the worker's opens."""
+
+    def __init__(self, accepts: bool = True) -> None:
+        self.accepts, self.waits, self.opens = accepts, [], []
+
+    def wait(self, seq: int) -> bool:
+        self.waits.append(seq)
+        return self.accepts
+
+    def open(self, seq: int) -> None:
+        self.opens.append(seq)
 
 
 def test_the_worker_is_filling_when_start_returns(slow_fill):
@@ -66,4 +87,43 @@ def test_a_prefetch_for_another_batch_or_a_failed_one_is_not_taken(slow_fill):
     prefetch.start(first, [None, None], ring=None)  # no live grammar: nothing to fill
     assert prefetch.take(first) is None and len(slow_fill["entered"]) == 2
     assert prefetch.num_taken == 0
+    prefetch.shutdown()
+
+
+def test_with_a_gate_take_does_not_wait_and_the_worker_opens_it(slow_fill):
+    gate = FakeGate()
+    prefetch = MaskPrefetch(gate)
+    batch = object()
+    for n in range(1, 3):
+        prefetch.start(batch, [LiveGrammar()], ring=None)
+        mask = prefetch.take(batch)  # the fill is still blocked: the device is told to wait instead
+        assert gate.waits == list(range(1, n + 1)) and gate.opens == list(range(1, n))
+        assert mask.tolist() == [[0]]
+        slow_fill["release"].set()
+        prefetch.drop()  # the core joins the worker before it next reads the device
+        assert gate.opens == list(range(1, n + 1)) and mask.tolist() == [[n]]
+        slow_fill["release"].clear()
+    assert prefetch.num_taken == 2
+    prefetch.shutdown()
+
+
+def test_a_failed_gated_fill_opens_the_gate_on_a_mask_that_allows_everything(slow_fill, caplog):
+    gate = FakeGate()
+    prefetch = MaskPrefetch(gate)
+    slow_fill["fail"] = True
+    slow_fill["release"].set()
+    prefetch.start(batch := object(), [LiveGrammar()], ring=None)
+    mask = prefetch.take(batch)
+    prefetch.drop()
+    assert gate.opens == [1] and mask.tolist() == [[-1]]
+    assert "grammar mask fill failed" in caplog.text
+    prefetch.shutdown()
+
+
+def test_a_gate_the_driver_refuses_falls_back_to_waiting_on_the_host(slow_fill):
+    gate = FakeGate(accepts=False)
+    prefetch = MaskPrefetch(gate)
+    slow_fill["release"].set()
+    prefetch.start(batch := object(), [LiveGrammar()], ring=None)
+    assert prefetch.take(batch).tolist() == [[1]] and gate.opens == [1]
     prefetch.shutdown()
