@@ -127,7 +127,6 @@ def run(eng, prompts, params) -> tuple[float, list[dict]]:
 def _timed_run(eng, timers, prompts, params, rates: list, host: list) -> list[dict]:
     timers.take()
     ahead = eng.local_core.stats.num_lookahead_steps
-    kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
     masks = eng.local_core.runner.grammar_masks
     taken = masks.num_taken
     start = time.perf_counter()
@@ -258,6 +257,8 @@ def apply_variant(name: str, eng) -> None:
     import engine.grammar.vocab_mask as vocab_mask
     from engine.runner.model_runner import ModelRunner
 
+    kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
+    masks = eng.local_core.runner.grammar_masks
     kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
     masks = eng.local_core.runner.grammar_masks
     gate = _GATE.setdefault("gate", masks.gate)  # the engine's own, kept from the first variant
