@@ -281,11 +281,18 @@ def measure(eng, timers, prompts, free, constrained, runs: int) -> dict:
     # (ignore_eos), so both drain the batch the same way and differ only by the grammar
     rates: dict[str, list[float]] = {"free": [], "json_schema": [], "free_full_length": []}
     host: dict[str, list[dict]] = {k: [] for k in rates}
-    for _ in range(runs):
-        timed = lambda name, params: _timed_run(eng, timers, prompts, params, rates[name], host[name])  # noqa: E731
-        outs = timed("json_schema", constrained)
-        timed("free", [{**p, "max_new_tokens": len(o["output_ids"]), "ignore_eos": True}
-                       for p, o in zip(free, outs)])
+    timed = lambda name, params: _timed_run(eng, timers, prompts, params, rates[name], host[name])  # noqa: E731
+    same_lengths = lambda outs: [{**p, "max_new_tokens": len(o["output_ids"]), "ignore_eos": True}  # noqa: E731
+                                 for p, o in zip(free, outs)]
+    # warm (compile, graphs, allocator, the variant's threads); seeded: every constrained run samples these outputs
+    outs = run(eng, prompts, constrained)[1]
+    for i in range(runs):  # the pair's order alternates, so a drift of the host's speed cancels out
+        if i % 2:
+            timed("free", same_lengths(outs))
+            outs = timed("json_schema", constrained)
+        else:
+            outs = timed("json_schema", constrained)
+            timed("free", same_lengths(outs))
         timed("free_full_length", free)
     tok_s = {k: statistics.median(v) for k, v in rates.items()}
     return {"tok_s": tok_s, "runs_tok_s": rates, "host_seconds": host,
@@ -329,7 +336,6 @@ def main() -> None:
         run(eng, prompts, free)
         for name in args.variants.split(","):
             apply_variant(name, eng)
-            run(eng, prompts, constrained)  # warm: compile, graphs, allocator, the variant's threads
             result = measure(eng, timers, prompts, free, constrained, args.runs)
             report["variants"][name] = result
             print(name, {k: result[k] for k in ("tok_s", "ratio", "outputs")}, flush=True)

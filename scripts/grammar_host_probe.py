@@ -81,3 +81,48 @@ out["ring_take_to_device_maskfill_us"] = t(to_dev)
 out["torch_add_launch_us"] = t(lambda: x.add_(0))
 torch.cuda.synchronize()
 print(json.dumps(out, indent=1))
+
+# the core thread's own grammar work, piece by piece (engine code, real matchers, CUDA ring)
+from engine.grammar.mask_prefetch import MaskPrefetch  # noqa: E402
+from engine.grammar.matcher import RequestGrammar, accept_tokens  # noqa: E402
+from engine.grammar.stream_gate import StreamGate  # noqa: E402
+from engine.grammar.vocab_mask import prepare_fill  # noqa: E402
+
+grammars = []
+for m in live:
+    g = RequestGrammar(cg)
+    g.matcher = m
+    grammars.append(g)
+dead = [None if i % 8 == 0 else g for i, g in enumerate(grammars)]
+core = {}
+core["ring_take_us"] = t(lambda: ring.take(64))
+core["prepare_fill_all_live_us"] = t(lambda: prepare_fill(grammars, ring))
+core["prepare_fill_8_dead_us"] = t(lambda: prepare_fill(dead, ring))
+core["accept_tokens_plus_rollback_us"] = t(lambda: (accept_tokens(grammars, toks), xgrammar.BatchGrammarMatcher.batch_rollback(live, 1)))
+gate = StreamGate.create("cuda")
+core["gate_wait_us"] = t(lambda: gate.wait(0))
+for g in (None, gate):
+    mp = MaskPrefetch(g)
+    key = "gated" if g else "host"
+
+    def cycle(mp=mp):
+        batch = object()
+        mp.start(batch, grammars, ring)
+        b = mp.take(batch)
+        ring.to_device(b)
+        mp.drop()
+
+    core[f"prefetch_cycle_{key}_us"] = t(cycle, 50)
+
+    def start_only(mp=mp):
+        batch = object()
+        s = time.perf_counter(); mp.start(batch, grammars, ring); d = time.perf_counter() - s
+        mp.drop()
+        return d
+
+    core[f"start_{key}_us"] = round(statistics.median(start_only() for _ in range(50)) * 1e6, 1)
+    mp.shutdown()
+b = ring.take(64)
+core["to_device_us"] = t(lambda: ring.to_device(b))
+torch.cuda.synchronize()
+print(json.dumps(core, indent=1))
