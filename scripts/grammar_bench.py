@@ -201,22 +201,18 @@ class HostTimers:
         way back through the GIL)."""
         self.seconds.update(worker_start_delay=0.0, worker_return_delay=0.0)
         marks: dict = {}
-        start, take, fill = prefetch.MaskPrefetch.start, prefetch.MaskPrefetch.take, prefetch._fill_in_background
-        run_fill = prefetch.run_fill
+        start, take, run_job = prefetch.MaskPrefetch.start, prefetch.MaskPrefetch.take, prefetch.MaskPrefetch._run
 
         def traced_start(mp, *args, **kwargs):
             marks["start"] = time.perf_counter()
             return start(mp, *args, **kwargs)
 
-        def traced_fill(f, entered, gate, seq):
+        def traced_run(job):
             self.seconds["worker_start_delay"] += time.perf_counter() - marks.pop("start", time.perf_counter())
-            entered.set()
             try:
-                return run_fill(f)
+                return run_job(job)
             finally:
                 marks["filled"] = time.perf_counter()
-                if gate is not None:
-                    gate.open(seq)
 
         def traced_take(mp, batch):
             called = time.perf_counter()
@@ -226,7 +222,7 @@ class HostTimers:
             return out
 
         prefetch.MaskPrefetch.start, prefetch.MaskPrefetch.take = traced_start, traced_take
-        prefetch._fill_in_background = traced_fill
+        prefetch.MaskPrefetch._run = staticmethod(traced_run)
 
     def _wrap(self, owner, name: str, key: str) -> None:
         inner = getattr(owner, name)

@@ -264,8 +264,9 @@ class EngineCore:
         grown = self.scheduler.commit(batch, result.next_token_ids)
         self._uncommitted.remove(batch)
         self._processing = batch
-        grammar_stops = self._advance_grammars([req for req in grown if req.grammar is not None])
-        if then is not None and grammar_stops:
+        constrained = [req for req in grown if req.grammar is not None]
+        grammar_stops = self._advance_grammars(constrained)
+        if then is not None and constrained:
             self.runner.prefetch_grammar_mask(then)
         self._record_logprobs(batch, result)
         outputs: list[ReqOutput] = []
@@ -300,15 +301,16 @@ class EngineCore:
 
     @staticmethod
     def _advance_grammars(reqs: list[Req]) -> dict[int, Optional[dict]]:
-        """Feed each request's committed token to its grammar, one call for the batch. Per request
-        (by id): a stop reason once its grammar has terminated (it accepted a stop token), an abort
-        if it refused the token (only possible when nothing the grammar allows was left to
-        sample), else None."""
+        """Feed each request's committed token to its grammar, one call for the batch. By request
+        id, for those it ends: a stop reason once its grammar has terminated (it accepted a stop
+        token), an abort if it refused the token (only possible when nothing the grammar allows
+        was left to sample)."""
         if not reqs:
             return {}
         tokens = [req.output_ids[-1] for req in reqs]
         accepted = accept_tokens([req.grammar for req in reqs], tokens)
-        return {id(req): _grammar_verdict(req.grammar, token, ok) for req, token, ok in zip(reqs, tokens, accepted)}
+        return {id(req): _grammar_verdict(req.grammar, token, ok)
+                for req, token, ok in zip(reqs, tokens, accepted) if not ok or req.grammar.is_terminated()}
 
     def _finish_output(self, req: Req) -> ReqOutput:
         if req.detokenizer is not None and req.stop_text_len is None:

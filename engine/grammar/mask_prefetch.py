@@ -16,14 +16,16 @@ worker opening the gate when xgrammar returns, and the core joins the worker (`d
 next reads tokens from the device. Without one (CPU) `take` waits for the fill.
 
 The worker only reads matchers that nothing else touches until the prefetch is joined: `drop`
-waits for it, and the core drops any prefetch before it advances matchers again.
+waits for it, and the core drops any prefetch before it advances matchers again. One long-lived
+thread and three plain locks carry the hand-offs: an executor's futures and events are Python
+code under the GIL, each step, on a host-bound loop.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -34,14 +36,22 @@ from engine.grammar.vocab_mask import MaskFill, prepare_fill, run_fill
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Job:
+    batch: Any
+    fill: MaskFill
+    seq: int
+    gate: Optional[Any]
+    taken: bool = False  # sampled with while still filling (the device waits on the gate)
+    error: Optional[BaseException] = None
+
+
 class MaskPrefetch:
     def __init__(self, gate: Optional[Any] = None) -> None:
         self.gate = gate  # engine.grammar.stream_gate.StreamGate, or None: take waits on the host
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._batch: Any = None
-        self._fill: Optional[MaskFill] = None
-        self._future: Optional[Future] = None  # the fill, until taken
-        self._gated: Optional[Future] = None  # a taken fill the device waits for, until joined
+        self._job: Optional[_Job] = None  # posted and not joined yet
+        self._go, self._entered, self._done = _held_lock(), _held_lock(), _held_lock()
+        self._worker: Optional[threading.Thread] = None
         self._seq = 0
         self.num_taken = 0  # prefetched masks a step sampled with
 
@@ -52,57 +62,75 @@ class MaskPrefetch:
         fill = prepare_fill(grammars, ring)  # Python work stays on this thread
         if fill is None:
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, "tandem-grammar-mask")
-        entered = threading.Event()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._serve, name="tandem-grammar-mask", daemon=True)
+            self._worker.start()
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self._batch, self._fill = batch, fill
-        self._future = self._pool.submit(_fill_in_background, fill, entered, self.gate, self._seq)
-        entered.wait()  # blocks (GIL released) until the worker runs; it hands the GIL back on entering xgrammar
+        self._job = _Job(batch, fill, self._seq, self.gate)
+        self._go.release()
+        self._entered.acquire()  # blocks (GIL released) until the worker runs; it hands the GIL back on entering xgrammar
 
     def take(self, batch: Any) -> Optional[torch.Tensor]:
         """The packed host bitmask prefetched for this very batch, or None (a prefetch for
         another batch is dropped, and a batch with no live grammar had none). With a gate the
         fill may still be running: the device's stream waits for it before what comes next."""
-        if self._future is None or self._batch is not batch:
+        job = self._job
+        if job is None or job.taken or job.batch is not batch:
             self.drop()
             return None
-        future, fill = self._future, self._fill
-        self._future, self._fill, self._batch = None, None, None
-        if self.gate is not None and self.gate.wait(self._seq):
-            self._gated = future
-            self.num_taken += 1
-            return fill.bitmask
-        if future.exception() is not None:
-            return None  # filled again on the core thread, which raises the error there
+        if job.gate is not None and job.gate.wait(job.seq):
+            job.taken = True  # joined by the next drop
+        else:
+            self._join()
+            if job.error is not None:
+                return None  # filled again on the core thread, which raises the error there
         self.num_taken += 1
-        return future.result()
+        return job.fill.bitmask
 
     def drop(self) -> None:
         """Wait for any fill in flight and forget it (its matchers may be advanced after this)."""
-        future, self._future, self._fill, self._batch = self._future, None, None, None
-        if future is not None:
-            future.exception()  # waits; a failed fill is simply recomputed on the core thread
-        gated, self._gated = self._gated, None
-        if gated is not None and gated.exception() is not None:
-            # the device sampled with an all-allowing mask (see _fill_in_background); a token the
-            # grammar refuses aborts its request when the matchers advance
-            logger.error("a grammar mask fill failed", exc_info=gated.exception())
+        job = self._join()
+        if job is not None and job.taken and job.error is not None:
+            # the device sampled with an all-allowing mask (see _run); a token the grammar
+            # refuses aborts its request when the matchers advance
+            logger.error("a grammar mask fill failed", exc_info=job.error)
 
     def shutdown(self) -> None:
         self.drop()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._worker is not None:
+            self._go.release()  # no job posted: the worker returns
+            self._worker.join()
+            self._worker = None
+
+    def _join(self) -> Optional[_Job]:
+        job, self._job = self._job, None
+        if job is not None:
+            self._done.acquire()
+        return job
+
+    def _serve(self) -> None:
+        while True:
+            self._go.acquire()
+            job = self._job
+            if job is None:
+                return
+            self._entered.release()
+            self._run(job)
+            self._done.release()
+
+    @staticmethod
+    def _run(job: _Job) -> None:
+        try:
+            run_fill(job.fill)
+        except BaseException as exc:
+            job.fill.bitmask.fill_(-1)  # never a half-written mask on the device
+            job.error = exc
+        finally:
+            if job.gate is not None:
+                job.gate.open(job.seq)
 
 
-def _fill_in_background(fill: MaskFill, entered: threading.Event, gate: Optional[Any], seq: int) -> Optional[torch.Tensor]:
-    entered.set()
-    try:
-        return run_fill(fill)
-    except BaseException:
-        fill.bitmask.fill_(-1)  # never a half-written mask on the device
-        raise
-    finally:
-        if gate is not None:
-            gate.open(seq)
+def _held_lock() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock

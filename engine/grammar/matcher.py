@@ -32,11 +32,6 @@ class RequestGrammar:
         """The grammar accepted a stop token: the output is complete."""
         return self._terminated
 
-    def _accepted(self, token_id: int) -> None:
-        self.num_accepted += 1
-        if token_id in self._stop_ids:
-            self._terminated = self.matcher.is_terminated()
-
 
 def accept_tokens(grammars: Sequence[RequestGrammar], token_ids: Sequence[int]) -> list[bool]:
     """Advance each grammar on its committed token, in one call into xgrammar; False where a
@@ -47,5 +42,7 @@ def accept_tokens(grammars: Sequence[RequestGrammar], token_ids: Sequence[int]) 
     accepted = xgrammar.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
     for grammar, token, ok in zip(grammars, tokens, accepted):
         if ok:
-            grammar._accepted(token)
+            grammar.num_accepted += 1
+            if token in grammar._stop_ids:  # inline: this loop runs for every constrained row, every step
+                grammar._terminated = grammar.matcher.is_terminated()
     return accepted

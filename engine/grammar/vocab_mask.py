@@ -32,7 +32,9 @@ def prepare_fill(grammars: Sequence[Optional[Any]], ring: Any) -> Optional[MaskF
     bitmask = ring.take(len(grammars))
     if len(rows) < len(grammars):  # xgrammar writes whole rows; the others must allow everything
         live = set(rows)
-        bitmask[[row for row in range(len(grammars)) if row not in live]] = -1
+        for row in range(len(grammars)):  # a row or two, usually: a fill_ each beats an index_put
+            if row not in live:
+                bitmask[row].fill_(-1)
     return MaskFill(bitmask, [grammars[row].matcher for row in rows], rows)
 
 

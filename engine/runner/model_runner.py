@@ -190,8 +190,7 @@ class ModelRunner:
     def prefetch_grammar_mask(self, batch: ScheduleBatch) -> None:
         """Start filling the bitmask `batch` (a launched lookahead step) will sample with; its rows'
         matchers have taken every committed token (engine/grammar/mask_prefetch.py)."""
-        if any(r.grammar is not None for r in batch.reqs):
-            self.grammar_masks.start(batch, self._live_grammars(batch), self.grammar_bitmasks)
+        self.grammar_masks.start(batch, self._live_grammars(batch), self.grammar_bitmasks)  # no-op without live rows
 
     def _grammar_bitmask(self, batch: ScheduleBatch) -> Optional[torch.Tensor]:
         prefetched = self.grammar_masks.take(batch)
