@@ -259,7 +259,10 @@ def apply_variant(name: str, eng) -> None:
     masks = eng.local_core.runner.grammar_masks
     gate = _GATE.setdefault("gate", masks.gate)  # the engine's own, kept from the first variant
     masks.gate = None if kind in ("nogate", "noprefetch") else gate
-    sys.setswitchinterval(int(name[len("switch"):]) * 1e-6 if name.startswith("switch") else 0.005)
+    # nowaitN: start returns without waiting for the worker, CPython's switch interval N us
+    masks.hand_off = not name.startswith("nowait")
+    switch = name[len("switch"):] if name.startswith("switch") else name[len("nowait"):] if not masks.hand_off else ""
+    sys.setswitchinterval(int(switch) * 1e-6 if switch else 0.005)
     ModelRunner.prefetch_grammar_mask = _PREFETCH if kind != "noprefetch" else lambda self, batch: None
     torch.set_num_threads(int(name[len("torchthreads"):]) if name.startswith("torchthreads") else _TORCH_THREADS)
     threads = int(name[len("threads"):]) if name.startswith("threads") else "auto"

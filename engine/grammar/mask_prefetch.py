@@ -42,6 +42,7 @@ class _Job:
     fill: MaskFill
     seq: int
     gate: Optional[Any]
+    hand_off: bool  # the core waits for the worker to enter the fill
     taken: bool = False  # sampled with while still filling (the device waits on the gate)
     error: Optional[BaseException] = None
 
@@ -49,7 +50,11 @@ class _Job:
 class MaskPrefetch:
     def __init__(self, gate: Optional[Any] = None) -> None:
         self.gate = gate  # engine.grammar.stream_gate.StreamGate, or None: take waits on the host
+        # False: start returns at once and the worker takes the GIL at CPython's next switch
+        # (sys.getswitchinterval): only useful with a short interval (the bench's A/B)
+        self.hand_off = True
         self._job: Optional[_Job] = None  # posted and not joined yet
+        self._posted: Optional[_Job] = None  # what the worker runs next (None: it stops); only start and shutdown set it
         self._go, self._entered, self._done = _held_lock(), _held_lock(), _held_lock()
         self._worker: Optional[threading.Thread] = None
         self._seq = 0
@@ -66,9 +71,10 @@ class MaskPrefetch:
             self._worker = threading.Thread(target=self._serve, name="tandem-grammar-mask", daemon=True)
             self._worker.start()
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self._job = _Job(batch, fill, self._seq, self.gate)
+        self._job = self._posted = _Job(batch, fill, self._seq, self.gate, self.hand_off)
         self._go.release()
-        self._entered.acquire()  # blocks (GIL released) until the worker runs; it hands the GIL back on entering xgrammar
+        if self.hand_off:
+            self._entered.acquire()  # blocks (GIL released) until the worker runs; it hands the GIL back on entering xgrammar
 
     def take(self, batch: Any) -> Optional[torch.Tensor]:
         """The packed host bitmask prefetched for this very batch, or None (a prefetch for
@@ -98,6 +104,7 @@ class MaskPrefetch:
     def shutdown(self) -> None:
         self.drop()
         if self._worker is not None:
+            self._posted = None
             self._go.release()  # no job posted: the worker returns
             self._worker.join()
             self._worker = None
@@ -111,10 +118,11 @@ class MaskPrefetch:
     def _serve(self) -> None:
         while True:
             self._go.acquire()
-            job = self._job
+            job = self._posted  # not self._job: the core may already be joining it
             if job is None:
                 return
-            self._entered.release()
+            if job.hand_off:
+                self._entered.release()
             self._run(job)
             self._done.release()
 

@@ -127,3 +127,22 @@ def test_a_gate_the_driver_refuses_falls_back_to_waiting_on_the_host(slow_fill):
     prefetch.start(batch := object(), [LiveGrammar()], ring=None)
     assert prefetch.take(batch).tolist() == [[1]] and gate.opens == [1]
     prefetch.shutdown()
+
+
+def test_without_the_hand_off_start_returns_at_once_and_the_fill_still_lands(slow_fill):
+    gate = FakeGate()
+    prefetch = MaskPrefetch(gate)
+    prefetch.hand_off = False
+    batch = object()
+    for n in range(1, 3):
+        prefetch.start(batch, [LiveGrammar()], ring=None)
+        mask = prefetch.take(batch)
+        slow_fill["release"].set()
+        prefetch.drop()
+        assert mask.tolist() == [[n]] and gate.opens == list(range(1, n + 1))
+        slow_fill["release"].clear()
+    prefetch.hand_off = True  # switching back keeps the hand-off's locks paired
+    prefetch.start(batch, [LiveGrammar()], ring=None)
+    assert len(slow_fill["entered"]) == 3
+    slow_fill["release"].set()
+    prefetch.shutdown()
