@@ -146,3 +146,9 @@ def test_without_the_hand_off_start_returns_at_once_and_the_fill_still_lands(slo
     assert len(slow_fill["entered"]) == 3
     slow_fill["release"].set()
     prefetch.shutdown()
+
+
+def test_no_stream_gate_off_cuda():
+    from engine.grammar.stream_gate import StreamGate
+
+    assert StreamGate.create("cpu") is None  # the CPU path waits for the fill on the host
