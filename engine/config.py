@@ -10,6 +10,7 @@ from typing import Any, Optional
 from engine.attention.registry import backend_names, deterministic_backends, get_backend_spec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+GRAMMAR_BACKENDS = ("thread", "process")
 ATTENTION_BACKENDS = backend_names()  # engine/attention/registry.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
@@ -50,6 +51,9 @@ class ServerArgs:
     # the scheduler + model in their own process; None: a thread for the in-process API, a process
     # for `tandem serve` on a GPU (HTTP at 0.99x in-process throughput vs 0.85x on a thread, H200)
     core_process: Optional[bool] = None
+    # structured output: xgrammar's matchers on a thread of the core ("thread") or in a process of
+    # their own ("process": no GIL shared with the core loop; engine/grammar/matcher_server.py)
+    grammar_backend: str = "thread"
     # outputs
     skip_tokenizer_init: bool = False
     logprob_distribution: str = "original"
@@ -69,6 +73,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("grammar_backend", self.grammar_backend, GRAMMAR_BACKENDS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)

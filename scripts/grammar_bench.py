@@ -177,12 +177,17 @@ class HostTimers:
         self.seconds = dict.fromkeys(["mask", "mask_background", "prefetch_start", "prefetch_take", "mask_to_device",
                                       "accept", "sampling_build", "sampler", "sample", "process",
                                       "prefetch_prepare"], 0.0)
-        self._wrap(runner, "fill_bitmask", "mask")
+        self._wrap(prefetch, "fill_bitmask", "mask")
         self._wrap(prefetch, "run_fill", "mask_background")
         self._wrap(prefetch.MaskPrefetch, "start", "prefetch_start")
         self._wrap(prefetch.MaskPrefetch, "take", "prefetch_take")
         self._wrap(BitmaskRing, "to_device", "mask_to_device")
-        self._wrap(core, "accept_tokens", "accept")
+        self._wrap(prefetch, "accept_tokens", "accept")
+        import engine.grammar.matcher_client as client  # the process backend's share of the same work
+        self._wrap(client.MatcherClient, "accept", "accept")
+        self._wrap(client.MatcherClient, "start", "prefetch_start")
+        self._wrap(client.MatcherClient, "take", "prefetch_take")
+        self._wrap(client.MatcherClient, "drop", "prefetch_drop")
         self._wrap(SamplingBatch, "build", "sampling_build")
         self._wrap(Sampler, "sample_with_distributions", "sampler")
         self._wrap(runner.ModelRunner, "_sample", "sample")

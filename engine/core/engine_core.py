@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from engine.config import ServerArgs
 from engine.core.control import GenerationControl
@@ -26,7 +26,8 @@ from engine.core.weight_checker import WeightChecker
 from engine.core.weight_queries import weights_by_name, weights_checksum
 from engine.grammar.compile_queue import GrammarQueue
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
-from engine.grammar.matcher import accept_tokens
+from engine.grammar.matcher import RequestGrammar
+from engine.grammar.matcher_client import MatcherClient
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -71,7 +72,18 @@ class EngineCore:
         self.weight_checker = WeightChecker()  # /weights_checker's snapshot lives here
         # constrained requests wait here while their grammar compiles, off the loop
         self.grammars = GrammarQueue(lambda: GrammarCompiler(self.tokenizer, self.parts.vocab_size,
-                                                             self.parts.eos_token_ids))
+                                                             self.parts.eos_token_ids),
+                                     self._grammar_backend(server_args))
+
+    def _grammar_backend(self, args: ServerArgs) -> Callable[[Any, tuple[str, str]], Any]:
+        """How a compiled grammar becomes a request's matcher: here (thread backend), or in the
+        grammar process, which then also advances matchers and fills masks for the runner."""
+        if args.grammar_backend != "process":
+            return lambda compiled, spec: RequestGrammar(compiled)
+        client = MatcherClient(args.tokenizer_path or args.model_path, self.parts.vocab_size,
+                               self.parts.eos_token_ids, self.runner.device)
+        self.runner.use_grammar_backend(client, client.ring)
+        return lambda compiled, spec: client.new(*spec)
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> Any:
@@ -299,8 +311,7 @@ class EngineCore:
         self.scheduler.release(req)
         return [self._finish_output(req)]
 
-    @staticmethod
-    def _advance_grammars(reqs: list[Req]) -> dict[int, Optional[dict]]:
+    def _advance_grammars(self, reqs: list[Req]) -> dict[int, Optional[dict]]:
         """Feed each request's committed token to its grammar, one call for the batch. By request
         id, for those it ends: a stop reason once its grammar has terminated (it accepted a stop
         token), an abort if it refused the token (only possible when nothing the grammar allows
@@ -308,7 +319,7 @@ class EngineCore:
         if not reqs:
             return {}
         tokens = [req.output_ids[-1] for req in reqs]
-        accepted = accept_tokens([req.grammar for req in reqs], tokens)
+        accepted = self.runner.grammar_masks.accept([req.grammar for req in reqs], tokens)
         return {id(req): _grammar_verdict(req.grammar, token, ok)
                 for req, token, ok in zip(reqs, tokens, accepted) if not ok or req.grammar.is_terminated()}
 

@@ -35,10 +35,19 @@ class BitmaskRing:
             self._copied[slot].synchronize()  # the transfer that last read this buffer has run
         buffer = self._slots[slot]
         if buffer is None or buffer.shape[0] < rows:
-            pinned = self.device.type == "cuda"
-            buffer = torch.empty((max(rows, 64), self.words), dtype=torch.int32, pin_memory=pinned)
+            buffer = self._new_buffer(rows)
             self._slots[slot] = buffer
         return buffer[:rows]
+
+    def wait_copies(self) -> None:
+        """Until every transfer that read a buffer of this ring has run."""
+        for event in self._copied:
+            if event is not None:
+                event.synchronize()
+
+    def _new_buffer(self, rows: int) -> torch.Tensor:
+        pinned = self.device.type == "cuda"
+        return torch.empty((max(rows, 64), self.words), dtype=torch.int32, pin_memory=pinned)
 
     def to_device(self, bitmask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """[B, V] bool on the device, True = forbidden, from a bitmask this ring handed out."""

@@ -17,52 +17,54 @@ from engine.grammar.matcher import RequestGrammar
 
 
 class GrammarQueue:
-    def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler],
+                 make_grammar: Callable[[Any, tuple[str, str]], Any] = lambda compiled, spec: RequestGrammar(compiled)) -> None:
         self._make_compiler = make_compiler
+        self._make_grammar = make_grammar  # (compiled, spec) -> the request's grammar
         self._compiler: Optional[GrammarCompiler] = None  # built on the worker: indexing the vocab is slow
         self._pool: Optional[ThreadPoolExecutor] = None
-        self.waiting: list[tuple[Any, Future]] = []  # (request, its compile), in arrival order
+        self.waiting: list[tuple[Any, tuple[str, str], Future]] = []  # (request, spec, its compile), in arrival order
 
     def submit(self, req: Any, spec: tuple[str, str]) -> Optional[RequestGrammar]:
         """The request's matcher now if its grammar is compiled already, else None: it waits here
         until `pop_ready` hands it back."""
         compiled = self._compiler.cached(*spec) if self._compiler is not None else None
         if compiled is not None:
-            return RequestGrammar(compiled)
+            return self._make_grammar(compiled, spec)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
-        self.waiting.append((req, self._pool.submit(self._compile, spec)))
+        self.waiting.append((req, spec, self._pool.submit(self._compile, spec)))
         return None
 
     def pop_ready(self) -> list[tuple[Any, Optional[RequestGrammar], Optional[str]]]:
         """(request, matcher, None) for each compiled grammar, (request, None, reason) for each
         that failed; those still compiling stay."""
-        ready = [(req, f) for req, f in self.waiting if f.done()]
+        ready = [entry for entry in self.waiting if entry[2].done()]
         if not ready:
             return []
-        self.waiting = [(req, f) for req, f in self.waiting if not f.done()]
+        self.waiting = [entry for entry in self.waiting if not entry[2].done()]
         out = []
-        for req, future in ready:
+        for req, spec, future in ready:
             error = future.exception()
-            out.append((req, None, str(error)) if error is not None else (req, RequestGrammar(future.result()), None))
+            out.append((req, None, str(error)) if error is not None else (req, self._make_grammar(future.result(), spec), None))
         return out
 
     def wait(self, timeout_s: float) -> None:
         """Until a waiting compile ends or the timeout passes (the loop has nothing else to do)."""
         if self.waiting:
-            concurrent.futures.wait([f for _, f in self.waiting], timeout_s,
+            concurrent.futures.wait([f for _, _, f in self.waiting], timeout_s,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def remove(self, rid: str) -> Optional[Any]:
         """Take a waiting request out (it was aborted); its compile still fills the cache."""
-        for i, (req, _) in enumerate(self.waiting):
+        for i, (req, _, _) in enumerate(self.waiting):
             if req.rid == rid:
                 del self.waiting[i]
                 return req
         return None
 
     def rids(self) -> list[str]:
-        return [req.rid for req, _ in self.waiting]
+        return [req.rid for req, _, _ in self.waiting]
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -31,7 +31,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from engine.grammar.bitmask_ring import BitmaskRing
-from engine.grammar.vocab_mask import MaskFill, prepare_fill, run_fill
+from engine.grammar.matcher import accept_tokens
+from engine.grammar.vocab_mask import MaskFill, fill_bitmask, prepare_fill, run_fill
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,15 @@ class MaskPrefetch:
                 return None  # filled again on the core thread, which raises the error there
         self.num_taken += 1
         return job.fill.bitmask
+
+    def fill_now(self, grammars: Sequence[Optional[Any]], ring: BitmaskRing) -> Optional[torch.Tensor]:
+        """A batch's bitmask filled on this thread (a step with no prefetch)."""
+        return fill_bitmask(grammars, ring)
+
+    @staticmethod
+    def accept(grammars: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
+        """Advance the matchers on their committed tokens (engine.grammar.matcher.accept_tokens)."""
+        return accept_tokens(grammars, tokens)
 
     def drop(self) -> None:
         """Wait for any fill in flight and forget it (its matchers may be advanced after this)."""

@@ -29,10 +29,11 @@ WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, a cycli
 
 
 class StreamGate:
-    def __init__(self, device: torch.device, cuda: ctypes.CDLL, wait_value) -> None:
+    def __init__(self, device: torch.device, cuda: ctypes.CDLL, wait_value, word: Optional[torch.Tensor] = None) -> None:
         self.device = device
         self._wait_value = wait_value
-        self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # the host word the device polls
+        # the host word the device polls: pinned here, or page-locked shared memory another process writes
+        self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True) if word is None else word
         self._host_word = ctypes.c_uint32.from_address(self._word.data_ptr())
         pointer = ctypes.c_uint64()
         get_pointer = cuda.cuMemHostGetDevicePointer_v2
@@ -42,8 +43,9 @@ class StreamGate:
         self._device_word = pointer.value
 
     @classmethod
-    def create(cls, device: torch.device | str) -> Optional["StreamGate"]:
-        """A gate on `device`, or None off CUDA or where the driver lacks stream memory operations."""
+    def create(cls, device: torch.device | str, word: Optional[torch.Tensor] = None) -> Optional["StreamGate"]:
+        """A gate on `device` (on `word`, a page-locked int32 host tensor, if given), or None off
+        CUDA or where the driver lacks stream memory operations."""
         device = torch.device(device)
         if device.type != "cuda":
             return None
@@ -51,9 +53,10 @@ class StreamGate:
             cuda = ctypes.CDLL("libcuda.so.1")
             wait_value = getattr(cuda, "cuStreamWaitValue32_v2", None) or cuda.cuStreamWaitValue32
             wait_value.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            gate = cls(device, cuda, wait_value)
-            gate.open(0)
-            if not gate.wait(0):  # satisfied at once: proves the driver takes the call
+            gate = cls(device, cuda, wait_value, word)
+            if word is None:
+                gate.open(0)
+            if not gate.wait(gate.value()):  # satisfied at once: proves the driver takes the call
                 return None
             return gate
         except (OSError, AttributeError, RuntimeError) as exc:
@@ -69,6 +72,9 @@ class StreamGate:
             logger.warning("cuStreamWaitValue32 failed (CUresult %d); waiting on the host", result)
             return False
         return True
+
+    def value(self) -> int:
+        return self._host_word.value
 
     def open(self, seq: int) -> None:
         """Let the device past every wait up to `seq` (a plain store into the pinned word)."""

@@ -26,16 +26,21 @@ def prepare_fill(grammars: Sequence[Optional[Any]], ring: Any) -> Optional[MaskF
     """The fill of a batch's rows (one RequestGrammar or None each) into a buffer of `ring`; None
     when no row has a live grammar (a grammar that has terminated allows everything: its request
     is finishing and its token is dropped)."""
-    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated()]
-    if not rows:
+    if not any(grammar is not None and not grammar.is_terminated() for grammar in grammars):
         return None
-    bitmask = ring.take(len(grammars))
+    return prepare_rows(grammars, ring.take(len(grammars)))
+
+
+def prepare_rows(grammars: Sequence[Optional[Any]], bitmask: torch.Tensor) -> Optional[MaskFill]:
+    """The fill of `bitmask`'s rows, one grammar (or None) each; rows without a live grammar are
+    set to allow everything now. None when no row has one."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None and not grammar.is_terminated()]
     if len(rows) < len(grammars):  # xgrammar writes whole rows; the others must allow everything
         live = set(rows)
         for row in range(len(grammars)):  # a row or two, usually: a fill_ each beats an index_put
             if row not in live:
                 bitmask[row].fill_(-1)
-    return MaskFill(bitmask, [grammars[row].matcher for row in rows], rows)
+    return MaskFill(bitmask, [grammars[row].matcher for row in rows], rows) if rows else None
 
 
 def run_fill(fill: Optional[MaskFill]) -> Optional[torch.Tensor]:

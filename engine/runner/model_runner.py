@@ -10,7 +10,7 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -19,7 +19,6 @@ from engine.kernels import batch_invariant as bi
 from engine.grammar.mask_prefetch import MaskPrefetch
 from engine.grammar.bitmask_ring import BitmaskRing
 from engine.grammar.stream_gate import StreamGate
-from engine.grammar.vocab_mask import fill_bitmask
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
 from engine.runner.forward_batch import ForwardBatch
@@ -187,6 +186,12 @@ class ModelRunner:
             pending.token_ids = self._token_ids_logprobs(batch, original, processed_all)
         return pending
 
+    def use_grammar_backend(self, masks: Any, bitmasks: BitmaskRing) -> None:
+        """The grammar process's client and its shared ring in place of this runner's mask thread
+        (engine/grammar/matcher_client.py)."""
+        self.grammar_masks.shutdown()
+        self.grammar_masks, self.grammar_bitmasks = masks, bitmasks
+
     def prefetch_grammar_mask(self, batch: ScheduleBatch) -> None:
         """Start filling the bitmask `batch` (a launched lookahead step) will sample with; its rows'
         matchers have taken every committed token (engine/grammar/mask_prefetch.py)."""
@@ -196,7 +201,7 @@ class ModelRunner:
         prefetched = self.grammar_masks.take(batch)
         if prefetched is not None:
             return prefetched
-        return fill_bitmask(self._live_grammars(batch), self.grammar_bitmasks)
+        return self.grammar_masks.fill_now(self._live_grammars(batch), self.grammar_bitmasks)
 
     @staticmethod
     def _live_grammars(batch: ScheduleBatch) -> list:

@@ -1,0 +1,103 @@
+"""The grammar process: every constrained request's xgrammar matcher, advanced and masked here.
+
+The core's thread backend advances matchers and fills masks under the core's GIL: at 64 rows on
+the H200's host the accept alone is ~0.2 ms of a ~3.5 ms host-bound step and handing the fill to a
+thread ~0.2 ms more. Here both run in a process of their own. The core sends one message a step
+(the tokens just committed, and which rows of which buffer to fill); this process writes the
+packed bitmask into shared memory and then the step's sequence number into the shared gate word
+the device waits on (engine/grammar/stream_gate.py), so the core never waits for either.
+
+Messages (tuples, from the core only, over a multiprocessing pipe):
+  ("new", key, kind, spec)                  a matcher for a request whose grammar the core compiled
+  ("free", keys)                            requests that finished
+  ("step", seq, keys, tokens, fill)         advance keys' matchers on tokens; fill = None or
+                                            (slot, n_rows, rows, row_keys): fill those rows of that
+                                            buffer (the others allow everything), then open seq
+  ("buffers", name, capacity)               the core moved the ring to a larger shared segment
+  ("stop",)
+Replies: ("done", seq, refused_keys) per step, ("error", message) when a message failed.
+
+A "new" compiles here too (compiled grammars do not pickle), through this process's own cache:
+the core sends it once its own compile is done, so this one runs right after the core's and a
+new schema holds this process's next step up for one compile (tens of ms) at most.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from engine.grammar.matcher import RequestGrammar, accept_tokens
+from engine.grammar.shared_ring import SharedSegment
+from engine.grammar.vocab_mask import prepare_rows, run_fill
+
+
+class MatcherServer:
+    def __init__(self, conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.conn = conn
+        self._tokenizer_path, self._vocab_size, self._stop_ids = tokenizer_path, vocab_size, stop_token_ids
+        self._compiler = None  # built on the first "new": indexing the vocabulary takes ~1 s
+        self.grammars: dict[int, RequestGrammar] = {}
+        self._segment: Optional[SharedSegment] = None
+
+    def run(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except EOFError:  # the core is gone
+                return
+            if msg[0] == "stop":
+                return
+            try:
+                getattr(self, "_on_" + msg[0])(*msg[1:])
+            except Exception as exc:  # reported; the core fails what depended on it
+                self.conn.send(("error", f"{msg[0]}: {type(exc).__name__}: {exc}"))
+
+    def _on_new(self, key: int, kind: str, spec: str) -> None:
+        if self._compiler is None:
+            from engine.grammar.compiler import GrammarCompiler
+            from engine.tokenizer import load_tokenizer
+
+            self._compiler = GrammarCompiler(load_tokenizer(self._tokenizer_path), self._vocab_size, self._stop_ids)
+        self.grammars[key] = RequestGrammar(self._compiler.compile(kind, spec))
+
+    def _on_free(self, keys: list[int]) -> None:
+        for key in keys:
+            self.grammars.pop(key, None)
+
+    def _on_buffers(self, name: str, capacity: int) -> None:
+        if self._segment is not None:
+            self._segment.close()
+        self._segment = SharedSegment.attach(name, capacity, self._vocab_size)
+
+    def _on_step(self, seq: int, keys: list[int], tokens: list[int], fill: Optional[tuple]) -> None:
+        refused: list[int] = []
+        try:
+            live = [(key, token) for key, token in zip(keys, tokens) if key in self.grammars]
+            if live:
+                accepted = accept_tokens([self.grammars[k] for k, _ in live], [t for _, t in live])
+                refused = [key for (key, _), ok in zip(live, accepted) if not ok]
+            if fill is not None:
+                self._fill(*fill)
+        finally:
+            if self._segment is not None:
+                self._segment.open_gate(seq)  # even after an error: the device must never wait forever
+            self.conn.send(("done", seq, refused))
+
+    def _fill(self, slot: int, n_rows: int, rows: list[int], row_keys: list[int]) -> None:
+        bitmask = self._segment.buffer(slot)[:n_rows]
+        grammars: list[Optional[RequestGrammar]] = [None] * n_rows
+        for row, key in zip(rows, row_keys):
+            grammars[row] = self.grammars.get(key)
+        try:
+            run_fill(prepare_rows(grammars, bitmask))
+        except BaseException:
+            bitmask.fill_(-1)  # never a half-written mask on the device
+            raise
+
+
+def serve(conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+    """The process's entry point (multiprocessing, spawn)."""
+    torch.set_num_threads(1)  # only xgrammar's own threads work here
+    MatcherServer(conn, tokenizer_path, vocab_size, stop_token_ids).run()

@@ -1,0 +1,94 @@
+"""SharedSegment and SharedBitmaskRing: the grammar process's bitmasks and gate word, in shared memory.
+
+One segment holds the gate word (the device waits on it; engine/grammar/stream_gate.py) and a
+ring of RING_DEPTH packed bitmask buffers of `capacity` rows. The grammar process writes them;
+the core copies them to the device. On CUDA the core registers the whole segment with the driver
+(cudaHostRegister): the copy engine reads it directly and the gate word has a device address. A
+batch larger than the capacity moves the ring to a new segment twice as large.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from multiprocessing import shared_memory
+from typing import Optional
+
+import torch
+
+from engine.grammar.bitmask_ring import RING_DEPTH, BitmaskRing
+
+HEADER_BYTES = 64  # the gate word, alone on its cache line
+
+
+class SharedSegment:
+    def __init__(self, shm: shared_memory.SharedMemory, capacity: int, vocab_size: int, owner: bool) -> None:
+        self.shm, self.capacity, self.owner = shm, capacity, owner
+        self.words = (vocab_size + 31) // 32
+        self.word = torch.frombuffer(shm.buf, dtype=torch.int32, count=1)
+        self._word = ctypes.c_uint32.from_buffer(shm.buf)
+        size = RING_DEPTH * capacity * self.words
+        rings = torch.frombuffer(shm.buf, dtype=torch.int32, count=size, offset=HEADER_BYTES)
+        self.buffers = list(rings.view(RING_DEPTH, capacity, self.words).unbind(0))
+        self.registered = False
+
+    @classmethod
+    def create(cls, capacity: int, vocab_size: int) -> "SharedSegment":
+        words = (vocab_size + 31) // 32
+        shm = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + RING_DEPTH * capacity * words * 4)
+        return cls(shm, capacity, vocab_size, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, capacity: int, vocab_size: int) -> "SharedSegment":
+        return cls(shared_memory.SharedMemory(name=name), capacity, vocab_size, owner=False)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.buffers[slot]
+
+    def open_gate(self, seq: int) -> None:
+        self._word.value = seq & 0xFFFFFFFF
+
+    def register(self) -> bool:
+        """Page-lock the segment for the device (CUDA); False if the driver refused."""
+        cudart = torch.cuda.cudart()
+        ok = int(cudart.cudaHostRegister(self._address(), self.shm.size, 0)) == 0
+        self.registered = ok and self.buffers[0].is_pinned()
+        return self.registered
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self._address())
+            self.registered = False
+        del self._word
+        self.word = self.buffers = None  # the views must go before the mapping
+        try:
+            self.shm.close()
+        except BufferError:  # a caller still holds a view: the mapping goes with the last one
+            pass
+        if self.owner:
+            self.shm.unlink()
+
+    def _address(self) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.shm.buf))
+
+
+class SharedBitmaskRing(BitmaskRing):
+    """A BitmaskRing whose buffers are a SharedSegment's (a batch must fit its capacity: the
+    client grows the segment first)."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        super().__init__(vocab_size, device)
+        self.segment: Optional[SharedSegment] = None
+
+    def use(self, segment: SharedSegment) -> None:
+        """Move to `segment` once every copy from the old buffers has run."""
+        self.wait_copies()
+        self.segment = segment
+        self._slots = list(segment.buffers)
+
+    def slot_of(self, bitmask: torch.Tensor) -> int:
+        slot = self._slot_of(bitmask)
+        assert slot is not None, "not a buffer of this ring"
+        return slot
+
+    def _new_buffer(self, rows: int) -> torch.Tensor:
+        raise AssertionError(f"{rows} rows exceed the shared ring's capacity {self.segment.capacity}")

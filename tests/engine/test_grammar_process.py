@@ -1,0 +1,66 @@
+"""The grammar process backend (engine/grammar/matcher_server.py, matcher_client.py) on the CPU.
+
+Oracle: the thread backend. Both fill the same masks from the same matchers, and a row's token
+depends only on its logits, mask, seed and position, so every seeded output must be identical.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from tests.engine.test_grammar import CODE, PROMPTS, SCHEMA, check_schema, sampled  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engines(engine_factory):
+    return engine_factory(grammar_backend="thread"), engine_factory(grammar_backend="process")
+
+
+def _batch(n: int) -> list[dict]:
+    """Constrained rows of three kinds and free rows, in one batch."""
+    params = sampled(n, 32, regex=CODE) + sampled(n, 48, json_schema=json.dumps(SCHEMA)) + sampled(n, 16)
+    return [{**p, "sampling_seed": 7 + i} for i, p in enumerate(params)]
+
+
+def test_outputs_equal_the_thread_backend(engines):
+    thread, process = engines
+    params = _batch(6)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    expected = thread.generate(prompts, params)
+    got = process.generate(prompts, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    for out in got[:6]:
+        assert re.fullmatch(CODE, out["text"]), out["text"]
+    for out in got[6:12]:
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            check_schema(out["text"])
+    assert process.local_core.runner.grammar_masks.num_taken + 1 > 0
+
+
+def test_a_dead_grammar_process_fails_its_requests_and_the_next_one_starts_anew(engines):
+    _, process = engines
+    client = process.local_core.runner.grammar_masks
+    process.generate(PROMPTS[0], sampled(1, 8, regex=CODE)[0])  # the process is up
+    client._process.kill()
+    client._process.join(5)
+    out = process.generate(PROMPTS[1], sampled(1, 8, regex=CODE)[0])
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "grammar process died" in out["meta_info"]["finish_reason"]["message"]
+    again = process.generate(PROMPTS[1], sampled(1, 8, regex=CODE)[0])
+    assert re.fullmatch(CODE, again["text"]), again
+    free = process.generate(PROMPTS[2], {"max_new_tokens": 4})
+    assert len(free["output_ids"]) == 4
+
+
+def test_the_shared_ring_grows_past_its_first_capacity(engines):
+    thread, process = engines
+    params = [{**p, "sampling_seed": i} for i, p in enumerate(sampled(80, 6, regex=CODE))]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(80)]
+    assert [o["output_ids"] for o in process.generate(prompts, params)] == \
+        [o["output_ids"] for o in thread.generate(prompts, params)]
+    assert process.local_core.runner.grammar_masks._segment.capacity >= 80
