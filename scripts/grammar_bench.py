@@ -262,8 +262,9 @@ def apply_variant(name: str, eng) -> None:
     masks = eng.local_core.runner.grammar_masks
     kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
     masks = eng.local_core.runner.grammar_masks
-    gate = _GATE.setdefault("gate", masks.gate)  # the engine's own, kept from the first variant
-    masks.gate = None if kind in ("nogate", "noprefetch") else gate
+    if masks.gate is not None:  # the engine's own (the process backend makes its gate on first use)
+        _GATE.setdefault("gate", masks.gate)
+    masks.gate = None if kind in ("nogate", "noprefetch") else _GATE.get("gate", masks.gate)
     # nowaitN: start returns without waiting for the worker, CPython's switch interval N us
     masks.hand_off = not name.startswith("nowait")
     switch = name[len("switch"):] if name.startswith("switch") else name[len("nowait"):] if not masks.hand_off else ""
