@@ -118,8 +118,9 @@ class MatcherClient:
         if self._process.is_alive():
             self._process.kill()
         self._process = self._conn = None
+        self._job = None
         if self._segment is not None:
-            self.ring.wait_copies()
+            self.ring.release()
             self._segment.close()
             self._segment = None
 

@@ -42,17 +42,21 @@ class MatcherServer:
         self._segment: Optional[SharedSegment] = None
 
     def run(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except EOFError:  # the core is gone
-                return
-            if msg[0] == "stop":
-                return
-            try:
-                getattr(self, "_on_" + msg[0])(*msg[1:])
-            except Exception as exc:  # reported; the core fails what depended on it
-                self.conn.send(("error", f"{msg[0]}: {type(exc).__name__}: {exc}"))
+        try:
+            while True:
+                try:
+                    msg = self.conn.recv()
+                except EOFError:  # the core is gone
+                    return
+                if msg[0] == "stop":
+                    return
+                try:
+                    getattr(self, "_on_" + msg[0])(*msg[1:])
+                except Exception as exc:  # reported; the core fails what depended on it
+                    self.conn.send(("error", f"{msg[0]}: {type(exc).__name__}: {exc}"))
+        finally:
+            if self._segment is not None:
+                self._segment.close()
 
     def _on_new(self, key: int, kind: str, spec: str) -> None:
         if self._compiler is None:

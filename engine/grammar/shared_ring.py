@@ -85,6 +85,12 @@ class SharedBitmaskRing(BitmaskRing):
         self.segment = segment
         self._slots = list(segment.buffers)
 
+    def release(self) -> None:
+        """Forget the segment's buffers (its mapping can close once no view is left)."""
+        self.wait_copies()
+        self.segment = None
+        self._slots = [None] * len(self._slots)
+
     def slot_of(self, bitmask: torch.Tensor) -> int:
         slot = self._slot_of(bitmask)
         assert slot is not None, "not a buffer of this ring"

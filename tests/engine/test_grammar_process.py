@@ -64,3 +64,16 @@ def test_the_shared_ring_grows_past_its_first_capacity(engines):
     assert [o["output_ids"] for o in process.generate(prompts, params)] == \
         [o["output_ids"] for o in thread.generate(prompts, params)]
     assert process.local_core.runner.grammar_masks._segment.capacity >= 80
+
+
+def test_under_the_core_process(tiny_model_dir):
+    """`tandem serve`'s layout: the core in its own process starts the grammar process."""
+    from engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, device="cpu", dtype="float32", core_process=True,
+                 grammar_backend="process")
+    try:
+        outs = eng.generate(PROMPTS[:2], sampled(2, 16, regex=CODE))
+        assert all(re.fullmatch(CODE, o["text"]) for o in outs), [o["text"] for o in outs]
+    finally:
+        eng.shutdown()
