@@ -19,6 +19,7 @@ from engine.config import ServerArgs
 # Choices shown in --help; ServerArgs.__post_init__ stays the one place that validates.
 _CHOICES = {
     "schedule_policy": "SCHEDULE_POLICIES",
+    "grammar_backend": "GRAMMAR_BACKENDS",
     "attention_backend": "ATTENTION_BACKENDS",
     "dtype": "DTYPES",
     "load_format": "LOAD_FORMATS",
