@@ -83,7 +83,9 @@ class EngineCore:
         client = MatcherClient(args.tokenizer_path or args.model_path, self.parts.vocab_size,
                                self.parts.eos_token_ids, self.runner.device)
         self.runner.use_grammar_backend(client, client.ring)
-        return lambda compiled, spec: client.new(*spec)
+        if self.tokenizer is not None:
+            client.warm()
+        return lambda compiled, spec: client.new(*spec, compiled.tokenizer_info.stop_token_ids)
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> Any:
@@ -390,7 +392,8 @@ class EngineCore:
 
 def _grammar_verdict(grammar, token: int, accepted: bool) -> Optional[dict]:
     if not accepted:
-        return {"type": "abort", "message": f"the grammar refused token {token}: no allowed token was left"}
+        why = getattr(grammar, "refusal", None) or f"the grammar refused token {token}: no allowed token was left"
+        return {"type": "abort", "message": why}
     if grammar.is_terminated():
         return {"type": "stop", "matched": token}
     return None

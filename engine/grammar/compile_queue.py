@@ -39,15 +39,21 @@ class GrammarQueue:
     def pop_ready(self) -> list[tuple[Any, Optional[RequestGrammar], Optional[str]]]:
         """(request, matcher, None) for each compiled grammar, (request, None, reason) for each
         that failed; those still compiling stay."""
-        ready = [entry for entry in self.waiting if entry[2].done()]
+        ready = [entry for entry in self.waiting if entry[2].done()]  # done is read once per entry
         if not ready:
             return []
-        self.waiting = [entry for entry in self.waiting if not entry[2].done()]
-        out = []
-        for req, spec, future in ready:
-            error = future.exception()
-            out.append((req, None, str(error)) if error is not None else (req, self._make_grammar(future.result(), spec), None))
-        return out
+        taken = {id(entry) for entry in ready}
+        self.waiting = [entry for entry in self.waiting if id(entry) not in taken]
+        return [self._made(req, spec, future) for req, spec, future in ready]
+
+    def _made(self, req: Any, spec: tuple[str, str], future: Future) -> tuple[Any, Optional[Any], Optional[str]]:
+        error = future.exception()
+        if error is not None:
+            return req, None, str(error)
+        try:
+            return req, self._make_grammar(future.result(), spec), None
+        except Exception as exc:  # the grammar process could not take it: this request fails, the others go on
+            return req, None, f"structured output unavailable: {exc}"
 
     def wait(self, timeout_s: float) -> None:
         """Until a waiting compile ends or the timeout passes (the loop has nothing else to do)."""

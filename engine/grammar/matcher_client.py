@@ -8,31 +8,40 @@ where the grammar may end); a refused token (possible only when the mask left no
 back with the step's reply and aborts its request at the next commit.
 
 With a StreamGate (CUDA) the device waits for the process's fill on the shared gate word; the
-core reads replies when it next commits, and waits there only if the process is behind (it then
-checks the process is alive: a dead one has its gate opened by the core, so the device never
-hangs). Without one (CPU) `take` waits for the step's reply.
+core joins the process (all steps answered) before it reads the device again. A process that
+dies, stops answering for STEP_TIMEOUT_S or cannot map its buffers is lost: the core opens the
+gate itself (the device never hangs), the grammars it held refuse their next token (their
+requests abort, naming why) and the next constrained request starts a new process. Without a
+gate (CPU) `take` waits for the step's reply.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from engine.grammar.shared_ring import SharedBitmaskRing, SharedSegment
 from engine.grammar.stream_gate import StreamGate
 
+logger = logging.getLogger(__name__)
+
 REPLY_POLL_S = 0.05
+STEP_TIMEOUT_S = 120.0  # a step, or the start-up (imports, the first vocabulary index), must answer within this
 MIN_CAPACITY = 64
 
 
 class ProcessGrammar:
     """A request's matcher in the grammar process (the scheduler only sees it is not None)."""
 
-    def __init__(self, client: "MatcherClient", key: int, generation: int) -> None:
+    def __init__(self, client: "MatcherClient", key: int, generation: int, stop_ids: frozenset) -> None:
         self._client, self.key, self.generation = client, key, generation  # generation: which process holds it
+        self.stop_ids = stop_ids
+        self.refusal: Optional[str] = None  # why its last token was refused, when it was
         self._terminated = False
 
     def is_terminated(self) -> bool:
@@ -46,7 +55,6 @@ class MatcherClient:
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int],
                  device: torch.device) -> None:
         self._setup = (tokenizer_path, vocab_size, list(stop_token_ids))
-        self._stop_ids = frozenset(stop_token_ids)
         self.device = device
         self.ring = SharedBitmaskRing(vocab_size, device)
         self.gate: Optional[StreamGate] = None
@@ -57,27 +65,40 @@ class MatcherClient:
         self._generation = 0
         self._seq = 0
         self._done = 0  # the last step the process answered
-        self._refused: set[int] = set()
+        self._attached: Optional[str] = None  # the segment the process last mapped
+        self._refused: dict[int, str] = {}
         self._accepts: list[tuple[int, int]] = []  # (key, token) not sent yet
         self._job: Optional[tuple[Any, int, torch.Tensor]] = None  # (batch, seq, bitmask) posted by start
         self._conn = self._process = None
         self._segment: Optional[SharedSegment] = None
 
     # ---- grammars ------------------------------------------------------------------------------
-    def new(self, kind: str, spec: str) -> ProcessGrammar:
+    def warm(self) -> None:
+        """Start the process now (at engine start: its imports and vocabulary index run while
+        the model loads, not when the first constrained request arrives)."""
         self._ensure_started()
-        key = next(self._keys)
-        self._send(("new", key, kind, spec))
-        return ProcessGrammar(self, key, self._generation)
+        self._send(("warm",))
+
+    def new(self, kind: str, spec: str, stop_ids: Sequence[int]) -> ProcessGrammar:
+        for _ in range(2):  # a process found dead is replaced once
+            self._ensure_started()
+            key = next(self._keys)
+            if self._send(("new", key, kind, spec)):
+                return ProcessGrammar(self, key, self._generation, frozenset(stop_ids))
+        raise RuntimeError("the grammar process could not be started")
 
     def accept(self, grammars: Sequence[ProcessGrammar], tokens: Sequence[int]) -> list[bool]:
         """Queue each grammar's committed token for the process; False for a grammar that refused
-        an earlier token (its request aborts now)."""
+        an earlier token or whose process was lost (its request aborts now)."""
         self._read_replies()
         out = []
         for grammar, token in zip(grammars, tokens):
-            ok = grammar.generation == self._generation and grammar.key not in self._refused
-            if ok and token in self._stop_ids:
+            if grammar.generation != self._generation:
+                grammar.refusal = "its grammar process was lost; constrained requests in it cannot continue"
+            else:
+                grammar.refusal = self._refused.get(grammar.key)
+            ok = grammar.refusal is None
+            if ok and token in grammar.stop_ids:
                 grammar._terminated = True
             self._accepts.append((grammar.key, int(token)))
             out.append(ok)
@@ -105,28 +126,33 @@ class MatcherClient:
         """Before the core reads the device: the process has answered every step it was sent."""
         self._job = None
         if self._conn is not None:
-            self._wait_done(self._seq)
+            self._wait_for(lambda: self._done == self._seq, "a step")
 
     def shutdown(self) -> None:
-        if self._process is None:
-            return
-        try:
-            self._conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
-        self._process.join(5)
-        if self._process.is_alive():
-            self._process.kill()
-        self._process = self._conn = None
-        self._job = None
+        process, conn = self._process, self._conn
+        self._process = self._conn = self._job = None
+        if process is not None:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(1)
         if self._segment is not None:
+            self._segment.open_gate(self._seq)  # nothing is left to write it
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no queued wait or copy reads the segment after this
+            self.gate = None  # it holds a view of the segment
             self.ring.release()
             self._segment.close()
             self._segment = None
 
     # ---- inside --------------------------------------------------------------------------------
     def _post(self, grammars: Sequence[Optional[ProcessGrammar]]) -> Optional[tuple[int, torch.Tensor]]:
-        """Send the queued accepts and, if a row is live, the fill of `grammars`' rows."""
+        """Send the queued accepts and, if a row is live, the fill of `grammars`' rows. None when
+        nothing was filled (no live row, or the process was lost: every row then allows all)."""
         live = [(row, g.key) for row, g in enumerate(grammars)
                 if g is not None and not g.is_terminated() and g.generation == self._generation]
         if not live and not self._accepts:
@@ -134,8 +160,10 @@ class MatcherClient:
         self._ensure_started()
         if self.freed:
             freed, self.freed = self.freed, []
-            self._refused.difference_update(freed)
-            self._send(("free", freed))
+            for key in freed:
+                self._refused.pop(key, None)
+            if not self._send(("free", freed)):
+                return None
         fill, bitmask = None, None
         if live:
             self._ensure_capacity(len(grammars))
@@ -143,50 +171,75 @@ class MatcherClient:
             fill = (self.ring.slot_of(bitmask), len(grammars), [r for r, _ in live], [k for _, k in live])
         accepts, self._accepts = self._accepts, []
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self._send(("step", self._seq, [k for k, _ in accepts], [t for _, t in accepts], fill))
+        if not self._send(("step", self._seq, [k for k, _ in accepts], [t for _, t in accepts], fill)):
+            return None
         return None if bitmask is None else (self._seq, bitmask)
 
     def _ready(self, seq: int, bitmask: torch.Tensor) -> torch.Tensor:
         """The bitmask once the device (gate) or this thread (no gate) has waited for its fill."""
-        if self.gate is None or not self.gate.wait(seq):
-            self._wait_done(seq)
+        if self.gate is not None and self.gate.wait(seq):
+            return bitmask
+        if not self._wait_for(lambda: self._done == seq, "a step"):
+            bitmask.fill_(-1)  # lost: the rows allow everything; their grammars refuse the token
         return bitmask
 
-    def _wait_done(self, seq: int) -> None:
-        while self._done != seq:
+    def _wait_for(self, condition: Callable[[], bool], what: str) -> bool:
+        """Read replies until `condition` holds; False (the process lost) if it died or took
+        longer than STEP_TIMEOUT_S."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not condition():
+            if self._conn is None:
+                return False
             if self._conn.poll(REPLY_POLL_S):
                 self._read_replies()
             elif not self._process.is_alive():
-                self._lost()
+                self._lost(f"it exited with code {self._process.exitcode}")
+            elif time.monotonic() > deadline:
+                self._lost(f"{what} took over {STEP_TIMEOUT_S:.0f} s")
+        return True
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: tuple) -> bool:
+        if self._conn is None:  # lost earlier in this step
+            return False
         try:
             self._conn.send(msg)
-        except (BrokenPipeError, ConnectionResetError):
-            self._lost()
+            return True
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            self._lost("its pipe broke")
+            return False
 
     def _read_replies(self) -> None:
-        conn = self._conn
-        while conn is not None and conn.poll():
+        while self._conn is not None and self._conn.poll():
             try:
-                reply = conn.recv()
-            except EOFError:
-                self._lost()
+                reply = self._conn.recv()
+            except (EOFError, OSError):
+                self._lost("its pipe closed")
+                return
             if reply[0] == "done":
                 self._done = reply[1]
-                self._refused.update(reply[2])
+                for key in reply[2]:
+                    self._refused[key] = "the grammar refused the token sampled before this one"
+            elif reply[0] == "attached":
+                self._attached = reply[1]
+            elif reply[0] == "refused":
+                self._refused[reply[1]] = reply[2]
             else:
-                raise RuntimeError(f"the grammar process failed: {reply[1]}")
+                logger.error("the grammar process reported: %s", reply[1])
 
-    def _lost(self) -> None:
-        """The process died: the device is let past every posted wait, and the next constrained
-        request starts a new process (the requests that had matchers there fail with this)."""
+    def _lost(self, why: str) -> None:
+        """The device is let past every posted wait, the process's grammars refuse from now on,
+        and the next constrained request starts a new process."""
+        logger.error("the grammar process is lost (%s); its constrained requests abort", why)
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(1)
         if self._segment is not None:
             self._segment.open_gate(self._seq)
         self._process = self._conn = None
-        self._accepts, self._job, self._done, self.freed = [], None, self._seq, []
-        self._generation += 1  # the matchers it held are gone: their grammars now refuse every token
-        raise RuntimeError("the grammar process died; its constrained requests cannot continue")
+        self._accepts, self._job, self.freed = [], None, []
+        self._done, self._attached = self._seq, None
+        self._generation += 1
 
     def _ensure_started(self) -> None:
         if self._process is not None:
@@ -199,28 +252,35 @@ class MatcherClient:
                                         name="tandem-grammar")
         self._process.start()
         child.close()
-        if self._segment is not None:  # a process started after one died: the same buffers
-            self._send(("buffers", self._segment.shm.name, self._segment.capacity))
-        self._ensure_capacity(MIN_CAPACITY)
+        if self._segment is None:
+            self._use(SharedSegment.create(MIN_CAPACITY, self._setup[1]))
+        self._attach()
 
     def _ensure_capacity(self, rows: int) -> None:
-        if self._segment is not None and self._segment.capacity >= rows:
+        if self._segment.capacity >= rows:
             return
         capacity = MIN_CAPACITY
         while capacity < rows:
             capacity *= 2
-        self.drop()  # the process is done with the old buffers
-        segment = SharedSegment.create(capacity, self._setup[1])
-        gate = None
-        if self.device.type == "cuda" and segment.register():
-            gate = StreamGate.create(self.device, segment.word)
-        old, self._segment = self._segment, segment
-        self.ring.use(segment)
-        self._send(("buffers", segment.shm.name, capacity))
-        self.gate = gate
-        if old is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # no queued wait may read the old word after this
-            old.close()
-        segment.open_gate(self._seq)  # waits already queued were on the old word
+        self.drop()  # the process has answered every step: it reads the old buffers no more
+        old = self._segment
+        self._use(SharedSegment.create(capacity, self._setup[1]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no queued wait or copy reads the old segment after this
+        old.close()  # the process keeps its own mapping until it maps the new one
+        if self._conn is not None:
+            self._attach()
 
+    def _use(self, segment: SharedSegment) -> None:
+        """Make `segment` the ring's and the gate's, its word at the last sequence number posted."""
+        segment.open_gate(self._seq)
+        self.ring.use(segment)
+        self._segment = segment
+        self.gate = StreamGate.create(self.device, segment.word) if self.device.type == "cuda" and segment.register() else None
+
+    def _attach(self) -> None:
+        """Have the process map the current segment, and wait until it has (the core may unlink
+        an older one only then)."""
+        name = self._segment.shm.name
+        if self._send(("buffers", name, self._segment.capacity)):
+            self._wait_for(lambda: self._attached == name or self._conn is None, "mapping the shared masks")

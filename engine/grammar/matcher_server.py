@@ -13,9 +13,12 @@ Messages (tuples, from the core only, over a multiprocessing pipe):
   ("step", seq, keys, tokens, fill)         advance keys' matchers on tokens; fill = None or
                                             (slot, n_rows, rows, row_keys): fill those rows of that
                                             buffer (the others allow everything), then open seq
-  ("buffers", name, capacity)               the core moved the ring to a larger shared segment
+  ("buffers", name, capacity)               map this shared segment (the first, or a larger one)
+  ("warm",)                                 index the vocabulary now, before the first grammar
   ("stop",)
-Replies: ("done", seq, refused_keys) per step, ("error", message) when a message failed.
+Replies: ("done", seq, refused_keys) per step, ("attached", name) per segment, ("refused", key,
+message) for a matcher it could not make, ("error", message) for anything else that failed.
+A segment it cannot map ends this process: the core then opens the gate and starts another.
 
 A "new" compiles here too (compiled grammars do not pickle), through this process's own cache:
 the core sends it once its own compile is done, so this one runs right after the core's and a
@@ -58,13 +61,19 @@ class MatcherServer:
             if self._segment is not None:
                 self._segment.close()
 
-    def _on_new(self, key: int, kind: str, spec: str) -> None:
+    def _on_warm(self) -> None:
         if self._compiler is None:
             from engine.grammar.compiler import GrammarCompiler
             from engine.tokenizer import load_tokenizer
 
             self._compiler = GrammarCompiler(load_tokenizer(self._tokenizer_path), self._vocab_size, self._stop_ids)
-        self.grammars[key] = RequestGrammar(self._compiler.compile(kind, spec))
+
+    def _on_new(self, key: int, kind: str, spec: str) -> None:
+        try:
+            self._on_warm()
+            self.grammars[key] = RequestGrammar(self._compiler.compile(kind, spec))
+        except Exception as exc:  # that request's rows must not go unconstrained: the core aborts it
+            self.conn.send(("refused", key, f"the grammar process could not compile it: {exc}"))
 
     def _on_free(self, keys: list[int]) -> None:
         for key in keys:
@@ -73,7 +82,13 @@ class MatcherServer:
     def _on_buffers(self, name: str, capacity: int) -> None:
         if self._segment is not None:
             self._segment.close()
-        self._segment = SharedSegment.attach(name, capacity, self._vocab_size)
+            self._segment = None
+        try:
+            self._segment = SharedSegment.attach(name, capacity, self._vocab_size)
+        except Exception as exc:  # without buffers no gate can open: end, and let the core start another
+            self.conn.send(("error", f"cannot map the shared masks {name}: {exc}"))
+            raise SystemExit(1) from None
+        self.conn.send(("attached", name))
 
     def _on_step(self, seq: int, keys: list[int], tokens: list[int], fill: Optional[tuple]) -> None:
         refused: list[int] = []

@@ -42,19 +42,39 @@ def test_outputs_equal_the_thread_backend(engines):
     assert process.local_core.runner.grammar_masks.num_taken + 1 > 0
 
 
-def test_a_dead_grammar_process_fails_its_requests_and_the_next_one_starts_anew(engines):
+def test_a_process_killed_while_idle_is_replaced(engines):
     _, process = engines
     client = process.local_core.runner.grammar_masks
     process.generate(PROMPTS[0], sampled(1, 8, regex=CODE)[0])  # the process is up
     client._process.kill()
     client._process.join(5)
     out = process.generate(PROMPTS[1], sampled(1, 8, regex=CODE)[0])
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert "grammar process died" in out["meta_info"]["finish_reason"]["message"]
+    assert re.fullmatch(CODE, out["text"]), out
+
+
+def test_a_process_killed_mid_request_aborts_its_requests_and_the_engine_serves_on(engines, monkeypatch):
+    _, process = engines
+    client = process.local_core.runner.grammar_masks
+    accept, calls = type(client).accept, []
+
+    def accept_then_kill(self, grammars, tokens):
+        calls.append(1)
+        if len(calls) == 3:  # mid-request: the process dies with matchers in it
+            self._process.kill()
+            self._process.join(5)
+        return accept(self, grammars, tokens)
+
+    monkeypatch.setattr(type(client), "accept", accept_then_kill)
+    outs = process.generate(PROMPTS[:2], sampled(2, 40, regex="[a-z]{30}"))
+    monkeypatch.undo()
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+        assert "grammar process was lost" in out["meta_info"]["finish_reason"]["message"]
     again = process.generate(PROMPTS[1], sampled(1, 8, regex=CODE)[0])
     assert re.fullmatch(CODE, again["text"]), again
     free = process.generate(PROMPTS[2], {"max_new_tokens": 4})
     assert len(free["output_ids"]) == 4
+    process.local_core.scheduler.check_integrity()
 
 
 def test_the_shared_ring_grows_past_its_first_capacity(engines):
