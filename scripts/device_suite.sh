@@ -29,7 +29,7 @@ for s in "$@"; do case $s in
   grammargpu) ( kit && step grammargpu 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_grammar_gpu.py ) ;;
   grammarbench) ( kit && step grammarbench 240 python3 scripts/grammar_bench.py --batch 64 --runs 3 --json "$OUT/grammar-bench.json" ) ;;
   gatetests) ( kit && step gatetests 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_stream_gate_gpu.py tests/gpu/test_grammar_gpu.py ) ;;
-  grammargate) ( kit && step grammargate 400 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,nogate,prefetch2,nogate2} --json "$OUT/grammar-gate.json" ) ;;
+  grammargate) ( kit && step grammargate 400 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,nogate,prefetch2,nogate2} --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-gate.json" ) ;;
   grammarproc) ( kit && step grammarproc 300 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,prefetch2} --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-proc.json" ) ;;
   hostprobe) ( kit && step hostprobe 150 python3 scripts/grammar_host_probe.py ) ;;
   grammarab) ( kit && step grammarab 420 python3 scripts/grammar_bench.py --batch 64 --runs 5 --variants prefetch,noprefetch,prefetch2 --json "$OUT/grammar-ab.json" ) ;;

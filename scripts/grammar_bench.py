@@ -260,8 +260,6 @@ def apply_variant(name: str, eng) -> None:
 
     kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
     masks = eng.local_core.runner.grammar_masks
-    kind = name.rstrip("0123456789")  # prefetch2, nogate2: the same variant measured again
-    masks = eng.local_core.runner.grammar_masks
     if masks.gate is not None:  # the engine's own (the process backend makes its gate on first use)
         _GATE.setdefault("gate", masks.gate)
     masks.gate = None if kind in ("nogate", "noprefetch") else _GATE.get("gate", masks.gate)

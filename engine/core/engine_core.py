@@ -78,7 +78,10 @@ class EngineCore:
     def _grammar_backend(self, args: ServerArgs) -> Callable[[Any, tuple[str, str]], Any]:
         """How a compiled grammar becomes a request's matcher: here (thread backend), or in the
         grammar process, which then also advances matchers and fills masks for the runner."""
-        if args.grammar_backend != "process":
+        backend = args.grammar_backend
+        if backend == "auto":
+            backend = "process" if self.runner.device.type == "cuda" else "thread"
+        if backend != "process":
             return lambda compiled, spec: RequestGrammar(compiled)
         client = MatcherClient(args.tokenizer_path or args.model_path, self.parts.vocab_size,
                                self.parts.eos_token_ids, self.runner.device)

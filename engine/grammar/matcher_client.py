@@ -65,7 +65,6 @@ class MatcherClient:
         self._generation = 0
         self._seq = 0
         self._done = 0  # the last step the process answered
-        self._attached: Optional[str] = None  # the segment the process last mapped
         self._refused: dict[int, str] = {}
         self._accepts: list[tuple[int, int]] = []  # (key, token) not sent yet
         self._job: Optional[tuple[Any, int, torch.Tensor]] = None  # (batch, seq, bitmask) posted by start
@@ -219,8 +218,6 @@ class MatcherClient:
                 self._done = reply[1]
                 for key in reply[2]:
                     self._refused[key] = "the grammar refused the token sampled before this one"
-            elif reply[0] == "attached":
-                self._attached = reply[1]
             elif reply[0] == "refused":
                 self._refused[reply[1]] = reply[2]
             else:
@@ -238,7 +235,7 @@ class MatcherClient:
             self._segment.open_gate(self._seq)
         self._process = self._conn = None
         self._accepts, self._job, self.freed = [], None, []
-        self._done, self._attached = self._seq, None
+        self._done = self._seq
         self._generation += 1
 
     def _ensure_started(self) -> None:
@@ -279,8 +276,19 @@ class MatcherClient:
         self.gate = StreamGate.create(self.device, segment.word) if self.device.type == "cuda" and segment.register() else None
 
     def _attach(self) -> None:
-        """Have the process map the current segment, and wait until it has (the core may unlink
-        an older one only then)."""
-        name = self._segment.shm.name
-        if self._send(("buffers", name, self._segment.capacity)):
-            self._wait_for(lambda: self._attached == name or self._conn is None, "mapping the shared masks")
+        """Have the process map the current segment. No answer is awaited: a descriptor in flight
+        keeps its memfd alive, so the core may close an older segment at once, and the process
+        maps this one before it reads the next step (a failure to map ends it: lost)."""
+        if self._send(("buffers", self._segment.label, self._segment.capacity)):
+            self._send_fd(self._segment.fd)
+
+    def _send_fd(self, fd: int) -> bool:
+        """The segment's descriptor, right behind its "buffers" message (SCM_RIGHTS on the pipe's socket)."""
+        from multiprocessing.reduction import send_handle
+
+        try:
+            send_handle(self._conn, fd, self._process.pid)
+            return True
+        except OSError:
+            self._lost("its pipe broke")
+            return False

@@ -13,10 +13,11 @@ Messages (tuples, from the core only, over a multiprocessing pipe):
   ("step", seq, keys, tokens, fill)         advance keys' matchers on tokens; fill = None or
                                             (slot, n_rows, rows, row_keys): fill those rows of that
                                             buffer (the others allow everything), then open seq
-  ("buffers", name, capacity)               map this shared segment (the first, or a larger one)
+  ("buffers", label, capacity)              map this shared segment (the first, or a larger one): its
+                                            memfd descriptor follows on the pipe (SCM_RIGHTS)
   ("warm",)                                 index the vocabulary now, before the first grammar
   ("stop",)
-Replies: ("done", seq, refused_keys) per step, ("attached", name) per segment, ("refused", key,
+Replies: ("done", seq, refused_keys) per step, ("refused", key,
 message) for a matcher it could not make, ("error", message) for anything else that failed.
 A segment it cannot map ends this process: the core then opens the gate and starts another.
 
@@ -27,6 +28,7 @@ new schema holds this process's next step up for one compile (tens of ms) at mos
 
 from __future__ import annotations
 
+from multiprocessing.reduction import recv_handle
 from typing import Any, Optional
 
 import torch
@@ -79,16 +81,16 @@ class MatcherServer:
         for key in keys:
             self.grammars.pop(key, None)
 
-    def _on_buffers(self, name: str, capacity: int) -> None:
+    def _on_buffers(self, label: str, capacity: int) -> None:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
         try:
-            self._segment = SharedSegment.attach(name, capacity, self._vocab_size)
+            fd = recv_handle(self.conn)  # sent right behind this message
+            self._segment = SharedSegment.attach(fd, label, capacity, self._vocab_size)
         except Exception as exc:  # without buffers no gate can open: end, and let the core start another
-            self.conn.send(("error", f"cannot map the shared masks {name}: {exc}"))
+            self.conn.send(("error", f"cannot map the shared masks {label}: {exc}"))
             raise SystemExit(1) from None
-        self.conn.send(("attached", name))
 
     def _on_step(self, seq: int, keys: list[int], tokens: list[int], fill: Optional[tuple]) -> None:
         refused: list[int] = []

@@ -5,12 +5,18 @@ ring of RING_DEPTH packed bitmask buffers of `capacity` rows. The grammar proces
 the core copies them to the device. On CUDA the core registers the whole segment with the driver
 (cudaHostRegister): the copy engine reads it directly and the gate word has a device address. A
 batch larger than the capacity moves the ring to a new segment twice as large.
+
+The segment is an anonymous memory file (memfd), its descriptor passed over the process's pipe:
+not a /dev/shm name, whose size Docker caps at 64 MB by default (a 1024-row segment is ~78 MB at
+a 152k vocabulary; past the cap a write is a SIGBUS) and which a killed core would leave behind.
 """
 
 from __future__ import annotations
 
 import ctypes
-from multiprocessing import shared_memory
+import itertools
+import mmap
+import os
 from typing import Optional
 
 import torch
@@ -18,28 +24,45 @@ import torch
 from engine.grammar.bitmask_ring import RING_DEPTH, BitmaskRing
 
 HEADER_BYTES = 64  # the gate word, alone on its cache line
+_labels = itertools.count(1)
+
+
+def segment_bytes(capacity: int, vocab_size: int) -> int:
+    return HEADER_BYTES + RING_DEPTH * capacity * ((vocab_size + 31) // 32) * 4
 
 
 class SharedSegment:
-    def __init__(self, shm: shared_memory.SharedMemory, capacity: int, vocab_size: int, owner: bool) -> None:
-        self.shm, self.capacity, self.owner = shm, capacity, owner
+    def __init__(self, fd: int, capacity: int, vocab_size: int, owner: bool, label: str) -> None:
+        """Map `fd` (a memfd of segment_bytes); the owner keeps the descriptor (to send it), an
+        attached process closes it once mapped."""
+        self.capacity, self.owner, self.label = capacity, owner, label
+        self.size = segment_bytes(capacity, vocab_size)
         self.words = (vocab_size + 31) // 32
-        self.word = torch.frombuffer(shm.buf, dtype=torch.int32, count=1)
-        self._word = ctypes.c_uint32.from_buffer(shm.buf)
+        self._mmap = mmap.mmap(fd, self.size)
+        self.fd: Optional[int] = fd if owner else None
+        if not owner:
+            os.close(fd)
+        self.word = torch.frombuffer(self._mmap, dtype=torch.int32, count=1)
+        self._word = ctypes.c_uint32.from_buffer(self._mmap)
         size = RING_DEPTH * capacity * self.words
-        rings = torch.frombuffer(shm.buf, dtype=torch.int32, count=size, offset=HEADER_BYTES)
+        rings = torch.frombuffer(self._mmap, dtype=torch.int32, count=size, offset=HEADER_BYTES)
         self.buffers = list(rings.view(RING_DEPTH, capacity, self.words).unbind(0))
         self.registered = False
 
     @classmethod
     def create(cls, capacity: int, vocab_size: int) -> "SharedSegment":
-        words = (vocab_size + 31) // 32
-        shm = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + RING_DEPTH * capacity * words * 4)
-        return cls(shm, capacity, vocab_size, owner=True)
+        label = f"tandem-grammar-masks-{os.getpid()}-{next(_labels)}"
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, segment_bytes(capacity, vocab_size))
+            return cls(fd, capacity, vocab_size, owner=True, label=label)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
-    def attach(cls, name: str, capacity: int, vocab_size: int) -> "SharedSegment":
-        return cls(shared_memory.SharedMemory(name=name), capacity, vocab_size, owner=False)
+    def attach(cls, fd: int, label: str, capacity: int, vocab_size: int) -> "SharedSegment":
+        return cls(fd, capacity, vocab_size, owner=False, label=label)
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.buffers[slot]
@@ -50,7 +73,7 @@ class SharedSegment:
     def register(self) -> bool:
         """Page-lock the segment for the device (CUDA); False if the driver refused."""
         cudart = torch.cuda.cudart()
-        ok = int(cudart.cudaHostRegister(self._address(), self.shm.size, 0)) == 0
+        ok = int(cudart.cudaHostRegister(self._address(), self.size, 0)) == 0
         self.registered = ok and self.buffers[0].is_pinned()
         return self.registered
 
@@ -61,14 +84,15 @@ class SharedSegment:
         del self._word
         self.word = self.buffers = None  # the views must go before the mapping
         try:
-            self.shm.close()
+            self._mmap.close()
         except BufferError:  # a caller still holds a view: the mapping goes with the last one
             pass
-        if self.owner:
-            self.shm.unlink()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def _address(self) -> int:
-        return ctypes.addressof(ctypes.c_char.from_buffer(self.shm.buf))
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
 
 
 class SharedBitmaskRing(BitmaskRing):

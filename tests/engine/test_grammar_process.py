@@ -7,6 +7,7 @@ depends only on its logits, mask, seed and position, so every seeded output must
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -39,7 +40,8 @@ def test_outputs_equal_the_thread_backend(engines):
     for out in got[6:12]:
         if out["meta_info"]["finish_reason"]["type"] == "stop":
             check_schema(out["text"])
-    assert process.local_core.runner.grammar_masks.num_taken + 1 > 0
+    client = process.local_core.runner.grammar_masks
+    assert client._seq > 0 and client._done == client._seq  # the steps went through the process, all answered
 
 
 def test_a_process_killed_while_idle_is_replaced(engines):
@@ -78,12 +80,19 @@ def test_a_process_killed_mid_request_aborts_its_requests_and_the_engine_serves_
 
 
 def test_the_shared_ring_grows_past_its_first_capacity(engines):
+    """It lives in memfds, not /dev/shm (Docker caps that at 64 MB; this ring reaches ~78 MB at
+    1024 rows of a 152k vocabulary)."""
     thread, process = engines
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     params = [{**p, "sampling_seed": i} for i, p in enumerate(sampled(80, 6, regex=CODE))]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(80)]
     assert [o["output_ids"] for o in process.generate(prompts, params)] == \
         [o["output_ids"] for o in thread.generate(prompts, params)]
-    assert process.local_core.runner.grammar_masks._segment.capacity >= 80
+    segment = process.local_core.runner.grammar_masks._segment
+    assert segment.capacity >= 80
+    assert os.readlink(f"/proc/self/fd/{segment.fd}").startswith("/memfd:tandem-grammar-masks")
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= shm_before
 
 
 def test_under_the_core_process(tiny_model_dir):
@@ -97,3 +106,12 @@ def test_under_the_core_process(tiny_model_dir):
         assert all(re.fullmatch(CODE, o["text"]) for o in outs), [o["text"] for o in outs]
     finally:
         eng.shutdown()
+
+
+def test_auto_is_the_thread_backend_on_the_cpu(engine_factory):
+    """"auto" (the default) picks the process only on a GPU (tests/gpu/test_grammar_gpu.py)."""
+    from engine.grammar.mask_prefetch import MaskPrefetch
+
+    eng = engine_factory()
+    assert eng.local_core.server_args.grammar_backend == "auto"
+    assert type(eng.local_core.runner.grammar_masks) is MaskPrefetch

@@ -18,6 +18,7 @@ pytest.importorskip("xgrammar")
 
 CODE = "[0-9]{3}-[a-z]{2}"
 GATED: dict[str, bool] = {}  # backend -> whether its masks went through a StreamGate
+MASKS: dict[str, str] = {}  # backend -> the class that made its masks
 
 
 def run(model_path: str, overlap: bool, constrained: bool, backend: str = "thread") -> tuple[list[dict], int]:
@@ -34,6 +35,7 @@ def run(model_path: str, overlap: bool, constrained: bool, backend: str = "threa
         outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         eng.check_integrity()
         GATED[backend] = getattr(eng.local_core.runner.grammar_masks, "gate", None) is not None
+        MASKS[backend] = type(eng.local_core.runner.grammar_masks).__name__
         return outs, eng.local_core.stats.num_lookahead_steps
     finally:
         eng.shutdown()
@@ -54,12 +56,12 @@ def test_grammar_with_overlap_and_cuda_graphs():
 def test_the_grammar_process_backend_equals_the_thread_backend_with_its_gate():
     """Matchers in their own process, masks through page-locked shared memory, the device waiting
     on the shared gate word (engine/grammar/matcher_client.py): the same tokens as the thread
-    backend's plain loop."""
+    backend's plain loop. It is the default ("auto") on a GPU."""
     from engine.testing.tiny_model import tiny_model_path
 
     path = str(tiny_model_path())
     plain, _ = run(path, overlap=False, constrained=True)
-    over, ahead = run(path, overlap=True, constrained=True, backend="process")
-    assert ahead > 0 and GATED["process"]
+    over, ahead = run(path, overlap=True, constrained=True, backend="auto")
+    assert ahead > 0 and GATED["auto"] and MASKS["auto"] == "MatcherClient"
     assert all(re.fullmatch(CODE, o["text"]) for o in over), [o["text"] for o in over]
     assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
