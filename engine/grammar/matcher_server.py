@@ -111,11 +111,7 @@ class MatcherServer:
         grammars: list[Optional[RequestGrammar]] = [None] * n_rows
         for row, key in zip(rows, row_keys):
             grammars[row] = self.grammars.get(key)
-        try:
-            run_fill(prepare_rows(grammars, bitmask))
-        except BaseException:
-            bitmask.fill_(-1)  # never a half-written mask on the device
-            raise
+        run_fill(prepare_rows(grammars, bitmask))  # a failed fill leaves the rows allowing everything
 
 
 def serve(conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:

@@ -48,7 +48,11 @@ def run_fill(fill: Optional[MaskFill]) -> Optional[torch.Tensor]:
     releases the GIL and fills the rows on its own threads)."""
     if fill is None:
         return None
-    _batch_matcher().batch_fill_next_token_bitmask(fill.matchers, fill.bitmask, fill.rows)
+    try:
+        _batch_matcher().batch_fill_next_token_bitmask(fill.matchers, fill.bitmask, fill.rows)
+    except BaseException:
+        fill.bitmask.fill_(-1)  # never a half-written mask on the device (the caller fails the rows)
+        raise
     return fill.bitmask
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import engine.grammar.mask_prefetch as mask_prefetch
+import engine.grammar.vocab_mask as vocab_mask
 from engine.grammar.mask_prefetch import MaskPrefetch
 from engine.grammar.vocab_mask import MaskFill
 
@@ -35,16 +36,17 @@ def slow_fill(monkeypatch):
             return None
         return MaskFill(torch.zeros((len(grammars), 1), dtype=torch.int32), list(grammars), list(range(len(grammars))))
 
-    def fill(mask_fill):
-        calls["entered"].append(time.perf_counter())
-        calls["release"].wait(5)
-        if calls["fail"]:
-            raise RuntimeError("fill failed")
-        mask_fill.bitmask.fill_(len(calls["entered"]))
-        return mask_fill.bitmask
+    class SlowMatcher:  # stands for xgrammar's BatchGrammarMatcher, under vocab_mask.run_fill
+        def batch_fill_next_token_bitmask(self, matchers, bitmask, rows):
+            calls["entered"].append(time.perf_counter())
+            calls["release"].wait(5)
+            bitmask[:1].fill_(7)  # a half-written mask, if it then fails
+            if calls["fail"]:
+                raise RuntimeError("fill failed")
+            bitmask.fill_(len(calls["entered"]))
 
     monkeypatch.setattr(mask_prefetch, "prepare_fill", prepare)
-    monkeypatch.setattr(mask_prefetch, "run_fill", fill)
+    monkeypatch.setattr(vocab_mask, "_batch_matcher", SlowMatcher)
     return calls
 
 
