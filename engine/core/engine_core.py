@@ -27,7 +27,7 @@ from engine.core.weight_queries import weights_by_name, weights_checksum
 from engine.grammar.compile_queue import GrammarQueue
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
 from engine.grammar.matcher import RequestGrammar
-from engine.grammar.matcher_client import MatcherClient
+from engine.grammar.matcher_client import MatcherClient, grammar_backend_for
 from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -78,10 +78,7 @@ class EngineCore:
     def _grammar_backend(self, args: ServerArgs) -> Callable[[Any, tuple[str, str]], Any]:
         """How a compiled grammar becomes a request's matcher: here (thread backend), or in the
         grammar process, which then also advances matchers and fills masks for the runner."""
-        backend = args.grammar_backend
-        if backend == "auto":
-            backend = "process" if self.runner.device.type == "cuda" else "thread"
-        if backend != "process":
+        if grammar_backend_for(args.grammar_backend, self.runner.device) != "process":
             return lambda compiled, spec: RequestGrammar(compiled)
         client = MatcherClient(args.tokenizer_path or args.model_path, self.parts.vocab_size,
                                self.parts.eos_token_ids, self.runner.device)

@@ -17,9 +17,11 @@ gate (CPU) `take` waits for the step's reply.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import multiprocessing
+import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -33,6 +35,18 @@ logger = logging.getLogger(__name__)
 REPLY_POLL_S = 0.05
 STEP_TIMEOUT_S = 120.0  # a step, or the start-up (imports, the first vocabulary index), must answer within this
 MIN_CAPACITY = 64
+
+
+def grammar_backend_for(requested: str, device: torch.device) -> str:
+    """"thread" or "process" for ServerArgs.grammar_backend. "auto": the process on a GPU when
+    xgrammar is installed (without it the thread backend names the missing package to the first
+    constrained request, and no process starts for nothing), else the thread."""
+    if requested == "process" and not hasattr(os, "memfd_create"):
+        raise ValueError("grammar_backend='process' needs Linux (its masks live in memfds); use 'thread'")
+    if requested != "auto":
+        return requested
+    gpu = device.type == "cuda" and hasattr(os, "memfd_create")
+    return "process" if gpu and importlib.util.find_spec("xgrammar") is not None else "thread"
 
 
 class ProcessGrammar:

@@ -115,3 +115,20 @@ def test_auto_is_the_thread_backend_on_the_cpu(engine_factory):
     eng = engine_factory()
     assert eng.local_core.server_args.grammar_backend == "auto"
     assert type(eng.local_core.runner.grammar_masks) is MaskPrefetch
+
+
+def test_auto_picks_the_process_only_on_a_gpu_with_xgrammar(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    from engine.grammar.matcher_client import grammar_backend_for
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert grammar_backend_for("auto", cuda) == "process"
+    assert grammar_backend_for("auto", cpu) == "thread"
+    assert grammar_backend_for("process", cpu) == "process"  # asked for: the CPU runs it too
+    assert grammar_backend_for("thread", cuda) == "thread"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "xgrammar" else find_spec(name))
+    assert grammar_backend_for("auto", cuda) == "thread"  # no process started for a package that is missing
