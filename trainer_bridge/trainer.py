@@ -76,9 +76,10 @@ class Trainer(ABC):
             totals["logprob_abs_diff_max"] = max(totals["logprob_abs_diff_max"], metrics["logprob_abs_diff_max"])
             for key in ("logprob_abs_diff_mean", "tis_weight_mean", "clip_fraction", "kl"):
                 totals[key] += metrics.get(key, 0.0) * micro.token_share
+        if not math.isfinite(totals["loss"]):  # before the step: the weights stay the last good ones
+            raise FloatingPointError(f"the RL loss is {totals['loss']} (the step was not applied): "
+                                     "lower the learning rate")
         totals["grad_norm"] = self.optimizer_step(lr)
-        if not math.isfinite(totals["loss"]):
-            raise FloatingPointError(f"the RL loss is {totals['loss']}: lower the learning rate")
         return totals
 
     def supervised_step(self, prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
@@ -131,6 +132,10 @@ class TorchTrainer(Trainer):
     def optimizer_step(self, lr: float) -> float:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm else float("inf"))
+        if not math.isfinite(float(norm)):  # a finite loss can still give inf/nan gradients
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"the gradient norm is {float(norm)} (the step was not applied): "
+                                     "lower the learning rate")
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
