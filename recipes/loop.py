@@ -61,6 +61,10 @@ def run(recipe: Recipe, output_dir: Path, quiet: bool = False) -> RunResult:
             return _run(recipe, output_dir, quiet, started)
         except KeyboardInterrupt:
             signum = stop.signum or signal.SIGINT
+        except Exception:  # the CLI prints the error itself, as the last line
+            if started:
+                _say_stopped(recipe, started[0])
+            raise
         _say_interrupted(signum, recipe, started[0] if started else None)
     raise RunInterrupted(signum)
 
@@ -95,10 +99,19 @@ def _say_interrupted(signum: int, recipe: Recipe, output_dir: Optional[Path]) ->
         print(f"tandem train: interrupted ({signal.Signals(signum).name}) before the run started; nothing was "
               f"written", file=sys.stderr, flush=True)
         return
-    done = len(metrics.read_text().splitlines())
+    print(f"tandem train: interrupted ({signal.Signals(signum).name}) after {_partial(recipe, output_dir)}",
+          file=sys.stderr, flush=True)
+
+
+def _say_stopped(recipe: Recipe, output_dir: Path) -> None:
+    if (output_dir / "metrics.jsonl").exists():
+        print(f"tandem train: stopped by an error after {_partial(recipe, output_dir)}", file=sys.stderr, flush=True)
+
+
+def _partial(recipe: Recipe, output_dir: Path) -> str:
+    done = len((output_dir / "metrics.jsonl").read_text().splitlines())
     saved = "metrics.jsonl" + (", reward_curve.png" if (output_dir / "reward_curve.png").exists() else "")
-    print(f"tandem train: interrupted ({signal.Signals(signum).name}) after {done} of {recipe.steps} steps; "
-          f"the partial run is in {output_dir} ({saved}; no checkpoint)", file=sys.stderr, flush=True)
+    return f"{done} of {recipe.steps} steps; the partial run is in {output_dir} ({saved}; no checkpoint)"
 
 
 def _run_phases(recipe: Recipe, source: ModelSource, plugins: Plugins, report: RunReport,

@@ -100,11 +100,13 @@ def test_bad_plugins_are_refused_before_the_run_folder(tmp_path, plugins, flags,
                                              "down ({m}.py, line 17)"),
     (["--rollout-fn", "{m}:rollout_dict"], "rollout_fn '{m}:rollout_dict' returned dict, not a Sample"),
 ])
-def test_plugins_failing_in_the_first_step(tmp_path, plugins, flags, message):
+def test_plugins_failing_in_the_first_step(tmp_path, plugins, flags, message, capsys):
     out = tmp_path / "run"
     text = _exit_message(["train", *FAST, "--output-dir", str(out), *[f.format(m=plugins) for f in flags]])
     assert text.startswith(f"tandem train: {message.format(m=plugins)}"), text
     assert (out / "metrics.jsonl").read_text() == ""  # the step never finished
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(  # the line above the error
+        f"tandem train: stopped by an error after 0 of 1 steps; the partial run is in {out} (metrics.jsonl")
 
 
 def test_output_dir_not_empty_file_or_unwritable(tmp_path, monkeypatch):
