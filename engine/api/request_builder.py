@@ -144,7 +144,8 @@ class RequestBuilder:
             raise ValueError(f"input_ids has token id {bad} outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.context_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len} "
-                             f"(shorten the prompt or raise --context-length)")
+                             f"(shorten the prompt, or raise context_length: `--context-length` for serve, "
+                             f"`--engine-args '{{\"context_length\": N}}'` for train)")
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """A request the engine could never finish is refused now rather than queued forever:
