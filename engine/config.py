@@ -11,6 +11,7 @@ from engine.attention.registry import backend_names, deterministic_backends, get
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 GRAMMAR_BACKENDS = ("auto", "thread", "process")
+SAMPLING_DEFAULTS = ("model", "openai")
 ATTENTION_BACKENDS = backend_names()  # engine/attention/registry.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
@@ -56,6 +57,9 @@ class ServerArgs:
     # "auto": the process on a GPU (0.88-0.93x of free decoding where the thread gave 0.79-0.92x,
     # H200 bs 64), the thread on the CPU (no overlap to win there)
     grammar_backend: str = "auto"
+    # the OpenAI routes' unset temperature / top_p / top_k / min_p / repetition_penalty: the
+    # checkpoint's generation_config.json ("model", SGLang's default) or OpenAI's (1.0, 1.0, ...)
+    sampling_defaults: str = "model"
     # outputs
     skip_tokenizer_init: bool = False
     logprob_distribution: str = "original"
@@ -76,6 +80,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("grammar_backend", self.grammar_backend, GRAMMAR_BACKENDS)
+        _check_choice("sampling_defaults", self.sampling_defaults, SAMPLING_DEFAULTS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)

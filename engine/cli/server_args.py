@@ -20,6 +20,7 @@ from engine.config import ServerArgs
 _CHOICES = {
     "schedule_policy": "SCHEDULE_POLICIES",
     "grammar_backend": "GRAMMAR_BACKENDS",
+    "sampling_defaults": "SAMPLING_DEFAULTS",
     "attention_backend": "ATTENTION_BACKENDS",
     "dtype": "DTYPES",
     "load_format": "LOAD_FORMATS",

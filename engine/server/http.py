@@ -37,7 +37,7 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     unknown = UnknownFields()
     _install_error_handlers(app)
     add_info_routes(app, engine, served)
-    add_generate_routes(app, engine, OpenAIServing(engine, served.name), unknown)
+    add_generate_routes(app, engine, OpenAIServing(engine, served.name, served.sampling_defaults), unknown)
     add_control_routes(app, engine, served, unknown)
     add_weights_checker_route(app, engine, unknown)
     add_maintenance_routes(app, engine, unknown)

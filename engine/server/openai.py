@@ -41,9 +41,10 @@ def _metadata(meta: dict) -> dict:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: Any, model_name: str, sampling_defaults: Optional[dict] = None):
         self.engine = engine
         self.model_name = model_name
+        self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a request leaves unset
         self.decode = token_decoder(engine.tokenizer)
 
     # ---- completions ---------------------------------------------------------------------------
@@ -52,7 +53,7 @@ class OpenAIServing:
         key = "input_ids" if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str) else "prompt"
         wants_logprobs = req.logprobs is not None
         return self.engine.async_generate(
-            **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
+            **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens, self.sampling_defaults),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
             top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream, loop=loop)
 
@@ -100,7 +101,7 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
-        params = openai_sampling_params(req, _chat_max_tokens(req))
+        params = openai_sampling_params(req, _chat_max_tokens(req), self.sampling_defaults)
         tools = req.template_tools()
         if tools:  # SGLang keeps special tokens when tools are offered: tool-call markers stay in the text
             params["skip_special_tokens"] = False

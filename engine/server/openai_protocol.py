@@ -119,7 +119,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generati
                                        "return_tensors", "tools", "continue_final_message"})
 
 
-def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int) -> dict:
+def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
+                           defaults: Optional[dict] = None) -> dict:
+    """Engine sampling params; `defaults` (the model's) stand in for the fields the request left unset."""
     params = {
         "max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "top_k": req.top_k, "min_p": req.min_p, "n": req.n, "stop": req.stop,
@@ -129,6 +131,7 @@ def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
     }
+    params.update({name: value for name, value in (defaults or {}).items() if name not in req.model_fields_set})
     params.update({name: getattr(req, name) for name in OPENAI_GRAMMAR_FIELDS if getattr(req, name)})
     if req.seed is not None:
         params["sampling_seed"] = req.seed

@@ -17,14 +17,17 @@ class ServedModel:
     context_len: int
     model_type: Optional[str] = None  # from the checkpoint's config.json, as SGLang's /model_info
     architectures: Optional[list[str]] = field(default=None)
+    sampling_defaults: dict = field(default_factory=dict)  # the OpenAI routes' unset sampling fields
 
     @classmethod
     def of(cls, engine: Any) -> "ServedModel":
         info = engine.info
         config = _hf_config(info.model_path)
+        from_model = getattr(getattr(engine, "server_args", None), "sampling_defaults", "model") == "model"
         return cls(name=info.model_path, model_path=info.model_path, tokenizer_path=info.tokenizer_path,
                    context_len=info.context_len, model_type=config.get("model_type"),
-                   architectures=config.get("architectures"))
+                   architectures=config.get("architectures"),
+                   sampling_defaults=model_sampling_defaults(info.model_path) if from_model else {})
 
     def card(self, created: int) -> dict:
         """One /v1/models entry."""
@@ -32,9 +35,20 @@ class ServedModel:
                 "parent": None, "max_model_len": self.context_len}
 
 
-def _hf_config(model_path: str) -> dict:
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # SGLang's, from the checkpoint
+
+
+def model_sampling_defaults(model_path: str) -> dict:
+    """The sampling fields the checkpoint's generation_config.json sets (Qwen3: temperature 0.6,
+    top_p 0.95, top_k 20), as SGLang's --sampling-defaults model applies them."""
+    config = _hf_config(model_path, "generation_config.json")
+    return {name: config[name] for name in SAMPLING_FIELDS
+            if isinstance(config.get(name), (int, float)) and not isinstance(config.get(name), bool)}
+
+
+def _hf_config(model_path: str, name: str = "config.json") -> dict:
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
+        with open(os.path.join(model_path, name)) as f:
             config = json.load(f)
     except (OSError, ValueError):
         return {}
