@@ -20,7 +20,7 @@ ADMIN_ROUTES = frozenset({
     "/update_weights_from_distributed", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weight_version", "/abort_request", "/flush_cache", "/release_memory_occupation",
     "/resume_memory_occupation", "/start_profile", "/stop_profile", "/begin_weight_update", "/end_weight_update",
-    "/weights_checker",
+    "/weights_checker", "/post_process_weights",
 })
 
 

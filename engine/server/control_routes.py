@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 
 from engine.server.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpdateGroupRequest,
                                     InitWeightsUpdateGroupRequest,
-                                    MemoryOccupationRequest, PauseGenerationRequest, UnknownFields,
+                                    MemoryOccupationRequest, PauseGenerationRequest, PostProcessWeightsRequest,
+                                    UnknownFields,
                                     UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                                     UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest,
                                     WeightsCheckerRequest)
@@ -101,6 +102,15 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
     @app.post("/end_weight_update")
     async def end_weight_update() -> JSONResponse:
         return _reply(*session.end())
+
+    @app.post("/post_process_weights")
+    async def post_process_weights(req: Optional[PostProcessWeightsRequest] = None) -> JSONResponse:
+        """slime's and Miles' patched SGLang calls this around a sync of quantized (FP8/FP4) weights.
+        tandem serves weights as loaded, with no quantized or repacked forms, so there is nothing to
+        restore or rebuild; the call succeeds and their syncs go on."""
+        if req is not None:
+            unknown.note("/post_process_weights", req)
+        return _reply(True, "nothing to post-process: weights are served as loaded (no quantized or packed forms)")
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest) -> dict:

@@ -92,6 +92,12 @@ class PauseGenerationRequest(_Lenient):
 WEIGHT_SELECTORS = ("target", "draft", "all")
 
 
+class PostProcessWeightsRequest(_NullsAsDefaults):
+    """slime's and Miles' SGLang patch: restore quantized weights before a load, re-pack after one."""
+    restore_weights_before_load: bool = False
+    post_process_quantization: bool = False
+
+
 class BeginWeightUpdateRequest(_Lenient):
     """SGLang 0.5.23's /begin_weight_update (Miles opens one around every sync)."""
     selector: str = "all"

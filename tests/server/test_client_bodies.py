@@ -168,3 +168,18 @@ def test_chat_template_kwargs_reach_the_template(engine_factory):
         reserved = c.post("/v1/chat/completions", json={"messages": messages,
                                                         "chat_template_kwargs": {"tokenize": True}})
         assert reserved.status_code == 400 and "tokenize" in reserved.json()["message"]
+
+
+def test_post_process_weights_around_a_sync(engine):
+    """slime's / Miles' patched SGLang route, called around a weight sync: a no-op success here (no
+    quantized forms), behind the admin key, with a malformed body still a 400."""
+    with TestClient(create_app(engine, admin_api_key="adm")) as c:
+        admin = {"Authorization": "Bearer adm"}
+        for body in ({"restore_weights_before_load": True, "post_process_quantization": False},
+                     {"post_process_quantization": True}, {}, None):
+            resp = c.post("/post_process_weights", json=body, headers=admin)
+            assert resp.status_code == 200 and resp.json()["success"] is True, (body, resp.text)
+        assert c.post("/post_process_weights", json={}).status_code == 401
+        bad = c.post("/post_process_weights", json={"restore_weights_before_load": "maybe"}, headers=admin)
+        assert bad.status_code == 400 and "restore_weights_before_load" in bad.text
+        assert _greedy(c) == _greedy(c)  # still serving
