@@ -58,6 +58,22 @@ class GenerateRequest(_NullsAsDefaults):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    # SGLang refuses these unless started for them (--enable-return-hidden-states,
+    # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
+    return_hidden_states: Union[bool, list[bool]] = False
+    custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None
+
+    @model_validator(mode="after")
+    def _no_unsupported_outputs(self) -> "GenerateRequest":
+        hidden = self.return_hidden_states
+        if any(hidden) if isinstance(hidden, list) else hidden:
+            raise ValueError("return_hidden_states is not supported: tandem does not return hidden states "
+                             "(SGLang needs --enable-return-hidden-states for it); leave it false")
+        processors = self.custom_logit_processor
+        if any(p is not None for p in processors) if isinstance(processors, list) else processors is not None:
+            raise ValueError("custom_logit_processor is not supported: tandem runs no client-supplied code "
+                             "(SGLang needs --enable-custom-logit-processor for it); use logit_bias, or leave it null")
+        return self
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": _nulls_dropped(self.sampling_params),

@@ -183,3 +183,16 @@ def test_post_process_weights_around_a_sync(engine):
         bad = c.post("/post_process_weights", json={"restore_weights_before_load": "maybe"}, headers=admin)
         assert bad.status_code == 400 and "restore_weights_before_load" in bad.text
         assert _greedy(c) == _greedy(c)  # still serving
+
+
+def test_hidden_states_and_custom_logit_processors_are_refused_not_ignored(client):
+    """SGLang 400s both unless started for them; tandem has neither, so a request for them is a 400
+    naming the field, and their false / null forms (what clients send by default) are fine."""
+    base = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+    for field, value in (("return_hidden_states", True), ("return_hidden_states", [False, True]),
+                         ("custom_logit_processor", "serialized"), ("custom_logit_processor", [None, "x"])):
+        body = {**base, "input_ids": [[5, 6, 7], [8, 9]]} if isinstance(value, list) else base
+        resp = client.post("/generate", json={**body, field: value})
+        assert resp.status_code == 400 and field in resp.json()["message"], (field, resp.text)
+    for field, value in (("return_hidden_states", False), ("custom_logit_processor", None)):
+        assert client.post("/generate", json={**base, field: value}).status_code == 200
