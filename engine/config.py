@@ -57,7 +57,7 @@ class ServerArgs:
     # "auto": the process on a GPU (0.88-0.93x of free decoding where the thread gave 0.79-0.92x,
     # H200 bs 64), the thread on the CPU (no overlap to win there)
     grammar_backend: str = "auto"
-    # the OpenAI routes' unset temperature / top_p / top_k / min_p / repetition_penalty: the
+    # chat completions' unset temperature / top_p / top_k / min_p / repetition_penalty: the
     # checkpoint's generation_config.json ("model", SGLang's default) or OpenAI's (1.0, 1.0, ...)
     sampling_defaults: str = "model"
     # outputs

@@ -104,14 +104,19 @@ def _say_interrupted(signum: int, recipe: Recipe, output_dir: Optional[Path]) ->
 
 
 def _say_stopped(recipe: Recipe, output_dir: Path) -> None:
-    if (output_dir / "metrics.jsonl").exists():
-        print(f"tandem train: stopped by an error after {_partial(recipe, output_dir)}", file=sys.stderr, flush=True)
+    try:  # never in place of the error that stopped the run
+        if (output_dir / "metrics.jsonl").exists():
+            print(f"tandem train: stopped by an error after {_partial(recipe, output_dir)}", file=sys.stderr,
+                  flush=True)
+    except OSError:
+        pass
 
 
 def _partial(recipe: Recipe, output_dir: Path) -> str:
     done = len((output_dir / "metrics.jsonl").read_text().splitlines())
     saved = "metrics.jsonl" + (", reward_curve.png" if (output_dir / "reward_curve.png").exists() else "")
-    return f"{done} of {recipe.steps} steps; the partial run is in {output_dir} ({saved}; no checkpoint)"
+    saved += ", checkpoint/" if (output_dir / "checkpoint").exists() else "; no checkpoint"
+    return f"{done} of {recipe.steps} steps; the partial run is in {output_dir} ({saved})"
 
 
 def _run_phases(recipe: Recipe, source: ModelSource, plugins: Plugins, report: RunReport,

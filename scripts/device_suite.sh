@@ -27,12 +27,12 @@ for s in "$@"; do case $s in
   memsaver) ( kit && step memsaver 240 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py tests/gpu/test_colocate_gpu.py ) ;;
   probe) ( kit && step probe 200 python3 scripts/memory_cycles_probe.py --cycles 30 --json "$OUT/mem-probe.json" ) ;;
   grammargpu) ( kit && step grammargpu 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_grammar_gpu.py ) ;;
-  grammarbench) ( kit && step grammarbench 240 python3 scripts/grammar_bench.py --batch 64 --runs 3 --json "$OUT/grammar-bench.json" ) ;;
+  grammarbench) ( kit && step grammarbench 240 python3 scripts/grammar_bench.py --batch 64 --runs 3 --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-bench.json" ) ;;
   gatetests) ( kit && step gatetests 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_stream_gate_gpu.py tests/gpu/test_grammar_gpu.py ) ;;
   grammargate) ( kit && step grammargate 400 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,nogate,prefetch2,nogate2} --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-gate.json" ) ;;
   grammarproc) ( kit && step grammarproc 300 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,prefetch2} --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-proc.json" ) ;;
   hostprobe) ( kit && step hostprobe 150 python3 scripts/grammar_host_probe.py ) ;;
-  grammarab) ( kit && step grammarab 420 python3 scripts/grammar_bench.py --batch 64 --runs 5 --variants prefetch,noprefetch,prefetch2 --json "$OUT/grammar-ab.json" ) ;;
+  grammarab) ( kit && step grammarab 420 python3 scripts/grammar_bench.py --batch 64 --runs 5 --variants prefetch,noprefetch,prefetch2 --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-ab.json" ) ;;
   train06*|train4b*)  # train06 | train06det | train4b | train4bdet (| train06keepdet: graphs kept): the qwen3_gpu recipe, 5 steps, peak device memory sampled
     ( kit; model=qwen3-0.6b; [[ $s == train4b* ]] && model=qwen3-4b; det=false; [[ $s == *det ]] && det=true
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/smi-$s.csv" & smi=$!

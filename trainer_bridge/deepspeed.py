@@ -16,6 +16,7 @@ inside, so the rest of tandem never needs it.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from typing import Iterable, Iterator, Optional
@@ -85,7 +86,12 @@ class DeepSpeedTrainer(Trainer):
             group["lr"] = lr
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        if norm is None:  # not computed by this configuration
+            return float("nan")
+        if not math.isfinite(float(norm)):  # bf16 steps even on inf/nan gradients: stop before they are pushed
+            raise FloatingPointError(f"the gradient norm is {float(norm)} (the step was applied; the run stops "
+                                     "before these weights reach the engines): lower the learning rate")
+        return float(norm)
 
     def reset_optimizer(self) -> None:
         raise ValueError("the DeepSpeed trainer has no warm start: GPU recipes start from a checkpoint "

@@ -77,6 +77,8 @@ class Trainer(ABC):
             for key in ("logprob_abs_diff_mean", "tis_weight_mean", "clip_fraction", "kl"):
                 totals[key] += metrics.get(key, 0.0) * micro.token_share
         if not math.isfinite(totals["loss"]):  # before the step: the weights stay the last good ones
+            for param in self.policy.parameters():
+                param.grad = None  # nothing of this batch is left to add to the next
             raise FloatingPointError(f"the RL loss is {totals['loss']} (the step was not applied): "
                                      "lower the learning rate")
         totals["grad_norm"] = self.optimizer_step(lr)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
-import multiprocessing
 import os
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -255,14 +254,10 @@ class MatcherClient:
     def _ensure_started(self) -> None:
         if self._process is not None:
             return
-        from engine.grammar.matcher_server import serve
+        from engine.grammar.server_process import ServerProcess
 
-        context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=serve, args=(child, *self._setup), daemon=True,
-                                        name="tandem-grammar")
-        self._process.start()
-        child.close()
+        self._process = ServerProcess(*self._setup)  # a fresh interpreter: never a fork of one holding CUDA
+        self._conn = self._process.conn
         if self._segment is None:
             self._use(SharedSegment.create(MIN_CAPACITY, self._setup[1]))
         self._attach()
@@ -297,7 +292,7 @@ class MatcherClient:
             self._send_fd(self._segment.fd)
 
     def _send_fd(self, fd: int) -> bool:
-        """The segment's descriptor, right behind its "buffers" message (SCM_RIGHTS on the pipe's socket)."""
+        """The segment's descriptor, right behind its "buffers" message (SCM_RIGHTS on the socket)."""
         from multiprocessing.reduction import send_handle
 
         try:

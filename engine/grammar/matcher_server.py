@@ -7,7 +7,7 @@ thread ~0.2 ms more. Here both run in a process of their own. The core sends one
 packed bitmask into shared memory and then the step's sequence number into the shared gate word
 the device waits on (engine/grammar/stream_gate.py), so the core never waits for either.
 
-Messages (tuples, from the core only, over a multiprocessing pipe):
+Messages (tuples, from the core only, over a socket; engine/grammar/server_process.py starts it):
   ("new", key, kind, spec)                  a matcher for a request whose grammar the core compiled
   ("free", keys)                            requests that finished
   ("step", seq, keys, tokens, fill)         advance keys' matchers on tokens; fill = None or
@@ -28,6 +28,9 @@ new schema holds this process's next step up for one compile (tens of ms) at mos
 
 from __future__ import annotations
 
+import json
+import sys
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any, Optional
 
@@ -94,6 +97,7 @@ class MatcherServer:
 
     def _on_step(self, seq: int, keys: list[int], tokens: list[int], fill: Optional[tuple]) -> None:
         refused: list[int] = []
+        filled = fill is None
         try:
             live = [(key, token) for key, token in zip(keys, tokens) if key in self.grammars]
             if live:
@@ -101,8 +105,11 @@ class MatcherServer:
                 refused = [key for (key, _), ok in zip(live, accepted) if not ok]
             if fill is not None:
                 self._fill(*fill)
+                filled = True
         finally:
             if self._segment is not None:
+                if not filled:  # never a stale mask on the device: the rows allow everything
+                    self._segment.buffer(fill[0])[:fill[1]].fill_(-1)
                 self._segment.open_gate(seq)  # even after an error: the device must never wait forever
             self.conn.send(("done", seq, refused))
 
@@ -115,6 +122,9 @@ class MatcherServer:
 
 
 def serve(conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
-    """The process's entry point (multiprocessing, spawn)."""
     torch.set_num_threads(1)  # only xgrammar's own threads work here
     MatcherServer(conn, tokenizer_path, vocab_size, stop_token_ids).run()
+
+
+if __name__ == "__main__":  # started by engine/grammar/server_process.py: FD SETUP_JSON
+    serve(Connection(int(sys.argv[1])), *json.loads(sys.argv[2]))

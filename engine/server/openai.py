@@ -44,7 +44,7 @@ class OpenAIServing:
     def __init__(self, engine: Any, model_name: str, sampling_defaults: Optional[dict] = None):
         self.engine = engine
         self.model_name = model_name
-        self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a request leaves unset
+        self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a chat request leaves unset
         self.decode = token_decoder(engine.tokenizer)
 
     # ---- completions ---------------------------------------------------------------------------
@@ -53,7 +53,7 @@ class OpenAIServing:
         key = "input_ids" if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str) else "prompt"
         wants_logprobs = req.logprobs is not None
         return self.engine.async_generate(
-            **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens, self.sampling_defaults),
+            **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
             top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream, loop=loop)
 

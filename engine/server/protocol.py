@@ -70,7 +70,7 @@ class GenerateRequest(_NullsAsDefaults):
             raise ValueError("return_hidden_states is not supported: tandem does not return hidden states "
                              "(SGLang needs --enable-return-hidden-states for it); leave it false")
         processors = self.custom_logit_processor
-        if any(p is not None for p in processors) if isinstance(processors, list) else processors is not None:
+        if any(processors) if isinstance(processors, list) else processors:  # SGLang's truthiness: "" passes
             raise ValueError("custom_logit_processor is not supported: tandem runs no client-supplied code "
                              "(SGLang needs --enable-custom-logit-processor for it); use logit_bias, or leave it null")
         return self

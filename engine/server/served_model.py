@@ -17,7 +17,7 @@ class ServedModel:
     context_len: int
     model_type: Optional[str] = None  # from the checkpoint's config.json, as SGLang's /model_info
     architectures: Optional[list[str]] = field(default=None)
-    sampling_defaults: dict = field(default_factory=dict)  # the OpenAI routes' unset sampling fields
+    sampling_defaults: dict = field(default_factory=dict)  # chat completions' unset sampling fields
 
     @classmethod
     def of(cls, engine: Any) -> "ServedModel":

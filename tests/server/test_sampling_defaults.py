@@ -1,5 +1,6 @@
-"""SGLang's --sampling-defaults: the OpenAI routes take the sampling fields a request leaves unset
-from the checkpoint's generation_config.json ("model", the default) or from OpenAI ("openai").
+"""SGLang's --sampling-defaults: chat completions take the sampling fields a request leaves unset
+from the checkpoint's generation_config.json ("model", the default) or from OpenAI ("openai");
+/v1/completions keeps its fixed defaults, as in SGLang.
 
 Oracle: the same request with those values written out (same seed: the same tokens)."""
 
@@ -38,8 +39,12 @@ def test_the_checkpoint_fields_fill_only_what_the_request_left_unset(qwen3_defau
     assert (given["temperature"], given["top_p"], given["top_k"]) == (1.0, 0.95, -1)
 
 
-@pytest.mark.parametrize("mode,expected", [("model", QWEN3), ("openai", {"temperature": 1.0, "top_p": 1.0, "top_k": -1})])
-def test_chat_and_completions_use_them(qwen3_defaults_dir, mode, expected):
+OPENAI = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+@pytest.mark.parametrize("mode", ["model", "openai"])
+def test_chat_uses_them_and_completions_keep_openais(qwen3_defaults_dir, mode):
+    """SGLang applies the model's defaults to chat only; /v1/completions keeps its fixed 1.0s."""
     from fastapi.testclient import TestClient
 
     from engine import Engine
@@ -48,13 +53,12 @@ def test_chat_and_completions_use_them(qwen3_defaults_dir, mode, expected):
     eng = Engine(model_path=qwen3_defaults_dir, dtype="float32", device="cpu", sampling_defaults=mode)
     try:
         with TestClient(create_app(eng)) as client:
-            for route, body in (("/v1/chat/completions", CHAT),
-                                ("/v1/completions", {"prompt": "Once", "max_tokens": 12, "seed": 3})):
-                unset = client.post(route, json=body).json()
-                spelled = client.post(route, json={**body, **expected}).json()
-                key = "message" if "messages" in body else "text"
-                text = [c[key] if key == "text" else c[key]["content"] for c in (unset["choices"][0], spelled["choices"][0])]
-                assert unset["usage"]["completion_tokens"] > 0
-                assert text[0] == text[1], (route, mode, text)
+            chat = [client.post("/v1/chat/completions", json={**CHAT, **extra}).json()["choices"][0]["message"]["content"]
+                    for extra in ({}, QWEN3 if mode == "model" else OPENAI)]
+            assert chat[0] == chat[1], (mode, chat)
+            body = {"prompt": "Once", "max_tokens": 12, "seed": 3}
+            completion = [client.post("/v1/completions", json={**body, **extra}).json()["choices"][0]["text"]
+                          for extra in ({}, OPENAI)]
+            assert completion[0] == completion[1], completion
     finally:
         eng.shutdown()

@@ -1,0 +1,50 @@
+"""ServerProcess: the grammar process (engine/grammar/matcher_server.py) as a child of this one.
+
+It runs `python -m engine.grammar.matcher_server FD SETUP`, talking over one end of a socketpair
+(a multiprocessing Connection: pickled messages, and the masks' memfd descriptors beside them).
+Not multiprocessing's spawn: that re-imports the user's __main__ in the child, so a script that
+builds an Engine without an `if __name__ == "__main__":` guard would build a second one there, on
+the GPU. The child ends when its socket closes (the engine shut down, or its process died).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Optional, Sequence
+
+
+class ServerProcess:
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        ours, theirs = socket.socketpair()
+        setup = json.dumps([tokenizer_path, vocab_size, list(stop_token_ids)])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the modules this process sees
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "engine.grammar.matcher_server", str(theirs.fileno()), setup],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.pid = self._popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self._popen.poll()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
