@@ -136,3 +136,27 @@ def test_auto_picks_the_process_only_on_a_gpu_with_xgrammar(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "xgrammar" else find_spec(name))
     assert grammar_backend_for("auto", cuda) == "thread"  # no process started for a package that is missing
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path, tiny_model_dir):
+    """The grammar process is a fresh `python -m` child, not multiprocessing's spawn (which re-runs
+    the user's __main__ in it: a script with no guard would build a second engine there)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        "print('top-level ran', flush=True)\n"
+        "from engine import Engine\n"
+        f"eng = Engine(model_path={tiny_model_dir!r}, device='cpu', dtype='float32', grammar_backend='process')\n"
+        f"out = eng.generate('hi', {{'max_new_tokens': 8, 'regex': {CODE!r}, 'temperature': 1.0}})\n"
+        "print('OUT', out['text'], flush=True)\n"
+        "eng.shutdown()\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top-level ran") == 1, done.stdout
+    (text,) = [line[len("OUT "):] for line in done.stdout.splitlines() if line.startswith("OUT ")]
+    assert re.fullmatch(CODE, text), text
