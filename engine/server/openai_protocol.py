@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.server.chat_messages import ChatMessage, ChatTool, template_tools
-from engine.server.protocol import _Lenient, _NullsAsDefaults
+from engine.server.protocol import _Lenient, _NullsAsDefaults, refuse_unsupported
 
 
 class StreamOptions(_Lenient):
@@ -68,6 +68,13 @@ class _OpenAISampling(_NullsAsDefaults):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     rid: Optional[Union[str, list[str]]] = None  # SGLang's: the id /abort_request takes (one per prompt)
+    return_hidden_states: bool = False  # refused when true, as SGLang started without them
+    custom_logit_processor: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _no_unsupported_outputs(self) -> "_OpenAISampling":
+        refuse_unsupported(self.return_hidden_states, self.custom_logit_processor)
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -65,14 +65,7 @@ class GenerateRequest(_NullsAsDefaults):
 
     @model_validator(mode="after")
     def _no_unsupported_outputs(self) -> "GenerateRequest":
-        hidden = self.return_hidden_states
-        if any(hidden) if isinstance(hidden, list) else hidden:
-            raise ValueError("return_hidden_states is not supported: tandem does not return hidden states "
-                             "(SGLang needs --enable-return-hidden-states for it); leave it false")
-        processors = self.custom_logit_processor
-        if any(processors) if isinstance(processors, list) else processors:  # SGLang's truthiness: "" passes
-            raise ValueError("custom_logit_processor is not supported: tandem runs no client-supplied code "
-                             "(SGLang needs --enable-custom-logit-processor for it); use logit_bias, or leave it null")
+        refuse_unsupported(self.return_hidden_states, self.custom_logit_processor)
         return self
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -81,6 +74,17 @@ class GenerateRequest(_NullsAsDefaults):
                 "logprob_start_len": -1 if self.logprob_start_len is None else self.logprob_start_len,
                 "top_logprobs_num": self.top_logprobs_num or 0, "token_ids_logprob": self.token_ids_logprob,
                 "logprob_distribution": self.logprob_distribution, "rid": self.rid}
+
+
+def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:
+    """SGLang's checks for servers started without --enable-return-hidden-states and
+    --enable-custom-logit-processor (each field: one value or one per prompt; truthy = asked for)."""
+    if any(hidden_states) if isinstance(hidden_states, list) else hidden_states:
+        raise ValueError("return_hidden_states is not supported: tandem does not return hidden states "
+                         "(SGLang needs --enable-return-hidden-states for it); leave it false")
+    if any(logit_processor) if isinstance(logit_processor, list) else logit_processor:  # SGLang's: "" passes
+        raise ValueError("custom_logit_processor is not supported: tandem runs no client-supplied code "
+                         "(SGLang needs --enable-custom-logit-processor for it); use logit_bias, or leave it null")
 
 
 def _nulls_dropped(params: Any) -> Any:

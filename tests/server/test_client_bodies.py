@@ -196,3 +196,9 @@ def test_hidden_states_and_custom_logit_processors_are_refused_not_ignored(clien
         assert resp.status_code == 400 and field in resp.json()["message"], (field, resp.text)
     for field, value in (("return_hidden_states", False), ("custom_logit_processor", None)):
         assert client.post("/generate", json={**base, field: value}).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for route, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):
+        for field, value in (("return_hidden_states", True), ("custom_logit_processor", "serialized")):
+            resp = client.post(route, json={**body, field: value})
+            assert resp.status_code == 400 and field in resp.text, (route, field, resp.text)
+        assert client.post(route, json={**body, "return_hidden_states": False}).status_code == 200
