@@ -115,7 +115,9 @@ def _say_stopped(recipe: Recipe, output_dir: Path) -> None:
 def _partial(recipe: Recipe, output_dir: Path) -> str:
     done = len((output_dir / "metrics.jsonl").read_text().splitlines())
     saved = "metrics.jsonl" + (", reward_curve.png" if (output_dir / "reward_curve.png").exists() else "")
-    saved += ", checkpoint/" if (output_dir / "checkpoint").exists() else "; no checkpoint"
+    checkpoint = output_dir / "checkpoint"
+    whole = (checkpoint / "model.safetensors").exists() and (checkpoint / "config.json").exists()  # written last
+    saved += ", checkpoint/" if whole else "; no checkpoint"
     return f"{done} of {recipe.steps} steps; the partial run is in {output_dir} ({saved})"
 
 

@@ -85,10 +85,14 @@ class DeepSpeedTrainer(Trainer):
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         self.engine.step()
+        applied = getattr(self.engine, "was_step_applied", lambda: True)()
+        if not applied:  # DeepSpeed >= 0.17 skips a step with inf/nan gradients (bf16 check_grad_overflow)
+            raise FloatingPointError("the optimizer skipped this step: the gradients were not finite (the weights "
+                                     "are unchanged): lower the learning rate")
         norm = self.engine.get_global_grad_norm()
         if norm is None:  # not computed by this configuration
             return float("nan")
-        if not math.isfinite(float(norm)):  # bf16 steps even on inf/nan gradients: stop before they are pushed
+        if not math.isfinite(float(norm)):  # an older DeepSpeed steps anyway: stop before these weights are pushed
             raise FloatingPointError(f"the gradient norm is {float(norm)} (the step was applied; the run stops "
                                      "before these weights reach the engines): lower the learning rate")
         return float(norm)

@@ -81,6 +81,7 @@ class MatcherClient:
         self._refused: dict[int, str] = {}
         self._accepts: list[tuple[int, int]] = []  # (key, token) not sent yet
         self._job: Optional[tuple[Any, int, torch.Tensor]] = None  # (batch, seq, bitmask) posted by start
+        self._unanswered: list[tuple[int, torch.Tensor]] = []  # (seq, bitmask) of fills posted, not answered
         self._conn = self._process = None
         self._segment: Optional[SharedSegment] = None
 
@@ -185,7 +186,10 @@ class MatcherClient:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         if not self._send(("step", self._seq, [k for k, _ in accepts], [t for _, t in accepts], fill)):
             return None
-        return None if bitmask is None else (self._seq, bitmask)
+        if bitmask is None:
+            return None
+        self._unanswered.append((self._seq, bitmask))
+        return self._seq, bitmask
 
     def _ready(self, seq: int, bitmask: torch.Tensor) -> torch.Tensor:
         """The bitmask once the device (gate) or this thread (no gate) has waited for its fill."""
@@ -229,6 +233,8 @@ class MatcherClient:
                 return
             if reply[0] == "done":
                 self._done = reply[1]
+                while self._unanswered and (self._done - self._unanswered[0][0]) & 0xFFFFFFFF < 1 << 31:
+                    self._unanswered.pop(0)  # that fill is written (cyclic seq <= done)
                 for key in reply[2]:
                     self._refused[key] = "the grammar refused the token sampled before this one"
             elif reply[0] == "refused":
@@ -244,6 +250,9 @@ class MatcherClient:
         if process is not None and process.is_alive():
             process.kill()
             process.join(1)
+        for _, bitmask in self._unanswered:  # the device copies these once the gate opens: never stale rows
+            bitmask.fill_(-1)
+        self._unanswered = []
         if self._segment is not None:
             self._segment.open_gate(self._seq)
         self._process = self._conn = None

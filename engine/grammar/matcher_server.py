@@ -106,11 +106,17 @@ class MatcherServer:
             if fill is not None:
                 self._fill(*fill)
                 filled = True
+        except Exception as exc:  # their rows go unconstrained now: their requests must abort
+            for key in sorted(set(keys) | set(fill[3] if fill is not None else ())):
+                self.conn.send(("refused", key, f"the grammar process failed on a step: {type(exc).__name__}: {exc}"))
+            raise
         finally:
             if self._segment is not None:
-                if not filled:  # never a stale mask on the device: the rows allow everything
-                    self._segment.buffer(fill[0])[:fill[1]].fill_(-1)
-                self._segment.open_gate(seq)  # even after an error: the device must never wait forever
+                try:
+                    if not filled:  # never a stale mask on the device: the rows allow everything
+                        self._segment.buffer(fill[0])[:fill[1]].fill_(-1)
+                finally:
+                    self._segment.open_gate(seq)  # even after an error: the device must never wait forever
             self.conn.send(("done", seq, refused))
 
     def _fill(self, slot: int, n_rows: int, rows: list[int], row_keys: list[int]) -> None:

@@ -21,11 +21,13 @@ from typing import Optional, Sequence
 class ServerProcess:
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         ours, theirs = socket.socketpair()
-        setup = json.dumps([tokenizer_path, vocab_size, list(stop_token_ids)])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the modules this process sees
+        setup = json.dumps([os.fspath(tokenizer_path), int(vocab_size), [int(t) for t in stop_token_ids]])
+        paths = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the modules this process sees, and only those:
+        safe = ["-P"] if sys.version_info >= (3, 11) else []  # -P: no working directory put first on the path
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "engine.grammar.matcher_server", str(theirs.fileno()), setup],
+                [sys.executable, *safe, "-m", "engine.grammar.matcher_server", str(theirs.fileno()), setup],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()

@@ -160,3 +160,49 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path, tiny_model_dir):
     assert done.stdout.count("top-level ran") == 1, done.stdout
     (text,) = [line[len("OUT "):] for line in done.stdout.splitlines() if line.startswith("OUT ")]
     assert re.fullmatch(CODE, text), text
+
+
+def test_a_process_lost_with_a_fill_in_flight_leaves_an_all_allowing_mask(engines, monkeypatch):
+    """The gated path (CUDA) hands the device the buffer before the fill; if the process is then lost,
+    the core writes -1 into it before opening the gate, so no row is sampled under a stale mask."""
+    import signal
+
+    import engine.grammar.matcher_client as matcher_client
+
+    class OpenGate:  # the device would wait on the word; here nothing waits
+        def wait(self, seq: int) -> bool:
+            return True
+
+    _, process = engines
+    client = process.local_core.runner.grammar_masks
+    process.generate(PROMPTS[0], sampled(1, 8, regex=CODE)[0])  # the process is up, its ring written
+    grammar = client.new("regex", CODE, [])
+    monkeypatch.setattr(matcher_client, "STEP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(client, "gate", OpenGate())
+    for _ in range(4):  # every ring slot holds a stale, all-forbidding mask
+        client.ring.take(2).fill_(0)
+    os.kill(client._process.pid, signal.SIGSTOP)  # alive, silent
+    batch = object()
+    client.start(batch, [grammar, None])
+    mask = client.take(batch)
+    client.drop()  # times out: lost
+    assert client._process is None and (mask == -1).all()
+    monkeypatch.undo()
+    out = process.generate(PROMPTS[1], sampled(1, 8, regex=CODE)[0])  # a new process serves on
+    assert re.fullmatch(CODE, out["text"]), out
+
+
+def test_paths_as_path_objects(tiny_model_dir, monkeypatch):
+    """A pathlib.Path model path, and one on sys.path, reach the grammar process as strings."""
+    import sys
+    from pathlib import Path
+
+    from engine import Engine
+
+    monkeypatch.setattr(sys, "path", [*sys.path, Path(tiny_model_dir)])
+    eng = Engine(model_path=Path(tiny_model_dir), device="cpu", dtype="float32", grammar_backend="process")
+    try:
+        out = eng.generate(PROMPTS[0], sampled(1, 8, regex=CODE)[0])
+        assert re.fullmatch(CODE, out["text"]), out
+    finally:
+        eng.shutdown()
