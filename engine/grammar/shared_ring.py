@@ -32,6 +32,7 @@ def segment_bytes(capacity: int, vocab_size: int) -> int:
 
 
 class SharedSegment:
+    @torch.inference_mode(False)  # normal tensors: written inside the runner's inference mode and outside it
     def __init__(self, fd: int, capacity: int, vocab_size: int, owner: bool, label: str) -> None:
         """Map `fd` (a memfd of segment_bytes); the owner keeps the descriptor (to send it), an
         attached process closes it once mapped."""
