@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from multiprocessing import spawn
 from multiprocessing.connection import Connection
 from typing import Optional, Sequence
 
@@ -25,9 +26,10 @@ class ServerProcess:
         paths = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the modules this process sees, and only those:
         safe = ["-P"] if sys.version_info >= (3, 11) else []  # -P: no working directory put first on the path
+        python = os.fsdecode(spawn.get_executable())  # sys.executable, or what multiprocessing.set_executable chose
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, *safe, "-m", "engine.grammar.matcher_server", str(theirs.fileno()), setup],
+                [python, *safe, "-m", "engine.grammar.matcher_server", str(theirs.fileno()), setup],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
