@@ -54,8 +54,8 @@ class ServerArgs:
     core_process: Optional[bool] = None
     # structured output: xgrammar's matchers on a thread of the core ("thread") or in a process of
     # their own ("process": no GIL shared with the core loop; engine/grammar/matcher_server.py);
-    # "auto": the process on a GPU (0.88-0.93x of free decoding where the thread gave 0.79-0.92x,
-    # H200 bs 64), the thread on the CPU (no overlap to win there)
+    # "auto": the process on a GPU (0.875-0.93x of free decoding where the thread gave 0.65-0.92x,
+    # H200 bs 64, docs/benchmarks.md), the thread on the CPU (no overlap to win there)
     grammar_backend: str = "auto"
     # chat completions' unset temperature / top_p / top_k / min_p / repetition_penalty: the
     # checkpoint's generation_config.json ("model", SGLang's default) or OpenAI's (1.0, 1.0, ...)

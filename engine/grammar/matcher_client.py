@@ -195,8 +195,7 @@ class MatcherClient:
         """The bitmask once the device (gate) or this thread (no gate) has waited for its fill."""
         if self.gate is not None and self.gate.wait(seq):
             return bitmask
-        if not self._wait_for(lambda: self._done == seq, "a step"):
-            bitmask.fill_(-1)  # lost: the rows allow everything; their grammars refuse the token
+        self._wait_for(lambda: self._done == seq, "a step")  # lost: _lost made the rows allow everything
         return bitmask
 
     def _wait_for(self, condition: Callable[[], bool], what: str) -> bool:

@@ -14,7 +14,7 @@ Messages (tuples, from the core only, over a socket; engine/grammar/server_proce
                                             (slot, n_rows, rows, row_keys): fill those rows of that
                                             buffer (the others allow everything), then open seq
   ("buffers", label, capacity)              map this shared segment (the first, or a larger one): its
-                                            memfd descriptor follows on the pipe (SCM_RIGHTS)
+                                            memfd descriptor follows on the socket (SCM_RIGHTS)
   ("warm",)                                 index the vocabulary now, before the first grammar
   ("stop",)
 Replies: ("done", seq, refused_keys) per step, ("refused", key,
@@ -97,7 +97,6 @@ class MatcherServer:
 
     def _on_step(self, seq: int, keys: list[int], tokens: list[int], fill: Optional[tuple]) -> None:
         refused: list[int] = []
-        filled = fill is None
         try:
             live = [(key, token) for key, token in zip(keys, tokens) if key in self.grammars]
             if live:
@@ -105,18 +104,15 @@ class MatcherServer:
                 refused = [key for (key, _), ok in zip(live, accepted) if not ok]
             if fill is not None:
                 self._fill(*fill)
-                filled = True
         except Exception as exc:  # their rows go unconstrained now: their requests must abort
+            if fill is not None and self._segment is not None:  # never a stale mask on the device
+                self._segment.buffer(fill[0])[:fill[1]].fill_(-1)
             for key in sorted(set(keys) | set(fill[3] if fill is not None else ())):
                 self.conn.send(("refused", key, f"the grammar process failed on a step: {type(exc).__name__}: {exc}"))
             raise
         finally:
             if self._segment is not None:
-                try:
-                    if not filled:  # never a stale mask on the device: the rows allow everything
-                        self._segment.buffer(fill[0])[:fill[1]].fill_(-1)
-                finally:
-                    self._segment.open_gate(seq)  # even after an error: the device must never wait forever
+                self._segment.open_gate(seq)  # even after an error: the device must never wait forever
             self.conn.send(("done", seq, refused))
 
     def _fill(self, slot: int, n_rows: int, rows: list[int], row_keys: list[int]) -> None:

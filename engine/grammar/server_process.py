@@ -24,7 +24,7 @@ class ServerProcess:
         ours, theirs = socket.socketpair()
         setup = json.dumps([os.fspath(tokenizer_path), int(vocab_size), [int(t) for t in stop_token_ids]])
         paths = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the modules this process sees, and only those:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the modules this process sees
         safe = ["-P"] if sys.version_info >= (3, 11) else []  # -P: no working directory put first on the path
         python = os.fsdecode(spawn.get_executable())  # sys.executable, or what multiprocessing.set_executable chose
         try:

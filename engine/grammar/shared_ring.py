@@ -36,7 +36,7 @@ class SharedSegment:
     def __init__(self, fd: int, capacity: int, vocab_size: int, owner: bool, label: str) -> None:
         """Map `fd` (a memfd of segment_bytes); the owner keeps the descriptor (to send it), an
         attached process closes it once mapped."""
-        self.capacity, self.owner, self.label = capacity, owner, label
+        self.capacity, self.label = capacity, label
         self.size = segment_bytes(capacity, vocab_size)
         self.words = (vocab_size + 31) // 32
         self._mmap = mmap.mmap(fd, self.size)
