@@ -28,7 +28,7 @@ class ServerArgs:
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     load_format: str = "auto"
     random_seed: int = 0
-    tp_size: int = 1  # tensor parallelism: ranks 1..N-1 in their own processes (engine/distributed/)
+    tp_size: int = 1  # tensor parallelism: ranks 1..N-1 in their own processes (engine/runner/tp_*.py)
     context_length: Optional[int] = None
     # memory
     mem_fraction_static: Optional[float] = None

@@ -29,7 +29,7 @@ class MultiTurnSample(Sample):
 
 @dataclass(frozen=True)
 class TurnContext:
-    engine: Any  # a rollout.client.EngineClient
+    engine: Any  # a engine_client.client.EngineClient
     tokenizer: Any
     prompt_ids: list[int]
     problem: Any  # the task's Problem (prompt, answer)

@@ -6,7 +6,7 @@ rollout/router.py, prefix locality with bounded loads (prompts sharing their fir
 tokens meet on one engine while its load stays within (1 + balance_slack) x the mean; beyond that,
 and for unseen prefixes, the least-loaded engine). Over-sampling: with `keep_groups`, the first keep_groups
 prompts whose samples all finish are kept and the rest aborted, so a long tail does not hold up
-the step (dynamic sampling as slime and DAPO do it). Engines are rollout.client EngineClients
+the step (dynamic sampling as slime and DAPO do it). Engines are engine_client.client EngineClients
 (in-process, HTTP or Ray engine actors, mixed as you like); an Engine is wrapped in an
 InProcessClient.
 """
@@ -18,7 +18,7 @@ import itertools
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-from rollout.client import EngineClient, as_client
+from engine_client.client import EngineClient, as_client
 from rollout.router import PrefixRouter
 from rollout.types import Sample
 

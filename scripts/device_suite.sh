@@ -15,7 +15,7 @@ step() {  # name, seconds, command...
   { echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; cat "/tmp/$name.log"; } >> "$OUT/suite.log"
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
 }
-B="python3 -m engine.cli.main bench --skip-tokenizer-init"
+B="python3 -m tandem.main bench --skip-tokenizer-init"
 kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
   source .devkit/install.sh || return 1
   if [ -d .devkit/extra ] && [ ! -f /tmp/devkit-site/.extra ]; then  # aiohttp: the bench's load generator
@@ -38,22 +38,22 @@ for s in "$@"; do case $s in
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/smi-$s.csv" & smi=$!
       lim=170; extra=(); [[ $s == train4b* ]] && lim=260 && extra=(--engine-args '{"mem_fraction_static": 0.25, "enable_memory_saver": true}')
       [[ $s == *keep* ]] && extra+=(--keep-cuda-graphs true)
-      step "$s" $lim python3 -m engine.cli.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
+      step "$s" $lim python3 -m tandem.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
   cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;
   restgpu) ( kit && step restgpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
   newgpu) ( kit && step newgpu 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py tests/gpu/test_memory_saver_gpu.py tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
   traingpu) ( kit && step traingpu 220 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_gpu.py ) ;;
-  sync8) ( kit && step sync8 120 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" \
-           && step sync8long 150 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 200 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc-200.json" \
-           && step sync8inproc 90 python3 -m engine.cli.main bench-sync --preset qwen3-8b --transport inprocess --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-inproc.json" ) ;;
+  sync8) ( kit && step sync8 120 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" \
+           && step sync8long 150 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 200 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc-200.json" \
+           && step sync8inproc 90 python3 -m tandem.main bench-sync --preset qwen3-8b --transport inprocess --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-inproc.json" ) ;;
   http06*)  # http06 | http06proc: tandem serve (thread core | --core-process) driven by bench --url at 256 and 64 concurrent
     ( kit; flag=""; tag=thread; [[ $s == *proc ]] && flag="--core-process" && tag=proc
-      python3 -m engine.cli.main tiny-model --out /tmp/q06 --preset qwen3-0.6b > /dev/null
-      python3 -m engine.cli.main serve --model-path /tmp/q06 --load-format dummy --skip-tokenizer-init --port 30001 $flag > "/tmp/serve-$tag.log" 2>&1 &
+      python3 -m tandem.main tiny-model --out /tmp/q06 --preset qwen3-0.6b > /dev/null
+      python3 -m tandem.main serve --model-path /tmp/q06 --load-format dummy --skip-tokenizer-init --port 30001 $flag > "/tmp/serve-$tag.log" 2>&1 &
       pid=$!; for i in $(seq 90); do curl -sf localhost:30001/health > /dev/null && break; sleep 1; done
-      for n in 256 64; do step "http06-$tag-$n" 120 python3 -m engine.cli.main bench --url http://127.0.0.1:30001 --num-prompts $n --input-len 512 --output-len 256 --stream-mode final --runs 3 --json "$OUT/http06-$tag-$n.json"; done
+      for n in 256 64; do step "http06-$tag-$n" 120 python3 -m tandem.main bench --url http://127.0.0.1:30001 --num-prompts $n --input-len 512 --output-len 256 --stream-mode final --runs 3 --json "$OUT/http06-$tag-$n.json"; done
       kill $pid; wait $pid; tail -5 "/tmp/serve-$tag.log" >> "$OUT/suite.log" ) ;;
   bench06q64) step bench06q64 70 $B --preset qwen3-0.6b --num-prompts 64 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-qwen3-0.6b-64.json" ;;
   gpudet) step gpudet 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_policy_parity_gpu.py ;;
@@ -61,7 +61,7 @@ for s in "$@"; do case $s in
   hfgpu) step hfgpu 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hf_greedy_gpu.py ;;
   gputests) step gputests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   bimatmul) step bimatmul 90 python3 scripts/bi_matmul_bench.py ;;
-  det8) step det8 150 python3 -m engine.cli.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
+  det8) step det8 150 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
   fusedbench) step fusedbench 60 python3 scripts/fused_kernels_bench.py --json "$OUT/fused-kernels.json" ;;
   fusedtests) step fusedtests 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_kernels_gpu.py ;;

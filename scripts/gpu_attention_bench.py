@@ -66,7 +66,7 @@ class Setup:
         self.r2t[1:, :ctx] = slots.view(bs, ctx)
 
     def batch(self, backend, items, decode: bool):
-        from engine.runner.forward_batch import ForwardBatch, ForwardMode
+        from engine.forward_batch import ForwardBatch, ForwardMode
 
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.dev)  # noqa: E731
         pos = torch.cat([torch.arange(a, a + n, device=self.dev) for _, a, n in items])

@@ -91,7 +91,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def build_model(out: Path) -> Path:
     if not (out / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "engine.cli.main", "tiny-model", "--out", str(out),
+        subprocess.run([sys.executable, "-m", "tandem.main", "tiny-model", "--out", str(out),
                         "--preset", "qwen3-0.6b"], check=True, stdout=subprocess.DEVNULL)
         grow_vocab(out, VOCAB)
     return out

@@ -1,14 +1,11 @@
 """The layering of the packages (DESIGN section 1), checked on the source with `ast`.
 
 Every import counts: at module level, inside functions (a lazy import is still a dependency) and
-inside `if TYPE_CHECKING:` blocks (a type hint names the module it depends on). One exemption,
-for type hints only: attention backends and models may name `engine.runner.forward_batch` under
-TYPE_CHECKING, because a ForwardBatch is the argument the runner hands down to them (DESIGN: "a
-ForwardBatch is passed explicitly into the model and the attention backend"); a runtime import
-of it from there is still a violation.
+inside `if TYPE_CHECKING:` blocks (a type hint names the module it depends on). No exemptions.
 
-Import cycles among engine modules are checked over module-level imports (TYPE_CHECKING blocks
-included, imports inside functions not: those are deliberate lazy imports), less the exemption.
+Two cycle checks: none between packages (every import counts; the engine's sub-packages and its
+root modules such as config.py each count as one), and none among engine modules over
+module-level imports (imports inside functions are deliberate lazy imports).
 
 Each violation prints as `file:line imports X (rule)`.
 """
@@ -21,8 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "weight_sync", "rollout", "trainer_bridge", "recipes")
-FORWARD_BATCH = "engine.runner.forward_batch"
+PACKAGES = ("engine", "engine_client", "weight_sync", "rollout", "trainer_bridge", "recipes", "tandem")
 
 
 @dataclass(frozen=True)
@@ -30,7 +26,7 @@ class Import:
     path: str  # relative to the repository root
     line: int
     source: str  # importing module, e.g. engine.scheduler.batch
-    target: str  # imported module, e.g. engine.runner.forward_batch (or torch.cuda)
+    target: str  # imported module, e.g. engine.forward_batch (or torch.cuda)
     type_only: bool  # inside `if TYPE_CHECKING:`
     in_function: bool
 
@@ -154,50 +150,45 @@ def _only(*allowed: str) -> Callable[[Import], bool]:
                         and not _under(_engine_target(imp.target), *allowed))
 
 
-def _forward_batch_hint(imp: Import) -> bool:
-    return imp.type_only and imp.target == FORWARD_BATCH
-
-
-UPPER = ("engine.runner", "engine.core", "engine.api", "engine.server", "engine.cli")
+UPPER = ("engine.runner", "engine.core", "engine.api", "engine.server")
+APPLICATION = ("rollout", "trainer_bridge", "recipes", "tandem", "engine_client")
 RULES = (
     Rule("kernels are a leaf: they import nothing of the engine but engine.kernels",
          lambda m: _under(m, "engine.kernels"), _only("engine.kernels")),
+    Rule("the forward contract sits below the scheduler, attention, models and runner",
+         lambda m: _under(m, "engine.forward_batch"), _only("engine.forward_batch")),
     Rule("kv and scheduler are host-only bookkeeping: no CUDA, runner, models, server, api or core",
          lambda m: _under(m, "engine.kv", "engine.scheduler"),
          _forbid("torch.cuda", "engine.runner", "engine.models", "engine.server", "engine.api", "engine.core",
                  "engine.attention", "engine.kernels")),
-    Rule("sampling, attention and models sit below the runner: no runner, core, api, server or cli",
+    Rule("sampling, attention and models sit below the runner: no runner, scheduler, core, api or server",
          lambda m: _under(m, "engine.sampling", "engine.attention", "engine.models"),
-         lambda imp: _forbid(*UPPER)(imp) and not _forward_batch_hint(imp)),
-    Rule("TP groups and parallel layers sit beside the models: no runner, core, api, server or cli",
-         lambda m: _under(m, "engine.distributed.parallel_state", "engine.distributed.parallel_layers"),
-         _forbid(*UPPER)),
-    Rule("the TP driver and workers sit at the runner's level: no core, api, server or cli",
-         lambda m: _under(m, "engine.distributed"), _forbid("engine.core", "engine.api", "engine.server", "engine.cli")),
-    Rule("the runner sits below the core: no core, api, server or cli",
-         lambda m: _under(m, "engine.runner"), _forbid("engine.core", "engine.api", "engine.server", "engine.cli")),
-    Rule("the core sits below the API: no api, server or cli",
-         lambda m: _under(m, "engine.core"), _forbid("engine.api", "engine.server", "engine.cli")),
-    Rule("the API does not import the server or the cli",
-         lambda m: _under(m, "engine.api"), _forbid("engine.server", "engine.cli")),
+         _forbid("engine.scheduler", *UPPER)),
+    Rule("the runner sits below the core: no core, api or server",
+         lambda m: _under(m, "engine.runner"), _forbid("engine.core", "engine.api", "engine.server")),
+    Rule("the core sits below the API: no api or server",
+         lambda m: _under(m, "engine.core"), _forbid("engine.api", "engine.server")),
+    Rule("the API does not import the server",
+         lambda m: _under(m, "engine.api"), _forbid("engine.server")),
     Rule("the server talks to the Engine API only (api, config, sampling_params, core.messages, tokenizer)",
          lambda m: _under(m, "engine.server"),
          _only("engine.server", "engine.api", "engine.config", "engine.sampling_params", "engine.core.messages",
                "engine.tokenizer")),
-    Rule("nothing imports the cli (tandem commands, bench, determinism tooling) but the cli",
-         lambda m: not _under(m, "engine.cli"), _forbid("engine.cli")),
-    # engine.cli is the `tandem` console script, the application layer above every package
-    # (`tandem train` runs recipes); the rule above keeps anything from importing it
-    Rule("the engine knows nothing of RL: no rollout, trainer_bridge or recipes",
-         lambda m: _under(m, "engine") and not _under(m, "engine.cli"), _forbid("rollout", "trainer_bridge", "recipes")),
-    Rule("weight_sync moves weights for both sides: no rollout, trainer_bridge or recipes",
-         lambda m: _under(m, "weight_sync"), _forbid("rollout", "trainer_bridge", "recipes")),
-    Rule("rollout and trainer_bridge are peers below recipes",
-         lambda m: _under(m, "rollout", "trainer_bridge"), _forbid("recipes")),
+    Rule("the engine knows nothing of RL or the application: no rollout, trainer_bridge, recipes, tandem or "
+         "engine_client", lambda m: _under(m, "engine"), _forbid(*APPLICATION)),
+    Rule("weight_sync moves weights for both sides: it imports nothing of the engine or above",
+         lambda m: _under(m, "weight_sync"), _forbid("engine", *APPLICATION)),
+    Rule("the client package forwards the Engine API: engine and weight_sync only",
+         lambda m: _under(m, "engine_client"), _forbid("rollout", "trainer_bridge", "recipes", "tandem")),
+    Rule("rollout and trainer_bridge are peers: neither imports the other, recipes or the application",
+         lambda m: _under(m, "rollout"), _forbid("trainer_bridge", "recipes", "tandem")),
+    Rule("rollout and trainer_bridge are peers: neither imports the other, recipes or the application",
+         lambda m: _under(m, "trainer_bridge"), _forbid("rollout", "recipes", "tandem")),
+    Rule("recipes are definitions and plug-ins: they do not import the application",
+         lambda m: _under(m, "recipes"), _forbid("tandem")),
 )
-# The server may use engine.tokenizer (a top-level leaf, transformers only) for chat templates,
-# and weight_sync (outside the engine) to read weight payloads off the wire: neither reaches into
-# the core. The rules name packages; DESIGN section 1 is the picture they keep true.
+# The server may use engine.tokenizer (a top-level leaf, transformers only) for chat templates.
+# The rules name packages; DESIGN section 1 is the picture they keep true.
 
 
 def layer_violations(imports: list[Import] = IMPORTS) -> list[str]:
@@ -214,9 +205,34 @@ def import_cycles(imports: list[Import] = IMPORTS) -> list[list[str]]:
     """Strongly connected components (size > 1, or a self-import) of the engine's module graph."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES if _under(m, "engine")}
     for imp in imports:
-        if imp.in_function or imp.source not in graph or imp.target not in graph or _forward_batch_hint(imp):
+        if imp.in_function or imp.source not in graph or imp.target not in graph:
             continue
         graph[imp.source].add(imp.target)
+    return _strongly_connected(graph)
+
+
+def package_of(module: str) -> str:
+    """The unit of the package-cycle check: a top-level package, or one of the engine's
+    sub-packages or root modules (engine.config, engine.forward_batch, ...). `engine` itself
+    re-exports the API, so importing it is importing engine.api."""
+    parts = module.split(".")
+    if parts[0] != "engine":
+        return parts[0]
+    return ".".join(parts[:2]) if len(parts) > 1 else "engine"
+
+
+def package_cycles(imports: list[Import] = IMPORTS) -> list[list[str]]:
+    """Cycles between packages, every import counted (lazy and type-only ones too)."""
+    ours = {package_of(m) for m in MODULES}
+    edges: dict[str, set[str]] = {p: set() for p in ours}
+    for imp in imports:
+        source, target = package_of(imp.source), package_of(_engine_target(imp.target))
+        if target in ours and target != source:
+            edges[source].add(target)
+    return _strongly_connected(edges)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -265,6 +281,15 @@ def test_layers() -> None:
     assert not violations, "layering violations:\n" + "\n".join(violations)
 
 
+def test_no_cycles_between_packages() -> None:
+    cycles = package_cycles()
+    lines = [f"{imp.path}:{imp.line} imports {imp.target} (package cycle: {' <-> '.join(c)})"
+             for c in cycles for imp in IMPORTS
+             if package_of(imp.source) in c and package_of(_engine_target(imp.target)) in c
+             and package_of(imp.source) != package_of(_engine_target(imp.target))]
+    assert not cycles, "package cycles:\n" + "\n".join(lines)
+
+
 def test_no_import_cycles_in_engine() -> None:
     lines = _cycle_lines(import_cycles(), IMPORTS)
     assert not lines, "import cycles:\n" + "\n".join(lines)
@@ -275,9 +300,9 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     `torch.cuda` use, and each rule fires on a planted violation."""
     source = (
         "from typing import TYPE_CHECKING\nimport torch\n"
-        "from engine.runner import forward_batch\n"
+        "from engine.runner import model_runner\n"
         "if TYPE_CHECKING:\n    from engine.core.messages import ReqInput\n"
-        "def f():\n    from ..cli import main\n    return torch.cuda.is_available()\n"
+        "def f():\n    from ..api import engine\n    return torch.cuda.is_available()\n"
     )
     collector = _Collector("engine.scheduler.fake", "engine/scheduler/fake.py", False)
     tree = ast.parse(source)
@@ -285,14 +310,14 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     found = collector.found + [Import("engine/scheduler/fake.py", n, "engine.scheduler.fake", "torch.cuda", False, False)
                                for n in _uses_torch_cuda(tree)]
     targets = {(imp.target, imp.type_only, imp.in_function) for imp in found}
-    assert ("engine.runner.forward_batch", False, False) in targets
+    assert ("engine.runner.model_runner", False, False) in targets
     assert ("engine.core.messages", True, False) in targets
-    assert ("engine.cli.main", False, True) in targets
+    assert ("engine.api.engine", False, True) in targets
     assert ("torch.cuda", False, False) in targets
     lines = layer_violations(found)
-    assert "engine/scheduler/fake.py:3 imports engine.runner.forward_batch" in "\n".join(lines)
+    assert "engine/scheduler/fake.py:3 imports engine.runner.model_runner" in "\n".join(lines)
     assert any(line.startswith("engine/scheduler/fake.py:5 imports engine.core.messages") for line in lines)
-    assert any("engine/scheduler/fake.py:7 imports engine.cli.main" in line and "cli" in line for line in lines)
+    assert any("engine/scheduler/fake.py:7 imports engine.api.engine" in line for line in lines)
     assert any(line.startswith("engine/scheduler/fake.py:8 imports torch.cuda") for line in lines)
 
 
@@ -307,3 +332,12 @@ def test_the_cycle_check_finds_a_planted_cycle() -> None:
         "engine/core/a.py:1 imports engine.core.control (import cycle: engine.core.control <-> engine.core.engine_core)",
         "engine/core/b.py:2 imports engine.core.engine_core (import cycle: engine.core.control <-> engine.core.engine_core)",
     ]
+
+
+def test_the_package_cycle_check_counts_lazy_and_type_only_imports() -> None:
+    down = Import("engine/models/a.py", 1, "engine.models.decoder", "engine.kernels.rmsnorm", False, False)
+    up = Import("engine/kernels/b.py", 2, "engine.kernels.rmsnorm", "engine.models.layers", True, True)
+    assert package_cycles([down]) == []
+    assert package_cycles([down, up]) == [["engine.kernels", "engine.models"]]
+    assert package_of("engine") == "engine" and package_of("engine.config") == "engine.config"
+    assert package_of("tandem.rl.loop") == "tandem"

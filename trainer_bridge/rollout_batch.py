@@ -8,11 +8,9 @@ share of the whole batch's tokens and sequences so the accumulated loss equals t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-
-from rollout.types import Sample
 
 
 @dataclass(frozen=True)
@@ -26,7 +24,9 @@ class RolloutBatch:
     seq_share: float = 1.0
 
     @classmethod
-    def from_samples(cls, samples: Sequence[Sample], advantages: Sequence[float]) -> "RolloutBatch":
+    def from_samples(cls, samples: Sequence[Any], advantages: Sequence[float]) -> "RolloutBatch":
+        """samples: rollout Samples (anything with prompt_ids, response_ids, loss_mask,
+        rollout_logprobs, group and index; trainer_bridge does not import rollout/)."""
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
         for s in samples:

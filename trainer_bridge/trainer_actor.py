@@ -1,9 +1,9 @@
 """TrainerActor: a Ray actor holding the trainer's Policy, which pushes its weights to engines.
 
-Placed with a fractional GPU share next to engine actors (rollout/engine_actor.py), it runs the
+Placed with a fractional GPU share next to engine actors (engine_client/engine_actor.py), it runs the
 colocated step (trainer_bridge.colocate): engines release their memory, the policy trains in it,
 the engines take the new weights and resume. Engines are EngineActor handles (wrapped in
-rollout.ray_client.RayClient) or any EngineClient. Weights travel as `tensor_transport` says:
+engine_client.ray_client.RayClient) or any EngineClient. Weights travel as `tensor_transport` says:
 "ipc" (CUDA IPC handles from this process on a GPU, shared-memory descriptors on the CPU), "ray"
 (CPU tensors through Ray's object store) or "auto" (ipc for GPU tensors, ray for CPU ones); or
 through a safetensors directory with `transport="disk"`.
@@ -83,8 +83,8 @@ class TrainerActor:
 
 
 def _clients(engines: Sequence[Any], tensor_transport: str) -> list[Any]:
-    from rollout.client import EngineClient
-    from rollout.ray_client import RayClient
+    from engine_client.client import EngineClient
+    from engine_client.ray_client import RayClient
 
     return [e if isinstance(e, EngineClient) else RayClient(e, tensor_transport) for e in engines]
 
@@ -94,8 +94,8 @@ def start_trainer_actor(model_path: str, num_gpus: Optional[float] = None, num_c
                         **trainer_kwargs: Any) -> Any:
     """A TrainerActor on `num_gpus` of a GPU (fractional: beside engine actors on the same GPU;
     None: 1 when device is not 'cpu', else 0), ready when this returns. placement_group /
-    bundle_index: a rollout.engine_actor.colocation_group bundle, to share that engine's GPU."""
-    from rollout.engine_actor import ensure_ray, in_bundle, wait_until_ready
+    bundle_index: a engine_client.engine_actor.colocation_group bundle, to share that engine's GPU."""
+    from engine_client.engine_actor import ensure_ray, in_bundle, wait_until_ready
 
     ensure_ray()
     import ray

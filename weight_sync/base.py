@@ -24,9 +24,11 @@ SENDERS: dict[str, type["WeightSender"]] = {}
 
 @dataclass
 class LoadContext:
-    """What a source may use on the core: the device and the open broadcast groups."""
+    """What a source may use on the core: the device, the open broadcast groups and the engine's
+    checkpoint loader `(model, path) -> None` (passed in: weight_sync imports nothing of engine/)."""
     device: torch.device
     groups: dict[str, Any] = field(default_factory=dict)
+    load_checkpoint: Optional[Callable[[Any, str], None]] = None
 
 
 class WeightSource:

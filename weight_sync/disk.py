@@ -1,7 +1,7 @@
 """Safetensors checkpoints: the disk transport. Engine side DiskSource, trainer side DiskSender.
 
-DiskSource reads through engine.models.loader.load_safetensors, the same function that loads the
-checkpoint at start-up (so it stays in the engine: start-up never imports weight_sync).
+DiskSource reads through the LoadContext's `load_checkpoint`, which the engine sets to the function
+that loads the checkpoint at start-up (weight_sync imports nothing of engine/).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ class DiskSource(WeightSource):
     model_path: str
 
     def load_into(self, model: Any, ctx: LoadContext) -> None:
-        from engine.models.loader import load_safetensors
-
-        load_safetensors(model, self.model_path)
+        if ctx.load_checkpoint is None:
+            raise ValueError("this engine cannot load checkpoints from disk (no loader in its LoadContext)")
+        ctx.load_checkpoint(model, self.model_path)
 
 
 class DiskSender(WeightSender):

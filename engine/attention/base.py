@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from engine.runner.forward_batch import ForwardBatch
+    from engine.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -40,7 +40,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.registry import get_backend_spec
 
 if TYPE_CHECKING:
-    from engine.runner.forward_batch import ForwardBatch
+    from engine.forward_batch import ForwardBatch
 
 # float workspace shared by all wrappers: split-KV decode temporaries grow with batch x heads
 # (Qwen3-8B at bs 256 needed 160 MiB; 128 MiB, flashinfer's example size, overflowed)

@@ -16,7 +16,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.deterministic import split_kv_attention, split_kv_attention_rows
 
 if TYPE_CHECKING:
-    from engine.runner.forward_batch import ForwardBatch
+    from engine.forward_batch import ForwardBatch
 
 # Key split of deterministic mode; the trainer's PackedAttention defaults to it off CUDA.
 DEFAULT_SPLIT_SIZE = 64

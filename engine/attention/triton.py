@@ -34,7 +34,7 @@ from engine.attention.split_kv_plan import (
 )
 
 if TYPE_CHECKING:
-    from engine.runner.forward_batch import ForwardBatch
+    from engine.forward_batch import ForwardBatch
 
 # Key split of deterministic mode, and the shortest decode split in normal mode. Part of the
 # numerics contract: the trainer's PackedAttention (trainer_bridge) defaults to it on CUDA.

@@ -130,10 +130,11 @@ class GenerationControl:
         return Reply(value, outputs)
 
     def _load(self, msg: UpdateWeightsReq) -> tuple[bool, str]:
+        from engine.models.loader import load_safetensors
         from weight_sync.base import LoadContext
 
         core = self.core
-        ctx = LoadContext(core.runner.device, self.groups.formed)
+        ctx = LoadContext(core.runner.device, self.groups.formed, load_checkpoint=load_safetensors)
         refusal = self._refusal(msg)
         if refusal is not None:  # before any write; a broadcast is still received, to stay in step
             discard = getattr(msg.source, "discard", None)

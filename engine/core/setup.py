@@ -16,9 +16,9 @@ from transformers import AutoConfig
 
 from engine.attention.registry import BackendSpec, default_backend, get_backend_spec
 from engine.config import ServerArgs
-from engine.distributed.parallel_state import check_tp_size, kv_heads_per_rank
-from engine.distributed.tp_driver import TPDriver
-from engine.distributed.tp_messages import KVPlan
+from engine.models.parallel_state import check_tp_size, kv_heads_per_rank
+from engine.runner.tp_driver import TPDriver
+from engine.runner.tp_messages import KVPlan
 from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.chunk_cache import ChunkCache
 from engine.kv.pool import KVPool, ReqToTokenPool
@@ -81,7 +81,7 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
 
 
 def _start_tensor_parallel(args: ServerArgs, device: torch.device, hf_config: Any) -> Optional[TPDriver]:
-    """tp_size > 1: the other ranks' processes, joined in one group (engine/distributed/)."""
+    """tp_size > 1: the other ranks' processes, joined in one group (engine/runner/tp_*.py)."""
     if args.tp_size == 1:
         return None
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads

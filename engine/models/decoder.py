@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 from torch import nn
 
-from engine.distributed.parallel_layers import (MergedGateUpParallel, ParallelLMHead, QKVParallelLinear,
+from engine.models.parallel_layers import (MergedGateUpParallel, ParallelLMHead, QKVParallelLinear,
                                                 RowParallelLinear, TPSharded, VocabParallelEmbedding)
-from engine.distributed.parallel_state import check_tp_size, kv_heads_per_rank
+from engine.models.parallel_state import check_tp_size, kv_heads_per_rank
 from engine.models.layers import (
     Linear,
     MergedGateUp,
@@ -31,8 +31,8 @@ from engine.models.layers import (
 from engine.models.weight_cast import CastCheck, WeightsPartlyWritten
 
 if TYPE_CHECKING:
-    from engine.distributed.parallel_state import TPGroup
-    from engine.runner.forward_batch import ForwardBatch
+    from engine.models.parallel_state import TPGroup
+    from engine.forward_batch import ForwardBatch
 
 # a loaded checkpoint tensor lands on (parameter name, shard id); shard id None = whole parameter
 WeightKey = tuple[str, Any]
@@ -45,7 +45,7 @@ class LayerOptions:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
     deterministic: bool = False  # batch-invariant kernels (engine.kernels.batch_invariant)
-    tp: Optional["TPGroup"] = None  # tensor parallelism (engine/distributed); None: one rank, plain layers
+    tp: Optional["TPGroup"] = None  # tensor parallelism (engine/runner/tp_driver.py); None: one rank, plain layers
 
 
 def head_dim_of(config: Any) -> int:
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
         det = opts.deterministic
-        if opts.tp is not None:  # this rank's heads (engine/distributed/parallel_layers.py)
+        if opts.tp is not None:  # this rank's heads (engine/models/parallel_layers.py)
             self._init_tensor_parallel(config, opts)
             return
         self.qkv_proj = QKVLinear(hidden, self.num_heads, self.num_kv_heads, self.head_dim, opts.qkv_bias, det)

@@ -24,7 +24,7 @@ import time
 import torch
 
 from engine.models.decoder import head_dim_of
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

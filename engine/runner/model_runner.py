@@ -21,7 +21,7 @@ from engine.grammar.bitmask_ring import BitmaskRing
 from engine.grammar.stream_gate import StreamGate
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
-from engine.runner.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 from engine.runner.logits_plan import LogitsPlan
 from engine.runner.memory_saver import MemorySaver
 from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs, top_k_of
@@ -31,7 +31,7 @@ from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from engine.distributed.tp_driver import TPDriver
+    from engine.runner.tp_driver import TPDriver
 
 logger = logging.getLogger(__name__)
 

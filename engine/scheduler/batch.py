@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from engine.scheduler.request import Req
-from engine.scheduler.forward_mode import ForwardMode
+from engine.forward_batch import ForwardMode
 
 
 @dataclass

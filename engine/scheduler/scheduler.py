@@ -20,7 +20,7 @@ from engine.scheduler.lookahead import lookahead_rows, sampling_reads_last_token
 from engine.scheduler.new_token_ratio import NewTokenRatio
 from engine.scheduler.prefill_adder import PrefillAdder, never_fits
 from engine.scheduler.request import Req
-from engine.scheduler.forward_mode import ForwardMode
+from engine.forward_batch import ForwardMode
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.policy import order_waiting
 

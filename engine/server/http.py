@@ -3,7 +3,7 @@
 Bad input comes back as 400 with SGLang's error body and the engine keeps serving. Unknown
 request fields are ignored, as SGLang does. Keys (engine/server/access.py): `api_key` guards
 generation and info routes, `admin_api_key` the control routes; /health stays open. Bodies are
-size-limited (engine/server/body_limit.py). `tandem serve` (engine/cli/serve.py) runs it.
+size-limited (engine/server/body_limit.py). `tandem serve` (tandem/serve.py) runs it.
 """
 
 from __future__ import annotations

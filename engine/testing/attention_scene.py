@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from engine.kv.pool import KVPool, ReqToTokenPool
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 
 Item = tuple[int, int, int]  # (sequence, start, n): positions [start, start + n) are new
 

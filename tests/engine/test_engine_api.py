@@ -182,7 +182,7 @@ def test_special_tokens_kept_when_asked(engine):
 
 
 def test_cli_generate_prints_text(tiny_model_dir, capsys):
-    from engine.cli.main import main
+    from tandem.main import main
 
     rc = main(["generate", "--model-path", tiny_model_dir, "--prompt", "Hello", "--max-new-tokens", "4",
                "--device", "cpu", "--dtype", "float32"])

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from engine.cli.server_args import add_server_args, server_args_from_namespace
+from tandem.server_args import add_server_args, server_args_from_namespace
 from engine.config import ServerArgs
 
 

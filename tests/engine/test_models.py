@@ -13,7 +13,7 @@ from engine.attention.torch_native import TorchNativeAttentionBackend
 from engine.models.decoder import head_dim_of
 from engine.models.loader import load_model, resolve_dtype
 from engine.models.registry import get_model_class
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 
 try:
     from engine.kv.pool import KVPool

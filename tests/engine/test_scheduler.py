@@ -10,7 +10,7 @@ from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.pool import ReqToTokenPool
 from engine.kv.radix_cache import RadixCache
 from engine.scheduler.request import Req
-from engine.runner.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.policy import LPM_MAX_WAITING

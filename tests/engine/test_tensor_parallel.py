@@ -19,10 +19,10 @@ import torch.nn.functional as F
 import transformers
 
 from engine.attention.torch_native import TorchNativeAttentionBackend
-from engine.distributed.parallel_state import free_port
+from engine.models.parallel_state import free_port
 from engine.kv.pool import KVPool
 from engine.models.loader import load_model
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 
 ROOT = Path(__file__).resolve().parents[2]
 TP = 2
@@ -34,7 +34,7 @@ RANK_SCRIPT = textwrap.dedent('''
     import sys, torch
     sys.path.insert(0, sys.argv[4])
     from test_tensor_parallel import layer_outputs, model_outputs
-    from engine.distributed.parallel_state import TPAddress, TPGroup
+    from engine.models.parallel_state import TPAddress, TPGroup
     rank, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     tp = TPGroup(TPAddress("127.0.0.1", port, 2, "gloo"), rank)
     torch.save({"layers": layer_outputs(tp, torch.load(f"{work}/ref.pt")), "models": model_outputs(tp, work)},
@@ -55,7 +55,7 @@ def full_tensors() -> dict[str, torch.Tensor]:
 
 def layer_outputs(tp, ref: dict) -> dict[str, torch.Tensor]:
     """Run on each rank: the parallel layers loaded through their `rank_part` contract."""
-    from engine.distributed import parallel_layers as pl
+    from engine.models import parallel_layers as pl
 
     out = {}
     with torch.no_grad():
@@ -95,7 +95,7 @@ def model_outputs(tp, work: str) -> dict[str, torch.Tensor]:
 
 
 def run_request(model, config, tp_size: int) -> torch.Tensor:
-    from engine.distributed.parallel_state import kv_heads_per_rank
+    from engine.models.parallel_state import kv_heads_per_rank
 
     kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
     pool = KVPool(64, config.num_hidden_layers, kv_heads, config.head_dim, torch.float32, "cpu")
@@ -269,7 +269,7 @@ def test_engine_tp2_overlap_lookahead_steps_equal_tp1(engine, tiny_model_dir, mo
     previous step's samples, which on a GPU only the device holds; they go to the other ranks by
     a device broadcast, taken here for every lookahead step."""
     from engine import Engine
-    from engine.distributed import tp_messages
+    from engine.runner import tp_messages
 
     build = tp_messages.ForwardStep.of.__func__
 

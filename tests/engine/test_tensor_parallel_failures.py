@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.distributed.parallel_state import free_port
+from engine.models.parallel_state import free_port
 from tests.engine.test_tensor_parallel import _greedy, _prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +68,9 @@ def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_at_once(tiny_mod
     import time
 
     from engine.config import ServerArgs
-    from engine.distributed import parallel_state, tp_worker
-    from engine.distributed.tp_driver import TPDriver
+    from engine.models import parallel_state
+    from engine.runner import tp_worker
+    from engine.runner.tp_driver import TPDriver
 
     monkeypatch.setattr(parallel_state, "RENDEZVOUS_TIMEOUT", datetime.timedelta(seconds=20))
     monkeypatch.setattr(tp_worker, "run_tp_worker", os._exit)  # the child raises a TypeError and exits 1

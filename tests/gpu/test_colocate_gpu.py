@@ -34,7 +34,7 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    from rollout.engine_actor import ensure_ray
+    from engine_client.engine_actor import ensure_ray
 
     ensure_ray()
     yield
@@ -52,12 +52,12 @@ def _greedy(client) -> list:
 
 def test_actors_share_the_gpu_and_a_cuda_ipc_push_equals_an_engine_on_the_new_checkpoint(checkpoints):
     from engine import Engine
-    from rollout.engine_actor import start_engine_actors
-    from rollout.ray_client import RayClient
+    from engine_client.engine_actor import start_engine_actors
+    from engine_client.ray_client import RayClient
     from trainer_bridge.colocate import PushConfig
     from trainer_bridge.trainer_actor import start_trainer_actor
 
-    from rollout.engine_actor import colocation_group
+    from engine_client.engine_actor import colocation_group
 
     a, b = checkpoints
     group = colocation_group(1)  # one GPU for the pair, whatever the node has
@@ -77,9 +77,9 @@ def test_actors_share_the_gpu_and_a_cuda_ipc_push_equals_an_engine_on_the_new_ch
 
 
 def test_the_colocated_step_frees_the_engine_memory_and_stays_on_policy(checkpoints):
-    from rollout.engine_actor import start_engine_actors
+    from engine_client.engine_actor import start_engine_actors
     from rollout.manager import RolloutManager
-    from rollout.ray_client import RayClient
+    from engine_client.ray_client import RayClient
     from trainer_bridge.colocate import PushConfig
     from trainer_bridge.trainer_actor import start_trainer_actor
 
@@ -116,8 +116,8 @@ def test_push_time_of_the_qwen3_0_6b_shape_across_actors(tmp_path):
     """Pause -> 512 MiB buckets by CUDA IPC -> flush + version -> continue, trainer actor to engine
     actor on one GPU; GPU memory stays flat over the pushes."""
     from engine.testing.tiny_model import build_tiny_model
-    from rollout.engine_actor import start_engine_actors
-    from rollout.ray_client import RayClient
+    from engine_client.engine_actor import start_engine_actors
+    from engine_client.ray_client import RayClient
     from trainer_bridge.colocate import PushConfig
     from trainer_bridge.trainer_actor import start_trainer_actor
 

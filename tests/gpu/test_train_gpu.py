@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def test_colocated_deepspeed_grpo_is_on_policy(tmp_path, zero_stage):
     pytest.importorskip("deepspeed")
     pytest.importorskip("ray")
-    from recipes.loop import run
+    from tandem.rl.loop import run
     from recipes.recipe import load_recipe, with_overrides
 
     recipe = with_overrides(load_recipe("qwen3_gpu"), {

@@ -159,7 +159,7 @@ def test_bench_sync_ipc_from_a_spawned_trainer_keeps_memory_flat(tmp_path):
     trainer's weights and device memory does not grow (each update re-sends the same handles)."""
     import json
 
-    from engine.cli.main import main
+    from tandem.main import main
 
     out = tmp_path / "sync.json"
     assert main(["bench-sync", "--preset", "tiny", "--transport", "cuda-ipc", "--trainer", "process",

@@ -15,8 +15,8 @@ from recipes.recipe import load_recipe, with_overrides
 def test_tool_tokens_have_loss_mask_zero(tmp_path):
     from transformers import AutoTokenizer
 
-    from recipes.loop import run
-    from recipes.model_source import ModelSource
+    from tandem.rl.loop import run
+    from tandem.rl.model_source import ModelSource
 
     recipe = with_overrides(load_recipe("tool_use"), {"steps": 1, "prompts_per_step": 8, "warm_start_steps": 30, "warm_start_batch": 16,
                                                       "engine_backend": "in_process", "wandb": False,

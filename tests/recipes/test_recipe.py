@@ -42,14 +42,14 @@ def test_recipe_files(tmp_path):
 
 
 def test_cli_flags_reach_the_recipe(monkeypatch, tmp_path):
-    from engine.cli.main import build_parser
+    from tandem.main import build_parser
 
     args = build_parser().parse_args(["train", "--steps", "2", "--lr=1e-3", "--output-dir", str(tmp_path)])
     assert (args.override_steps, args.override_lr, args.recipe) == ("2", "1e-3", "default")
 
 
 def test_tandem_train_command_writes_the_run_folder(tmp_path, capsys):
-    from engine.cli.main import main
+    from tandem.main import main
 
     out = tmp_path / "run"
     assert main(["train", "--steps", "1", "--prompts-per-step", "4", "--engine-backend", "in_process",

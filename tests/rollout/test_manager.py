@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rollout.client import EngineClient
+from engine_client.client import EngineClient
 from rollout.manager import RolloutManager
 from rollout.router import PrefixRouter
 from rollout.rewards import exact_match, load_reward
@@ -160,8 +160,8 @@ def test_manager_over_a_ray_engine_actor_and_an_in_process_engine(engine_actor, 
     """Any EngineClients, mixed: samples equal those of in-process engines on the same checkpoint
     (same seeds: the manager's rids and the requests' sampling seeds do not depend on the engine)."""
     pytest.importorskip("ray")
-    from rollout.client import InProcessClient
-    from rollout.ray_client import RayClient
+    from engine_client.client import InProcessClient
+    from engine_client.ray_client import RayClient
 
     seeded = [dict(SAMPLED, sampling_seed=100 + g) for g in range(6)]
     prompts = _prompts(6)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.cli.serve import exposure_warning, with_env_keys
+from tandem.serve import exposure_warning, with_env_keys
 from engine.server.http import create_app
 
 GEN = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}

@@ -23,7 +23,7 @@ def free_port() -> int:
 def test_sigterm_with_waiting_requests_exits_fast(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "TANDEM_ADMIN_API_KEY": "admin"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--model-path", tiny_model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.main", "serve", "--model-path", tiny_model_dir,
                              "--device", "cpu", "--dtype", "float32", "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

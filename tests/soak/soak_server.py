@@ -37,7 +37,7 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "engine.cli.main", "serve", "--model-path", model_path, "--device", "cpu",
+        cmd = [sys.executable, "-m", "tandem.main", "serve", "--model-path", model_path, "--device", "cpu",
                "--dtype", "float32", "--port", str(self.port), "--admin-api-key", ADMIN_KEY]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=environ_without_keys())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.client import InProcessClient
+from engine_client.client import InProcessClient
 from trainer_bridge.colocate import ColocateError, colocated_step
 from trainer_bridge.sync import push_weights
 

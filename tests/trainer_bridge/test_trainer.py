@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.client import InProcessClient
+from engine_client.client import InProcessClient
 from tests.trainer_bridge.test_colocate import _rollouts, engine, model_path, trainer  # noqa: F401
 
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from engine.cli.bench_sync import PHASES
-from engine.cli.main import main
+from tandem.bench_sync import PHASES
+from tandem.main import main
 
 
 def test_nccl_transport_from_a_trainer_process_over_gloo(tmp_path, capsys):

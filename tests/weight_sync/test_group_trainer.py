@@ -1,4 +1,4 @@
-"""engine/cli/group_trainer.py's trainer process (bench-sync --transport nccl's rank 0) on the
+"""tandem/group_trainer.py's trainer process (bench-sync --transport nccl's rank 0) on the
 CPU: a call that fails there is raised here with the trainer's error, and the trainer keeps
 serving; a trainer that is gone is named with its exit code (was: a bare EOFError)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cli.group_trainer import GroupTrainerProcess
-from engine.distributed.parallel_state import free_port
+from tandem.group_trainer import GroupTrainerProcess
+from engine.models.parallel_state import free_port
 from engine.testing.tiny_model import build_tiny_model
 from weight_sync.weight_group import WeightGroup
 

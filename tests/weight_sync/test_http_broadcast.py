@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 
-from tests.rollout.test_http_client import _serving
+from tests.engine_client.test_http_client import _serving
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [300, 12, 800, 9, 77]]
@@ -31,7 +31,7 @@ def test_push_over_http_routes_to_a_served_engine():
     from engine import Engine
     from engine.models.loader import safetensors_files
     from engine.testing.tiny_model import tiny_model_path
-    from rollout.client import HttpClient
+    from engine_client.client import HttpClient
     from trainer_bridge.sync import push_to_engines
     from weight_sync.weight_group import WeightGroup
 

@@ -83,7 +83,7 @@ def test_nccl_broadcast_from_a_trainer_on_another_gpu_equals_an_engine_on_the_ne
 
 
 def test_bench_sync_nccl_between_two_gpus(tmp_path):
-    from engine.cli.main import main
+    from tandem.main import main
 
     out = tmp_path / "nccl.json"
     assert main(["bench-sync", "--preset", "tiny", "--transport", "nccl", "--num-updates", "5",

@@ -1,0 +1,196 @@
+"""HttpClient: the EngineClient verbs over SGLang's HTTP routes (a `tandem serve` or SGLang server).
+
+Bodies and replies are SGLang's (shared/reference/sglang-rl-api.md), so the same client drives
+either server. Tensor updates send `weight_sync.cuda_ipc.serialize` payloads as base64 text in
+`serialized_named_tensors` (one entry: one tensor-parallel rank): CUDA IPC handles on a GPU,
+shared-memory descriptors on the CPU, so the server must be on this machine and the caller keeps
+the tensors alive until the call returns. A refused request (400) comes back as (False, message)
+for weight and memory verbs and as a ValueError for generate, as Engine raises one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any, Optional
+
+from engine_client.client import EngineClient, Reply, generate_body
+
+CONTROL_TIMEOUT_S = 600.0  # a weight update of a large model from disk can take minutes
+
+
+class HttpClient(EngineClient):
+    def __init__(self, base_url: str, api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
+                 timeout_s: Optional[float] = None, transport: Any = None) -> None:
+        """api_key: the server's --api-key (generation and info routes); admin_api_key: its
+        --admin-api-key, which opens every route (pause, weight updates, memory too). timeout_s:
+        for generate (None waits as long as the request runs); transport: an httpx transport for
+        the synchronous verbs (tests)."""
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        key = admin_api_key or api_key
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, transport=transport,
+                                  timeout=CONTROL_TIMEOUT_S)
+        # an httpx.AsyncClient belongs to the event loop it first ran on: one per loop
+        self._async: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                 token_ids_logprob=None):
+        body = generate_body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                             top_logprobs_num, rid, logprob_distribution, token_ids_logprob)
+        return _generate_reply(self._sync.post("/generate", json=body, timeout=self.timeout_s))
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
+                             token_ids_logprob=None):
+        body = generate_body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                             top_logprobs_num, rid, logprob_distribution, token_ids_logprob)
+        response = await self._async_client().post("/generate", json=body, timeout=self.timeout_s)
+        return _generate_reply(response)
+
+    def _async_client(self) -> Any:
+        import httpx
+
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=limits)
+            self._async[loop] = client
+        return client
+
+    def abort_request(self, rid=None, abort_all=False):
+        self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def async_abort_request(self, rid=None, abort_all=False):
+        response = await self._async_client().post("/abort_request", json={"rid": rid or "", "abort_all": abort_all})
+        if response.status_code != 200:
+            raise RuntimeError(f"/abort_request failed with HTTP {response.status_code}: {_message(response)}")
+
+    def flush_cache(self):
+        return self._sync.post("/flush_cache").status_code == 200
+
+    # ---- pause and weights ---------------------------------------------------------------------
+    def pause_generation(self, mode="abort"):
+        self._post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self):
+        self._post("/continue_generation", {})
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True, weight_version=None):
+        """named_tensors: [(name, tensor)] or a flattened-bucket payload, serialized here; or
+        payloads already serialized as text (one str, or one per rank)."""
+        if isinstance(named_tensors, str):
+            serialized = [named_tensors]
+        elif isinstance(named_tensors, list) and named_tensors and all(isinstance(p, str) for p in named_tensors):
+            serialized = named_tensors
+        else:
+            from weight_sync.cuda_ipc import serialize
+
+            serialized = [serialize(named_tensors, as_text=True)]
+        return self._reply("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized, "load_format": load_format, "flush_cache": flush_cache,
+            "weight_version": weight_version})
+
+    def update_weights_from_disk(self, model_path, load_format=None, weight_version=None, flush_cache=True):
+        return self._reply("/update_weights_from_disk", {"model_path": str(model_path), "load_format": load_format,
+                                                         "weight_version": weight_version,
+                                                         "flush_cache": flush_cache})
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name="weight_update_group", backend="nccl", timeout_s=30.0):
+        return self._reply("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, weight_version=None, load_format=None):
+        return self._reply("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": weight_version, "load_format": load_format})
+
+    def destroy_weights_update_group(self, group_name="weight_update_group"):
+        return self._reply("/destroy_weights_update_group", {"group_name": group_name})
+
+    def release_memory_occupation(self, tags=None):
+        return self._reply("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags=None):
+        return self._reply("/resume_memory_occupation", {"tags": tags})
+
+    # ---- state ---------------------------------------------------------------------------------
+    def get_weight_version(self):
+        """From /model_info (SGLang >= 0.5.9 answers /get_weight_version with 404)."""
+        response = self._sync.get("/model_info")
+        response.raise_for_status()
+        return response.json()["weight_version"]
+
+    def health(self):
+        import httpx
+
+        try:
+            return self._sync.get("/health", timeout=10.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def get_server_info(self):
+        response = self._sync.get("/get_server_info")
+        if response.status_code == 404:  # SGLang's other spelling
+            response = self._sync.get("/server_info")
+        response.raise_for_status()
+        return response.json()
+
+    def close(self):
+        self._sync.close()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _post(self, route: str, body: dict) -> Any:
+        """A verb without a (success, message) reply: a 400 is a ValueError, as Engine raises."""
+        response = self._sync.post(route, json=body)
+        if response.status_code == 400:
+            raise ValueError(_message(response))
+        if response.status_code != 200:
+            raise RuntimeError(f"{route} failed with HTTP {response.status_code}: {_message(response)}")
+        return response
+
+    def _reply(self, route: str, body: dict) -> Reply:
+        """SGLang's {"success", "message"} (200/400); memory routes answer 200 with `null`."""
+        response = self._sync.post(route, json=body)
+        payload = _json(response)
+        if isinstance(payload, dict) and "success" in payload:
+            return bool(payload["success"]), str(payload.get("message", ""))
+        if response.status_code == 200:
+            return True, "Success"
+        return False, _message(response)
+
+
+def _generate_reply(response: Any) -> Any:
+    if response.status_code == 200:
+        return response.json()
+    if response.status_code == 400:
+        raise ValueError(_message(response))
+    raise RuntimeError(f"/generate failed with HTTP {response.status_code}: {_message(response)}")
+
+
+def _json(response: Any) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _message(response: Any) -> str:
+    """The error text of SGLang's bodies: {"message"} or {"error": {"message"}}, else the raw text."""
+    payload = _json(response)
+    if isinstance(payload, dict):
+        if isinstance(payload.get("error"), dict):
+            return str(payload["error"].get("message"))
+        if "message" in payload:
+            return str(payload["message"])
+    return response.text

@@ -1,0 +1,1 @@
+"""The GRPO driver behind `tandem train`: joins rollout/ and trainer_bridge/."""

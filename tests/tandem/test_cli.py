@@ -1,0 +1,125 @@
+"""The `tandem` command line: tiny-model end to end, ServerArgs flags, handler dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+
+import pytest
+
+from tandem import main as cli
+from engine.config import ServerArgs
+from tandem.server_args import flag_name, server_args_from_namespace
+
+
+def _server_args(argv: list[str]) -> ServerArgs:
+    return ServerArgs(**server_args_from_namespace(cli.build_parser().parse_args(argv)))
+
+
+def test_tiny_model_subcommand(tmp_path, capsys):
+    assert cli.main(["tiny-model", "--out", str(tmp_path / "m"), "--seed", "3"]) == 0
+    assert (tmp_path / "m" / "model.safetensors").exists()
+    assert str(tmp_path / "m") in capsys.readouterr().out
+
+
+def test_tiny_model_real_shape_preset(tmp_path):
+    assert cli.main(["tiny-model", "--out", str(tmp_path), "--preset", "qwen3-8b"]) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 36
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_every_server_args_field_has_a_flag():
+    sub = cli.build_parser()._subparsers._group_actions[0].choices
+    for command in ("generate", "demo", "serve"):
+        flags = sub[command]._option_string_actions
+        for field in dataclasses.fields(ServerArgs):
+            assert flag_name(field.name) in flags, (command, field.name)
+
+
+def test_defaults_round_trip():
+    assert _server_args(["generate", "--model-path", "m", "--prompt", "x"]) == ServerArgs(model_path="m")
+
+
+def test_flags_round_trip():
+    args = _server_args([
+        "serve", "--model-path", "/ckpt", "--chunked-prefill-size", "64", "--disable-radix-cache",
+        "--schedule-policy", "lpm", "--mem-fraction-static", "0.5", "--attention-backend", "torch",
+        "--enable-deterministic-inference", "--port", "31000", "--dtype", "float32",
+    ])
+    assert args == ServerArgs(model_path="/ckpt", chunked_prefill_size=64, disable_radix_cache=True,
+                              schedule_policy="lpm", mem_fraction_static=0.5,
+                              attention_backend="torch", enable_deterministic_inference=True,
+                              port=31000, dtype="float32")
+
+
+def test_generate_sampling_flags():
+    ns = cli.build_parser().parse_args([
+        "generate", "--model-path", "m", "--prompt", "a", "--prompt", "b c",
+        "--max-new-tokens", "8", "--temperature", "0.7", "--sampling-seed", "5"])
+    assert (ns.prompt, ns.max_new_tokens, ns.temperature, ns.sampling_seed) == (["a", "b c"], 8, 0.7, 5)
+
+
+def test_demo_needs_no_model_path():
+    ns = cli.build_parser().parse_args(["demo", "--max-total-tokens", "512"])
+    kwargs = server_args_from_namespace(ns)
+    assert "model_path" not in kwargs and kwargs["max_total_tokens"] == 512
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "x"],  # --model-path is required
+    ["serve", "--model-path", "m", "--schedule-policy", "random"],
+    ["serve", "--model-path", "m", "--max-total-tokens", "lots"],
+    ["tiny-model", "--out", "x", "--preset", "gpt-5"],
+])
+def test_bad_flags_exit(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(argv)
+    assert exc.value.code == 2
+
+
+def test_dispatch_calls_handler_with_namespace(monkeypatch):
+    seen = {}
+
+    def run_generate(args):
+        seen["args"] = args
+        return 0
+
+    fake = types.ModuleType("tandem.generate")
+    fake.run_generate = run_generate
+    monkeypatch.setitem(sys.modules, "tandem.generate", fake)
+    assert cli.main(["generate", "--model-path", "m", "--prompt", "hi"]) == 0
+    assert seen["args"].prompt == ["hi"] and seen["args"].model_path == "m"
+
+
+def test_missing_handler_module_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(cli.HANDLERS, "serve", ("engine.no_such_module", "run_serve"))
+    with pytest.raises(SystemExit, match="not available"):
+        cli.main(["serve", "--model-path", "m"])
+
+
+def test_serve_runs_the_core_in_a_process_on_a_gpu_unless_told(monkeypatch):
+    import torch
+
+    from tandem.serve import default_core_process
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_core_process({"device": "auto"})["core_process"] is True
+    assert default_core_process({"device": "cpu"})["core_process"] is False
+    assert default_core_process({"core_process": False})["core_process"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_core_process({})["core_process"] is False
+    assert default_core_process({"core_process": True})["core_process"] is True
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_handler", lambda command: interrupted)
+    monkeypatch.delenv("TANDEM_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["tiny-model", "--out", "/tmp/unused"])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err.strip() == "tandem tiny-model: interrupted"
