@@ -1,9 +1,9 @@
 """save_hf_checkpoint: the trained policy as an HF checkpoint that transformers and tandem load.
 
-The Policy's parameters carry engine names with stacked `qkv_proj` / `gate_up_proj`; this splits
-them back into the checkpoint's q/k/v and gate/up tensors (the model's stacked_params_mapping),
-drops a tied lm_head, and copies config, generation config and tokenizer files from the source
-checkpoint, so the result is the source's format with new weights.
+The Policy's parameters carry engine names with stacked `qkv_proj` / `gate_up_proj`; the engine's
+HF-name map (engine/models/hf_names.py) splits them back into the checkpoint's q/k/v and gate/up
+tensors and drops a tied lm_head. Config, generation config and tokenizer files are copied from
+the source checkpoint, so the result is the source's format with new weights.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from engine.models.layers import StackedLinear
+from engine.models.hf_names import HFNameMap
 
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
@@ -23,21 +23,7 @@ CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 def hf_named_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Engine-named full tensors of `model` (an engine DecoderForCausalLM) -> HF-named tensors."""
-    shard_names = {(stacked, shard): hf for stacked, hf, shard in model.stacked_params_mapping}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in named:
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        stacked = module_name.rpartition(".")[2]
-        if isinstance(module, StackedLinear):
-            for shard in module.shard_ids:
-                hf_module = module_name[: -len(stacked)] + shard_names[(stacked, shard)]
-                out[f"{hf_module}.{leaf}"] = tensor[module.shard_slice(shard)]
-        else:
-            out[name] = tensor
-    if getattr(model, "tie_word_embeddings", False):
-        out.pop("lm_head.weight", None)
-    return out
+    return dict(HFNameMap(model).hf_tensors(named))
 
 
 def save_hf_checkpoint(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], source_dir: str,

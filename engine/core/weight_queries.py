@@ -12,6 +12,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from engine.models.hf_names import HFNameMap
+
 
 def weights_checksum(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
     """sha256 over (name, raw bytes) pairs sorted by name: SGLang's compute_weights_checksum, so
@@ -40,15 +42,12 @@ def weights_by_name(model: nn.Module, name: str, truncate_size: int = 100) -> li
 
 
 def _resolve(model: nn.Module, name: str) -> torch.Tensor:
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head reads the embedding
     if name in params:
         return params[name]
-    for stacked, ckpt_name, shard_id in getattr(model, "stacked_params_mapping", []):
-        if f".{ckpt_name}." not in name:
-            continue
-        param_name = name.replace(f".{ckpt_name}.", f".{stacked}.")
-        if param_name in params:
-            module = model.get_submodule(param_name.rsplit(".", 1)[0])
-            return params[param_name][module.shard_slice(shard_id)]
+    names = HFNameMap(model)
+    param_name, shard_id = names.engine_key(name)
+    if shard_id is not None and param_name in params:
+        return names.view(param_name, shard_id, params[param_name])
     raise ValueError(f"no parameter named {name!r}: give an HF checkpoint name such as "
                      "'model.layers.0.self_attn.q_proj.weight' or 'lm_head.weight'")

@@ -1,8 +1,8 @@
 """The decoder-only transformer shared by Llama, Qwen2 and Qwen3.
 
 The three differ only in LayerOptions (biases, per-head q/k norm). Parameter names mirror HF
-except the stacked `qkv_proj` and `gate_up_proj`; `load_weights` is the one place that maps HF
-tensor names onto them (the disk loader and weight sync both go through it).
+except the stacked `qkv_proj` and `gate_up_proj` (mapped in engine/models/hf_names.py);
+`load_weights` is the one writer of parameters (the disk loader and weight sync both go through it).
 """
 
 from __future__ import annotations
@@ -24,19 +24,15 @@ from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    StackedLinear,
     apply_rotary,
     fused_kernel,
 )
+from engine.models.hf_names import DENSE_STACKING, HFNameMap, Stacking, WeightKey
 from engine.models.weight_cast import CastCheck, WeightsPartlyWritten
 
 if TYPE_CHECKING:
     from engine.models.parallel_state import TPGroup
     from engine.forward_batch import ForwardBatch
-
-# a loaded checkpoint tensor lands on (parameter name, shard id); shard id None = whole parameter
-WeightKey = tuple[str, Any]
-
 
 @dataclass(frozen=True)
 class LayerOptions:
@@ -175,14 +171,8 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Base of the model classes; subclasses only choose `layer_options(config)`."""
 
-    # (engine parameter, HF checkpoint name, shard id), as in SGLang
-    stacked_params_mapping: list[tuple[str, str, Any]] = [
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    ]
+    # how HF tensors stack into parameters (engine/models/hf_names.py)
+    hf_stacking: tuple[Stacking, ...] = DENSE_STACKING
 
     def __init__(self, config: Any, deterministic: bool = False, tp: Optional["TPGroup"] = None) -> None:
         """deterministic: batch-invariant kernels everywhere (--enable-deterministic-inference);
@@ -228,21 +218,25 @@ class DecoderForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return logits.float() if out is None else out.copy_(logits)
 
-    # ---- weight loading: the single place that knows HF names -> engine parameters ----
+    # ---- weight loading: HF names come from the one map (engine/models/hf_names.py) ----
+
+    @property
+    def hf_names(self) -> HFNameMap:
+        return HFNameMap(self)
 
     def check_weights(self, named_specs: Iterable[tuple]) -> set[WeightKey]:
         """(name, shape) or (name, shape, dtype of a host tensor) items: raise ValueError naming
         the first whose name, shape or dtype does not fit; returns the keys they would write
         (see `missing_weights`), without writing any."""
-        params = dict(self.named_parameters())
+        params, names = dict(self.named_parameters()), self.hf_names
         casts = CastCheck()
         covered: set[WeightKey] = set()
         for name, shape, *dtype in named_specs:
-            target = self._resolve(name, tuple(shape), params)
+            target = self._resolve(name, tuple(shape), params, names)
             if target is not None:
                 if dtype:
                     casts.check_dtype(name, dtype[0], params[target[0]])
-                covered |= self._keys_covered(*target)
+                covered |= names.keys_covered(*target)
         return covered
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[WeightKey]:
@@ -250,64 +244,44 @@ class DecoderForCausalLM(nn.Module):
         dtype (castable to its parameter's) is checked before any parameter is written, so a bad
         payload leaves the model untouched; a copy that still fails raises WeightsPartlyWritten.
         Returns the (parameter, shard id) keys written; see `missing_weights`."""
-        params = dict(self.named_parameters())
+        params, names = dict(self.named_parameters()), self.hf_names
         casts = CastCheck()
         plan = []
         for name, tensor in weights:
             if not torch.is_floating_point(tensor):
                 raise ValueError(f"weight {name!r} has non-floating dtype {tensor.dtype}")
-            target = self._resolve(name, tuple(tensor.shape), params)
+            target = self._resolve(name, tuple(tensor.shape), params, names)
             if target is not None:
                 casts.check(name, tensor, params[target[0]])
                 plan.append((target, self._rank_part(*target, tensor)))
         loaded: set[WeightKey] = set()
         with torch.no_grad():
             for i, ((param_name, shard_id), tensor) in enumerate(plan):
-                param = params[param_name]
-                dst = param.data if shard_id is None else param.data[self._shard_slice(param_name, shard_id)]
                 try:
-                    dst.copy_(tensor)
+                    names.view(param_name, shard_id, params[param_name].data).copy_(tensor)
                 except Exception as exc:
                     raise WeightsPartlyWritten(f"copying into {param_name} failed after {i} of {len(plan)} "
                                                f"tensors were written: {type(exc).__name__}: {exc}") from exc
-                loaded |= self._keys_covered(param_name, shard_id)
+                loaded |= names.keys_covered(param_name, shard_id)
         return loaded
 
     def missing_weights(self, loaded: set[WeightKey]) -> list[str]:
         """HF names of the checkpoint tensors not in `loaded`."""
-        shard_names = {(p, s): c for p, c, s in self.stacked_params_mapping}
-        missing = []
-        for name, _ in self.named_parameters():
-            for key in sorted(self._keys_covered(name, None) - loaded, key=str):
-                pname, shard_id = key
-                if shard_id is None:
-                    missing.append(pname)
-                else:
-                    stacked = pname.split(".")[-2]
-                    missing.append(pname.replace(stacked, shard_names[(stacked, shard_id)]))
-        return missing
+        return self.hf_names.missing(loaded)
 
-    def _resolve(self, name: str, shape: tuple[int, ...],
-                 params: dict[str, nn.Parameter]) -> Optional[WeightKey]:
+    def _resolve(self, name: str, shape: tuple[int, ...], params: dict[str, nn.Parameter],
+                 names: HFNameMap) -> Optional[WeightKey]:
         """HF name -> (parameter name, shard id), None for tensors to skip; checks the shape."""
-        if "rotary_emb.inv_freq" in name:
+        if names.skipped(name):
             return None
-        if self.tie_word_embeddings and name == "lm_head.weight":
-            return None
-        param_name, shard_id = name, None
-        for stacked, ckpt_name, sid in self.stacked_params_mapping:
-            if f".{ckpt_name}." in name:
-                param_name, shard_id = name.replace(f".{ckpt_name}.", f".{stacked}."), sid
-                break
+        param_name, shard_id = names.engine_key(name)
         if param_name not in params:
             raise ValueError(f"unknown weight {name!r}: no such parameter in {type(self).__name__}")
-        expected = tuple(params[param_name].shape)
         sharded = self._tp_sharded(param_name)
         if sharded is not None:  # tensor parallel: the checkpoint holds the full tensor
             expected = sharded.checkpoint_shape(param_name.rsplit(".", 1)[1], shard_id)
-        elif shard_id is not None:
-            sl = self._shard_slice(param_name, shard_id)
-            expected = (sl.stop - sl.start, *expected[1:])
+        else:
+            expected = tuple(names.view(param_name, shard_id, params[param_name]).shape)
         if shape != expected:
             raise ValueError(f"weight {name!r} has shape {list(shape)}, expected {list(expected)}")
         return param_name, shard_id
@@ -322,19 +296,3 @@ class DecoderForCausalLM(nn.Module):
         if sharded is None:
             return tensor
         return sharded.rank_part(param_name.rsplit(".", 1)[1], shard_id, tensor)
-
-    def _stacked_module(self, param_name: str) -> Optional[StackedLinear]:
-        module = self.get_submodule(param_name.rsplit(".", 1)[0])
-        return module if isinstance(module, StackedLinear) else None
-
-    def _shard_slice(self, param_name: str, shard_id: Any) -> slice:
-        return self._stacked_module(param_name).shard_slice(shard_id)
-
-    def _keys_covered(self, param_name: str, shard_id: Any) -> set[WeightKey]:
-        """A whole stacked parameter (engine name, e.g. from weight sync) covers all its shards."""
-        module = self._stacked_module(param_name)
-        if module is None:
-            return {(param_name, None)}
-        if shard_id is not None:
-            return {(param_name, shard_id)}
-        return {(param_name, sid) for sid in module.shard_ids}
