@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from engine.models.parallel_state import TPGroup
     from engine.forward_batch import ForwardBatch
 
+
 @dataclass(frozen=True)
 class LayerOptions:
     qkv_bias: bool = False
