@@ -9,8 +9,9 @@ runs on a worker thread, so a weight update never stalls the generates around it
 Weight payloads arrive by reference: CPU tensors through Ray's object store (shared memory; pass
 an ObjectRef from `ray.put` to reach several engines with one copy), or
 `weight_sync.cuda_ipc.serialize` bytes (CUDA IPC handles from a colocated trainer, shared-memory
-descriptors on the CPU), unpickled here through the allowlist. Talk to it through
-engine_client.ray_client.RayClient; `start_engine_actors` starts a local Ray cluster if none runs.
+descriptors on the CPU), passed on as they are: the Engine's core unpickles them through the
+allowlist. Talk to it through engine_client.ray_client.RayClient; `start_engine_actors` starts a
+local Ray cluster if none runs.
 """
 
 from __future__ import annotations
@@ -61,20 +62,10 @@ class EngineActor:
     async def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
                                          flush_cache: bool = True, weight_version: Optional[str] = None):
         """named_tensors: [(name, tensor)] or a flattened-bucket payload (through Ray), or the
-        bytes/text of weight_sync.cuda_ipc.serialize of either. -> (success, message); a refused
-        payload changes nothing and says why."""
-        def load() -> tuple[bool, str]:
-            payload = named_tensors
-            try:
-                if isinstance(payload, (bytes, str)):
-                    from weight_sync.cuda_ipc import deserialize
-
-                    payload = deserialize(payload)
-                return self.engine.update_weights_from_tensor(payload, load_format, flush_cache, weight_version)
-            except ValueError as exc:  # refused payload, bad pairs or bucket, unknown load_format
-                return False, str(exc)
-
-        return await asyncio.to_thread(load)
+        bytes/text of weight_sync.cuda_ipc.serialize of either, passed on as they are (the engine's
+        core unpickles them). -> (success, message); a refused payload changes nothing and says why."""
+        return await self._reply(self.engine.update_weights_from_tensor, named_tensors, load_format, flush_cache,
+                                 weight_version)
 
     async def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                        weight_version: Optional[str] = None, flush_cache: bool = True):

@@ -2,7 +2,9 @@
 
 One update is the RL protocol end to end: pause (retract) -> transfer (the trainer's buckets reach
 the engine process: IPC handles / shared-memory names, or a checkpoint written to disk) -> load
-(every bucket into the parameters) -> flush (the radix cache) + new weight version -> resume.
+(every bucket into the parameters; for cuda-ipc this includes the core opening the handles, as
+every serialized payload is opened where it loads) -> flush (the radix cache) + new weight version
+-> resume.
 Each phase's median over --num-updates updates is reported, with GPU memory before the first and
 after the last update (growth in %, so --num-updates 200 shows whether buffers are reused), and
 whether the engine then holds the trainer's weights.
@@ -202,13 +204,12 @@ def _inprocess_step(engine: Any, trainer: Any, scratch: str) -> tuple[float, flo
 
 
 def _ipc_step(engine: Any, trainer: Any, scratch: str) -> tuple[float, float]:
-    from weight_sync.cuda_ipc import deserialize
-
+    """The payloads go to the engine serialized: its core opens the handles (a core process
+    included) and closes its mappings after each bucket; the trainer's ipc_collect frees its side."""
     start = time.perf_counter()
-    payloads = [deserialize(text) for text in trainer.call("payloads")]
+    payloads = trainer.call("payloads")
     mid = time.perf_counter()
     _load_buckets(engine, payloads)
-    del payloads  # closes the engine's mappings; the trainer's ipc_collect then frees its side
     return mid - start, time.perf_counter() - mid
 
 

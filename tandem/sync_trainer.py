@@ -42,8 +42,7 @@ def hf_parameter_shapes(model_path: str) -> list[tuple[str, torch.Size]]:
 
 class BucketTrainer:
     def __init__(self, model_path: str, dtype: str, device: str, bucket_bytes: int, seed: int = 0) -> None:
-        from trainer_bridge.sync import split_by_bytes
-        from weight_sync.bucket import FlattenedBucket, FlattenedTensorMetadata
+        from weight_sync.bucket import FlattenedBucket, split_by_bytes
 
         self.dtype, self.device = getattr(torch, dtype), torch.device(device)
         gen = torch.Generator(self.device).manual_seed(seed)
@@ -51,15 +50,9 @@ class BucketTrainer:
         self.buckets = []
         shapes = hf_parameter_shapes(model_path)
         for group in split_by_bytes(shapes, bucket_bytes, lambda shape: shape.numel() * itemsize):
-            total = sum(shape.numel() for _, shape in group)
-            flat = torch.empty(total, dtype=self.dtype, device=self.device)
-            flat.normal_(0.0, 0.02, generator=gen)  # the "trained" weights, in place
-            metadata, offset = [], 0
-            for name, shape in group:
-                nbytes = shape.numel() * itemsize
-                metadata.append(FlattenedTensorMetadata(name, shape, self.dtype, offset, offset + nbytes, nbytes))
-                offset += nbytes
-            self.buckets.append(FlattenedBucket(flat.view(torch.uint8), metadata))
+            bucket = FlattenedBucket.empty([(name, shape, self.dtype) for name, shape in group], self.device)
+            bucket.flattened_tensor.view(self.dtype).normal_(0.0, 0.02, generator=gen)  # the "trained" weights
+            self.buckets.append(bucket)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -25,8 +25,8 @@ import torch
 
 from trainer_bridge.losses import LossConfig
 from trainer_bridge.policy import Policy
-from trainer_bridge.sync import split_by_bytes
 from trainer_bridge.trainer import NamedTensors, Trainer
+from weight_sync.bucket import split_by_bytes
 
 
 class DeepSpeedTrainer(Trainer):

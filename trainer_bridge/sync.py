@@ -9,7 +9,7 @@ pause_mode "in_place" keeps running requests and their KV, so it cannot flush: t
 keeps old-weight KV too (flush it once those requests finish); "abort" ends them.
 
 Transports are weight_sync's WeightSenders, picked by name ("tensor": FlattenedBucket payloads,
-in-process or by reference on one machine, weight_sync/bucket.py; "distributed": a broadcast from
+in-process or by reference on one machine, weight_sync/tensor.py; "distributed": a broadcast from
 this trainer, rank 0 of `group`, weight_sync/nccl.py; "disk": a safetensors directory,
 weight_sync/disk.py); all take engine parameter names or HF names (Policy.model.named_parameters()
 gives the former).
@@ -17,11 +17,12 @@ gives the former).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from weight_sync.base import WeightSyncError, on_all_engines, sender_for, transports
+from weight_sync.bucket import split_by_bytes
 
 TRANSPORTS = transports()  # the registered WeightSenders' names
 __all__ = ["TRANSPORTS", "WeightSyncError", "on_all_engines", "push_to_engines", "push_weights", "split_by_bytes"]
@@ -81,20 +82,3 @@ def release_shared_buckets() -> None:
     collects them: without it every push would keep its buckets (memory grows per update)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()
-
-
-def split_by_bytes(named: Sequence[tuple[str, Any]], bucket_bytes: int,
-                   nbytes: Callable[[Any], int] = lambda t: t.numel() * t.element_size()) -> Iterator[list]:
-    """Consecutive runs of at most bucket_bytes by `nbytes` (a larger item goes alone); an empty
-    input gives one empty run."""
-    bucket: list = []
-    size = 0
-    for name, t in named:
-        n = nbytes(t)
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket or not named:
-        yield bucket

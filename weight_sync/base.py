@@ -1,8 +1,9 @@
 """The two ends of a weight update, each behind a small base class and a registry by name.
 
-WeightSource (engine side): where an update's tensors come from. One source rides in an
-UpdateWeightsReq into the core, which calls `load_into` between two steps; a source checks every
-name, shape and dtype before it writes a parameter (the model's `load_weights` does for pairs).
+WeightSource (engine side): where an update's tensors come from. Engine.update_weights(source)
+sends one in an UpdateWeightsReq into the core, which calls `load_into` between two steps; a
+source checks every name, shape and dtype before it writes a parameter (the model's
+`load_weights` does for pairs). Every SGLang-named update method builds one.
 WeightSender (trainer side): moves a bucket of (name, tensor) to an engine over one transport.
 A new transport is one module here with a source and a sender, registered by name.
 """
@@ -12,8 +13,8 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
-from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
@@ -32,7 +33,15 @@ class LoadContext:
 
 
 class WeightSource:
+    """Engine.update_weights(source) hands one to the core; `load_into` runs there, between two
+    steps, and calls `model.load_weights([(HF name, tensor)])` (which checks every pair before
+    writing any). Arguments are checked when the source is built, in the caller's thread.
+    every_rank_reads: each tensor-parallel rank reads the source itself (a checkpoint, a trainer's
+    broadcast to the whole group); otherwise rank 0 loads it and sends its tensors to the others.
+    A source whose sender waits on the engine (a broadcast) also has `discard(ctx)`: an update
+    refused before loading still takes what was sent, and drops it, to stay in step."""
     kind: ClassVar[str] = ""
+    every_rank_reads: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -112,38 +121,3 @@ def sender_for(transport: str, **options: Any) -> WeightSender:
 
 def _package_path() -> list[str]:
     return [os.path.dirname(__file__)]
-
-
-def check_tensor_load_format(load_format: Optional[str]) -> None:
-    if load_format not in (None, "direct", "flattened_bucket"):
-        raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or 'flattened_bucket'")
-
-
-def named_pairs(named_tensors: Any, load_format: Optional[str] = None) -> list[tuple[str, torch.Tensor]]:
-    """[(name, tensor)] from pairs or (load_format="flattened_bucket") a FlattenedBucket or its
-    payload dict; a ValueError naming what was passed instead."""
-    check_tensor_load_format(load_format)
-    if load_format == "flattened_bucket":
-        from weight_sync.bucket import FlattenedBucket
-
-        named_tensors = FlattenedBucket.from_payload(named_tensors).unpack()
-    try:
-        named = list(named_tensors)
-    except TypeError:
-        raise ValueError(f"named_tensors must be (name, tensor) pairs; got {type(named_tensors).__name__}") from None
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):
-            held = f" holding {type(item[1]).__name__}" if isinstance(item, tuple) and len(item) == 2 else ""
-            raise ValueError(f"named_tensors must be (name, tensor) pairs; got a {type(item).__name__}{held}")
-    return named
-
-
-@dataclass
-class TensorSource(WeightSource):
-    """HF-named tensors handed over in memory (in process, or by reference across processes)."""
-    kind: ClassVar[str] = "tensor"
-    named_tensors: list
-
-    def load_into(self, model: Any, ctx: LoadContext) -> None:
-        model.load_weights(self.named_tensors)

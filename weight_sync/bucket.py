@@ -4,16 +4,16 @@ One buffer per transfer instead of one per tensor: one IPC handle, one NCCL broa
 is SGLang's FlattenedTensorBucket (`load_format="flattened_bucket"`: a dict {"flattened_tensor",
 "metadata"}, offsets and sizes in bytes), so a payload built for SGLang loads here too. Buckets of
 mixed dtypes are fine; callers choose the bucket size (verl and slime use hundreds of MB).
+The byte layout (`bucket_layout`) and the cut into buckets (`split_by_bytes`) are written here
+only: a sender packing, a receiver's empty buffer and a trainer's resident buckets all use them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
-
-from weight_sync.base import WeightSender
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,18 @@ class FlattenedBucket:
     @classmethod
     def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> "FlattenedBucket":
         """One copy of every tensor into a fresh buffer on the tensors' device."""
-        parts, metadata, offset = [], [], 0
-        for name, tensor in named_tensors:
-            flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-            metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset,
-                                                    offset + flat.numel(), flat.numel()))
-            parts.append(flat)
-            offset += flat.numel()
+        named = list(named_tensors)
+        metadata, _ = bucket_layout((name, t.shape, t.dtype) for name, t in named)
+        parts = [t.detach().contiguous().view(-1).view(torch.uint8) for _, t in named]
         buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
         return cls(buffer, metadata)
+
+    @classmethod
+    def empty(cls, specs: Iterable[tuple[str, Any, torch.dtype]], device: Any = None) -> "FlattenedBucket":
+        """An uninitialised buffer laid out for (name, shape, dtype) specs: a broadcast's receive
+        buffer, or a trainer's parameters kept resident in buckets."""
+        metadata, total = bucket_layout(specs)
+        return cls(torch.empty(total, dtype=torch.uint8, device=device), metadata)
 
     @classmethod
     def from_payload(cls, payload: Any) -> "FlattenedBucket":
@@ -83,6 +86,35 @@ class FlattenedBucket:
         return out
 
 
+def bucket_layout(specs: Iterable[tuple[str, Any, torch.dtype]]) -> tuple[list[FlattenedTensorMetadata], int]:
+    """SGLang's layout of (name, shape, dtype) specs: bytes back to back in order, no padding.
+    -> (metadata, total bytes)."""
+    metadata, offset = [], 0
+    for name, shape, dtype in specs:
+        shape = torch.Size(shape)
+        nbytes = dtype.itemsize * shape.numel()
+        metadata.append(FlattenedTensorMetadata(name, shape, dtype, offset, offset + nbytes, nbytes))
+        offset += nbytes
+    return metadata, offset
+
+
+def split_by_bytes(named: Sequence[tuple[str, Any]], bucket_bytes: int,
+                   nbytes: Callable[[Any], int] = lambda t: t.numel() * t.element_size()) -> Iterator[list]:
+    """Consecutive runs of at most bucket_bytes by `nbytes` (a larger item goes alone); an empty
+    input gives one empty run."""
+    bucket: list = []
+    size = 0
+    for name, t in named:
+        n = nbytes(t)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket or not named:
+        yield bucket
+
+
 def _numel(shape: Any) -> int:
     if not isinstance(shape, (tuple, list)):  # torch.Size is a tuple
         raise ValueError(f"a bucket entry's shape must be a tuple of ints, got {type(shape).__name__}")
@@ -96,14 +128,3 @@ def _numel(shape: Any) -> int:
 
 def _describe(x: Any) -> str:
     return f"{x.dtype} with shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-
-
-class TensorSender(WeightSender):
-    """Each bucket packed into one FlattenedBucket and handed to `update_weights_from_tensor`
-    (in process; an HTTP or Ray client sends the payload by reference, cuda_ipc)."""
-    kind: ClassVar[str] = "tensor"
-
-    def send(self, engine: Any, bucket: list, flush_cache: bool, weight_version: Optional[str]) -> tuple[bool, str]:
-        payload = FlattenedBucket.pack(bucket).to_payload()
-        return engine.update_weights_from_tensor(payload, load_format="flattened_bucket", flush_cache=flush_cache,
-                                                 weight_version=weight_version)

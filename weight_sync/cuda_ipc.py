@@ -28,12 +28,10 @@ import base64
 import collections
 import io
 import pickle
-from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Union
 
 import torch
 
-from weight_sync.base import LoadContext, WeightSource, named_pairs
 from weight_sync.rebuilds import (LEGACY_STORAGES, RefusedPayload, Token, checked_rebuild, is_mp_listener,
                                   refuse)
 
@@ -170,21 +168,3 @@ def deserialize(data: Union[bytes, str]) -> Any:
 # what a hostile or broken payload can raise while it is decoded: the sender's fault, refused
 PAYLOAD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, EOFError,
                   pickle.UnpicklingError)
-
-
-@dataclass
-class SerializedSource(WeightSource):
-    """A payload still serialized (SGLang's `serialized_named_tensors` entry): unpickled through
-    the allowlist inside the core's own process, where the weights are loaded. CUDA memory
-    opened from an IPC handle cannot be shared on to another process, so a front end that
-    opened it could not hand it to a core process; this source never opens it there."""
-    kind: ClassVar[str] = "serialized"
-    data: Union[bytes, str]
-    load_format: Optional[str] = None
-
-    def load_into(self, model: Any, ctx: LoadContext) -> None:
-        try:
-            named = named_pairs(deserialize(self.data), self.load_format)
-        except PAYLOAD_ERRORS as exc:  # refused class, corrupt pickle, bad bucket metadata
-            raise ValueError(f"payload refused: {type(exc).__name__}: {exc}") from exc
-        model.load_weights(named)

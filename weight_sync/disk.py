@@ -17,7 +17,13 @@ from weight_sync.base import LoadContext, WeightSender, WeightSource
 class DiskSource(WeightSource):
     """Every weight of a safetensors checkpoint of the same architecture."""
     kind: ClassVar[str] = "disk"
+    every_rank_reads: ClassVar[bool] = True  # each tensor-parallel rank reads its own shards
     model_path: str
+    load_format: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {self.load_format!r} is not supported for disk updates; use 'auto'")
 
     def load_into(self, model: Any, ctx: LoadContext) -> None:
         if ctx.load_checkpoint is None:

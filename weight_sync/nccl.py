@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import torch
 
 from weight_sync.base import LoadContext, WeightSender, WeightSource, WeightSyncError
-from weight_sync.bucket import FlattenedBucket, FlattenedTensorMetadata
+from weight_sync.bucket import FlattenedBucket
 from weight_sync.weight_group import DEFAULT_TIMEOUT_S, GroupBroken, WeightGroup, check_group_args  # noqa: F401 (the group's home)
 
 logger = logging.getLogger("tandem")
@@ -49,11 +49,15 @@ class GroupSource(WeightSource):
     """Tensors the trainer (rank 0 of `group_name`) broadcasts: one per name, in this order, or
     (load_format "flattened_bucket") all of them in one buffer."""
     kind: ClassVar[str] = "distributed"
+    every_rank_reads: ClassVar[bool] = True  # the trainer broadcasts to every rank of every engine
     names: list
     dtypes: list
     shapes: list
     group_name: str = "weight_update_group"
     load_format: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        check_load_format(self.load_format)
 
     def load_into(self, model: Any, ctx: LoadContext) -> None:
         model.load_weights(self.receive(ctx))
@@ -72,10 +76,10 @@ class GroupSource(WeightSource):
         specs = self._specs()
         try:
             if self.load_format == "flattened_bucket":
-                bucket = empty_bucket(specs, ctx.device)
+                bucket = FlattenedBucket.empty(specs, ctx.device)
                 group.broadcast(bucket.flattened_tensor, src=0)
                 return bucket.unpack()
-            tensors = [(name, torch.empty(shape, dtype=dtype, device=ctx.device)) for name, dtype, shape in specs]
+            tensors = [(name, torch.empty(shape, dtype=dtype, device=ctx.device)) for name, shape, dtype in specs]
             works = [group.start_broadcast(t, src=0) for _, t in tensors]  # queued in order, as the trainer's
             for work in works:
                 group.wait(work)
@@ -88,24 +92,14 @@ class GroupSource(WeightSource):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(self.names)}, "
                              f"{len(self.dtypes)}, {len(self.shapes)}); {OUT_OF_STEP}")
         try:
-            specs = [(str(name), parse_dtype(dtype), tuple(int(d) for d in shape))
+            specs = [(str(name), tuple(int(d) for d in shape), parse_dtype(dtype))
                      for name, dtype, shape in zip(self.names, self.dtypes, self.shapes)]
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{exc}; {OUT_OF_STEP}") from exc
-        bad = next((name for name, _, shape in specs if any(d < 0 for d in shape)), None)
+        bad = next((name for name, shape, _ in specs if any(d < 0 for d in shape)), None)
         if bad is not None:
             raise ValueError(f"weight {bad!r} has a negative dimension; {OUT_OF_STEP}")
         return specs
-
-
-def empty_bucket(specs: list, device: torch.device) -> FlattenedBucket:
-    """The receive buffer of a flattened bucket: SGLang's layout (bytes back to back, names order)."""
-    metadata, offset = [], 0
-    for name, dtype, shape in specs:
-        nbytes = dtype.itemsize * torch.Size(shape).numel()
-        metadata.append(FlattenedTensorMetadata(name, torch.Size(shape), dtype, offset, offset + nbytes, nbytes))
-        offset += nbytes
-    return FlattenedBucket(torch.empty(offset, dtype=torch.uint8, device=device), metadata)
 
 
 @dataclass

@@ -143,7 +143,7 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._call(FlushCacheReq())
 
-    # ---- RL control: pause, weight updates (engine/generation_control.py) ---------------------
+    # ---- RL control: pause, weight updates (engine/core/control.py) ----------------------------
     def pause_generation(self, mode: str = "abort") -> None:
         """abort: in-flight requests end with finish_reason abort; retract: they go back to the
         queue (KV freed to the cache) and resume on continue; in_place: they keep their KV.
@@ -153,17 +153,18 @@ class Engine:
     def continue_generation(self) -> None:
         self._call(ContinueReq())
 
-    def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None,
-                                   flush_cache: bool = True, weight_version: Optional[str] = None
-                                   ) -> tuple[bool, str]:
-        """named_tensors: [(HF name, tensor)], any subset of the weights; with
-        load_format="flattened_bucket", a weight_sync FlattenedBucket or its payload dict.
-        -> (success, message); a bad name or shape changes nothing and says which."""
-        from weight_sync.base import TensorSource, named_pairs
+    def update_weights(self, source: Any, flush_cache: bool = True, weight_version: Optional[str] = None
+                       ) -> tuple[bool, str]:
+        """Load one weight_sync WeightSource (tensors, a serialized payload, a checkpoint, a
+        broadcast, or any new transport's source) between two steps -> (success, message). Every
+        name, shape and dtype is checked before any write: a refused update changes nothing and
+        says why. Then the radix cache is flushed (flush_cache) and the version set."""
+        from weight_sync.base import WeightSource
 
-        msg = UpdateWeightsReq(TensorSource(named_pairs(named_tensors, load_format)), flush_cache, weight_version)
+        if not isinstance(source, WeightSource):
+            raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
         try:
-            return self._call(msg)
+            return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
         except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
             if "received from another process" not in str(exc):
                 raise
@@ -171,29 +172,34 @@ class Engine:
                              "shared on to the core process: pass the serialized payload to "
                              "update_weights_from_serialized instead") from exc
 
+    def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None,
+                                   flush_cache: bool = True, weight_version: Optional[str] = None
+                                   ) -> tuple[bool, str]:
+        """named_tensors: [(HF name, tensor)], any subset of the weights; with
+        load_format="flattened_bucket", a weight_sync FlattenedBucket or its payload dict; or either
+        serialized (weight_sync.cuda_ipc.serialize bytes or text), which the core unpickles.
+        -> (success, message); a bad name or shape changes nothing and says which."""
+        from weight_sync.tensor import tensor_source
+
+        return self.update_weights(tensor_source(named_tensors, load_format), flush_cache, weight_version)
+
     def update_weights_from_serialized(self, serialized: Union[bytes, str], load_format: Optional[str] = None,
                                        flush_cache: bool = True, weight_version: Optional[str] = None
                                        ) -> tuple[bool, str]:
         """One `serialized_named_tensors` entry (weight_sync.cuda_ipc.serialize or SGLang's
         MultiprocessingSerializer), unpickled through the allowlist by the core itself: CUDA IPC
         handles are opened in the process that loads them (a core process included)."""
-        from weight_sync.base import check_tensor_load_format
-        from weight_sync.cuda_ipc import SerializedSource
+        from weight_sync.tensor import SerializedSource
 
-        if not isinstance(serialized, (bytes, str)):
-            raise ValueError(f"a serialized payload is bytes or base64 text; got {type(serialized).__name__}")
-        check_tensor_load_format(load_format)
-        return self._call(UpdateWeightsReq(SerializedSource(serialized, load_format), flush_cache, weight_version))
+        return self.update_weights(SerializedSource(serialized, load_format), flush_cache, weight_version)
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None, flush_cache: bool = True
                                  ) -> tuple[bool, str]:
         """Every weight from a safetensors checkpoint of the same architecture -> (success, message)."""
-        if load_format not in (None, "auto", "safetensors"):
-            raise ValueError(f"load_format {load_format!r} is not supported for disk updates; use 'auto'")
         from weight_sync.disk import DiskSource
 
-        return self._call(UpdateWeightsReq(DiskSource(str(model_path)), flush_cache, weight_version))
+        return self.update_weights(DiskSource(str(model_path), load_format), flush_cache, weight_version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -215,11 +221,10 @@ class Engine:
         """Receive one broadcast per name from the group's rank 0 (load_format="flattened_bucket":
         one for all, packed as SGLang's FlattenedTensorBucket), then load them (checked before any
         write) -> (success, message)."""
-        from weight_sync.nccl import GroupSource, check_load_format
+        from weight_sync.nccl import GroupSource
 
-        check_load_format(load_format)
         source = GroupSource(list(names), list(dtypes), [list(s) for s in shapes], group_name, load_format)
-        return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
+        return self.update_weights(source, flush_cache, weight_version)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
         return self._call(DestroyWeightsGroupReq(group_name))

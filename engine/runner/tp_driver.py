@@ -22,7 +22,6 @@ from engine.models.weight_cast import WeightsPartlyWritten
 
 logger = logging.getLogger("tandem")
 STOP_TIMEOUT_S = 30.0
-EVERY_RANK_READS = ("disk", "distributed")  # sources each rank reads itself: a checkpoint, a trainer's broadcast
 
 
 class TPDriver:
@@ -85,14 +84,14 @@ class TPDriver:
 
     def load_weights(self, source: Any, model: Any, ctx: Any) -> None:
         """Every rank loads its shards of the same update; any rank's failure is raised here.
-        A checkpoint on disk is read, and a trainer's broadcast received, by every rank; any other
-        source (tensors, a serialized payload) is loaded by rank 0 first, then its full tensors go
-        to the other ranks (a refusal on rank 0, checked before any write, sends nothing)."""
+        A source that every rank reads (a checkpoint on disk, a trainer's broadcast) is sent to each
+        rank; any other (tensors, a serialized payload) is loaded by rank 0 first, then its full
+        tensors go to the other ranks (a refusal on rank 0, checked before any write, sends nothing)."""
         try:
             self._check_ranks_alive()
         except RuntimeError as exc:  # nothing written yet: an update refused before any write
             raise ValueError(str(exc)) from None
-        if getattr(source, "kind", None) in EVERY_RANK_READS:
+        if source.every_rank_reads:
             too_small = self._group_too_small(ctx.groups.get(getattr(source, "group_name", None)))
             if too_small is not None:  # rank 0 alone is in the trainer's group: it receives, drops, refuses
                 source.discard(ctx)

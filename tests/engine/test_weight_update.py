@@ -249,7 +249,7 @@ def test_a_failing_update_still_answers_the_drained_batch(engine_factory, monkey
     """Overlap on: the update arrives while a batch is launched; that batch finishes a request,
     then loading fails. The request's answer still goes out with the failure reply."""
     from engine.core.messages import UpdateWeightsReq
-    from weight_sync.base import TensorSource
+    from weight_sync.tensor import TensorSource
 
     eng = engine_factory()
     eng.local_core.overlap = True

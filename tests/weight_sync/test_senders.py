@@ -7,7 +7,8 @@ import torch
 
 from weight_sync import base
 from weight_sync.base import SENDERS, WeightSender, sender_for, transports
-from weight_sync.bucket import FlattenedBucket, TensorSender
+from weight_sync.bucket import FlattenedBucket
+from weight_sync.tensor import TensorSender
 from weight_sync.disk import DiskSender
 from weight_sync.nccl import GroupSender
 
