@@ -38,7 +38,9 @@ def check_memory_tags(tags: Optional[list[str]]) -> list[str]:
 # ---- generation ------------------------------------------------------------------------------
 @dataclass
 class ReqInput:
-    """A tokenized, validated request (the front end checks everything before sending it)."""
+    """One sample of a GenerateRequest, tokenized and validated by the front end's RequestBuilder
+    (which also zeroes the logprob options when return_logprob is off). Every field is the
+    scheduler Req's field of the same name: Req.from_input copies them all."""
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -63,19 +63,11 @@ class Req:
 
     @classmethod
     def from_input(cls, msg: Any) -> "Req":
-        """msg: an engine.core.messages.ReqInput, read by field (the scheduler sits below the core)."""
-        return cls(
-            rid=msg.rid,
-            origin_input_ids=list(msg.input_ids),
-            sampling_params=msg.sampling_params,
-            seed=msg.seed,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
-            top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
-            token_ids_logprob=msg.token_ids_logprob if msg.return_logprob and msg.token_ids_logprob else None,
-            logprob_distribution=msg.logprob_distribution,
-            stream=msg.stream,
-        )
+        """msg: an engine.core.messages.ReqInput (a dataclass; the scheduler sits below the core,
+        so it is read by field): each of its fields is a Req field of the same name, input_ids
+        excepted (origin_input_ids here). Its logprob options come normalised by the front end."""
+        given = {f.name: getattr(msg, f.name) for f in fields(msg) if f.name != "input_ids"}
+        return cls(origin_input_ids=list(msg.input_ids), **given)
 
     def note_weight_version(self, version: str) -> None:
         """Called as each output token is committed: opens a span when the weights changed."""
