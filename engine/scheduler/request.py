@@ -1,4 +1,5 @@
-"""Req: one generation request as the scheduler sees it (token ids, lengths, outputs)."""
+"""Req: one generation request as the scheduler sees it (token ids, lengths, outputs), and
+RequestOptions, what it asks for beside its prompt (shared with the core's ReqInput message)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(eq=False)  # identity: requests are compared as objects, never by value
-class Req:
+@dataclass(eq=False)  # Req keeps identity semantics (it is hashed and compared as an object)
+class RequestOptions:
+    """One sample of a generate call, beside its prompt: written once here for the core's
+    ReqInput message and the scheduler's Req. Validated and normalised by the front end's
+    RequestBuilder (without return_logprob the other logprob options are off)."""
     rid: str
-    origin_input_ids: list[int]
     sampling_params: SamplingParams
     seed: int
     return_logprob: bool = False
@@ -24,6 +27,10 @@ class Req:
     logprob_distribution: str = "original"
     stream: bool = False
 
+
+@dataclass(eq=False)  # identity: requests are compared as objects, never by value
+class Req(RequestOptions):
+    origin_input_ids: list[int] = field(kw_only=True)
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping (see engine/kv): what this round computes and what it already owns
     fill_ids: list[int] = field(default_factory=list)
@@ -63,11 +70,9 @@ class Req:
 
     @classmethod
     def from_input(cls, msg: Any) -> "Req":
-        """msg: an engine.core.messages.ReqInput (a dataclass; the scheduler sits below the core,
-        so it is read by field): each of its fields is a Req field of the same name, input_ids
-        excepted (origin_input_ids here). Its logprob options come normalised by the front end."""
-        given = {f.name: getattr(msg, f.name) for f in fields(msg) if f.name != "input_ids"}
-        return cls(origin_input_ids=list(msg.input_ids), **given)
+        """msg: an engine.core.messages.ReqInput (RequestOptions plus its input_ids)."""
+        options = {f.name: getattr(msg, f.name) for f in fields(RequestOptions)}
+        return cls(origin_input_ids=list(msg.input_ids), **options)
 
     def note_weight_version(self, version: str) -> None:
         """Called as each output token is committed: opens a span when the weights changed."""
