@@ -1,117 +1,69 @@
 """EngineActor: a Ray actor that owns one Engine (and optionally its HTTP server).
 
 The Engine is created inside the actor, on the GPU share Ray gave it (`num_gpus` may be
-fractional, so a colocated trainer actor shares the GPU; 0 on the CPU). The actor is an async
-actor: every method is a coroutine on one event loop, generate awaits Engine.async_generate (so
-many generates run at once) and every blocking Engine call (pause, weight updates, release)
-runs on a worker thread, so a weight update never stalls the generates around it.
+fractional, so a colocated trainer actor shares the GPU; 0 on the CPU). Every Engine method is
+reached through one actor method, `call(name, *args, **kwargs)` (RayClient builds the calls), so
+a method added to Engine reaches Ray callers with no edit here. The actor is an async actor:
+`call` is a coroutine on one event loop; a method with an async form (generate ->
+async_generate) is awaited there, so many generates run at once, and every other Engine call
+(pause, weight updates, release) runs on a worker thread, so it never stalls the generates.
 
 Weight payloads arrive by reference: CPU tensors through Ray's object store (shared memory; pass
 an ObjectRef from `ray.put` to reach several engines with one copy), or
 `weight_sync.cuda_ipc.serialize` bytes (CUDA IPC handles from a colocated trainer, shared-memory
-descriptors on the CPU), passed on as they are: the Engine's core unpickles them through the
-allowlist. Talk to it through engine_client.ray_client.RayClient; `start_engine_actors` starts a
-local Ray cluster if none runs.
+descriptors on the CPU), passed on as they are to Engine.update_weights_from_serialized: the
+engine's core unpickles them through the allowlist. `start_engine_actors` starts a local Ray
+cluster if none runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 MAX_CONCURRENT_CALLS = 16384  # Ray's default for async actors (1000) would queue a large rollout batch
+ACTOR_METHODS = ("serve_http", "shutdown")  # the actor's own: it holds the HTTP server beside the engine
 
 
 class EngineActor:
-    """Ray turns this into an actor with `ray.remote(EngineActor)` (see engine_actor_class)."""
+    """Ray turns this into an actor with `ray.remote(EngineActor)` (see engine_actor_class).
+    engine_class: an Engine subclass to run instead (its added methods are reached the same way)."""
 
-    def __init__(self, engine_kwargs: dict) -> None:
-        from engine import Engine
+    def __init__(self, engine_kwargs: dict, engine_class: Any = None) -> None:
+        if engine_class is None:
+            from engine import Engine as engine_class
 
-        self.engine = Engine(**engine_kwargs)
+        self.engine = engine_class(**engine_kwargs)
         self._http: Optional[tuple[Any, threading.Thread]] = None
 
-    # ---- generation ----------------------------------------------------------------------------
-    async def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                       logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
-                       token_ids_logprob=None):
-        """Engine.generate's dicts; many calls run at once (bad input raises ValueError here)."""
-        return await self.engine.async_generate(prompt=prompt, sampling_params=sampling_params,
-                                                input_ids=input_ids, return_logprob=return_logprob,
-                                                logprob_start_len=logprob_start_len,
-                                                top_logprobs_num=top_logprobs_num, rid=rid,
-                                                logprob_distribution=logprob_distribution,
-                                                token_ids_logprob=token_ids_logprob)
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Engine.<method>(*args, **kwargs), or the actor's own serve_http / shutdown. A
+        ValueError from a method that answers (success, message) comes back as (False, message),
+        a refusal the caller reads, as over HTTP."""
+        if method in ACTOR_METHODS:
+            return await getattr(self, method)(*args, **kwargs)
+        from engine.api.protocol import answers_reply
 
-    async def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        self.engine.abort_request(rid, abort_all=abort_all)
-
-    async def flush_cache(self) -> bool:
-        return await asyncio.to_thread(self.engine.flush_cache)
-
-    # ---- pause and weights ---------------------------------------------------------------------
-    async def pause_generation(self, mode: str = "abort") -> None:
-        await asyncio.to_thread(self.engine.pause_generation, mode)
-
-    async def continue_generation(self) -> None:
-        await asyncio.to_thread(self.engine.continue_generation)
-
-    async def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
-                                         flush_cache: bool = True, weight_version: Optional[str] = None):
-        """named_tensors: [(name, tensor)] or a flattened-bucket payload (through Ray), or the
-        bytes/text of weight_sync.cuda_ipc.serialize of either, passed on as they are (the engine's
-        core unpickles them). -> (success, message); a refused payload changes nothing and says why."""
-        return await self._reply(self.engine.update_weights_from_tensor, named_tensors, load_format, flush_cache,
-                                 weight_version)
-
-    async def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
-                                       weight_version: Optional[str] = None, flush_cache: bool = True):
-        return await self._reply(self.engine.update_weights_from_disk, model_path, load_format,
-                                 weight_version, flush_cache)
-
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl", timeout_s: float = 30.0):
-        return await self._reply(self.engine.init_weights_update_group, master_address, master_port,
-                                 rank_offset, world_size, group_name, backend, timeout_s)
-
-    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                              flush_cache=True, weight_version=None, load_format=None):
-        return await self._reply(self.engine.update_weights_from_distributed, names, dtypes, shapes,
-                                 group_name, flush_cache, weight_version, load_format)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
-        return await self._reply(self.engine.destroy_weights_update_group, group_name)
-
-    async def release_memory_occupation(self, tags: Optional[list[str]] = None):
-        return await self._reply(self.engine.release_memory_occupation, tags)
-
-    async def resume_memory_occupation(self, tags: Optional[list[str]] = None):
-        return await self._reply(self.engine.resume_memory_occupation, tags)
-
-    async def _reply(self, fn: Any, *args: Any) -> tuple[bool, str]:
-        """(success, message): bad arguments become a refusal the caller reads, as over HTTP."""
+        target = _public_method(self.engine, method)
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await self._run(method, target, args, kwargs)
         except ValueError as exc:
+            if not answers_reply(target):
+                raise
             return False, str(exc)
 
-    # ---- state ---------------------------------------------------------------------------------
-    async def get_weight_version(self) -> str:
-        return await asyncio.to_thread(self.engine.get_weight_version)
-
-    async def health(self) -> bool:
-        return bool(self.engine.is_alive())
-
-    async def get_server_info(self) -> dict:
-        return await asyncio.to_thread(self.engine.get_server_info)
-
-    async def check_integrity(self) -> None:
-        """Raises if free + cached + in-use KV slots != the pool size (tests, debugging)."""
-        await asyncio.to_thread(self.engine.check_integrity)
+    async def _run(self, method: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        """On this loop: the method's async form when Engine has one, or an async_ method itself;
+        anything else on a worker thread (it may block: a weight update, a pause)."""
+        concurrent = target if method.startswith("async_") else getattr(self.engine, f"async_{method}", None)
+        if concurrent is None:
+            return await asyncio.to_thread(target, *args, **kwargs)
+        result = concurrent(*args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
 
     # ---- HTTP and lifetime ---------------------------------------------------------------------
     async def serve_http(self, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
@@ -146,6 +98,13 @@ class EngineActor:
             await asyncio.to_thread(thread.join, 10.0)
             self._http = None
         await asyncio.to_thread(self.engine.shutdown)
+
+
+def _public_method(engine: Any, name: str) -> Any:
+    method = None if name.startswith("_") else getattr(engine, name, None)
+    if not callable(method):
+        raise AttributeError(f"{type(engine).__name__} has no public method {name!r}")
+    return method
 
 
 def engine_actor_class() -> Any:
@@ -250,7 +209,7 @@ def in_bundle(group: Any, index: int) -> dict:
 
 def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] = None,
                         num_cpus: float = 0, start_timeout_s: float = 900.0,
-                        placement_group: Any = None) -> list[Any]:
+                        placement_group: Any = None, engine_class: Any = None) -> list[Any]:
     """n engine actors, each owning an Engine(**engine_kwargs), ready when this returns.
     num_gpus: Ray's GPU share per actor (fractional to colocate with a trainer); None: 1 when
     the engine runs on a GPU (device "cuda", or "auto" on a cluster with GPUs), else 0.
@@ -258,7 +217,7 @@ def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] =
     machine needs for trainer actors). For SGLang-route clients,
     `ray.get(actor.serve_http.remote())` gives an actor's URL. An engine not up within
     start_timeout_s (loading included) is an error, never a hang. placement_group: a
-    colocation_group; engine i goes into its bundle i."""
+    colocation_group; engine i goes into its bundle i. engine_class: an Engine subclass to run."""
     if n < 1:
         raise ValueError(f"start_engine_actors needs n >= 1, got {n}")
     ensure_ray()
@@ -270,8 +229,9 @@ def start_engine_actors(n: int, engine_kwargs: dict, num_gpus: Optional[float] =
 
     cls = engine_actor_class()
     options = {"num_gpus": num_gpus, "num_cpus": num_cpus, "max_concurrency": MAX_CONCURRENT_CALLS}
-    actors = [cls.options(**options, **in_bundle(placement_group, i)).remote(dict(engine_kwargs)) for i in range(n)]
-    wait_until_ready([a.health.remote() for a in actors], actors, start_timeout_s,
+    actors = [cls.options(**options, **in_bundle(placement_group, i)).remote(dict(engine_kwargs), engine_class)
+              for i in range(n)]
+    wait_until_ready([a.call.remote("health") for a in actors], actors, start_timeout_s,
                      f"{n} engine actor(s) with num_gpus={num_gpus}, num_cpus={num_cpus}")
     return actors
 

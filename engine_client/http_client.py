@@ -1,4 +1,4 @@
-"""HttpClient: the EngineClient verbs over SGLang's HTTP routes (a `tandem serve` or SGLang server).
+"""HttpClient: the EngineAPI over SGLang's HTTP routes (a `tandem serve` or SGLang server).
 
 Bodies and replies are SGLang's (shared/reference/sglang-rl-api.md), so the same client drives
 either server. Tensor updates send `weight_sync.cuda_ipc.serialize` payloads as base64 text in
@@ -14,12 +14,13 @@ import asyncio
 import weakref
 from typing import Any, Optional
 
-from engine_client.client import EngineClient, Reply, generate_body
+from engine.api.generate_request import GenerateRequest
+from engine.api.protocol import Reply
 
 CONTROL_TIMEOUT_S = 600.0  # a weight update of a large model from disk can take minutes
 
 
-class HttpClient(EngineClient):
+class HttpClient:
     def __init__(self, base_url: str, api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
                  timeout_s: Optional[float] = None, transport: Any = None) -> None:
         """api_key: the server's --api-key (generation and info routes); admin_api_key: its
@@ -38,18 +39,13 @@ class HttpClient(EngineClient):
         self._async: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
 
     # ---- generation ----------------------------------------------------------------------------
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
-                 token_ids_logprob=None):
-        body = generate_body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                             top_logprobs_num, rid, logprob_distribution, token_ids_logprob)
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Engine.generate's arguments (GenerateRequest's fields) -> its dicts."""
+        body = generate_body(GenerateRequest.of(*args, **kwargs))
         return _generate_reply(self._sync.post("/generate", json=body, timeout=self.timeout_s))
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None,
-                             token_ids_logprob=None):
-        body = generate_body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                             top_logprobs_num, rid, logprob_distribution, token_ids_logprob)
+    async def async_generate(self, *args: Any, **kwargs: Any) -> Any:
+        body = generate_body(GenerateRequest.of(*args, **kwargs))
         response = await self._async_client().post("/generate", json=body, timeout=self.timeout_s)
         return _generate_reply(response)
 
@@ -168,6 +164,22 @@ class HttpClient(EngineClient):
         if response.status_code == 200:
             return True, "Success"
         return False, _message(response)
+
+
+def generate_body(request: GenerateRequest) -> dict:
+    """SGLang's /generate body: text (the prompt) or input_ids, sampling_params, the logprob
+    options, and rid, logprob_distribution, token_ids_logprob only when set (as SGLang's clients)."""
+    if (request.prompt is None) == (request.input_ids is None):
+        raise ValueError("give exactly one of prompt (text) and input_ids")
+    if request.stream:
+        raise ValueError("HttpClient answers with the final outputs; stream over /generate yourself")
+    body: dict[str, Any] = {"text": request.prompt} if request.prompt is not None else {"input_ids": request.input_ids}
+    body.update(sampling_params=request.sampling_params or {}, return_logprob=request.return_logprob,
+                logprob_start_len=request.logprob_start_len, top_logprobs_num=request.top_logprobs_num)
+    optional = {"rid": request.rid, "logprob_distribution": request.logprob_distribution,
+                "token_ids_logprob": request.token_ids_logprob}
+    body.update({name: value for name, value in optional.items() if value is not None})
+    return body
 
 
 def _generate_reply(response: Any) -> Any:

@@ -29,7 +29,7 @@ class MultiTurnSample(Sample):
 
 @dataclass(frozen=True)
 class TurnContext:
-    engine: Any  # a engine_client.client.EngineClient
+    engine: Any  # an engine.api.protocol.EngineAPI
     tokenizer: Any
     prompt_ids: list[int]
     problem: Any  # the task's Problem (prompt, answer)

@@ -6,9 +6,8 @@ rollout/router.py, prefix locality with bounded loads (prompts sharing their fir
 tokens meet on one engine while its load stays within (1 + balance_slack) x the mean; beyond that,
 and for unseen prefixes, the least-loaded engine). Over-sampling: with `keep_groups`, the first keep_groups
 prompts whose samples all finish are kept and the rest aborted, so a long tail does not hold up
-the step (dynamic sampling as slime and DAPO do it). Engines are engine_client.client EngineClients
-(in-process, HTTP or Ray engine actors, mixed as you like); an Engine is wrapped in an
-InProcessClient.
+the step (dynamic sampling as slime and DAPO do it). Engines are any engine.api.protocol.EngineAPI
+(an in-process Engine, engine_client's HttpClient or RayClient, mixed as you like).
 """
 
 from __future__ import annotations
@@ -18,17 +17,17 @@ import itertools
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-from engine_client.client import EngineClient, as_client
+from engine.api.protocol import EngineAPI
 from rollout.router import PrefixRouter
 from rollout.types import Sample
 
 
 class RolloutManager:
-    def __init__(self, engines: Sequence[Any], reward_fn: Optional[Callable[[Sample], float]] = None,
+    def __init__(self, engines: Sequence[EngineAPI], reward_fn: Optional[Callable[[Sample], float]] = None,
                  route_prefix: int = 64, balance_slack: float = 0.25) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
-        self.engines: list[EngineClient] = [as_client(e) for e in engines]
+        self.engines = list(engines)
         self.reward_fn = reward_fn
         self.router = PrefixRouter(len(self.engines), route_prefix, balance_slack)
         self._batch_ids = itertools.count()

@@ -4,7 +4,7 @@ engine release (weights, KV cache, CUDA graphs) -> train step in the freed memor
 resumes weights and CUDA graphs -> push the new weights (trainer_bridge.sync.push_weights) ->
 engine resumes its KV cache -> generation continues. Weights come back before the KV so the new
 weights land while the KV pool is still away (old weights, new weights and KV are never resident
-together: the OOM at wake users of other stacks report). Engines are engine_client.client EngineClients
+together: the OOM at wake users of other stacks report). Engines are engine.api.protocol EngineAPIs
 (in process, HTTP, Ray actors); several are released, resumed and pushed to concurrently.
 
 An engine is never left released: if the train step or the push fails, every engine still gets

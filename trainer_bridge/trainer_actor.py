@@ -3,7 +3,7 @@
 Placed with a fractional GPU share next to engine actors (engine_client/engine_actor.py), it runs the
 colocated step (trainer_bridge.colocate): engines release their memory, the policy trains in it,
 the engines take the new weights and resume. Engines are EngineActor handles (wrapped in
-engine_client.ray_client.RayClient) or any EngineClient. Weights travel as `tensor_transport` says:
+engine_client.ray_client.RayClient) or any EngineAPI. Weights travel as `tensor_transport` says:
 "ipc" (CUDA IPC handles from this process on a GPU, shared-memory descriptors on the CPU), "ray"
 (CPU tensors through Ray's object store) or "auto" (ipc for GPU tensors, ray for CPU ones); or
 through a safetensors directory with `transport="disk"`.
@@ -83,10 +83,9 @@ class TrainerActor:
 
 
 def _clients(engines: Sequence[Any], tensor_transport: str) -> list[Any]:
-    from engine_client.client import EngineClient
-    from engine_client.ray_client import RayClient
+    from engine_client.ray_client import as_engine
 
-    return [e if isinstance(e, EngineClient) else RayClient(e, tensor_transport) for e in engines]
+    return [as_engine(e, tensor_transport) for e in engines]
 
 
 def start_trainer_actor(model_path: str, num_gpus: Optional[float] = None, num_cpus: float = 0,

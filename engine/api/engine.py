@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
 from engine.api.text_builder import TextBuilder
+from engine.api.generate_request import GenerateRequest
 from engine.api.generate_stream import GenerateStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
@@ -74,39 +75,26 @@ class Engine:
         return getattr(self.client, "core", None)
 
     # ---- generation ----------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: Union[str, list[str], None] = None,
-        sampling_params: Union[dict, list[dict], None] = None,
-        input_ids: Union[list[int], list[list[int]], None] = None,
-        return_logprob: Union[bool, list[bool]] = False,  # these three: one value, or one per prompt
-        logprob_start_len: Union[int, list[int]] = -1,
-        top_logprobs_num: Union[int, list[int]] = 0,
-        logprob_distribution: Optional[str] = None,
-        rid: Union[str, list[str], None] = None,
-        token_ids_logprob: Union[list[int], list[list[int]], None] = None,
-    ) -> Union[dict, list[dict]]:
-        reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
-                                          logprob_start_len, top_logprobs_num, logprob_distribution, rid,
-                                          token_ids_logprob=token_ids_logprob)
+    def generate(self, *args: Any, **kwargs: Any) -> Union[dict, list[dict]]:
+        """SGLang's Engine.generate: the arguments are GenerateRequest's fields (prompt,
+        sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+        logprob_distribution, rid, token_ids_logprob), or one GenerateRequest. Blocks until done."""
+        reqs, single = self.builder.build(GenerateRequest.of(*args, **kwargs))
         results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
         for r in reqs:
             self._submit(r, results[r.rid].put)
         outputs = [self._wait_final(results[r.rid]) for r in reqs]
         return outputs[0] if single else outputs
 
-    def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                       logprob_start_len=-1, top_logprobs_num=0, logprob_distribution=None,
-                       rid=None, stream: bool = False,
-                       loop: Optional[asyncio.AbstractEventLoop] = None, token_ids_logprob=None) -> GenerateStream:
-        """`await` it for the final dict(s), or `async for` over cumulative chunks when stream=True.
-        Called off the event loop (a worker thread building a constrained request), `loop` is the
-        event loop that will read the stream."""
-        reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
-                                          logprob_start_len, top_logprobs_num, logprob_distribution,
-                                          rid, stream=stream, token_ids_logprob=token_ids_logprob)
+    def async_generate(self, *args: Any, loop: Optional[asyncio.AbstractEventLoop] = None,
+                       **kwargs: Any) -> GenerateStream:
+        """generate's arguments (stream=True too). `await` it for the final dict(s), or `async
+        for` over cumulative chunks when stream=True. Called off the event loop (a worker thread
+        building a constrained request), `loop` is the event loop that will read the stream."""
+        request = GenerateRequest.of(*args, **kwargs)
+        reqs, single = self.builder.build(request)
         loop = loop or asyncio.get_running_loop()
-        streams = GenerateStream(reqs, single, stream, loop)
+        streams = GenerateStream(reqs, single, request.stream, loop)
         for r in reqs:
             self._submit(r, streams.sink_for(r.rid))
         return streams
@@ -139,6 +127,10 @@ class Engine:
         if not abort_all and not rid:
             return
         self.client.send(AbortReq(None if abort_all else str(rid)))
+
+    async def async_abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """abort_request from an event loop: a message to the core, so it never blocks."""
+        self.abort_request(rid, abort_all)
 
     def flush_cache(self) -> bool:
         return self._call(FlushCacheReq())
@@ -288,6 +280,10 @@ class Engine:
     def is_alive(self) -> bool:
         return self.client.is_alive()
 
+    def health(self) -> bool:
+        """The clients' spelling of is_alive: True while the core runs."""
+        return bool(self.is_alive())
+
     def _call(self, msg: Any) -> Any:
         return self.client.call(msg)
 
@@ -296,6 +292,10 @@ class Engine:
         if self.recorder is not None:
             self.recorder.close()
             self.recorder = None
+
+    def close(self) -> None:
+        """The clients' spelling: an in-process engine is its own connection, so it shuts down."""
+        self.shutdown()
 
     def __enter__(self) -> "Engine":
         return self

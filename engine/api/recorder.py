@@ -33,9 +33,9 @@ def record_of(req: ReqInput, output: dict[str, Any], model_path: str) -> dict[st
         "sampling_params": req.sampling_params.to_dict(),
         "sampling_seed": req.seed,
         "return_logprob": req.return_logprob,
-        "logprob_start_len": req.logprob_start_len if req.return_logprob else -1,
-        "top_logprobs_num": req.top_logprobs_num if req.return_logprob else 0,
-        "token_ids_logprob": req.token_ids_logprob if req.return_logprob else None,
+        "logprob_start_len": req.logprob_start_len,  # these three: normalised by the RequestBuilder
+        "top_logprobs_num": req.top_logprobs_num,
+        "token_ids_logprob": req.token_ids_logprob,
         "logprob_distribution": req.logprob_distribution,
         "output_ids": list(output["output_ids"]),
         "output_token_logprobs": [entry[0] for entry in logprobs] if req.return_logprob and logprobs else

@@ -1,4 +1,4 @@
-"""RequestBuilder: turns generate() arguments into validated, tokenized ReqInput messages.
+"""RequestBuilder: turns a GenerateRequest into validated, tokenized ReqInput messages.
 
 Every check that can fail on user input happens here, in the caller's thread, so a bad request
 raises a ValueError naming the problem and never reaches the core.
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import random
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
+from engine.api.generate_request import GenerateRequest
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
 from engine.core.messages import ReqInput
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
@@ -32,41 +33,41 @@ class RequestBuilder:
         self._seed_rng = random.Random(server_args.random_seed)
         self._grammars: Optional[GrammarCompiler] = None  # built on the first constrained request
 
-    def build(
-        self, prompt: Union[str, list[str], None], input_ids: Any, sampling_params: Any,
-        return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
-        logprob_distribution: Optional[str], rid: Any, stream: bool = False, token_ids_logprob: Any = None,
-    ) -> tuple[list[ReqInput], bool]:
+    def build(self, request: GenerateRequest) -> tuple[list[ReqInput], bool]:
         """Returns one ReqInput per (prompt, sample) pair, prompt-major, and whether the caller
-        passed a single prompt (so the result is a dict rather than a list). return_logprob,
-        logprob_start_len and top_logprobs_num are one value, or one per prompt (SGLang)."""
-        prompts, single = self._token_lists(prompt, input_ids)
+        passed a single prompt (so the result is a dict rather than a list). The logprob options
+        are decided here once: without return_logprob a request asks for no logprob of any kind."""
+        prompts, single = self._token_lists(request.prompt, request.input_ids)
         n = len(prompts)
-        params = self._sampling_params(sampling_params, n)
+        params = self._sampling_params(request.sampling_params, n)
         self._check_counts(params)
-        rids = self._rids(rid, n, single)
-        want = _per_prompt("return_logprob", return_logprob, n, _check_return_logprob)
-        starts = _per_prompt("logprob_start_len", logprob_start_len, n, lambda v: v)
-        tops = _per_prompt("top_logprobs_num", top_logprobs_num, n, self._checked_top_logprobs_num)
-        distribution = self.default_distribution if logprob_distribution is None else logprob_distribution
-        if not isinstance(distribution, str) or distribution not in LOGPROB_DISTRIBUTIONS:
-            raise ValueError(f"logprob_distribution must be one of {LOGPROB_DISTRIBUTIONS}; got {distribution!r}")
-        id_lists = self._token_ids_logprob(token_ids_logprob, n)
+        rids = self._rids(request.rid, n, single)
+        want = _per_prompt("return_logprob", request.return_logprob, n, _check_return_logprob)
+        starts = _per_prompt("logprob_start_len", request.logprob_start_len, n, lambda v: v)
+        tops = _per_prompt("top_logprobs_num", request.top_logprobs_num, n, self._checked_top_logprobs_num)
+        distribution = self._distribution(request.logprob_distribution)
+        id_lists = self._token_ids_logprob(request.token_ids_logprob, n)
         out: list[ReqInput] = []
         for ids, p, base_rid, wanted, lp, start, top in zip(prompts, params, rids, id_lists, want, starts, tops):
             self._check_logprob_start(start, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
             for i in range(p.n):
-                seed = base_seed if p.n == 1 else derive_seed(base_seed, i)
                 out.append(ReqInput(
                     rid=base_rid if p.n == 1 else f"{base_rid}-{i}", input_ids=ids, sampling_params=p,
-                    seed=seed, return_logprob=lp, logprob_start_len=start,
-                    top_logprobs_num=top, token_ids_logprob=wanted,
-                    logprob_distribution=distribution, stream=stream,
+                    seed=base_seed if p.n == 1 else derive_seed(base_seed, i), return_logprob=lp,
+                    logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
+                    token_ids_logprob=wanted if lp else None, logprob_distribution=distribution,
+                    stream=request.stream,
                 ))
         self._check_unique_rids(out)
         return out, single and params[0].n == 1
+
+    def _distribution(self, asked: Optional[str]) -> str:
+        distribution = self.default_distribution if asked is None else asked
+        if not isinstance(distribution, str) or distribution not in LOGPROB_DISTRIBUTIONS:
+            raise ValueError(f"logprob_distribution must be one of {LOGPROB_DISTRIBUTIONS}; got {distribution!r}")
+        return distribution
 
     # ---- pieces --------------------------------------------------------------------------------
     def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:

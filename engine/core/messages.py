@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.sampling_params import SamplingParams
+from engine.scheduler.request import RequestOptions
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -37,18 +37,11 @@ def check_memory_tags(tags: Optional[list[str]]) -> list[str]:
 
 # ---- generation ------------------------------------------------------------------------------
 @dataclass
-class ReqInput:
-    """A tokenized, validated request (the front end checks everything before sending it)."""
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: Optional[list[int]] = None  # ids whose logprob every position reports
-    logprob_distribution: str = "original"
-    stream: bool = False
+class ReqInput(RequestOptions):
+    """One sample of a GenerateRequest, tokenized and validated by the front end's RequestBuilder:
+    its prompt's ids and its options (rid, sampling params, seed, logprob options, stream; the
+    scheduler's Req carries the same RequestOptions)."""
+    input_ids: list[int] = field(kw_only=True)
 
     @property
     def core_detokenizes(self) -> bool:

@@ -1,9 +1,10 @@
-"""Req: one generation request as the scheduler sees it (token ids, lengths, outputs)."""
+"""Req: one generation request as the scheduler sees it (token ids, lengths, outputs), and
+RequestOptions, what it asks for beside its prompt (shared with the core's ReqInput message)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -11,10 +12,12 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(eq=False)  # identity: requests are compared as objects, never by value
-class Req:
+@dataclass(eq=False)  # Req keeps identity semantics (it is hashed and compared as an object)
+class RequestOptions:
+    """One sample of a generate call, beside its prompt: written once here for the core's
+    ReqInput message and the scheduler's Req. Validated and normalised by the front end's
+    RequestBuilder (without return_logprob the other logprob options are off)."""
     rid: str
-    origin_input_ids: list[int]
     sampling_params: SamplingParams
     seed: int
     return_logprob: bool = False
@@ -24,6 +27,10 @@ class Req:
     logprob_distribution: str = "original"
     stream: bool = False
 
+
+@dataclass(eq=False)  # identity: requests are compared as objects, never by value
+class Req(RequestOptions):
+    origin_input_ids: list[int] = field(kw_only=True)
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping (see engine/kv): what this round computes and what it already owns
     fill_ids: list[int] = field(default_factory=list)
@@ -63,19 +70,9 @@ class Req:
 
     @classmethod
     def from_input(cls, msg: Any) -> "Req":
-        """msg: an engine.core.messages.ReqInput, read by field (the scheduler sits below the core)."""
-        return cls(
-            rid=msg.rid,
-            origin_input_ids=list(msg.input_ids),
-            sampling_params=msg.sampling_params,
-            seed=msg.seed,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
-            top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
-            token_ids_logprob=msg.token_ids_logprob if msg.return_logprob and msg.token_ids_logprob else None,
-            logprob_distribution=msg.logprob_distribution,
-            stream=msg.stream,
-        )
+        """msg: an engine.core.messages.ReqInput (RequestOptions plus its input_ids)."""
+        options = {f.name: getattr(msg, f.name) for f in fields(RequestOptions)}
+        return cls(origin_input_ids=list(msg.input_ids), **options)
 
     def note_weight_version(self, version: str) -> None:
         """Called as each output token is committed: opens a span when the weights changed."""

@@ -1,22 +1,25 @@
 """Generation routes: SGLang's /generate and the OpenAI-compatible /v1/completions and
 /v1/chat/completions. Every request is validated and submitted before the response starts (a
 bad streamed request is a 400, never a 200 that breaks off), and is aborted if its client
-leaves (engine/server/disconnect.py)."""
+leaves (engine/server/disconnect.py). The three share one handler: a table row says each one's
+body, the GenerateRequest it asks for and the shape of its reply."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 
-from engine.sampling_params import carries_grammar
+from engine.api.generate_request import GenerateRequest
 from engine.server.disconnect import await_or_abort, streaming_response
 from engine.server.openai import OpenAIServing
 from engine.server.openai_logprobs import token_decoder
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from engine.server.protocol import GenerateRequest, UnknownFields
+from engine.server.protocol import GenerateBody, UnknownFields
 
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
 # per position, a list of [logprob, id, text] (or null): top_logprobs_num's and token_ids_logprob's
@@ -24,36 +27,46 @@ TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs", "input_token_i
                      "output_token_ids_logprobs")
 
 
-def add_generate_routes(app: FastAPI, engine: Any, openai: OpenAIServing, unknown: UnknownFields) -> None:
+@dataclass(frozen=True)
+class GenerationRoute:
+    """One generation route: its body, the GenerateRequest a body asks for, and how the engine's
+    outputs become the reply (final outputs) or the SSE events (a stream of cumulative chunks)."""
+    path: str
+    body: type
+    request: Callable[[Any], GenerateRequest]
+    response: Callable[[Any, Any], Any]  # (body, final outputs) -> reply
+    events: Callable[[Any, Any], AsyncIterator[str]]  # (body, stream) -> SSE lines
+    methods: tuple[str, ...] = ("POST",)
+
+
+def generation_routes(engine: Any, openai: OpenAIServing) -> tuple[GenerationRoute, ...]:
     decode = token_decoder(engine.tokenizer)
+    return (
+        GenerationRoute("/generate", GenerateBody, GenerateBody.to_request, partial(_generate_response, decode),
+                        partial(_generate_events, decode), methods=("POST", "PUT")),
+        GenerationRoute("/v1/completions", CompletionRequest, openai.completion_request, openai.completion_response,
+                        openai.completion_events),
+        GenerationRoute("/v1/chat/completions", ChatCompletionRequest, openai.chat_request, openai.chat_response,
+                        openai.chat_events),
+    )
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(req: GenerateRequest, request: Request) -> Any:
-        unknown.note("/generate", req)
-        stream = await _submitted(lambda loop=None: engine.async_generate(**req.engine_kwargs(), stream=req.stream,
-                                                                         loop=loop),
-                                  carries_grammar(req.sampling_params))
-        with_text = (lambda out: _logprob_texts(out, decode)) if req.return_text_in_logprobs else (lambda out: out)
-        if req.stream:
-            return streaming_response(_sse(stream, with_text), stream, engine)
-        outs = await await_or_abort(request, stream, engine)
-        return [with_text(o) for o in outs] if isinstance(outs, list) else with_text(outs)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
-        unknown.note("/v1/completions", req)
-        stream = await _submitted(lambda loop=None: openai.submit_completion(req, loop), req.carries_grammar())
-        if req.stream:
-            return streaming_response(openai.completion_events(req, stream), stream, engine)
-        return openai.completion_response(req, await await_or_abort(request, stream, engine))
+def add_generate_routes(app: FastAPI, engine: Any, openai: OpenAIServing, unknown: UnknownFields) -> None:
+    for route in generation_routes(engine, openai):
+        _add_route(app, engine, route, unknown)
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        unknown.note("/v1/chat/completions", req)
-        stream = await _submitted(lambda loop=None: openai.submit_chat(req, loop), req.carries_grammar())
-        if req.stream:
-            return streaming_response(openai.chat_events(req, stream), stream, engine)
-        return openai.chat_response(req, await await_or_abort(request, stream, engine))
+
+def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: UnknownFields) -> None:
+    async def handle(body: Any, request: Request) -> Any:
+        unknown.note(route.path, body)
+        submit = lambda loop=None: engine.async_generate(route.request(body), loop=loop)  # noqa: E731
+        stream = await _submitted(submit, body.carries_grammar())
+        if body.stream:
+            return streaming_response(route.events(body, stream), stream, engine)
+        return route.response(body, await await_or_abort(request, stream, engine))
+
+    handle.__annotations__ = {"body": route.body, "request": Request, "return": Any}  # FastAPI parses by these
+    app.api_route(route.path, methods=list(route.methods))(handle)
 
 
 async def _submitted(submit: Callable[..., Any], constrained: bool) -> Any:
@@ -65,10 +78,20 @@ async def _submitted(submit: Callable[..., Any], constrained: bool) -> Any:
     return await asyncio.to_thread(submit, asyncio.get_running_loop())
 
 
-async def _sse(stream: AsyncIterator[dict], shape: Any) -> AsyncIterator[str]:
+def _generate_response(decode: Any, body: GenerateBody, outs: Any) -> Any:
+    shape = _shape(body, decode)
+    return [shape(o) for o in outs] if isinstance(outs, list) else shape(outs)
+
+
+async def _generate_events(decode: Any, body: GenerateBody, stream: AsyncIterator[dict]) -> AsyncIterator[str]:
+    shape = _shape(body, decode)
     async for chunk in stream:
         yield f"data: {json.dumps(shape(chunk))}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _shape(body: GenerateBody, decode: Any) -> Callable[[dict], dict]:
+    return (lambda out: _logprob_texts(out, decode)) if body.return_text_in_logprobs else (lambda out: out)
 
 
 def _logprob_texts(out: dict, decode: Any) -> dict:

@@ -1,8 +1,7 @@
 """OpenAI-compatible /v1/completions and /v1/chat/completions on top of Engine.async_generate.
 
-`submit_*` validates and submits (a bad request raises ValueError before any response starts,
-so a streamed request gets its 400 too); `*_response` shapes the final outputs; `*_events`
-turns the cumulative engine chunks into OpenAI SSE events. Choices are prompt-major:
+`*_request` turns a body into the engine's GenerateRequest; `*_response` shapes the final
+outputs; `*_events` turns the cumulative engine chunks into OpenAI SSE events. Choices are prompt-major:
 index = prompt * n + sample, as in SGLang.
 """
 
@@ -13,6 +12,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
+from engine.api.generate_request import GenerateRequest
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, output_entries,
                                            token_decoder)
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
@@ -48,14 +48,14 @@ class OpenAIServing:
         self.decode = token_decoder(engine.tokenizer)
 
     # ---- completions ---------------------------------------------------------------------------
-    def submit_completion(self, req: CompletionRequest, loop: Any = None) -> Any:
+    def completion_request(self, req: CompletionRequest) -> GenerateRequest:
         prompt = req.prompt
         key = "input_ids" if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str) else "prompt"
         wants_logprobs = req.logprobs is not None
-        return self.engine.async_generate(
+        return GenerateRequest(
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
-            top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream, loop=loop)
+            top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream)
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:
         prompt = req.prompt
@@ -97,7 +97,7 @@ class OpenAIServing:
         return self._events(stream, req, "cmpl", "text_completion", delta)
 
     # ---- chat ----------------------------------------------------------------------------------
-    def submit_chat(self, req: ChatCompletionRequest, loop: Any = None) -> Any:
+    def chat_request(self, req: ChatCompletionRequest) -> GenerateRequest:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
@@ -105,10 +105,10 @@ class OpenAIServing:
         tools = req.template_tools()
         if tools:  # SGLang keeps special tokens when tools are offered: tool-call markers stay in the text
             params["skip_special_tokens"] = False
-        return self.engine.async_generate(
+        return GenerateRequest(
             input_ids=_chat_prompt_ids(tok, req, tools), sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-            rid=req.rid, stream=req.stream, loop=loop)
+            rid=req.rid, stream=req.stream)
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]

@@ -13,6 +13,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.api.generate_request import GenerateRequest
+from engine.sampling_params import carries_grammar
+
 logger = logging.getLogger("tandem")
 
 
@@ -45,14 +48,15 @@ class UnknownFields:
                 logger.debug("%s: ignoring unknown field %r (not used by tandem)", route, name)
 
 
-class GenerateRequest(_NullsAsDefaults):
+class GenerateBody(_NullsAsDefaults):
+    """SGLang's /generate body: GenerateRequest's fields under SGLang's names (text for prompt)."""
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     # these three: one value, or one per prompt (SGLang's batch form)
     return_logprob: Union[bool, list[bool]] = False
-    logprob_start_len: Optional[Union[int, list[int]]] = None
-    top_logprobs_num: Optional[Union[int, list[int]]] = None
+    logprob_start_len: Union[int, list[int]] = -1
+    top_logprobs_num: Union[int, list[int]] = 0
     token_ids_logprob: Any = None  # list of ids or one list per prompt: checked by the RequestBuilder
     logprob_distribution: Optional[str] = None
     return_text_in_logprobs: bool = False
@@ -64,16 +68,19 @@ class GenerateRequest(_NullsAsDefaults):
     custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None
 
     @model_validator(mode="after")
-    def _no_unsupported_outputs(self) -> "GenerateRequest":
+    def _no_unsupported_outputs(self) -> "GenerateBody":
         refuse_unsupported(self.return_hidden_states, self.custom_logit_processor)
         return self
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        return {"prompt": self.text, "input_ids": self.input_ids, "sampling_params": _nulls_dropped(self.sampling_params),
-                "return_logprob": self.return_logprob,
-                "logprob_start_len": -1 if self.logprob_start_len is None else self.logprob_start_len,
-                "top_logprobs_num": self.top_logprobs_num or 0, "token_ids_logprob": self.token_ids_logprob,
-                "logprob_distribution": self.logprob_distribution, "rid": self.rid}
+    def carries_grammar(self) -> bool:
+        return carries_grammar(self.sampling_params)
+
+    def to_request(self) -> GenerateRequest:
+        return GenerateRequest(
+            prompt=self.text, input_ids=self.input_ids, sampling_params=_nulls_dropped(self.sampling_params),
+            return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
+            top_logprobs_num=self.top_logprobs_num, token_ids_logprob=self.token_ids_logprob,
+            logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream)
 
 
 def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:

@@ -1,7 +1,7 @@
 """EnginePool: a recipe's rollout engines, started in this process or as Ray actors.
 
-Both kinds are engine_client.client EngineClients, so the loop drives them the same way. Engines run
-in deterministic mode when the recipe says so (batch-invariant kernels: the Policy recomputes
+Both kinds are engine.api.protocol EngineAPIs (an Engine, a RayClient), so the loop drives them
+the same way. Engines run in deterministic mode when the recipe says so (batch-invariant kernels: the Policy recomputes
 their logprobs bit for bit). Ray actors get a fractional GPU share when they are colocated with
 the trainer, and none on the CPU.
 """
@@ -45,10 +45,9 @@ class EnginePool:
 
     def _start_in_process(self, kwargs: dict) -> None:
         from engine import Engine
-        from engine_client.client import InProcessClient
 
         for _ in range(self.recipe.num_engines):
-            self.clients.append(InProcessClient(Engine(**kwargs), owns=True))
+            self.clients.append(Engine(**kwargs))
 
     def _start_ray(self, kwargs: dict) -> None:
         try:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from engine.api.generate_request import GenerateRequest
 from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs
 from tests.engine.conftest import random_prompts
@@ -45,11 +46,11 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_once(small_pool, prompt
 def test_the_message_says_how_much_fits():
     builder = RequestBuilder(None, 1000, 4096, ServerArgs(model_path="x"), max_total_num_tokens=POOL)
     with pytest.raises(ValueError, match="lower max_new_tokens to at most 502"):
-        builder.build(None, list(range(10)), {"max_new_tokens": 600}, False, -1, 0, None, None)
+        builder.build(GenerateRequest(input_ids=list(range(10)), sampling_params={"max_new_tokens": 600}))
     with pytest.raises(ValueError, match="exceed the context length 4096; lower max_new_tokens to at most 96"):
         RequestBuilder(None, 1000, 4096, ServerArgs(model_path="x")).build(
-            None, [5] * 4000, {"max_new_tokens": 100}, False, -1, 0, None, None)
-    exact = builder.build(None, list(range(12)), {"max_new_tokens": 500}, False, -1, 0, None, None)[0]
+            GenerateRequest(input_ids=[5] * 4000, sampling_params={"max_new_tokens": 100}))
+    exact = builder.build(GenerateRequest(input_ids=list(range(12)), sampling_params={"max_new_tokens": 500}))[0]
     assert len(exact) == 1  # prompt + max_new_tokens == pool: fits exactly
 
 
@@ -76,9 +77,9 @@ def test_an_oversized_request_that_reaches_the_scheduler_ends_and_does_not_block
     forever at the head of the FCFS queue)."""
     unchecked = RequestBuilder(None, small_pool.info.vocab_size, small_pool.info.context_len, small_pool.server_args)
     ids = random_prompts(1, small_pool.info.vocab_size, lengths=(300, 300), seed=5)[0]
-    (oversized,), _ = unchecked.build(None, ids, {"max_new_tokens": 300}, False, -1, 0, None, None)
-    (normal,), _ = small_pool.builder.build(None, ids[:30], {"max_new_tokens": 5, "ignore_eos": True},
-                                            False, -1, 0, None, None)
+    (oversized,), _ = unchecked.build(GenerateRequest(input_ids=ids, sampling_params={"max_new_tokens": 300}))
+    (normal,), _ = small_pool.builder.build(
+        GenerateRequest(input_ids=ids[:30], sampling_params={"max_new_tokens": 5, "ignore_eos": True}))
     answers: "queue.Queue" = queue.Queue()
     small_pool._submit(oversized, answers.put)
     small_pool._submit(normal, answers.put)

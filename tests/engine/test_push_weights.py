@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from engine.api.generate_request import GenerateRequest
 from tests.engine.conftest import random_prompts
 from trainer_bridge.sync import WeightSyncError, push_weights
 
@@ -131,7 +132,7 @@ def test_a_failed_pause_or_drain_never_leaves_the_engine_paused(engine_factory, 
         raise RuntimeError("device lost")
 
     answers: list = []
-    (req,), _ = eng.builder.build(None, [5, 6, 7], GREEDY, False, -1, 0, None, None)
+    (req,), _ = eng.builder.build(GenerateRequest(input_ids=[5, 6, 7], sampling_params=GREEDY))
     with eng._lock:
         eng._sinks[req.rid] = answers.append
     eng._call(lambda core: (core.handle(req), core.step()))

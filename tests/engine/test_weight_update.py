@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from engine.api.generate_request import GenerateRequest
 from tests.engine.conftest import random_prompts
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -200,7 +201,7 @@ def test_retract_during_a_chunked_prefill_resumes_it(engine_factory):
     prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(100, 100), seed=10)[0]
     expected = eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     eng.flush_cache()
-    (req,), _ = eng.builder.build(None, prompt, GREEDY, False, -1, 0, None, None)
+    (req,), _ = eng.builder.build(GenerateRequest(input_ids=prompt, sampling_params=GREEDY))
     results: "queue.Queue" = queue.Queue()
     with eng._lock:
         eng._sinks[req.rid] = results.put
@@ -228,7 +229,7 @@ def test_an_abort_just_before_a_pause_is_answered_at_the_pause(engine_factory, m
 
     eng = engine_factory()
     prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(5, 20), seed=11)[0]
-    (req,), _ = eng.builder.build(None, prompt, LONG, False, -1, 0, None, None)
+    (req,), _ = eng.builder.build(GenerateRequest(input_ids=prompt, sampling_params=LONG))
 
     def abort_then_pause(core) -> tuple:
         core.handle(req)
@@ -254,7 +255,7 @@ def test_a_failing_update_still_answers_the_drained_batch(engine_factory, monkey
     eng = engine_factory()
     eng.local_core.overlap = True
     one = dict(GREEDY, max_new_tokens=1)
-    (req,), _ = eng.builder.build(None, [5, 6, 7, 8], one, False, -1, 0, None, None)
+    (req,), _ = eng.builder.build(GenerateRequest(input_ids=[5, 6, 7, 8], sampling_params=one))
 
     def broken(_):
         raise RuntimeError("device lost")

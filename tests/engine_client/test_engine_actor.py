@@ -85,7 +85,7 @@ def test_trainer_actor_push_equals_an_engine_on_the_new_checkpoint(engine_actor,
         assert greedy_ids(client) == greedy_ids(oracle_b) != greedy_ids(oracle_a)
         samples = RolloutManager([client]).generate(PROMPTS, GREEDY, n=2)
         assert all(s.weight_versions == [f"b-{transport}"] * 8 for group in samples for s in group)
-        ray_cluster.get(engine_actor.check_integrity.remote())
+        client.check_integrity()  # any Engine method, forwarded by name
     finally:
         _restore(client, model_a)
     assert greedy_ids(client) == greedy_ids(oracle_a)
@@ -216,6 +216,38 @@ def test_colocated_step_across_actors_keeps_rollouts_on_policy(engine_actor, tra
         _restore(client, model_a)
 
 
+def test_a_method_added_to_engine_reaches_ray_callers_with_no_edit_in_the_client_or_actor(ray_cluster, model_a):
+    """An Engine subclass adds methods (sync, async, a (success, message) one); RayClient and the
+    actor, untouched, forward them; a name the engine lacks is an AttributeError."""
+    from engine import Engine
+    from engine_client.engine_actor import start_engine_actors
+    from engine_client.ray_client import RayClient
+
+    class Extended(Engine):
+        def versions_joined(self, times: int, sep: str = "/") -> str:
+            return sep.join([self.get_weight_version()] * times)
+
+        async def async_prompt_tokens(self, input_ids: list) -> int:
+            out = await self.async_generate(input_ids=input_ids, sampling_params={"max_new_tokens": 1})
+            return out["meta_info"]["prompt_tokens"]
+
+        def refuse(self, why: str) -> tuple[bool, str]:
+            raise ValueError(why)
+
+    (actor,) = start_engine_actors(1, {"model_path": model_a, **ENGINE_KWARGS}, engine_class=Extended)
+    client = RayClient(actor, owns=True)
+    try:
+        assert client.versions_joined(2, sep="+") == "default+default"
+        assert asyncio.run(client.async_prompt_tokens([5, 6, 7])) == 3
+        assert client.refuse("no thanks") == (False, "no thanks")
+        with pytest.raises(AttributeError, match="no public method 'nope'"):
+            client.nope()
+        with pytest.raises(AttributeError):
+            client._private()
+    finally:
+        client.close()
+
+
 def test_start_engine_actors_refuses_zero():
     from engine_client.engine_actor import start_engine_actors
 
@@ -246,11 +278,8 @@ def test_a_dead_engine_actor_reads_unhealthy_and_its_calls_raise(ray_cluster):
 
     @ray_cluster.remote(num_cpus=0)
     class Stub:  # answers like an engine actor until killed
-        async def health(self) -> bool:
-            return True
-
-        async def generate(self, *args) -> dict:
-            return {"output_ids": [1]}
+        async def call(self, method: str, *args, **kwargs):
+            return True if method == "health" else {"output_ids": [1]}
 
         async def shutdown(self) -> None:
             pass

@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from engine_client.client import EngineClient
 from rollout.manager import RolloutManager
 from rollout.router import PrefixRouter
 from rollout.rewards import exact_match, load_reward
@@ -49,14 +48,13 @@ def test_groups_of_n_samples_with_logprobs_versions_and_rewards(engines):
         eng.check_integrity()
 
 
-class _CountingEngine(EngineClient):
+class _CountingEngine:
     """Stands in for an engine replica: counts the requests and samples it gets, answers at once."""
 
     def __init__(self, name: str) -> None:
         self.name, self.requests = name, []
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=-1, top_logprobs_num=0, rid=None, logprob_distribution=None):
+    async def async_generate(self, input_ids=None, sampling_params=None, **_):
         n = sampling_params["n"]
         self.requests.append((tuple(input_ids), n))
         await asyncio.sleep(0)  # the others are dispatched meanwhile, as with a real engine
@@ -64,7 +62,7 @@ class _CountingEngine(EngineClient):
             "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 7, None]],
             "weight_versions": [{"version": "v", "start": 0, "end": 1}]}} for _ in range(n)]
 
-    def abort_request(self, rid=None, abort_all=False):
+    async def async_abort_request(self, rid=None, abort_all=False):
         pass
 
 
@@ -157,15 +155,14 @@ def test_rewards_by_dotted_path():
 
 
 def test_manager_over_a_ray_engine_actor_and_an_in_process_engine(engine_actor, oracle_a):
-    """Any EngineClients, mixed: samples equal those of in-process engines on the same checkpoint
+    """Any EngineAPIs, mixed: samples equal those of in-process engines on the same checkpoint
     (same seeds: the manager's rids and the requests' sampling seeds do not depend on the engine)."""
     pytest.importorskip("ray")
-    from engine_client.client import InProcessClient
     from engine_client.ray_client import RayClient
 
     seeded = [dict(SAMPLED, sampling_seed=100 + g) for g in range(6)]
     prompts = _prompts(6)
-    mixed = RolloutManager([RayClient(engine_actor), InProcessClient(oracle_a)])
+    mixed = RolloutManager([RayClient(engine_actor), oracle_a])
     assert {mixed.route(p) for p in prompts} == {0, 1}  # both kinds get work
     groups = mixed.generate(prompts, seeded, n=2)
     expected = RolloutManager([oracle_a]).generate(prompts, seeded, n=2)

@@ -154,7 +154,6 @@ def test_an_engine_error_fails_the_step_with_its_message(monkeypatch):
     from engine.testing.tiny_model import tiny_model_path
     from recipes.recipe import Recipe
     from tandem.rl.rollouts import Rollouts
-    from engine_client.client import InProcessClient
     from rollout.rewards import exact_match
     from rollout.tasks import addition
 
@@ -162,7 +161,7 @@ def test_an_engine_error_fails_the_step_with_its_message(monkeypatch):
     path = str(tiny_model_path())
     engine = Engine(model_path=path, device="cpu", attention_backend="triton", log_level="critical")
     try:
-        rollouts = Rollouts(Recipe(prompts_per_step=2, n_per_prompt=2), [InProcessClient(engine)],
+        rollouts = Rollouts(Recipe(prompts_per_step=2, n_per_prompt=2), [engine],
                             AutoTokenizer.from_pretrained(path), addition(5), exact_match)
         with pytest.raises(ValueError) as exc:
             rollouts.generate(1)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_client.client import InProcessClient
 from tests.trainer_bridge.test_colocate import _rollouts, engine, model_path, trainer  # noqa: F401
 
 
@@ -23,7 +22,7 @@ def _unchanged(trainer, before) -> bool:
 def test_a_non_finite_step_is_not_applied(engine, trainer, poison):  # noqa: F811
     from trainer_bridge.rollout_batch import RolloutBatch
 
-    samples = _rollouts(InProcessClient(engine))
+    samples = _rollouts(engine)
     advantages = [1.0 if s.index == 0 else -1.0 for s in samples]
     if poison == "loss":
         advantages[0] = float("nan")

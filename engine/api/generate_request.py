@@ -1,0 +1,37 @@
+"""GenerateRequest: one generate call, the same object from the HTTP body, Engine.generate's
+keywords or a Ray/HTTP client, to the RequestBuilder that turns it into core messages.
+
+The fields are SGLang's `Engine.generate` keywords, in tandem's positional order, with their
+defaults decided here once. Nothing is checked here: RequestBuilder validates every field (it
+knows the vocabulary, the context length and the limits) and normalises the logprob options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+IdLists = Union[list[int], list[list[int]]]
+
+
+@dataclass
+class GenerateRequest:
+    prompt: Union[str, list[str], None] = None  # text; or input_ids, not both
+    sampling_params: Any = None  # a dict / SamplingParams, or one per prompt
+    input_ids: Optional[IdLists] = None
+    # these three: one value, or one per prompt (SGLang's batch form)
+    return_logprob: Union[bool, list[bool]] = False
+    logprob_start_len: Union[int, list[int]] = -1  # -1: no prompt logprobs
+    top_logprobs_num: Union[int, list[int]] = 0
+    logprob_distribution: Optional[str] = None  # "original" | "processed"; None: the server's default
+    rid: Union[str, list[str], None] = None
+    token_ids_logprob: Optional[IdLists] = None  # ids whose logprobs every position reports
+    stream: bool = False
+
+    @classmethod
+    def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":
+        """Engine.generate's arguments (SGLang's keywords, or positionally in field order), or a
+        GenerateRequest passed as it is. An unknown keyword is a TypeError, as for any call."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], cls):
+            return args[0]
+        return cls(*args, **kwargs)

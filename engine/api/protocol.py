@@ -1,0 +1,78 @@
+"""EngineAPI: what an engine offers its callers, wherever it runs.
+
+`Engine` satisfies it in this process; engine_client's HttpClient (SGLang's routes, spelled by
+hand) and RayClient (the Ray engine actor, every Engine method forwarded by name) satisfy it
+remotely, so RL code (RolloutManager, weight pushes, colocation) takes any of them. Method names,
+arguments and replies are SGLang's Engine's: generate takes GenerateRequest's fields and returns
+SGLang's dicts; weight and memory verbs return (success, message). Engine has more public
+methods (get_weights_by_name, check_weights, update_weight_version, ...): RayClient forwards
+those too; this protocol lists what every form implements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Optional, Protocol, Union, runtime_checkable
+
+Reply = tuple[bool, str]  # (success, message): a refusal changes nothing and says why
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    # ---- generation: GenerateRequest's fields (engine/api/generate_request.py) -----------------
+    def generate(self, *args: Any, **kwargs: Any) -> Union[dict, list[dict]]: ...
+
+    def async_generate(self, *args: Any, **kwargs: Any) -> Awaitable[Union[dict, list[dict]]]: ...
+
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None: ...
+
+    async def async_abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None: ...
+
+    def flush_cache(self) -> bool: ...
+
+    # ---- pause and weights ---------------------------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> None: ...
+
+    def continue_generation(self) -> None: ...
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
+                                   flush_cache: bool = True, weight_version: Optional[str] = None) -> Reply: ...
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 weight_version: Optional[str] = None, flush_cache: bool = True) -> Reply: ...
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl", timeout_s: float = 30.0) -> Reply: ...
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: Optional[str] = None,
+                                        load_format: Optional[str] = None) -> Reply: ...
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Reply: ...
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> Reply: ...
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> Reply: ...
+
+    # ---- state and lifetime --------------------------------------------------------------------
+    def get_weight_version(self) -> str: ...
+
+    def get_server_info(self) -> dict: ...
+
+    def health(self) -> bool:
+        """True while the engine answers and its core is alive."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the engine: a client that owns it (and an in-process Engine) shuts it down."""
+        ...
+
+
+def answers_reply(method: Any) -> bool:
+    """Whether a method answers (success, message): its remote forms (the Ray actor, the HTTP
+    routes) turn a ValueError from it into (False, message), a refusal the caller reads."""
+    import inspect
+
+    annotation = inspect.signature(method).return_annotation
+    return annotation == Reply or annotation in ("Reply", "tuple[bool, str]", "Tuple[bool, str]")

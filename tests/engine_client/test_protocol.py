@@ -1,0 +1,28 @@
+"""The engine surface: Engine and the HTTP client satisfy EngineAPI; GenerateRequest takes
+Engine.generate's arguments (SGLang's keywords, tandem's positional order, or itself)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api.generate_request import GenerateRequest
+from engine.api.protocol import EngineAPI, answers_reply
+
+
+def test_engine_and_the_http_client_satisfy_the_protocol():
+    from engine import Engine
+    from engine_client.http_client import HttpClient
+
+    assert issubclass(Engine, EngineAPI) and issubclass(HttpClient, EngineAPI)
+    assert answers_reply(Engine.update_weights_from_disk) and answers_reply(EngineAPI.release_memory_occupation)
+    assert not answers_reply(Engine.flush_cache) and not answers_reply(Engine.generate)
+
+
+def test_generate_request_takes_engine_generates_arguments():
+    positional = GenerateRequest.of("hi", {"max_new_tokens": 2})
+    assert positional == GenerateRequest(prompt="hi", sampling_params={"max_new_tokens": 2})
+    assert GenerateRequest.of(positional) is positional
+    keywords = GenerateRequest.of(input_ids=[1, 2], return_logprob=True, token_ids_logprob=[3], rid="r")
+    assert (keywords.logprob_start_len, keywords.top_logprobs_num, keywords.logprob_distribution) == (-1, 0, None)
+    with pytest.raises(TypeError, match="image_data"):
+        GenerateRequest.of(prompt="hi", image_data="x")
