@@ -102,18 +102,16 @@ class EngineCore:
             max_running_requests=p.memory.max_running_requests, available_gb=p.memory.available_gb)
 
     def snapshot(self) -> StatsSnapshot:
-        st, sched = self.stats, self.scheduler
+        sched = self.scheduler
         return StatsSnapshot(
-            num_steps=st.num_steps, num_prefill_tokens=st.num_prefill_tokens, num_cached_tokens=st.num_cached_tokens,
-            num_generated_tokens=st.num_generated_tokens, num_lookahead_steps=st.num_lookahead_steps,
-            num_mixed_steps=st.num_mixed_steps, num_retractions=sched.num_retractions,
+            **self.stats.counters(), num_retractions=sched.num_retractions,
             num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting) + len(self.grammars.waiting),
             new_token_ratio=float(sched.new_token_ratio),
             kv_tokens_used=sched.allocator.size - sched.allocator.available_size(),
             kv_tokens_total=sched.allocator.size, num_weight_updates=self.control.num_updates,
             weight_update_seconds=self.control.update_seconds, paused=self.paused,
             memory_released=tuple(sorted(self.memory_released)), weight_version=self.weight_version,
-            uptime_s=time.perf_counter() - st.started)
+            uptime_s=time.perf_counter() - self.stats.started)
 
     # ---- stepping ------------------------------------------------------------------------------
     def has_work(self) -> bool:

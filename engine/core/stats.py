@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine.scheduler.batch import ScheduleBatch
 
@@ -17,6 +17,10 @@ class CoreStats:
     num_lookahead_steps: int = 0  # decode steps launched before the previous step was read
     num_mixed_steps: int = 0  # prefill passes that carried decode rows (--enable-mixed-chunk)
     started: float = field(default_factory=time.perf_counter)
+
+    def counters(self) -> dict[str, int]:
+        """Every count by its name, which StatsSnapshot shares."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "started"}
 
     def record(self, batch: ScheduleBatch) -> None:
         self.num_steps += 1
