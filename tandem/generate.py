@@ -6,6 +6,8 @@ import argparse
 import time
 from typing import Any
 
+from tandem.server_args import add_server_args, server_args_from_namespace
+
 DEMO_PROMPTS = [
     "The quick brown fox",
     "Once upon a time, in a small village,",
@@ -15,9 +17,27 @@ DEMO_PROMPTS = [
 DEMO_SHARED_PREFIX = "You are a helpful assistant. Answer briefly and clearly. " * 8
 
 
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    _add_sampling(p, prompt_required=True, max_new_tokens=64)
+    add_server_args(p, require_model_path=True)
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    _add_sampling(p, prompt_required=False, max_new_tokens=32)
+    add_server_args(p, require_model_path=False)
+
+
+def _add_sampling(p: argparse.ArgumentParser, prompt_required: bool, max_new_tokens: int) -> None:
+    p.add_argument("--prompt", action="append", required=prompt_required, default=None,
+                   help="prompt text (repeat the flag for several prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request seed: the same tokens whatever the batch")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from engine import Engine
-    from tandem.server_args import server_args_from_namespace
 
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     if args.sampling_seed is not None:
@@ -29,7 +49,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     from engine import Engine
-    from tandem.server_args import server_args_from_namespace
     from engine.testing.tiny_model import tiny_model_path
 
     kwargs = server_args_from_namespace(args)

@@ -10,37 +10,63 @@ import argparse
 import importlib
 import os
 import sys
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from tandem.server_args import add_server_args
 
-# subcommand -> (module, function); each function takes the parsed Namespace, returns an exit code
-HANDLERS = {
-    "tiny-model": ("engine.testing.tiny_model", "run"),
-    "generate": ("tandem.generate", "run_generate"),
-    "demo": ("tandem.generate", "run_demo"),
-    "serve": ("tandem.serve", "run_serve"),
-    "bench": ("tandem.bench.cli", "run_bench"),
-    "bench-sync": ("tandem.bench_sync", "run_bench_sync"),
-    "determinism": ("tandem.determinism.cli", "run_determinism"),
-    "replay": ("tandem.determinism.cli", "run_replay"),
-    "train": ("tandem.train", "run_train"),
-}
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    description: str
+    adder: str  # "module:function" that adds the command's flags to its parser
+    runner: str  # "module:function" that runs it on the parsed Namespace and returns an exit code
+
+
+COMMANDS = {c.name: c for c in (
+    Command("tiny-model", "write a small HF-format Qwen3 checkpoint",
+            "Write an HF-format Qwen3 checkpoint built locally.",
+            "engine.testing.tiny_model:add_arguments", "engine.testing.tiny_model:run"),
+    Command("generate", "generate text for a few prompts, in-process",
+            "Load a checkpoint and generate for the given prompts.",
+            "tandem.generate:add_generate_arguments", "tandem.generate:run_generate"),
+    Command("demo", "build the tiny model and generate from it",
+            "Build (or reuse) the tiny model and generate from it, printing text, tokens/s and cache hits. "
+            "Nothing is downloaded.",
+            "tandem.generate:add_demo_arguments", "tandem.generate:run_demo"),
+    Command("serve", "run the HTTP server (SGLang-compatible routes)", "Serve a checkpoint over HTTP.",
+            "tandem.server_args:add_server_args", "tandem.serve:run_serve"),
+    Command("bench", "offline benchmark: throughput, latency, vs HF and the roofline",
+            "Run a synthetic workload through the engine in-process and report throughput, TTFT / ITL, cache "
+            "hits and memory; optionally HF generate on the same weights and the device's roofline.",
+            "tandem.bench.cli:add_arguments", "tandem.bench.cli:run_bench"),
+    Command("bench-sync", "weight update time by phase (pause/transfer/load/flush/resume)",
+            "Push a model's weights from a trainer to an engine N times over a transport (inprocess, "
+            "cuda-ipc, disk); report median phase times and GPU memory.",
+            "tandem.bench_sync:add_arguments", "tandem.bench_sync:run_bench_sync"),
+    Command("determinism", "check determinism: unique outputs, logprob differences",
+            "Run SGLang's determinism modes (single, mixed, prefix, radix, p_vs_d) against a server or an "
+            "in-process engine; exit 1 if any fails.",
+            "tandem.determinism.cli:add_determinism_arguments", "tandem.determinism.cli:run_determinism"),
+    Command("replay", "re-run recorded requests (--record-path) and compare bitwise",
+            "Re-run every request of a --record-path file with its prompt, sampling params and seed; report "
+            "any token or logprob that differs.",
+            "tandem.determinism.cli:add_replay_arguments", "tandem.determinism.cli:run_replay"),
+    Command("train", "RL: run a GRPO recipe (the embedded default when none is named)",
+            "Run an RL recipe: rollouts on engines, rewards, GRPO update, weight push every step. Alone, it "
+            "runs the embedded default (tiny model, addition, CPU). Every recipe field is a flag.",
+            "tandem.train:add_arguments", "tandem.train:run_train"),
+)}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Each command's flags come from its adder; its runner's module is imported only when it runs."""
     parser = argparse.ArgumentParser(prog="tandem", description="tandem: an LLM serving engine "
                                      "for RL rollouts")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_tiny_model(sub)
-    _add_generate(sub)
-    _add_demo(sub)
-    _add_serve(sub)
-    _add_bench(sub)
-    _add_bench_sync(sub)
-    _add_determinism(sub)
-    _add_replay(sub)
-    _add_train(sub)
+    for command in COMMANDS.values():
+        p = sub.add_parser(command.name, help=command.help, description=command.description)
+        _resolve(command.adder)(p)
     return parser
 
 
@@ -82,99 +108,20 @@ def user_message(exc: BaseException) -> str:
 
 
 def _handler(command: str) -> Callable[[argparse.Namespace], Optional[int]]:
-    module_name, func_name = HANDLERS[command]
+    runner = COMMANDS[command].runner
+    module_name = runner.partition(":")[0]
     try:
-        module = importlib.import_module(module_name)
+        return _resolve(runner)
     except ModuleNotFoundError as exc:
         if exc.name != module_name:  # a real missing dependency inside the handler's module
             raise
         sys.exit(f"tandem {command}: not available in this build ({module_name} is missing)")
-    return getattr(module, func_name)
 
 
-def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
-    from engine.testing import tiny_model
-
-    p = sub.add_parser("tiny-model", help="write a small HF-format Qwen3 checkpoint",
-                       description="Write an HF-format Qwen3 checkpoint built locally.")
-    tiny_model.add_arguments(p)
-
-
-def _add_sampling(p: argparse.ArgumentParser, prompt_required: bool, max_new_tokens: int) -> None:
-    p.add_argument("--prompt", action="append", required=prompt_required, default=None,
-                   help="prompt text (repeat the flag for several prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--sampling-seed", type=int, default=None,
-                   help="per-request seed: the same tokens whatever the batch")
-
-
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for a few prompts, in-process",
-                       description="Load a checkpoint and generate for the given prompts.")
-    _add_sampling(p, prompt_required=True, max_new_tokens=64)
-    add_server_args(p, require_model_path=True)
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="build the tiny model and generate from it",
-                       description="Build (or reuse) the tiny model and generate from it, "
-                       "printing text, tokens/s and cache hits. Nothing is downloaded.")
-    _add_sampling(p, prompt_required=False, max_new_tokens=32)
-    add_server_args(p, require_model_path=False)
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the HTTP server (SGLang-compatible routes)",
-                       description="Serve a checkpoint over HTTP.")
-    add_server_args(p, require_model_path=True)
-
-
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from tandem.bench.cli import add_arguments
-
-    p = sub.add_parser("bench", help="offline benchmark: throughput, latency, vs HF and the roofline",
-                       description="Run a synthetic workload through the engine in-process and "
-                       "report throughput, TTFT / ITL, cache hits and memory; optionally HF "
-                       "generate on the same weights and the device's roofline.")
-    add_arguments(p)
-
-
-def _add_bench_sync(sub: argparse._SubParsersAction) -> None:
-    from tandem.bench_sync import add_arguments
-
-    p = sub.add_parser("bench-sync", help="weight update time by phase (pause/transfer/load/flush/resume)",
-                       description="Push a model's weights from a trainer to an engine N times over a "
-                       "transport (inprocess, cuda-ipc, disk); report median phase times and GPU memory.")
-    add_arguments(p)
-
-
-def _add_determinism(sub: argparse._SubParsersAction) -> None:
-    from tandem.determinism.cli import add_determinism_arguments
-
-    p = sub.add_parser("determinism", help="check determinism: unique outputs, logprob differences",
-                       description="Run SGLang's determinism modes (single, mixed, prefix, radix, "
-                       "p_vs_d) against a server or an in-process engine; exit 1 if any fails.")
-    add_determinism_arguments(p)
-
-
-def _add_replay(sub: argparse._SubParsersAction) -> None:
-    from tandem.determinism.cli import add_replay_arguments
-
-    p = sub.add_parser("replay", help="re-run recorded requests (--record-path) and compare bitwise",
-                       description="Re-run every request of a --record-path file with its prompt, "
-                       "sampling params and seed; report any token or logprob that differs.")
-    add_replay_arguments(p)
-
-
-def _add_train(sub: argparse._SubParsersAction) -> None:
-    from tandem.train import add_arguments
-
-    p = sub.add_parser("train", help="RL: run a GRPO recipe (the embedded default when none is named)",
-                       description="Run an RL recipe: rollouts on engines, rewards, GRPO update, weight push "
-                       "every step. Alone, it runs the embedded default (tiny model, addition, CPU). Every "
-                       "recipe field is a flag.")
-    add_arguments(p)
+def _resolve(spec: str) -> Callable:
+    """The function a "module:function" spec names, its module imported now."""
+    module_name, _, func_name = spec.partition(":")
+    return getattr(importlib.import_module(module_name), func_name)
 
 
 if __name__ == "__main__":

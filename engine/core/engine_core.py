@@ -2,54 +2,36 @@
 
 The front end (Engine) sends ReqInput / AbortReq / FlushCacheReq messages through `handle` and
 calls `step`, which returns ReqOutput messages. Nothing else crosses, so the core can later move
-into its own process unchanged.
+into its own process unchanged. This class is the step loop; requests enter through
+RequestIntake (intake.py), a step's tokens become answers in StepResults (results.py), and pause,
+weight updates and memory are GenerationControl's (control.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from engine.config import ServerArgs
 from engine.core.control import GenerationControl
+from engine.core.intake import RequestIntake, grammar_queue
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
                                   UpdateWeightsReq)
-from engine.core.messages import GetWeightsByNameReq, WeightsCheckerReq, WeightsChecksumReq
 from engine.core.messages import WeightsGroupStatusReq
-from engine.core.output import build_output
+from engine.core.results import StepResults
 from engine.core.setup import CoreParts, build_core_parts
-from engine.core.weight_checker import WeightChecker
-from engine.core.weight_queries import weights_by_name, weights_checksum
-from engine.grammar.compile_queue import GrammarQueue
-from engine.grammar.compiler import GrammarCompiler, grammar_spec
-from engine.grammar.matcher import RequestGrammar
-from engine.grammar.matcher_client import MatcherClient, grammar_backend_for
+from engine.core.stats import CoreStats
+from engine.core.weight_reads import WEIGHT_READS, WeightReads
 from engine.runner.pending_result import PendingResult
-from engine.scheduler.batch import BatchResult, ScheduleBatch
-from engine.scheduler.finish import check_finished
-from engine.scheduler.request import Req
+from engine.scheduler.batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # an idle loop's wait for a compile: messages are read again after it
 CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
                     DestroyWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, WeightsGroupStatusReq)
-# messages that read the loaded weights on rank 0 (refused under TP and while they are released)
-WEIGHT_READS = (GetWeightsByNameReq, WeightsChecksumReq, WeightsCheckerReq)
-
-
-@dataclass
-class CoreStats:
-    num_steps: int = 0
-    num_prefill_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_lookahead_steps: int = 0  # decode steps launched before the previous step was read
-    num_mixed_steps: int = 0  # prefill passes that carried decode rows (--enable-mixed-chunk)
-    started: float = field(default_factory=time.perf_counter)
 
 
 class EngineCore:
@@ -69,30 +51,18 @@ class EngineCore:
         self._uncommitted: list[ScheduleBatch] = []  # launched, tokens not committed yet
         self._processing: Optional[ScheduleBatch] = None
         self.memory_released: set[str] = set()  # release_memory_occupation tags not yet resumed
-        self.weight_checker = WeightChecker()  # /weights_checker's snapshot lives here
-        # constrained requests wait here while their grammar compiles, off the loop
-        self.grammars = GrammarQueue(lambda: GrammarCompiler(self.tokenizer, self.parts.vocab_size,
-                                                             self.parts.eos_token_ids),
-                                     self._grammar_backend(server_args))
-
-    def _grammar_backend(self, args: ServerArgs) -> Callable[[Any, tuple[str, str]], Any]:
-        """How a compiled grammar becomes a request's matcher: here (thread backend), or in the
-        grammar process, which then also advances matchers and fills masks for the runner."""
-        if grammar_backend_for(args.grammar_backend, self.runner.device) != "process":
-            return lambda compiled, spec: RequestGrammar(compiled)
-        client = MatcherClient(args.tokenizer_path or args.model_path, self.parts.vocab_size,
-                               self.parts.eos_token_ids, self.runner.device)
-        self.runner.use_grammar_backend(client, client.ring)
-        if self.tokenizer is not None:
-            client.warm()
-        return lambda compiled, spec: client.new(*spec, compiled.tokenizer_info.stop_token_ids)
+        self.weight_reads = WeightReads(self)
+        self.results = StepResults(self, self.scheduler, self.runner, self.parts.eos_token_ids,
+                                   self.parts.context_len)
+        self.grammars = grammar_queue(server_args, self.parts)
+        self.intake = RequestIntake(self.parts, self.grammars, self.results)
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> Any:
         if isinstance(msg, ReqInput):
-            return self._add_request(msg)
+            return self.intake.add(msg)
         if isinstance(msg, AbortReq):
-            return self._abort(msg)
+            return self.abort(msg)
         if isinstance(msg, CONTROL_MESSAGES):
             return self.control.handle(msg)
         if isinstance(msg, FlushCacheReq):
@@ -103,28 +73,18 @@ class EngineCore:
             return self.snapshot()
         if isinstance(msg, CheckIntegrityReq):
             return self.scheduler.check_integrity()
-        if isinstance(msg, WEIGHT_READS) and self.runner.tp is not None:
-            raise ValueError("get_weights_by_name, the weights checksum and weights_checker read one rank's "
-                             "shards under tp_size > 1: not supported yet")
-        if isinstance(msg, WEIGHT_READS) and "weights" in self.memory_released:
-            raise ValueError("the weights are released (release_memory_occupation): resume them first")
-        if isinstance(msg, GetWeightsByNameReq):
-            return weights_by_name(self.runner.model, msg.name, msg.truncate_size)
-        if isinstance(msg, WeightsChecksumReq):
-            return weights_checksum(self.runner.model.named_parameters())
-        if isinstance(msg, WeightsCheckerReq):
-            return self._check_weights(msg)
+        if isinstance(msg, WEIGHT_READS):
+            return self.weight_reads.handle(msg)
         raise TypeError(f"unknown message type {type(msg).__name__}")
 
-    def _check_weights(self, msg: WeightsCheckerReq) -> dict:
-        resetting = msg.action == "reset_tensors"
-        if resetting and self.scheduler.num_holding_kv():
-            raise ValueError("reset_tensors while requests hold KV would finish them on random weights: "
-                             "pause generation or let them finish first")
-        result = self.weight_checker.run(self.runner.model, msg.action, msg.skip_tensor_list, msg.allow_quant_error)
-        if resetting:  # cached prefixes were computed with the old weights
-            self.scheduler.flush_cache()
-        return result
+    def abort(self, msg: AbortReq) -> list[ReqOutput]:
+        outputs = self.intake.abort(msg.rid, msg.message)
+        if not self.generating:  # no step will release the running ones
+            outputs += self.drain()
+        return outputs
+
+    def abort_all(self, message: str) -> list[ReqOutput]:
+        return self.abort(AbortReq(None, message))
 
     def shutdown(self) -> None:
         """At the end of the core loop: the other tensor-parallel ranks' processes stop too."""
@@ -142,66 +102,18 @@ class EngineCore:
             max_running_requests=p.memory.max_running_requests, available_gb=p.memory.available_gb)
 
     def snapshot(self) -> StatsSnapshot:
-        st, sched = self.stats, self.scheduler
+        sched = self.scheduler
         return StatsSnapshot(
-            num_steps=st.num_steps, num_prefill_tokens=st.num_prefill_tokens, num_cached_tokens=st.num_cached_tokens,
-            num_generated_tokens=st.num_generated_tokens, num_lookahead_steps=st.num_lookahead_steps,
-            num_mixed_steps=st.num_mixed_steps, num_retractions=sched.num_retractions,
+            **self.stats.counters(), num_retractions=sched.num_retractions,
             num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting) + len(self.grammars.waiting),
             new_token_ratio=float(sched.new_token_ratio),
             kv_tokens_used=sched.allocator.size - sched.allocator.available_size(),
             kv_tokens_total=sched.allocator.size, num_weight_updates=self.control.num_updates,
             weight_update_seconds=self.control.update_seconds, paused=self.paused,
             memory_released=tuple(sorted(self.memory_released)), weight_version=self.weight_version,
-            uptime_s=time.perf_counter() - st.started)
+            uptime_s=time.perf_counter() - self.stats.started)
 
-    def _add_request(self, msg: ReqInput) -> list[ReqOutput]:
-        req = Req.from_input(msg)
-        if self.tokenizer is not None and msg.core_detokenizes:  # else the front end decodes the final ids
-            req.detokenizer = self.parts.make_detokenizer(req)
-        spec = grammar_spec(req.sampling_params)  # compiled again here: compiled grammars do not pickle
-        if spec is not None:
-            req.grammar = self.grammars.submit(req, spec)
-            if req.grammar is None:  # compiling: _admit_compiled queues it once its grammar is in
-                return []
-        self.scheduler.add_request(req)
-        return []
-
-    def _admit_compiled(self) -> list[ReqOutput]:
-        """Queue the requests whose grammar compiled; a grammar that failed (the front end checked
-        it already: only a core without tokenizer or xgrammar) fails its request."""
-        outputs = []
-        for req, grammar, error in self.grammars.pop_ready():
-            if error is not None:
-                outputs.append(self._error_output(req, error))
-            else:
-                req.grammar = grammar
-                self.scheduler.add_request(req)
-        return outputs
-
-    def _abort(self, msg: AbortReq) -> list[ReqOutput]:
-        outputs: list[ReqOutput] = []
-        rids = [msg.rid] if msg.rid is not None else self._all_rids()
-        for rid in rids:
-            req = self.grammars.remove(rid)
-            if req is not None:  # still compiling its grammar: it never reached the scheduler
-                req.finished_reason = {"type": "abort", "message": msg.message}
-            else:
-                req = self.scheduler.abort_request(rid, msg.message)
-            if req is not None and req.finished:  # it was waiting: finished right away
-                outputs.append(self._finish_output(req))
-        if not self.generating:  # no step will release the running ones
-            outputs += self.drain()
-        return outputs
-
-    def abort_all(self, message: str) -> list[ReqOutput]:
-        return self._abort(AbortReq(None, message))
-
-    def _all_rids(self) -> list[str]:
-        s = self.scheduler
-        queued = list(s.waiting) + s.running + ([s.chunked_req] if s.chunked_req else [])
-        return self.grammars.rids() + [r.rid for r in queued]
-
+    # ---- stepping ------------------------------------------------------------------------------
     def has_work(self) -> bool:
         return self._busy() or bool(self.grammars.waiting)
 
@@ -213,28 +125,12 @@ class EngineCore:
         """False while paused or while any memory is released: requests wait in the queue."""
         return not self.paused and not self.memory_released
 
-    def drain(self) -> list[ReqOutput]:
-        """Finish the launched (overlap) batch and end the requests aborted while it ran: afterwards
-        nothing runs on the device and no request waits for a step to be released. A batch that
-        fails here fails its requests, as a failed step does."""
-        inflight, self._inflight = self._inflight, None
-        outputs: list[ReqOutput] = []
-        if inflight is not None:
-            try:
-                outputs = self._process(inflight)
-            except Exception as exc:
-                logger.exception("the launched batch failed while draining; failing its requests")
-                outputs = self.fail_current_batch(f"engine error: {type(exc).__name__}: {exc}")
-        self.scheduler.finish_marked_aborts()
-        return outputs + [self._finish_output(r) for r in self.scheduler.pop_finished()]
-
-    # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         """One scheduling round. With overlap, a decode step is launched before the previous
         step's tokens are read back, so host work hides behind the device's."""
         if not self._busy():  # only grammars compiling: wait a little for one instead of spinning
             self.grammars.wait(GRAMMAR_POLL_S)
-        compiled = self._admit_compiled()
+        compiled = self.intake.admit_compiled()
         if not self.generating:
             return compiled + self.drain()
         return compiled + self._step_generating()
@@ -254,7 +150,7 @@ class EngineCore:
             return self._process(inflight)
         outputs = self._process(inflight) if inflight is not None else []
         batch = self.scheduler.schedule()
-        outputs += [self._finish_output(r) for r in self.scheduler.pop_finished()]
+        outputs += [self.results.finish(r) for r in self.scheduler.pop_finished()]
         if batch is not None:
             pending = self._launch(batch)
             if self.overlap:
@@ -268,106 +164,33 @@ class EngineCore:
         return self.runner.launch(batch, inflight)
 
     def _process(self, pending: PendingResult, then: Optional[ScheduleBatch] = None) -> list[ReqOutput]:
-        """Commit a step's tokens. `then`: the lookahead batch launched meanwhile, whose grammar
-        mask is filled in the background once the matchers have these tokens."""
+        """Commit a step's tokens and answer for them (`then`: see StepResults.answer)."""
         batch = pending.batch
         # joins the mask worker: the device may wait on its gate, and nothing reads a matcher while it advances
         self.runner.grammar_masks.drop()
         result = pending.resolve()
-        self._record_stats(batch)
+        self.stats.record(batch)
         grown = self.scheduler.commit(batch, result.next_token_ids)
         self._uncommitted.remove(batch)
         self._processing = batch
-        constrained = [req for req in grown if req.grammar is not None]
-        grammar_stops = self._advance_grammars(constrained)
-        if then is not None and constrained:
-            self.runner.prefetch_grammar_mask(then)
-        self._record_logprobs(batch, result)
-        outputs: list[ReqOutput] = []
-        for req in grown:
-            req.note_weight_version(self.weight_version)
-            outputs.extend(self._after_token(req, grammar_stops.get(id(req))))
-        for req in self._prompt_only(batch):  # max_new_tokens=0: prompt logprobs, no output
-            req.finished_reason = {"type": "length", "length": 0}
-            self.scheduler.release(req)
-            outputs.append(self._finish_output(req))
+        outputs = self.results.answer(batch, result, grown, then)
         self._processing = None
         return outputs
 
-    @staticmethod
-    def _prompt_only(batch: ScheduleBatch) -> list[Req]:
-        if batch.forward_mode.is_decode:
-            return []
-        return [r for r in batch.reqs if not r.finished and not r.is_chunked and r.sampling_params.max_new_tokens == 0]
-
-    def _after_token(self, req: Req, grammar_stop: Optional[dict] = None) -> list[ReqOutput]:
-        """grammar_stop: what the request's grammar said of this token (_advance_grammar)."""
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
-        if req.detokenizer is not None and (req.stream or req.sampling_params.watches_text):
-            self._detokenize(req)  # text is needed now; otherwise once, at the end
-        reason = check_finished(req, self.parts.eos_token_ids, self.parts.context_len) or grammar_stop
-        if reason is None:
-            return [ReqOutput(req.rid, False, build_output(req, self))] if req.stream else []
-        req.finished_reason = reason
-        self.scheduler.release(req)
-        return [self._finish_output(req)]
-
-    def _advance_grammars(self, reqs: list[Req]) -> dict[int, Optional[dict]]:
-        """Feed each request's committed token to its grammar, one call for the batch. By request
-        id, for those it ends: a stop reason once its grammar has terminated (it accepted a stop
-        token), an abort if it refused the token (only possible when nothing the grammar allows
-        was left to sample)."""
-        if not reqs:
-            return {}
-        tokens = [req.output_ids[-1] for req in reqs]
-        accepted = self.runner.grammar_masks.accept([req.grammar for req in reqs], tokens)
-        return {id(req): _grammar_verdict(req.grammar, token, ok)
-                for req, token, ok in zip(reqs, tokens, accepted) if not ok or req.grammar.is_terminated()}
-
-    def _finish_output(self, req: Req) -> ReqOutput:
-        if req.detokenizer is not None and req.stop_text_len is None:
-            self._detokenize(req)
-            req.text += req.detokenizer.flush()
-        return ReqOutput(req.rid, True, build_output(req, self))
-
-    @staticmethod
-    def _detokenize(req: Req) -> None:
-        new_ids = req.output_ids[req.detokenized_len :]
-        if new_ids:
-            req.text += req.detokenizer.add(new_ids)
-            req.detokenized_len = len(req.output_ids)
-
-    def _record_logprobs(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        kept = batch.samples_kept()
-        for i, req in enumerate(batch.reqs):
-            if not req.return_logprob:
-                continue
-            if req.wants_input_logprobs:
-                req.input_logprobs.extend(result.input_logprobs[i])
-                if req.top_logprobs_num and result.input_top_logprobs:
-                    req.input_top_logprobs.extend(result.input_top_logprobs[i])
-                if req.token_ids_logprob and result.input_token_ids_logprobs:
-                    req.input_token_ids_logprobs.extend(result.input_token_ids_logprobs[i])
-                if not req.is_chunked:
-                    req.input_logprobs_done = True
-            if kept[i]:
-                req.output_logprobs.append(result.logprobs[i])
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(result.top_logprobs[i])
-                if req.token_ids_logprob:
-                    req.output_token_ids_logprobs.append(result.token_ids_logprobs[i])
-
-    def _record_stats(self, batch: ScheduleBatch) -> None:
-        self.stats.num_steps += 1
-        if batch.forward_mode.is_decode:
-            self.stats.num_generated_tokens += batch.batch_size
-        else:
-            n = batch.num_prefill_rows
-            self.stats.num_prefill_tokens += sum(batch.extend_lens[:n])
-            self.stats.num_cached_tokens += sum(batch.prefix_lens[:n])
-            self.stats.num_generated_tokens += batch.num_decode_rows
-            self.stats.num_mixed_steps += batch.num_decode_rows > 0
+    def drain(self) -> list[ReqOutput]:
+        """Finish the launched (overlap) batch and end the requests aborted while it ran: afterwards
+        nothing runs on the device and no request waits for a step to be released. A batch that
+        fails here fails its requests, as a failed step does."""
+        inflight, self._inflight = self._inflight, None
+        outputs: list[ReqOutput] = []
+        if inflight is not None:
+            try:
+                outputs = self._process(inflight)
+            except Exception as exc:
+                logger.exception("the launched batch failed while draining; failing its requests")
+                outputs = self.fail_current_batch(f"engine error: {type(exc).__name__}: {exc}")
+        self.scheduler.finish_marked_aborts()
+        return outputs + [self.results.finish(r) for r in self.scheduler.pop_finished()]
 
     def fail_current_batch(self, message: str) -> list[ReqOutput]:
         """After a failed step: end the requests of every launched batch with an error and give
@@ -381,19 +204,4 @@ class EngineCore:
             # second final answer for a request is dropped by the front end, a missing one hangs
             failed += [r for r in self._processing.reqs if r.finished and r not in failed]
         self._uncommitted, self._processing, self._inflight = [], None, None
-        return [self._error_output(r, message) for r in failed]
-
-    def _error_output(self, req: Req, message: str) -> ReqOutput:
-        """A final answer built without the detokenizer or recorder (either may be what failed)."""
-        if req.finished_reason is None or req.finished_reason.get("type") != "abort":
-            req.finished_reason = {"type": "abort", "message": message}
-        return ReqOutput(req.rid, True, build_output(req, self))
-
-
-def _grammar_verdict(grammar, token: int, accepted: bool) -> Optional[dict]:
-    if not accepted:
-        why = getattr(grammar, "refusal", None) or f"the grammar refused token {token}: no allowed token was left"
-        return {"type": "abort", "message": why}
-    if grammar.is_terminated():
-        return {"type": "stop", "matched": token}
-    return None
+        return [self.results.error(r, message) for r in failed]

@@ -7,7 +7,7 @@ persistent buffers (rotary caches) are derived, never synced, so they are left a
 `checksum` hashes each tensor (16 hex digits of sha256, as SGLang replies).
 
 Runs on the core between steps, so it sees the weights the next step uses. The core refuses a
-reset while requests hold KV and drops the prefix cache after one (engine/core/engine_core.py):
+reset while requests hold KV and drops the prefix cache after one (engine/core/weight_reads.py):
 nothing computed with the old weights is reused with the random ones, or after the sync. The
 snapshot is a host copy of the whole model (its size in host memory) until the next snapshot.
 """

@@ -248,7 +248,7 @@ def test_prompt_logprobs_only_with_zero_new_tokens(engine):
 
 def test_failure_while_answering_does_not_hang(engine_factory):
     eng = engine_factory()
-    real = eng.local_core._finish_output
+    real = eng.local_core.results.finish
     calls = {"n": 0}
 
     def broken(req):
@@ -257,7 +257,7 @@ def test_failure_while_answering_does_not_hang(engine_factory):
             raise RuntimeError("answer failed")
         return real(req)
 
-    eng.local_core._finish_output = broken
+    eng.local_core.results.finish = broken
     out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     eng.check_integrity()

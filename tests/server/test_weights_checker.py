@@ -52,7 +52,7 @@ def test_skip_list_and_partial_sync(engine_factory):
     eng.check_weights("reset_tensors", skip_tensor_list=[name])  # left as it was
     assert eng.check_weights("compare", skip_tensor_list=[])["success"] is False
     # "sync" everything but the norm from the snapshot's values: only the norm then matches...
-    snapshot = eng.local_core.weight_checker._snapshot
+    snapshot = eng.local_core.weight_reads.checker._snapshot
     for key, tensor in model.named_parameters():
         if key != name:
             tensor.data.copy_(snapshot[key])

@@ -86,7 +86,10 @@ def test_dispatch_calls_handler_with_namespace(monkeypatch):
         seen["args"] = args
         return 0
 
+    from tandem import generate
+
     fake = types.ModuleType("tandem.generate")
+    fake.add_generate_arguments, fake.add_demo_arguments = generate.add_generate_arguments, generate.add_demo_arguments
     fake.run_generate = run_generate
     monkeypatch.setitem(sys.modules, "tandem.generate", fake)
     assert cli.main(["generate", "--model-path", "m", "--prompt", "hi"]) == 0
@@ -94,7 +97,8 @@ def test_dispatch_calls_handler_with_namespace(monkeypatch):
 
 
 def test_missing_handler_module_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(cli.HANDLERS, "serve", ("engine.no_such_module", "run_serve"))
+    missing = dataclasses.replace(cli.COMMANDS["serve"], runner="engine.no_such_module:run_serve")
+    monkeypatch.setitem(cli.COMMANDS, "serve", missing)
     with pytest.raises(SystemExit, match="not available"):
         cli.main(["serve", "--model-path", "m"])
 

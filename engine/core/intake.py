@@ -1,0 +1,90 @@
+"""RequestIntake: requests entering the core, and aborts of those not yet running.
+
+A new request gets its detokenizer (when the core decodes its text) and, if constrained, waits
+in the grammar queue while its grammar compiles off the loop; then it joins the scheduler's
+waiting queue. An abort ends a request still compiling or waiting at once; a running one is
+marked and released by the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from engine.config import ServerArgs
+from engine.core.messages import ReqInput, ReqOutput
+from engine.core.results import StepResults
+from engine.core.setup import CoreParts
+from engine.grammar.compile_queue import GrammarQueue
+from engine.grammar.compiler import GrammarCompiler, grammar_spec
+from engine.grammar.matcher import RequestGrammar
+from engine.grammar.matcher_client import MatcherClient, grammar_backend_for
+from engine.scheduler.request import Req
+
+
+class RequestIntake:
+    def __init__(self, parts: CoreParts, grammars: GrammarQueue, results: StepResults) -> None:
+        self.parts = parts
+        self.scheduler = parts.scheduler
+        self.grammars = grammars
+        self.results = results
+
+    def add(self, msg: ReqInput) -> list[ReqOutput]:
+        req = Req.from_input(msg)
+        if self.parts.tokenizer is not None and msg.core_detokenizes:  # else the front end decodes the final ids
+            req.detokenizer = self.parts.make_detokenizer(req)
+        spec = grammar_spec(req.sampling_params)  # compiled again here: compiled grammars do not pickle
+        if spec is not None:
+            req.grammar = self.grammars.submit(req, spec)
+            if req.grammar is None:  # compiling: admit_compiled queues it once its grammar is in
+                return []
+        self.scheduler.add_request(req)
+        return []
+
+    def admit_compiled(self) -> list[ReqOutput]:
+        """Queue the requests whose grammar compiled; a grammar that failed (the front end checked
+        it already: only a core without tokenizer or xgrammar) fails its request."""
+        outputs = []
+        for req, grammar, error in self.grammars.pop_ready():
+            if error is not None:
+                outputs.append(self.results.error(req, error))
+            else:
+                req.grammar = grammar
+                self.scheduler.add_request(req)
+        return outputs
+
+    def abort(self, rid: Optional[str], message: str) -> list[ReqOutput]:
+        """Abort one request, or every one when rid is None; answers those that ended now."""
+        outputs: list[ReqOutput] = []
+        for rid in [rid] if rid is not None else self._all_rids():
+            req = self.grammars.remove(rid)
+            if req is not None:  # still compiling its grammar: it never reached the scheduler
+                req.finished_reason = {"type": "abort", "message": message}
+            else:
+                req = self.scheduler.abort_request(rid, message)
+            if req is not None and req.finished:  # it was waiting: finished right away
+                outputs.append(self.results.finish(req))
+        return outputs
+
+    def _all_rids(self) -> list[str]:
+        s = self.scheduler
+        return self.grammars.rids() + [r.rid for r in list(s.waiting) + s.active()]
+
+
+def grammar_queue(args: ServerArgs, parts: CoreParts) -> GrammarQueue:
+    """Constrained requests wait here while their grammar compiles, off the loop."""
+    return GrammarQueue(lambda: GrammarCompiler(parts.tokenizer, parts.vocab_size, parts.eos_token_ids),
+                        _grammar_backend(args, parts))
+
+
+def _grammar_backend(args: ServerArgs, parts: CoreParts) -> Callable[[Any, tuple[str, str]], Any]:
+    """How a compiled grammar becomes a request's matcher: here (thread backend), or in the
+    grammar process, which then also advances matchers and fills masks for the runner."""
+    runner = parts.runner
+    if grammar_backend_for(args.grammar_backend, runner.device) != "process":
+        return lambda compiled, spec: RequestGrammar(compiled)
+    client = MatcherClient(args.tokenizer_path or args.model_path, parts.vocab_size,
+                           parts.eos_token_ids, runner.device)
+    runner.use_grammar_backend(client, client.ring)
+    if parts.tokenizer is not None:
+        client.warm()
+    return lambda compiled, spec: client.new(*spec, compiled.tokenizer_info.stop_token_ids)

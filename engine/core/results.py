@@ -1,0 +1,131 @@
+"""StepResults: what a committed forward pass means for each request, as answers to the front end.
+
+After the scheduler has recorded a step's tokens, each request that gained one has its logprobs
+recorded, its grammar advanced, its text detokenized when a stream or a stop string needs it,
+and its stop conditions checked; a finished request is released and answered in full, a
+streaming one gets a partial answer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from engine.core.messages import ReqOutput
+from engine.core.output import CoreView, build_output
+from engine.runner.model_runner import ModelRunner
+from engine.scheduler.batch import BatchResult, ScheduleBatch
+from engine.scheduler.finish import check_finished
+from engine.scheduler.request import Req
+from engine.scheduler.scheduler import Scheduler
+
+
+class StepResults:
+    def __init__(self, core: CoreView, scheduler: Scheduler, runner: ModelRunner,
+                 eos_token_ids: tuple[int, ...], context_len: int) -> None:
+        self.core = core
+        self.scheduler = scheduler
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+
+    def answer(self, batch: ScheduleBatch, result: BatchResult, grown: list[Req],
+               then: Optional[ScheduleBatch] = None) -> list[ReqOutput]:
+        """`grown`: the requests the step gave a token. `then`: the lookahead batch launched
+        meanwhile, whose grammar mask is filled in the background once the matchers have these
+        tokens."""
+        constrained = [req for req in grown if req.grammar is not None]
+        grammar_stops = self._advance_grammars(constrained)
+        if then is not None and constrained:
+            self.runner.prefetch_grammar_mask(then)
+        record_logprobs(batch, result)
+        outputs: list[ReqOutput] = []
+        for req in grown:
+            req.note_weight_version(self.core.weight_version)
+            outputs.extend(self._after_token(req, grammar_stops.get(id(req))))
+        for req in _prompt_only(batch):  # max_new_tokens=0: prompt logprobs, no output
+            req.finished_reason = {"type": "length", "length": 0}
+            self.scheduler.release(req)
+            outputs.append(self.finish(req))
+        return outputs
+
+    def _after_token(self, req: Req, grammar_stop: Optional[dict] = None) -> list[ReqOutput]:
+        """grammar_stop: what the request's grammar said of this token (_advance_grammars)."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        if req.detokenizer is not None and (req.stream or req.sampling_params.watches_text):
+            _detokenize(req)  # text is needed now; otherwise once, at the end
+        reason = check_finished(req, self.eos_token_ids, self.context_len) or grammar_stop
+        if reason is None:
+            return [ReqOutput(req.rid, False, build_output(req, self.core))] if req.stream else []
+        req.finished_reason = reason
+        self.scheduler.release(req)
+        return [self.finish(req)]
+
+    def _advance_grammars(self, reqs: list[Req]) -> dict[int, Optional[dict]]:
+        """Feed each request's committed token to its grammar, one call for the batch. By request
+        id, for those it ends: a stop reason once its grammar has terminated (it accepted a stop
+        token), an abort if it refused the token (only possible when nothing the grammar allows
+        was left to sample)."""
+        if not reqs:
+            return {}
+        tokens = [req.output_ids[-1] for req in reqs]
+        accepted = self.runner.grammar_masks.accept([req.grammar for req in reqs], tokens)
+        return {id(req): _grammar_verdict(req.grammar, token, ok)
+                for req, token, ok in zip(reqs, tokens, accepted) if not ok or req.grammar.is_terminated()}
+
+    def finish(self, req: Req) -> ReqOutput:
+        """The final answer of a finished request, its text complete."""
+        if req.detokenizer is not None and req.stop_text_len is None:
+            _detokenize(req)
+            req.text += req.detokenizer.flush()
+        return ReqOutput(req.rid, True, build_output(req, self.core))
+
+    def error(self, req: Req, message: str) -> ReqOutput:
+        """A final answer built without the detokenizer or recorder (either may be what failed)."""
+        if req.finished_reason is None or req.finished_reason.get("type") != "abort":
+            req.finished_reason = {"type": "abort", "message": message}
+        return ReqOutput(req.rid, True, build_output(req, self.core))
+
+
+def record_logprobs(batch: ScheduleBatch, result: BatchResult) -> None:
+    kept = batch.samples_kept()
+    for i, req in enumerate(batch.reqs):
+        if not req.return_logprob:
+            continue
+        if req.wants_input_logprobs:
+            req.input_logprobs.extend(result.input_logprobs[i])
+            if req.top_logprobs_num and result.input_top_logprobs:
+                req.input_top_logprobs.extend(result.input_top_logprobs[i])
+            if req.token_ids_logprob and result.input_token_ids_logprobs:
+                req.input_token_ids_logprobs.extend(result.input_token_ids_logprobs[i])
+            if not req.is_chunked:
+                req.input_logprobs_done = True
+        if kept[i]:
+            req.output_logprobs.append(result.logprobs[i])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(result.top_logprobs[i])
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(result.token_ids_logprobs[i])
+
+
+def _prompt_only(batch: ScheduleBatch) -> list[Req]:
+    if batch.forward_mode.is_decode:
+        return []
+    return [r for r in batch.reqs if not r.finished and not r.is_chunked and r.sampling_params.max_new_tokens == 0]
+
+
+def _detokenize(req: Req) -> None:
+    new_ids = req.output_ids[req.detokenized_len :]
+    if new_ids:
+        req.text += req.detokenizer.add(new_ids)
+        req.detokenized_len = len(req.output_ids)
+
+
+def _grammar_verdict(grammar, token: int, accepted: bool) -> Optional[dict]:
+    if not accepted:
+        why = getattr(grammar, "refusal", None) or f"the grammar refused token {token}: no allowed token was left"
+        return {"type": "abort", "message": why}
+    if grammar.is_terminated():
+        return {"type": "stop", "matched": token}
+    return None
