@@ -1,0 +1,133 @@
+"""EngineWeights: Engine's weight and memory verbs (SGLang's names), one seam underneath.
+
+Every update goes through `update_weights(source)`: the SGLang-named methods only build a
+weight_sync WeightSource (checked when built, in the caller's thread) and hand it to the core,
+which loads it between two steps. Mixed into Engine, which supplies `_call` (one core message,
+its answer).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+from engine.core.messages import (DestroyWeightsGroupReq, GetWeightsByNameReq, GetWeightVersionReq,
+                                  InitWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, SetWeightVersionReq,
+                                  UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq, WeightsGroupStatusReq,
+                                  check_memory_tags)
+
+GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
+
+
+class EngineWeights:
+    def _call(self, msg: Any) -> Any:
+        raise NotImplementedError
+
+    def update_weights(self, source: Any, flush_cache: bool = True, weight_version: Optional[str] = None
+                       ) -> tuple[bool, str]:
+        """Load one weight_sync WeightSource (tensors, a serialized payload, a checkpoint, a
+        broadcast, or any new transport's source) between two steps -> (success, message). Every
+        name, shape and dtype is checked before any write: a refused update changes nothing and
+        says why. Then the radix cache is flushed (flush_cache) and the version set."""
+        from weight_sync.base import WeightSource
+
+        if not isinstance(source, WeightSource):
+            raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
+        try:
+            return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
+        except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
+            if "received from another process" not in str(exc):
+                raise
+            raise ValueError("these CUDA tensors were opened from another process's IPC handles and cannot be "
+                             "shared on to the core process: pass the serialized payload to "
+                             "update_weights_from_serialized instead") from exc
+
+    def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None,
+                                   flush_cache: bool = True, weight_version: Optional[str] = None
+                                   ) -> tuple[bool, str]:
+        """named_tensors: [(HF name, tensor)], any subset of the weights; with
+        load_format="flattened_bucket", a weight_sync FlattenedBucket or its payload dict; or either
+        serialized (weight_sync.cuda_ipc.serialize bytes or text), which the core unpickles.
+        -> (success, message); a bad name or shape changes nothing and says which."""
+        from weight_sync.tensor import tensor_source
+
+        return self.update_weights(tensor_source(named_tensors, load_format), flush_cache, weight_version)
+
+    def update_weights_from_serialized(self, serialized: Union[bytes, str], load_format: Optional[str] = None,
+                                       flush_cache: bool = True, weight_version: Optional[str] = None
+                                       ) -> tuple[bool, str]:
+        """One `serialized_named_tensors` entry (weight_sync.cuda_ipc.serialize or SGLang's
+        MultiprocessingSerializer), unpickled through the allowlist by the core itself: CUDA IPC
+        handles are opened in the process that loads them (a core process included)."""
+        from weight_sync.tensor import SerializedSource
+
+        return self.update_weights(SerializedSource(serialized, load_format), flush_cache, weight_version)
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 weight_version: Optional[str] = None, flush_cache: bool = True
+                                 ) -> tuple[bool, str]:
+        """Every weight from a safetensors checkpoint of the same architecture -> (success, message)."""
+        from weight_sync.disk import DiskSource
+
+        return self.update_weights(DiskSource(str(model_path), load_format), flush_cache, weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl", timeout_s: float = 30.0) -> tuple[bool, str]:
+        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0 and
+        joins at the same time); backend 'gloo' on the CPU. The rendezvous runs off the core
+        loop (generation goes on) and fails after `timeout_s` if the trainer never joins."""
+        answer = self._call(InitWeightsGroupReq(master_address, int(master_port), int(rank_offset),
+                                                int(world_size), group_name, backend, float(timeout_s)))
+        while answer is None:  # forming: ask again shortly; each answer comes between two steps
+            time.sleep(GROUP_POLL_S)
+            answer = self._call(WeightsGroupStatusReq(group_name))
+        return answer
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: Optional[str] = None,
+                                        load_format: Optional[str] = None) -> tuple[bool, str]:
+        """Receive one broadcast per name from the group's rank 0 (load_format="flattened_bucket":
+        one for all, packed as SGLang's FlattenedTensorBucket), then load them (checked before any
+        write) -> (success, message)."""
+        from weight_sync.nccl import GroupSource
+
+        source = GroupSource(list(names), list(dtypes), [list(s) for s in shapes], group_name, load_format)
+        return self.update_weights(source, flush_cache, weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        return self._call(DestroyWeightsGroupReq(group_name))
+
+    def get_weight_version(self) -> str:
+        return self._call(GetWeightVersionReq())
+
+    def update_weight_version(self, new_version: str) -> str:
+        return self._call(SetWeightVersionReq(str(new_version)))
+
+    # ---- colocated memory ----------------------------------------------------------------------
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> tuple[bool, str]:
+        """Free the GPU memory of `tags` (weights, kv_cache, cuda_graph; None = all) for a
+        colocated trainer. Generation waits until everything is resumed."""
+        return self._call(ReleaseMemoryReq(check_memory_tags(tags)))
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> tuple[bool, str]:
+        """Bring `tags` back (weights first and KV last lets a weight update land between)."""
+        return self._call(ResumeMemoryReq(check_memory_tags(tags)))
+
+    # ---- weight queries ------------------------------------------------------------------------
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of the parameter an HF checkpoint name loads into."""
+        return self._call(GetWeightsByNameReq(str(name), truncate_size))
+
+    def get_weights_checksum(self) -> str:
+        """sha256 hex over every parameter (SGLang's compute_weights_checksum): equal for equal
+        weights on any engine; engine.core.weight_queries.weights_checksum hashes a trainer's."""
+        return self._call(WeightsChecksumReq())
+
+    def check_weights(self, action: str = "checksum", skip_tensor_list: Optional[list[str]] = None,
+                      allow_quant_error: bool = False) -> dict:
+        """SGLang's weights checker (Miles' --check-weight-update-equal): "snapshot", then
+        "reset_tensors", then after a sync "compare" (success only if every tensor was rewritten to
+        its snapshot); "checksum" hashes each tensor. {"success", "message"[, "checksums"]}."""
+        return self._call(WeightsCheckerReq(str(action), tuple(skip_tensor_list or ()), bool(allow_quant_error)))
