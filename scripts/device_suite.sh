@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
-# Steps: gputests bimatmul attnbench fusedbench fusedtests bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: gpuall sync8q gputests bimatmul attnbench fusedbench fusedtests bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 set -uo pipefail
 export PYTHONPATH=.
@@ -23,6 +23,10 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
   fi
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
+  gpuall) ( kit && files=$(ls tests/gpu/test_*.py | grep -v -e flashinfer -e test_train_gpu)  # every GPU test but training; flashinfer's JIT-compiling ones last
+    step gpuall 560 python3 -m pytest -q -p no:cacheprovider -rfE --durations=30 $files tests/weight_sync/test_nccl_gpu.py \
+      tests/engine_client/test_engine_actor.py tests/gpu/test_flashinfer_attention_gpu.py ) ;;
+  sync8q) ( kit && step sync8q 120 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" ) ;;
   allgpu) ( kit && step allgpu 420 python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_train_gpu.py tests/gpu ) ;;
   memsaver) ( kit && step memsaver 240 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py tests/gpu/test_colocate_gpu.py ) ;;
   probe) ( kit && step probe 200 python3 scripts/memory_cycles_probe.py --cycles 30 --json "$OUT/mem-probe.json" ) ;;
