@@ -60,9 +60,10 @@ class RolloutManager:
         for g, (prompt, params) in enumerate(zip(prompts, per_prompt)):
             index = self.router.pick(prompt, n)
             engine = self.engines[index]
-            stream = engine.async_generate(input_ids=list(prompt), sampling_params={**params, "n": n},
-                                           return_logprob=True, rid=f"{batch}-{g}")
-            task = asyncio.ensure_future(_as_list(stream))
+            # submitted inside the task: a refused group fails its task, whose callback still
+            # releases the router's count
+            task = asyncio.ensure_future(_generate_group(engine, input_ids=list(prompt), return_logprob=True,
+                                                         sampling_params={**params, "n": n}, rid=f"{batch}-{g}"))
             task.add_done_callback(lambda _, i=index: self.router.release(i, n))
             tasks[task] = (g, engine)
         kept = await self._collect(tasks, keep_groups, n, batch)
@@ -96,6 +97,6 @@ class RolloutManager:
         return kept
 
 
-async def _as_list(stream: Any) -> list[dict]:
-    out = await stream
+async def _generate_group(engine: Any, **request: Any) -> list[dict]:
+    out = await engine.async_generate(**request)
     return out if isinstance(out, list) else [out]

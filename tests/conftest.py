@@ -14,6 +14,10 @@ from tests.rl_setup import ENGINE_KWARGS
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    # the session's Ray cluster and engine actor (fixtures below) hold memory until the session
+    # ends: the tests that use them run last, so the tests that start their own Ray (tandem train
+    # in a subprocess) never share the machine with them (a stable sort keeps the order otherwise)
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

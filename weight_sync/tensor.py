@@ -51,7 +51,12 @@ class TensorSource(WeightSource):
 
     def load_into(self, model: Any, ctx: LoadContext) -> None:
         named = self.named_tensors
-        model.load_weights(named.unpack() if isinstance(named, FlattenedBucket) else named)
+        if isinstance(named, FlattenedBucket):
+            try:
+                named = named.unpack()
+            except (ValueError, RuntimeError) as exc:  # before any write: a refusal, not a partial update
+                raise ValueError(f"flattened bucket refused: {type(exc).__name__}: {exc}") from exc
+        model.load_weights(named)
 
 
 @dataclass
@@ -74,7 +79,8 @@ class SerializedSource(WeightSource):
 
         try:
             opened = TensorSource(deserialize(self.data), self.load_format)
-        except PAYLOAD_ERRORS as exc:  # refused class, corrupt pickle, bad pairs or bucket metadata
+        except (*PAYLOAD_ERRORS, RuntimeError) as exc:  # refused class, corrupt pickle, bad pairs or bucket
+            # metadata, an IPC handle that cannot be opened: nothing is written yet
             raise ValueError(f"payload refused: {type(exc).__name__}: {exc}") from exc
         opened.load_into(model, ctx)
 

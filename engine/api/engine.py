@@ -76,7 +76,10 @@ class Engine(EngineWeights):
         """SGLang's Engine.generate: the arguments are GenerateRequest's fields (prompt,
         sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
         logprob_distribution, rid, token_ids_logprob), or one GenerateRequest. Blocks until done."""
-        reqs, single = self.builder.build(GenerateRequest.of(*args, **kwargs))
+        request = GenerateRequest.of(*args, **kwargs)
+        if request.stream:
+            raise ValueError("generate returns the final outputs; for stream=True use async_generate")
+        reqs, single = self.builder.build(request)
         results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
         for r in reqs:
             self._submit(r, results[r.rid].put)

@@ -72,6 +72,10 @@ class Req(RequestOptions):
     def from_input(cls, msg: Any) -> "Req":
         """msg: an engine.core.messages.ReqInput (RequestOptions plus its input_ids)."""
         options = {f.name: getattr(msg, f.name) for f in fields(RequestOptions)}
+        if not msg.return_logprob:  # the logprob options mean nothing without it (whoever built msg)
+            options.update(logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None)
+        elif not msg.token_ids_logprob:
+            options["token_ids_logprob"] = None
         return cls(origin_input_ids=list(msg.input_ids), **options)
 
     def note_weight_version(self, version: str) -> None:

@@ -79,7 +79,7 @@ class GenerateBody(_NullsAsDefaults):
         return GenerateRequest(
             prompt=self.text, input_ids=self.input_ids, sampling_params=_nulls_dropped(self.sampling_params),
             return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
-            top_logprobs_num=self.top_logprobs_num, token_ids_logprob=self.token_ids_logprob,
+            top_logprobs_num=self.top_logprobs_num or 0, token_ids_logprob=self.token_ids_logprob,
             logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream)
 
 
