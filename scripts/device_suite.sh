@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
+# A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
 # Steps: gpuall sync8q gputests bimatmul attnbench fusedbench fusedtests bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 set -uo pipefail
@@ -10,7 +11,7 @@ step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   # one log for the whole call: a run brings back only a few files
-  timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v "Capturing CUDA graphs" > "/tmp/$name.log"
+  timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep --line-buffered -v "Capturing CUDA graphs" > "/tmp/$name.log"
   local rc=${PIPESTATUS[0]}
   { echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; cat "/tmp/$name.log"; } >> "$OUT/suite.log"
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
@@ -24,7 +25,7 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in
   gpuall) ( kit && files=$(ls tests/gpu/test_*.py | grep -v -e flashinfer -e test_train_gpu)  # every GPU test but training; flashinfer's JIT-compiling ones last
-    step gpuall 560 python3 -m pytest -q -p no:cacheprovider -rfE --durations=30 $files tests/weight_sync/test_nccl_gpu.py \
+    step gpuall 540 python3 -m pytest -q -p no:cacheprovider -rfE --durations=30 $files tests/weight_sync/test_nccl_gpu.py \
       tests/engine_client/test_engine_actor.py tests/gpu/test_flashinfer_attention_gpu.py ) ;;
   sync8q) ( kit && step sync8q 120 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" ) ;;
   allgpu) ( kit && step allgpu 420 python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_train_gpu.py tests/gpu ) ;;

@@ -6,6 +6,8 @@ actor."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.rl_setup import ENGINE_KWARGS
@@ -14,16 +16,24 @@ from tests.rl_setup import ENGINE_KWARGS
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    # the session's Ray cluster and engine actor (fixtures below) hold memory until the session
-    # ends: the tests that use them run last, so the tests that start their own Ray (tandem train
-    # in a subprocess) never share the machine with them (a stable sort keeps the order otherwise)
-    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
+    # The tests of the `tandem` commands run first: several start `tandem train` in a subprocess
+    # with Ray's memory monitor on, which kills its engine actor when the node is nearly full, and
+    # this process grows by several GB over the suite. The tests that use the session's Ray cluster
+    # and engine actor (fixtures below), which hold memory until the session ends, run last. A
+    # stable sort keeps the order otherwise.
+    items.sort(key=_run_order)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+
+
+def _run_order(item: pytest.Item) -> int:
+    if Path(str(item.fspath)).parent.name == "tandem":
+        return 0
+    return 2 if "ray_cluster" in getattr(item, "fixturenames", ()) else 1
 
 
 @pytest.fixture(autouse=True, scope="session")
