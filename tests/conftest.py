@@ -16,11 +16,12 @@ from tests.rl_setup import ENGINE_KWARGS
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    # The tests of the `tandem` commands run first: several start `tandem train` in a subprocess
-    # with Ray's memory monitor on, which kills its engine actor when the node is nearly full, and
-    # this process grows by several GB over the suite. The tests that use the session's Ray cluster
-    # and engine actor (fixtures below), which hold memory until the session ends, run last. A
-    # stable sort keeps the order otherwise.
+    # The interrupt tests run first: they start `tandem train` in a subprocess with Ray's memory
+    # monitor on, which kills its engine actor when the node is nearly full, and this process grows
+    # by several GB over the suite. The tests that use the session's Ray cluster and engine actor
+    # (fixtures below), which hold memory until the session ends, run last. A stable sort keeps the
+    # order otherwise (tests/tandem/test_train_failures.py must stay after the Triton kernel tests:
+    # running Triton attention without its interpreter there leaves triton with no driver).
     items.sort(key=_run_order)
     if torch.cuda.is_available():
         return
@@ -31,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _run_order(item: pytest.Item) -> int:
-    if Path(str(item.fspath)).parent.name == "tandem":
+    if Path(str(item.fspath)).name == "test_interrupt.py":
         return 0
     return 2 if "ray_cluster" in getattr(item, "fixturenames", ()) else 1
 
