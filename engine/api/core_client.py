@@ -110,3 +110,7 @@ class ThreadCoreClient(CoreClient):
         self._inbox.put((STOP, None))
         self._thread.join(timeout=30)
         self._calls.fail_all(CoreDead("the engine core is shut down"))
+        # The model, KV pool and req_to_token table go with the core: a shut-down Engine that is
+        # still referenced (FastAPI's module-level caches keep every route closure over it) must
+        # not keep them alive.
+        self.core = None

@@ -3,6 +3,7 @@ real uvicorn server on a free port (for disconnects, which TestClient cannot mak
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -27,8 +28,10 @@ def other_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), preset="tiny", seed=1))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_factory(tiny_model_dir):
+    """Engines of one module, shut down when it ends (each holds ~160 MB on the CPU: KV pool and
+    req_to_token table; a session of them grew the suite's process by GBs)."""
     from engine import Engine
 
     engines = []
@@ -41,11 +44,17 @@ def engine_factory(tiny_model_dir):
     yield make
     for eng in engines:
         eng.shutdown()
+    engines.clear()
+    gc.collect()  # an EngineCore is a reference cycle: free its tensors now, not at some later collection
 
 
 @pytest.fixture(scope="session")
-def engine(engine_factory):
-    return engine_factory()
+def engine(tiny_model_dir):
+    from engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, dtype="float32", device="cpu")
+    yield eng
+    eng.shutdown()
 
 
 @pytest.fixture(scope="module")
