@@ -11,7 +11,7 @@ async_generate) is awaited there, so many generates run at once, and every other
 Weight payloads arrive by reference: CPU tensors through Ray's object store (shared memory; pass
 an ObjectRef from `ray.put` to reach several engines with one copy), or
 `weight_sync.cuda_ipc.serialize` bytes (CUDA IPC handles from a colocated trainer, shared-memory
-descriptors on the CPU), passed on as they are to Engine.update_weights_from_serialized: the
+descriptors on the CPU), passed on as they are to Engine.update_weights_from_tensor: the
 engine's core unpickles them through the allowlist. `start_engine_actors` starts a local Ray
 cluster if none runs.
 """

@@ -8,7 +8,7 @@ tensor packing, a bounded health probe, close, and a dead actor's one-line error
 Tensor updates travel by reference, chosen by `tensor_transport`:
 - "ray": the tensors themselves through Ray's object store (CPU tensors; shared memory on one
   node). An ObjectRef from `ray.put` also goes as it is, so one copy reaches several engines.
-- "ipc": `weight_sync.cuda_ipc.serialize` bytes (for Engine.update_weights_from_serialized): CUDA
+- "ipc": `weight_sync.cuda_ipc.serialize` bytes (unpickled by the engine's core): CUDA
   IPC handles for a colocated trainer on the GPU (no copy), shared-memory descriptors on the CPU.
   The caller keeps the tensors alive until the call returns.
 - "auto" (default): "ipc" when any tensor is on a GPU, else "ray".
@@ -80,8 +80,9 @@ class RayClient:
     def update_weights_from_tensor(self, named_tensors: Any, load_format: Any = None, flush_cache: bool = True,
                                    weight_version: Any = None) -> Reply:
         payload = self.tensor_payload(named_tensors)
-        method = "update_weights_from_serialized" if isinstance(payload, (bytes, str)) else "update_weights_from_tensor"
-        return self._get(self.actor.call.remote(method, payload, load_format, flush_cache, weight_version))
+        # Engine.update_weights_from_tensor takes pairs, a bucket or their serialized bytes alike
+        return self._get(self.actor.call.remote("update_weights_from_tensor", payload, load_format, flush_cache,
+                                                weight_version))
 
     def tensor_payload(self, named_tensors: Any) -> Any:
         """What goes to the actor for this client's tensor_transport (see the module doc)."""
