@@ -11,7 +11,7 @@ check, not learning); point it at a real HF checkpoint, a real task and its rewa
 Memory: the trainer keeps its ZeRO-3 states (fp32 master weights and Adam moments, ~16 bytes a
 parameter) while the engine generates, so the engine's share must leave room for them: on one
 H200 the Qwen3-4B shape ran with `--engine-args '{"mem_fraction_static": 0.25,
-"enable_memory_saver": true}'` (106.6 GiB peak; docs/benchmarks.md, sixth session).
+"enable_memory_saver": true}'` (106.6 GiB peak; docs/benchmarks.md).
 Each step re-captures the engine's CUDA graphs on resume (2.8-6.5 s on the H200);
 `--keep-cuda-graphs true` releases weights and KV only and keeps them (not yet timed in the loop).
 """

@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
         if self.deterministic or x.is_cuda:
             # on CUDA the one-kernel Triton norm (fused residual add) replaces ~6 torch kernels
             # per call, same rounding order as below; standalone it took 0.5-1.15x torch's time
-            # at M = 1..4096 (docs/benchmarks.md); end to end not measured yet
+            # at M = 1..4096 (H200, scripts/bi_matmul_bench.py); end to end not measured yet
             return bi.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

@@ -28,7 +28,7 @@ _HALF = ("bf16", "fp16")
 # Qwen3-8B (hidden 4096, q 32x128 + kv 2x8x128, intermediate 12288, vocab 151936), bf16/fp16.
 # (N, K): config. Small-M parallelism comes from split_k: N/block_n tiles x K/split_k splits; at
 # M ~ 64 every split costs an fp32 partial of M x N written and read, so qkv and down use 2048
-# (qkv M=64: 1.41 -> 1.15-1.18x cuBLAS, down 1.45 -> 1.20-1.24x; docs/benchmarks.md).
+# (qkv M=64: 1.41 -> 1.15-1.18x cuBLAS, down 1.45 -> 1.20-1.24x; H200, scripts/bi_matmul_bench.py).
 _HALF_TABLE: dict[tuple[int, int], MatmulConfig] = {
     (6144, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=2048, num_warps=4, num_stages=4),
     (4096, 4096): MatmulConfig(block_m=64, block_n=128, block_k=64, split_k=1024, num_warps=4, num_stages=4),
