@@ -77,7 +77,7 @@ class ServerArgs:
     max_generate_body_bytes: int = 256 << 20  # /generate and /v1/* bodies
     max_prompt_bytes: Optional[int] = field(default=None, metadata={"help": (
         "the most UTF-8 bytes of one prompt's text (or a rendered chat template), checked before tokenizing; "
-        "default: the context length x the longest token's bytes, a prompt no tokenizer fits in the context")})
+        "default: the context length x the longest token's bytes (a longer text cannot fit the context)")})
     # browsers and client-supplied templates (engine/server/origin_guard.py, engine/server/openai.py)
     allowed_origins: tuple[str, ...] = field(default=(), metadata={"help": (
         "browser origins (scheme://host[:port]) whose requests may call the control routes (pause, weights, "
