@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.attention.registry import backend_names, deterministic_backends, get_backend_spec
@@ -75,6 +75,17 @@ class ServerArgs:
     max_batch_requests: int = 8192  # prompts x n in one call
     max_body_bytes: int = 1 << 30  # any HTTP body (weight payloads are the big ones)
     max_generate_body_bytes: int = 256 << 20  # /generate and /v1/* bodies
+    max_prompt_bytes: Optional[int] = field(default=None, metadata={"help": (
+        "the most UTF-8 bytes of one prompt's text (or a rendered chat template), checked before tokenizing; "
+        "default: the context length x the longest token's bytes (a longer text cannot fit the context)")})
+    # browsers and client-supplied templates (engine/server/origin_guard.py, engine/server/openai.py)
+    allowed_origins: tuple[str, ...] = field(default=(), metadata={"help": (
+        "browser origins (scheme://host[:port]) whose requests may call the control routes (pause, weights, "
+        "flush, memory, abort); any other request with an Origin header, or marked by the browser "
+        "Sec-Fetch-Site: cross-site/same-site, is a 403. Clients that send neither header are unaffected")})
+    trust_request_chat_template: bool = field(default=False, metadata={"help": (
+        "let chat requests bring their own Jinja chat template (chat_template, or chat_template_kwargs' "
+        "chat_template), rendered in the server; refused with a 400 otherwise (vLLM's flag)")})
     health_check_timeout: float = 20.0  # /health_generate: seconds for a 1-token probe to answer
 
     def __post_init__(self) -> None:
@@ -101,6 +112,12 @@ class ServerArgs:
         for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
+            raise ValueError(f"max_prompt_bytes must be a positive integer, got {self.max_prompt_bytes}")
+        if isinstance(self.allowed_origins, str) or not all(isinstance(o, str) for o in self.allowed_origins):
+            raise ValueError(f"allowed_origins must be a list of origins (scheme://host[:port]), "
+                             f"got {self.allowed_origins!r}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))  # argparse gives a list
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.health_check_timeout <= 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 # Tokens of the prompt re-decoded as left context, so the first output token decodes with the
 # spacing it has in context (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET, vLLM's 5).
@@ -28,41 +28,47 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> 
                                          local_files_only=True)
 
 
-def check_text(text: str, what: str) -> None:
-    """A ValueError for text the tokenizer cannot encode: a lone UTF-16 surrogate (JSON's
-    "\\ud800" escape decodes to one) is no Unicode character and has no UTF-8 bytes."""
+def check_text(text: str, what: str) -> int:
+    """The text's UTF-8 size; a ValueError for text the tokenizer cannot encode: a lone UTF-16
+    surrogate (JSON's "\\ud800" escape decodes to one) is no Unicode character and has no UTF-8 bytes."""
     try:
-        text.encode("utf-8")
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid Unicode text: it has a lone surrogate {text[exc.start]!r} at "
                          f"character {exc.start} (send the character itself or its full surrogate pair)") from None
 
 
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
-                        assistant_prefix: str = "", **template_kwargs: Any) -> list[int]:
+                        assistant_prefix: str = "", check: Callable[[str, str], Any] = check_text,
+                        **template_kwargs: Any) -> list[int]:
     """Render messages with the tokenizer's chat template and return the prompt's token ids.
     `assistant_prefix`: text the reply continues (SGLang's continue_final_message), appended to
-    the rendered prompt before encoding."""
+    the rendered prompt before encoding. `check(text, what)` sees the rendered text before it is
+    tokenized (a size limit refuses a long one there)."""
     text = render_chat_template(tokenizer, messages, add_generation_prompt, **template_kwargs) + assistant_prefix
-    check_text(text, "the chat messages' text")
+    check(text, "the chat messages' text")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def render_chat_template(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
                          **template_kwargs: Any) -> str:
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and "chat_template" not in template_kwargs:
         raise ValueError("this tokenizer has no chat_template; send a plain prompt instead")
     # Render to text, then encode: the return type of tokenize=True differs between
     # transformers versions (list vs BatchEncoding); the text path is the same everywhere.
     from jinja2 import TemplateError
 
+    # a request's own template (--trust-request-chat-template) fails in ways of its own: its fault
+    faults = Exception if "chat_template" in template_kwargs else (TemplateError, TypeError, RecursionError,
+                                                                   OverflowError)
     try:
         return tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **template_kwargs)
-    except (TemplateError, TypeError) as exc:
-        # the template's raise_exception(...) refuses these messages, or it met a value of the
-        # wrong shape (a tojson of an undefined field): the request's fault, as in SGLang
-        raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+    except faults as exc:
+        # the template's raise_exception(...) refuses these messages, it met a value of the wrong
+        # shape (a tojson of an undefined field), nesting too deep or a range past the sandbox's
+        # limit: the request's fault, as in SGLang
+        raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
 
 
 class IncrementalDetokenizer:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from recipes.recipe_data import MAX_BASE_CHAIN, check_size, check_yaml_nesting, read_text
 from recipes.validate import check_fields
 
 TRAINERS = ("torch", "deepspeed")
@@ -192,9 +193,10 @@ def parse_value(f: dataclasses.Field, text: str, label: Optional[str] = None) ->
         if kind is int:
             return _parse_int(text)
         return kind(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past the parser's limit
         label = label or f"--{f.name.replace('_', '-')}"
-        raise ValueError(f"{label}: cannot read {text!r} as {getattr(kind, '__name__', kind)}") from None
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise ValueError(f"{label}: cannot read {shown!r} as {getattr(kind, '__name__', kind)}") from None
 
 
 def _parse_int(text: str) -> int:
@@ -208,6 +210,10 @@ def _parse_int(text: str) -> int:
         return int(value)
 
 
+class BaseChainTooLong(ValueError):
+    """Names the first file itself: not prefixed again by each file of the chain."""
+
+
 _LOADING: list[Path] = []  # the recipe files whose `base:` chain is being read (a cycle never ends)
 
 
@@ -217,6 +223,9 @@ def _from_mapping(path: Path) -> Recipe:
     if path.resolve() in _LOADING:
         chain = " -> ".join(str(p) for p in [*_LOADING, path.resolve()])
         raise ValueError(f"the base: chain comes back to {path} ({chain})")  # prefixed by the file naming it
+    if len(_LOADING) >= MAX_BASE_CHAIN:
+        raise BaseChainTooLong(f"recipe file {_LOADING[0]}: its base: chain is longer than {MAX_BASE_CHAIN} "
+                               f"files (the {MAX_BASE_CHAIN + 1}th is {path})")
     _LOADING.append(path.resolve())
     try:
         return _from_data(path, _read_mapping(path))
@@ -227,29 +236,42 @@ def _from_mapping(path: Path) -> Recipe:
 def _from_data(path: Path, data: Any) -> Recipe:
     if not isinstance(data, dict):
         raise ValueError(f"recipe file {path}: a recipe file is a mapping of field: value")
+    odd = next((k for k in data if not isinstance(k, str)), None)
+    if odd is not None:
+        raise ValueError(f"recipe file {path}: field names are strings, got {odd!r}")
     base = data.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ValueError(f"recipe file {path}: base must be a recipe name or file, got {base!r}")
     try:
         return with_overrides(load_recipe(base) if base else Recipe(), data, flags=False)
+    except BaseChainTooLong:
+        raise
     except ValueError as exc:
         raise ValueError(f"recipe file {path}: {exc}") from None
 
 
 def _read_mapping(path: Path) -> Any:
-    text = path.read_text()
+    data = _parsed(path, read_text(path))
+    check_size(data, path)
+    return data
+
+
+def _parsed(path: Path, text: str) -> Any:
     if path.suffix == ".json":
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"recipe file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column "
                              f"{exc.colno})") from None
+        except RecursionError:
+            raise ValueError(f"recipe file {path} nests too deeply to read") from None
     try:
         import yaml
     except ImportError:
         raise ValueError(f"reading {path} needs PyYAML (pip install pyyaml), or write the recipe as "
                          f".json or .py") from None
     try:
+        check_yaml_nesting(yaml, text, path)
         return yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -18,6 +18,12 @@ from typing import Any
 POSITIVE_INTS = ("steps", "prompts_per_step", "num_engines", "max_new_tokens", "micro_batch_size",
                  "warm_start_batch", "bucket_bytes")
 NON_NEGATIVE_INTS = ("warm_start_steps", "torch_threads", "seed")
+# sane upper bounds, checked before any work (a prompts_per_step of 10**9 built 4.8 GB of prompts
+# in 60 s before anything refused it): each well past any real run, none past what a machine holds
+UPPER_BOUNDS = (("prompts_per_step", 1 << 14), ("n_per_prompt", 1024), ("warm_start_batch", 1 << 14),
+                ("micro_batch_size", 1 << 14), ("max_new_tokens", 1 << 20), ("num_engines", 1024),
+                ("steps", 10 ** 7), ("warm_start_steps", 10 ** 7), ("torch_threads", 4096), ("bucket_bytes", 1 << 40))
+MAX_SAMPLES_PER_STEP = 1 << 16  # prompts_per_step x n_per_prompt (slime-scale runs use ~8k)
 # (field, lower bound, bound allowed)
 FLOAT_BOUNDS = (("lr", 0, False), ("warm_start_lr", 0, False), ("max_grad_norm", 0, False),
                 ("clip_low", 0, True), ("clip_high", 0, True), ("kl_coef", 0, True), ("tis_cap", 0, False))
@@ -57,6 +63,12 @@ def _check_ranges(r: Any) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(r, name)}")
     if r.n_per_prompt < 2:
         raise ValueError(f"n_per_prompt must be >= 2 (GRPO compares samples of one prompt), got {r.n_per_prompt}")
+    for name, high in UPPER_BOUNDS:
+        if getattr(r, name) > high:
+            raise ValueError(f"{name} must be <= {high:,}, got {getattr(r, name):,}")
+    if r.prompts_per_step * r.n_per_prompt > MAX_SAMPLES_PER_STEP:
+        raise ValueError(f"prompts_per_step x n_per_prompt = {r.prompts_per_step * r.n_per_prompt:,} samples per "
+                         f"step; the limit is {MAX_SAMPLES_PER_STEP:,}")
     if not (math.isfinite(r.temperature) and r.temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0 (RL samples; 0 is greedy: every sample of a "
                          f"prompt alike, nothing to compare), got {r.temperature}")

@@ -67,7 +67,7 @@ def server_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
 def _argparse_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     default = _default_of(field)
     base, _ = _unwrap_optional(annotation)
-    help_text = f"ServerArgs.{field.name} (default: {default!r})"
+    help_text = f"{field.metadata.get('help') or 'ServerArgs.' + field.name} (default: {default!r})"
     if base is bool:
         if default is True or default is None:  # None: "decide for me"; --x / --no-x override it
             return dict(action=argparse.BooleanOptionalAction, default=default, help=help_text)

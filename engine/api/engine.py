@@ -81,8 +81,7 @@ class Engine(EngineWeights):
             raise ValueError("generate returns the final outputs; for stream=True use async_generate")
         reqs, single = self.builder.build(request)
         results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
-        for r in reqs:
-            self._submit(r, results[r.rid].put)
+        self._submit_all(reqs, [results[r.rid].put for r in reqs])
         outputs = [self._wait_final(results[r.rid]) for r in reqs]
         return outputs[0] if single else outputs
 
@@ -95,8 +94,7 @@ class Engine(EngineWeights):
         reqs, single = self.builder.build(request)
         loop = loop or asyncio.get_running_loop()
         streams = GenerateStream(reqs, single, request.stream, loop)
-        for r in reqs:
-            self._submit(r, streams.sink_for(r.rid))
+        self._submit_all(reqs, [streams.sink_for(r.rid) for r in reqs])
         return streams
 
     def _wait_final(self, q: "queue.Queue[ReqOutput]") -> dict:
@@ -106,18 +104,29 @@ class Engine(EngineWeights):
                 return out.output
 
     def _submit(self, req_input: ReqInput, sink: Sink) -> None:
+        self._submit_all([req_input], [sink])
+
+    def _submit_all(self, reqs: list[ReqInput], sinks: list[Sink]) -> None:
+        """Every rid is checked and registered before the first request is sent, so a batch
+        refused for a rid already in flight submits nothing (nothing decodes for nobody)."""
         with self._lock:
-            if req_input.rid in self._sinks:
-                raise ValueError(f"rid {req_input.rid!r} is already in flight; rids must be unique")
-            self._sinks[req_input.rid] = sink
-            self._inputs[req_input.rid] = req_input
-        try:
-            self.client.send(req_input)
-        except BaseException:  # e.g. CoreDead: nothing will answer this request
-            with self._lock:
-                self._sinks.pop(req_input.rid, None)
-                self._inputs.pop(req_input.rid, None)
-            raise
+            busy = next((r.rid for r in reqs if r.rid in self._sinks), None)
+            if busy is not None:
+                raise ValueError(f"rid {busy!r} is already in flight; rids must be unique")
+            for r, sink in zip(reqs, sinks):
+                self._sinks[r.rid] = sink
+                self._inputs[r.rid] = r
+        for sent, r in enumerate(reqs):
+            try:
+                self.client.send(r)
+            except BaseException:  # e.g. CoreDead: nothing will answer the rest; abort what went
+                with self._lock:
+                    for unsent in reqs[sent:]:
+                        self._sinks.pop(unsent.rid, None)
+                        self._inputs.pop(unsent.rid, None)
+                for gone in reqs[:sent]:
+                    self._abort_quietly(gone.rid, "its batch could not be submitted")
+                raise
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:

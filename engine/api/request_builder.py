@@ -11,12 +11,12 @@ import uuid
 from typing import Any, Optional
 
 from engine.api.generate_request import GenerateRequest
+from engine.api.prompt_size import PromptSize
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
 from engine.core.messages import ReqInput
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
 from engine.sampling.seeds import derive_seed
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import check_text
 
 
 class RequestBuilder:
@@ -26,6 +26,7 @@ class RequestBuilder:
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.max_total_num_tokens = max_total_num_tokens  # the KV pool: None = unknown, unchecked
+        self.prompt_size = PromptSize(tokenizer, context_len, server_args.max_prompt_bytes)
         self.default_distribution = server_args.logprob_distribution
         self.max_n = server_args.max_n
         self.max_batch_requests = server_args.max_batch_requests
@@ -84,7 +85,9 @@ class RequestBuilder:
                 raise ValueError("prompt must be a string or a list of strings")
             if self.tokenizer is None:
                 raise ValueError("this engine was started with skip_tokenizer_init; pass input_ids")
-            lists = [self._encode(t) for t in texts]
+            for text in texts:  # every text measured before any is tokenized
+                self._check_text(text)
+            lists = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
         else:
             if not isinstance(input_ids, (list, tuple)):  # a dict or a str would iterate as if it were ids
                 raise ValueError(f"input_ids must be a list of ints (or a list of such lists), "
@@ -126,11 +129,10 @@ class RequestBuilder:
             raise ValueError(f"token_ids_logprob has token id {bad} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def _encode(self, text: str) -> list[int]:
+    def _check_text(self, text: str) -> None:
         if text == "":
             raise ValueError("prompt is empty; give at least one token of text")
-        check_text(text, "prompt")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        self.prompt_size.check(text)
 
     def _check_ids(self, ids: Any) -> None:
         # set of types + min/max: ~20x faster than per-token isinstance and range checks, and this

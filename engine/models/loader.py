@@ -76,13 +76,30 @@ def safetensors_files(model_path: str) -> list[str]:
     """The checkpoint's shard files: those named by the index when there is one, else all."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
+        return [os.path.join(model_path, name) for name in _indexed_shards(index)]
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path!r}")
     return files
+
+
+def _indexed_shards(index: str) -> list[str]:
+    """The shard file names an index's weight_map names; a ValueError (nothing written yet) for
+    an index that is not JSON, has no weight_map object, or names a file outside its folder."""
+    try:
+        with open(index, "rb") as f:
+            data = json.loads(f.read())
+    except (ValueError, RecursionError) as exc:  # not JSON (or not UTF-8), or nested past the parser
+        raise ValueError(f"{index} is not a safetensors index: {type(exc).__name__}: {exc}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} is not a safetensors index: it needs a non-empty \"weight_map\" object")
+    bad = next((n for n in weight_map.values()
+                if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")), None)
+    if bad is not None:
+        raise ValueError(f"{index}: weight_map values must be shard file names in the checkpoint's folder, "
+                         f"got {bad!r}")
+    return sorted(set(weight_map.values()))
 
 
 def load_safetensors(model: nn.Module, model_path: str) -> None:

@@ -3,6 +3,7 @@ control routes (pause, weight updates, abort, flush, memory, profiling), so a ro
 holding the generation key cannot take the engine over. Without an admin key, control routes
 take the api key (one key for everything, as before). /health and /health_generate are open.
 
+Control routes also refuse browser-originated requests (engine/server/origin_guard.py), keys or not.
 Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched.
 Keys are compared as bytes: a header with non-ASCII bytes is a 401, never a 500.
 """
@@ -13,6 +14,7 @@ import hmac
 from typing import Any, Optional
 
 from engine.server.errors import error_response
+from engine.server.origin_guard import OriginGuard
 
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 ADMIN_ROUTES = frozenset({
@@ -46,13 +48,19 @@ class AccessPolicy:
 
 
 class AccessMiddleware:
-    def __init__(self, app: Any, policy: AccessPolicy) -> None:
+    def __init__(self, app: Any, policy: AccessPolicy, origins: Optional[OriginGuard] = None) -> None:
         self.app = app
         self.policy = policy
+        self.origins = origins or OriginGuard()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            headers = dict(scope.get("headers") or [])  # ASGI header names are lower-case
+            refusal = self.origins.refusal(headers) if scope.get("path") in ADMIN_ROUTES else None
+            if refusal is not None:
+                await error_response(refusal, 403)(scope, receive, send)
+                return
+            given = headers.get(b"authorization", b"")
             if not self.policy.allows(scope.get("path", ""), given):
                 admin = scope.get("path") in ADMIN_ROUTES and self.policy.admin
                 which = "admin api key" if admin else "api key"

@@ -12,6 +12,8 @@ from pydantic import field_validator
 
 from engine.server.protocol import _Lenient
 
+MAX_TEMPLATE_NESTING = 64  # levels of objects/arrays handed to a template: tool schemas need ~10
+
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
@@ -50,7 +52,7 @@ def _parsed_arguments(call: Any, index: int) -> Any:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past the parser's limit
         arguments = None
     if not isinstance(arguments, dict):
         raise ValueError(f"messages[{index}].tool_calls: function.arguments must be a JSON object (as a string)")
@@ -82,3 +84,19 @@ def template_tools(tools: Optional[list[ChatTool]], tool_choice: Any) -> Optiona
     elif tool_choice not in (None, "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function; got {tool_choice!r}")
     return [t.model_dump(exclude_unset=True) for t in tools]
+
+
+def check_nesting(value: Any, what: str, limit: int = MAX_TEMPLATE_NESTING) -> None:
+    """A ValueError when objects and arrays in `value` nest deeper than `limit`: the template
+    library walks them recursively (700 levels were a RecursionError, a 500). Iterative, so any
+    depth is measured without recursing."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise ValueError(f"{what}: objects and arrays nest deeper than {limit} levels, more than a chat "
+                             "template takes")
+        stack.extend((child, depth + 1) for child in children)

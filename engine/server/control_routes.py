@@ -147,23 +147,23 @@ def add_weights_checker_route(app: FastAPI, engine: Any, unknown: UnknownFields)
 
 class WeightUpdateSession:
     """Whether a begin_weight_update is open: a second begin, or an end with none open, is a 400
-    (SGLang's rule), so a trainer whose begin/end pairing broke finds out."""
+    with SGLang's messages (its SchedulerWeightUpdaterManager), so a trainer whose begin/end
+    pairing broke finds out."""
 
     def __init__(self) -> None:
         self.selector: Optional[str] = None
 
     def begin(self, selector: str) -> tuple[bool, str]:
         if self.selector is not None:
-            return False, (f"a weight update session (selector {self.selector!r}) is already open; "
-                           "call end_weight_update first")
+            return False, "a weight-update session is already open; call end_weight_update() first"
         self.selector = selector
-        return True, f"Weight update session started (selector {selector!r})."
+        return True, "Success"
 
     def end(self) -> tuple[bool, str]:
         if self.selector is None:
-            return False, "no weight update session is open; call begin_weight_update first"
+            return False, "no weight-update session is open; call begin_weight_update() first"
         self.selector = None
-        return True, "Weight update session ended."
+        return True, "Success"
 
 
 async def _memory_call(verb: Callable[..., tuple[bool, str]], req: Optional[MemoryOccupationRequest]) -> JSONResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-_KINDS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 413: "Payload Too Large",
+_KINDS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 413: "Payload Too Large",
           503: "Service Unavailable"}
 
 

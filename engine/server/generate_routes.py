@@ -21,6 +21,7 @@ from engine.server.openai_logprobs import token_decoder
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.protocol import GenerateBody, UnknownFields
 
+OFF_LOOP_TEXT_CHARS = 16 << 10  # ~10 ms to tokenize: more is tokenized on a thread
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
 # per position, a list of [logprob, id, text] (or null): top_logprobs_num's and token_ids_logprob's
 TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
@@ -36,6 +37,7 @@ class GenerationRoute:
     request: Callable[[Any], GenerateRequest]
     response: Callable[[Any, Any], Any]  # (body, final outputs) -> reply
     events: Callable[[Any, Any], AsyncIterator[str]]  # (body, stream) -> SSE lines
+    off_loop: Callable[[Any], bool]  # (body) -> whether building its request is work for a thread
     methods: tuple[str, ...] = ("POST",)
 
 
@@ -43,11 +45,12 @@ def generation_routes(engine: Any, openai: OpenAIServing) -> tuple[GenerationRou
     decode = token_decoder(engine.tokenizer)
     return (
         GenerationRoute("/generate", GenerateBody, GenerateBody.to_request, partial(_generate_response, decode),
-                        partial(_generate_events, decode), methods=("POST", "PUT")),
+                        partial(_generate_events, decode), lambda body: _long_text(body.text), methods=("POST", "PUT")),
         GenerationRoute("/v1/completions", CompletionRequest, openai.completion_request, openai.completion_response,
-                        openai.completion_events),
+                        openai.completion_events, lambda body: _long_text(body.prompt)),
+        # the chat template renders the client's messages: a thread, whatever their size
         GenerationRoute("/v1/chat/completions", ChatCompletionRequest, openai.chat_request, openai.chat_response,
-                        openai.chat_events),
+                        openai.chat_events, lambda body: True),
     )
 
 
@@ -60,7 +63,7 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
     async def handle(body: Any, request: Request) -> Any:
         unknown.note(route.path, body)
         submit = lambda loop=None: engine.async_generate(route.request(body), loop=loop)  # noqa: E731
-        stream = await _submitted(submit, body.carries_grammar())
+        stream = await _submitted(submit, body.carries_grammar() or route.off_loop(body))
         if body.stream:
             return streaming_response(route.events(body, stream), stream, engine)
         return route.response(body, await await_or_abort(request, stream, engine))
@@ -69,13 +72,22 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
     app.api_route(route.path, methods=list(route.methods))(handle)
 
 
-async def _submitted(submit: Callable[..., Any], constrained: bool) -> Any:
-    """Build and submit a request. One that carries a grammar is built on a worker thread: its
-    compile (tens of ms per new schema, ~0.5 s for the first on a Qwen-sized vocabulary) would
-    otherwise stall every stream this event loop serves."""
-    if not constrained:
+async def _submitted(submit: Callable[..., Any], heavy: bool) -> Any:
+    """Build and submit a request. A heavy one is built on a worker thread: a grammar's compile
+    (tens of ms per new schema, ~0.5 s for the first on a Qwen-sized vocabulary), a chat
+    template's render or a long text's tokenizing (~0.7 s per MB) would otherwise stall every
+    stream and /health this event loop serves."""
+    if not heavy:
         return submit()
     return await asyncio.to_thread(submit, asyncio.get_running_loop())
+
+
+def _long_text(prompt: Any) -> bool:
+    """Text worth a thread to tokenize: over OFF_LOOP_TEXT_CHARS in all (token ids need none)."""
+    if isinstance(prompt, str):
+        return len(prompt) > OFF_LOOP_TEXT_CHARS
+    texts = prompt if isinstance(prompt, list) else []
+    return sum(len(t) for t in texts if isinstance(t, str)) > OFF_LOOP_TEXT_CHARS
 
 
 def _generate_response(decode: Any, body: GenerateBody, outs: Any) -> Any:

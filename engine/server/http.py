@@ -24,6 +24,7 @@ from engine.server.generate_routes import add_generate_routes
 from engine.server.info_routes import add_info_routes
 from engine.server.maintenance_routes import add_maintenance_routes
 from engine.server.openai import OpenAIServing
+from engine.server.origin_guard import OriginGuard
 from engine.server.protocol import UnknownFields
 from engine.server.served_model import ServedModel
 
@@ -44,7 +45,8 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     args = engine.server_args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes,
                        max_generate_bytes=args.max_generate_body_bytes)
-    app.add_middleware(AccessMiddleware, policy=AccessPolicy(api_key, admin_api_key))  # outermost
+    app.add_middleware(AccessMiddleware, policy=AccessPolicy(api_key, admin_api_key),
+                       origins=OriginGuard(args.allowed_origins))  # outermost
     return app
 
 

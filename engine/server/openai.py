@@ -13,6 +13,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
 from engine.api.generate_request import GenerateRequest
+from engine.server.chat_messages import check_nesting
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, output_entries,
                                            token_decoder)
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
@@ -46,6 +47,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a chat request leaves unset
         self.decode = token_decoder(engine.tokenizer)
+        self.trust_request_chat_template = engine.server_args.trust_request_chat_template
 
     # ---- completions ---------------------------------------------------------------------------
     def completion_request(self, req: CompletionRequest) -> GenerateRequest:
@@ -101,12 +103,16 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat completions need a tokenizer; the engine was started without one")
+        if req.brings_template() and not self.trust_request_chat_template:
+            raise ValueError("this request brings its own chat_template, which the server does not run: start it "
+                             "with --trust-request-chat-template to allow request-supplied templates")
         params = openai_sampling_params(req, _chat_max_tokens(req), self.sampling_defaults)
         tools = req.template_tools()
         if tools:  # SGLang keeps special tokens when tools are offered: tool-call markers stay in the text
             params["skip_special_tokens"] = False
+        ids = _chat_prompt_ids(tok, req, tools, self.engine.builder.prompt_size.check)
         return GenerateRequest(
-            input_ids=_chat_prompt_ids(tok, req, tools), sampling_params=params,
+            input_ids=ids, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             rid=req.rid, stream=req.stream)
 
@@ -167,18 +173,23 @@ def _chat_max_tokens(req: ChatCompletionRequest) -> int:
     return next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 128)  # 0 is 0
 
 
-def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[dict]]) -> list[int]:
+def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[dict]],
+                     check: Callable[[str, str], None]) -> list[int]:
     """The template's prompt, as SGLang renders it: tools as sent, else (a template that wants
     them flat) each tool's function; with continue_final_message the last assistant message's
-    text is the start of the reply."""
+    text is the start of the reply. What the template gets is checked for nesting first, and the
+    rendered text by `check` (its size) before it is tokenized."""
     from engine.tokenizer import apply_chat_template
 
     messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+    kwargs = req.template_kwargs()
+    for value, what in ((messages, "messages"), (tools, "tools"), (kwargs, "chat_template_kwargs")):
+        check_nesting(value, what)
     prefix = ""
     if req.continue_final_message and messages[-1]["role"] == "assistant":
         prefix = messages.pop()["content"]
-    render = lambda t: apply_chat_template(tok, messages, assistant_prefix=prefix, tools=t,  # noqa: E731
-                                           **req.template_kwargs())
+    render = lambda t: apply_chat_template(tok, messages, assistant_prefix=prefix, check=check,  # noqa: E731
+                                           tools=t, **kwargs)
     try:
         return render(tools)
     except ValueError:

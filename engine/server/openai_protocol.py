@@ -104,6 +104,7 @@ class ChatCompletionRequest(_OpenAISampling):
     continue_final_message: bool = False  # SGLang: the last assistant message is a prefix to continue
     reasoning_effort: Optional[str] = None  # handed to the chat template (gpt-oss templates read it)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # SGLang's, e.g. {"enable_thinking": false}
+    chat_template: Optional[str] = None  # vLLM's: the client's own template (--trust-request-chat-template)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -117,13 +118,24 @@ class ChatCompletionRequest(_OpenAISampling):
         return template_tools(self.tools, self.tool_choice)
 
     def template_kwargs(self) -> dict[str, Any]:
-        """reasoning_effort, then chat_template_kwargs (which win), as SGLang passes them."""
+        """reasoning_effort, then chat_template_kwargs (which win), as SGLang passes them; the
+        request's own chat_template last (it is refused unless the server trusts it)."""
         extra = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
-        return {**extra, **(self.chat_template_kwargs or {})}
+        kwargs = {**extra, **(self.chat_template_kwargs or {})}
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
+
+    def brings_template(self) -> bool:
+        """Whether the request carries a chat template of its own (either field)."""
+        return self.chat_template is not None or "chat_template" in (self.chat_template_kwargs or {})
 
 
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "return_dict",
-                                       "return_tensors", "tools", "continue_final_message"})
+# the render's own arguments (the server sets them) and the template variables it fills itself
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                                       "return_tensors", "tools", "documents", "continue_final_message", "padding",
+                                       "truncation", "max_length", "tokenizer_kwargs",
+                                       "return_assistant_tokens_mask"})
 
 
 def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,

@@ -94,6 +94,28 @@ def test_a_bad_dtype_in_the_second_shard_writes_nothing(eng, other_model_dir, ne
     _assert_unchanged(eng, before)
 
 
+@pytest.mark.parametrize("index,message", [
+    (b"{not json", "is not a safetensors index: JSONDecodeError"),
+    (b'{"weight_map": "\xc3\x28"}', "is not a safetensors index: UnicodeDecodeError"),
+    (b"[1, 2]", 'it needs a non-empty "weight_map" object'),
+    (b'{"weight_map": ["model-1.safetensors"]}', 'it needs a non-empty "weight_map" object'),
+    (b'{"weight_map": {"x": ["model-1.safetensors"]}}', "weight_map values must be shard file names"),
+    (b'{"weight_map": {"x": "../model-1.safetensors"}}', "got '../model-1.safetensors'"),
+    (b'{"weight_map": {"x": "/etc/passwd"}}', "got '/etc/passwd'"),
+    (b"[" * 100000 + b"]" * 100000, "is not a safetensors index: RecursionError"),
+])
+def test_a_malformed_index_is_refused_before_any_write(eng, other_model_dir, new_tensors, tmp_path, index, message):
+    """Issue 27 item 11: the index was read after the checks' guard, so a KeyError or TypeError
+    answered 'weights may be partly written' although nothing was."""
+    path = _two_shards(tmp_path, other_model_dir, new_tensors, "F32", new_tensors[BAD].float().numpy().tobytes())
+    (tmp_path / "shards-F32" / "model.safetensors.index.json").write_bytes(index)
+    before = _snapshot(eng)
+    ok, reply = eng.update_weights_from_disk(path, weight_version="bad")
+    assert not ok and reply.startswith("Weights not updated: ") and "partly" not in reply, reply
+    assert message in reply
+    _assert_unchanged(eng, before)
+
+
 def test_a_castable_float8_shard_loads(eng, other_model_dir, new_tensors, tmp_path):
     """F8_E5M2 copies into float32 parameters, so the same layout succeeds: the check is exact,
     not a blanket refusal of float8."""

@@ -59,3 +59,44 @@ def test_tandem_train_command_writes_the_run_folder(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["logprob_abs_diff_max"] == 0.0
     assert (out / "checkpoint" / "config.json").exists() and (out / "reward_curve.png").exists()
+
+
+def _bomb(levels: int = 9) -> str:
+    """A YAML alias bomb: 9 levels of 9 references each stand for 9**9 values."""
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\ntask_args: {{k: *l{levels - 1}}}\n"
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("deep.yaml", "task_args: " + "[" * 5000 + "]" * 5000, "nests mappings/lists deeper than 32 levels"),
+    ("deep.yaml", "task_args:\n" + "".join(" " * i + f"k{i}:\n" for i in range(1, 40)) + " " * 40 + "v: 1\n",
+     "nests mappings/lists deeper than 32 levels"),
+    ("deep.json", '{"task_args": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}", "nests too deeply to read"),
+    ("wide.json", '{"task_args": ' + '{"a": ' * 40 + "1" + "}" * 40 + "}", "nests mappings/lists deeper than 32"),
+    ("bomb.yaml", _bomb(), "holds more than 100,000 values (counting every use of a YAML alias)"),
+    ("keys.yaml", "1: 2\n", "field names are strings, got 1"),
+    ("huge.json", "{}" + " " * (2 << 20), "is 2,097,154 bytes; a recipe file is at most 1,048,576"),
+])
+def test_hostile_recipe_files_are_one_line_errors(tmp_path, name, text, message):
+    """Issue 27 item 11: deep nesting and alias bombs were tracebacks (or endless work)."""
+    import time
+
+    path = tmp_path / name
+    path.write_text(text)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as exc:
+        load_recipe(str(path))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+    assert time.monotonic() - start < 10
+
+
+def test_a_long_base_chain_is_refused(tmp_path):
+    for i in range(300):
+        body = f"base: {tmp_path / f'c{i + 1}.yaml'}\n" if i < 299 else "steps: 2\n"
+        (tmp_path / f"c{i}.yaml").write_text(body)
+    assert load_recipe(str(tmp_path / "c284.yaml")).steps == 2  # 16 files: allowed
+    with pytest.raises(ValueError) as exc:
+        load_recipe(str(tmp_path / "c0.yaml"))
+    assert str(exc.value) == (f"recipe file {tmp_path / 'c0.yaml'}: its base: chain is longer than 16 files "
+                              f"(the 17th is {tmp_path / 'c16.yaml'})")

@@ -58,15 +58,17 @@ def test_miles_weight_sync_session(engine_factory, other_model_dir):
 
 
 def test_weight_update_session_order_is_checked(client):
-    """A second begin, or an end with none open, is a 400 with success false (SGLang 0.5.23);
-    after a refused begin the open session still ends normally."""
-    assert client.post("/begin_weight_update", json={"selector": "target"}).json()["success"] is True
+    """A second begin, or an end with none open, is a 400 with success false and SGLang's
+    messages (0.5.23); after a refused begin the open session still ends normally."""
+    assert client.post("/begin_weight_update", json={"selector": "target"}).json() == {
+        "success": True, "message": "Success"}
     again = client.post("/begin_weight_update", json={})
-    assert again.status_code == 400 and again.json()["success"] is False
-    assert "'target'" in again.json()["message"]
+    assert again.status_code == 400 and again.json() == {
+        "success": False, "message": "a weight-update session is already open; call end_weight_update() first"}
     assert client.post("/end_weight_update", json={}).status_code == 200
     stray = client.post("/end_weight_update", json={})
-    assert stray.status_code == 400 and stray.json()["success"] is False
+    assert stray.status_code == 400 and stray.json() == {
+        "success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
     bad = client.post("/begin_weight_update", json={"selector": "both"})
     assert bad.status_code == 400 and "selector" in bad.json()["message"]
     assert client.post("/begin_weight_update", content=b"null").status_code == 400  # not an object

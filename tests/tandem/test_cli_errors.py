@@ -45,6 +45,12 @@ def _exit_message(argv: list[str]) -> str:
     (["--transport", "nope"], "tandem train: transport must be one of tensor, disk; got 'nope'"),
     (["--model", "/no/such/model"], "tandem train: model '/no/such/model' is neither a preset"),
     (["--recipe", "/no/such/recipe.py"], "tandem train: recipe file /no/such/recipe.py does not exist"),
+    # issue 27: a billion prompts per step built 4.8 GB of them in 60 s before any check
+    (["--prompts-per-step", "1000000000"], "tandem train: prompts_per_step must be <= 16,384, got 1,000,000,000"),
+    (["--warm-start-batch", "1e9"], "tandem train: warm_start_batch must be <= 16,384, got 1,000,000,000"),
+    (["--prompts-per-step", "8192", "--n-per-prompt", "16"],
+     "tandem train: prompts_per_step x n_per_prompt = 131,072 samples per step; the limit is 65,536"),
+    (["--task-args", "[" * 5000 + "]" * 5000], "tandem train: --task-args: cannot read '[[[["),
 ])
 def test_bad_train_overrides_are_one_line_before_anything_starts(tmp_path, flags, message):
     out = tmp_path / "run"
