@@ -40,7 +40,7 @@ def max_padded_rows(num_entries: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _count_kernel(ids_ptr, counts_ptr, n, SCAN: tl.constexpr):
     expert = tl.program_id(0)
     count = tl.zeros((), dtype=tl.int32)
@@ -51,7 +51,7 @@ def _count_kernel(ids_ptr, counts_ptr, n, SCAN: tl.constexpr):
     tl.store(counts_ptr + expert, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, total_ptr, n, E,
                   E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
     expert = tl.program_id(0)

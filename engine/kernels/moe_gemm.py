@@ -61,7 +61,9 @@ def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, deterministic
     return next(cfg for limit, cfg in CONFIGS if limit is None or rows_per_expert <= limit)
 
 
-@triton.jit
+# The token-count arguments are not specialized (divisible by 16, equal to 1): one binary per
+# config serves every T, so no batch size compiles anew (e.g. at CUDA-graph capture) or runs other code.
+@triton.jit(do_not_specialize=["num_rows", "n_blocks_m"])
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, total_ptr,
                         N, K, num_rows, n_blocks_m, stride_am, stride_we, stride_wn, stride_om,
                         A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
