@@ -7,8 +7,8 @@ fused_moe runs the Triton path (moe_gemm.py: align, gate_up + SiLU-and-mul, down
 combine): CUDA-graph capturable (no host sync, buffer sizes bounded on the host), deterministic,
 and with deterministic=True batch invariant (a token's bits do not depend on the other tokens or
 on how many share its experts). fused_moe_reference is the same arithmetic in torch (fp32
-accumulation, the kernel's roundings to the input dtype, k summed in order): the CPU path, the
-backward, and the tests' oracle. This module imports only torch; triton is imported on first use.
+accumulation, the kernel's roundings to the input dtype, k summed in order; deterministic=True
+batch invariant on the CPU): the CPU path, the backward, and the tests' oracle. This module imports only torch; triton is imported on first use.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import batch_invariant as bi
 from engine.kernels.torch_backward import needs_grad, reference_grads
 
 
@@ -37,18 +38,24 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
-def fused_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """The formula in torch, float32 accumulation, rounded to hidden's dtype where the kernels
-    round (gate/up, silu, act, each expert output, the sum); differentiable. Syncs the host."""
+    round (gate/up, silu, act, each expert output, the sum); differentiable. Syncs the host.
+    deterministic: batch invariant on the CPU too (bi.linear's fixed-shape row tiles; silu as
+    x / (1 + exp(-x)), since F.silu's vector body and tail round differently: batch_invariant.ops)."""
     dt, (T, H), top_k, I = hidden.dtype, hidden.shape, topk_ids.shape[1], w2.shape[2]
+    if deterministic:
+        linear, silu = bi.linear, lambda g: g / (1.0 + torch.exp(-g))
+    else:
+        linear, silu = F.linear, F.silu
     x = hidden.float()
     y = torch.zeros(T, top_k, H, dtype=torch.float32, device=hidden.device)
     for e in topk_ids.unique().tolist():
         tokens, ks = (topk_ids == e).nonzero(as_tuple=True)
-        gate_up = _round(x[tokens] @ w13[e].float().T, dt)
-        act = _round(_round(F.silu(gate_up[:, :I]), dt) * gate_up[:, I:], dt)
-        y = y.index_put((tokens, ks), _round(act @ w2[e].float().T, dt))
+        gate_up = _round(linear(x[tokens], w13[e].float()), dt)
+        act = _round(_round(silu(gate_up[:, :I]), dt) * gate_up[:, I:], dt)
+        y = y.index_put((tokens, ks), _round(linear(act, w2[e].float()), dt))
     out = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)
     for k in range(top_k):
         out = out + topk_weights[:, k, None].float() * y[:, k]

@@ -3,7 +3,7 @@
 Within bf16 tolerance of a float32 reference (fused_moe_reference on upcast inputs: no rounding),
 every output element written (freed NaN blocks would show through); deterministic
 mode bitwise batch invariant (a token alone, among others, with its experts overloaded); both
-modes bitwise equal run to run; CUDA-graph replay bitwise equal to eager. Speed:
+modes bitwise equal run to run; no host sync; CUDA-graph replay bitwise equal to eager. Speed:
 scripts/fused_moe_bench.py.
 """
 
@@ -94,6 +94,11 @@ def test_cuda_graph_replay_equals_eager(weights, T, deterministic):
     static = [hidden.clone(), w.clone(), ids.clone()]
     _fused(static[0], w13, w2, static[1], static[2], deterministic)  # compile outside the capture
     torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync (.item(), nonzero, ...) raises
+    try:
+        _fused(static[0], w13, w2, static[1], static[2], deterministic)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = _fused(static[0], w13, w2, static[1], static[2], deterministic)
