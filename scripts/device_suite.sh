@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: gpuall sync8q gputests bimatmul attnbench fusedbench fusedtests bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: gpuall sync8q gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 set -uo pipefail
 export PYTHONPATH=.
@@ -71,6 +71,8 @@ for s in "$@"; do case $s in
   attnbench) step attnbench 120 python3 scripts/gpu_attention_bench.py ;;
   fusedbench) step fusedbench 60 python3 scripts/fused_kernels_bench.py --json "$OUT/fused-kernels.json" ;;
   fusedtests) step fusedtests 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_kernels_gpu.py ;;
+  moegpu) step moegputests 170 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_fused_moe_gpu.py  # fused MoE: tests, then the bench
+    step moebench 120 python3 scripts/fused_moe_bench.py --json "$OUT/fused-moe.json" ;;
   gpuover) step gpuover 80 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap_gpu.py tests/gpu/test_cuda_graph.py ;;
   bench8q) step bench8q 90 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b-v2.json" ;;
   bench06q) step bench06q 70 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b-v2.json" ;;

@@ -30,14 +30,9 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, STEPWISE: tl.constexpr,
-                         INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < d
-    dt = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+def silu_mul(gate, up, dt: tl.constexpr, STEPWISE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 gate, up (each already a dt value) -> silu(gate) * up, rounded as the module docstring
+    says, as fp32 holding a dt value. Also the fused MoE's gate_up epilogue."""
     if INTERPRET:
         e = tl.exp(-gate)
     else:
@@ -47,7 +42,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, STEPWISE: tl.con
         silu = round_to(tl.math.div_rn(gate, round_to(1.0 + e, dt)), dt)
     else:
         silu = round_to(tl.math.div_rn(gate, 1.0 + e), dt)
-    tl.store(out_ptr + row * stride_o + cols, round_to(silu * up, dt).to(dt), mask=mask)
+    return round_to(silu * up, dt)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, STEPWISE: tl.constexpr,
+                         INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dt = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up, dt, STEPWISE, INTERPRET).to(dt), mask=mask)
 
 
 def _launch(x: torch.Tensor, stepwise: bool) -> torch.Tensor:

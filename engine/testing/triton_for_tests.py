@@ -7,7 +7,8 @@ The interpreter runs `tl.dot` as numpy's matmul, whose BLAS kernel is chosen by 
 (OpenBLAS's Haswell kernels, on AVX2 machines) give a row a result that depends on the other rows
 of its tile. A GPU's tensor-core dot does not, and the batch-invariance tests check the kernels'
 schedules, not numpy's BLAS: `row_invariant_interpreter_dot` makes the interpreter's dot compute
-each output element on its own (einsum's plain loops), the same on every CPU.
+each output element on its own (einsum's plain loops), the same on every CPU, and multiplies bf16
+operands as their values (the stock interpreter's dot multiplies their uint16 bit patterns).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def import_triton_or_skip() -> ModuleType:
     return triton
 
 
+def _bf16_as_fp32(x):
+    """The interpreter keeps bf16 as raw uint16 bits (its own dot multiplies those): widen exactly."""
+    import numpy as np
+    from triton import language as tl
+
+    if x.dtype.scalar != tl.bfloat16:
+        return x.data
+    return (x.data.astype(np.uint32) << 16).view(np.float32)
+
+
 def row_invariant_interpreter_dot() -> bool:
     """Patch the interpreter's tl.dot (see above) when triton runs interpreted in this process.
     -> whether it was patched (False: no interpreted triton, or a triton without this builder)."""
@@ -47,7 +58,8 @@ def row_invariant_interpreter_dot() -> bool:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if any(x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating() for x in (a, b)):
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)  # fp8: not used here
-        out = np.einsum("...ik,...kj->...ij", a.data, b.data, dtype=d.data.dtype, optimize=False)
+        a_data, b_data = (_bf16_as_fp32(x) for x in (a, b))
+        out = np.einsum("...ik,...kj->...ij", a_data, b_data, dtype=d.data.dtype, optimize=False)
         return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
 
     create_dot.row_invariant = True
