@@ -30,6 +30,7 @@ for s in "$@"; do case $s in
   sync8q) ( kit && step sync8q 120 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-8b-ipc.json" ) ;;
   allgpu) ( kit && step allgpu 420 python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_train_gpu.py tests/gpu ) ;;
   memrel) ( kit && step memrel 90 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k release_frees ) ;;
+  memorder) ( kit && step memorder 200 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_memory_saver_gpu.py ) ;;  # the memory test after engines in other processes
   memsaver) ( kit && step memsaver 240 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py tests/gpu/test_colocate_gpu.py ) ;;
   probe) ( kit && step probe 200 python3 scripts/memory_cycles_probe.py --cycles 30 --json "$OUT/mem-probe.json" ) ;;
   grammargpu) ( kit && step grammargpu 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_grammar_gpu.py ) ;;
