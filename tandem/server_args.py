@@ -26,6 +26,14 @@ _CHOICES = {
     "load_format": "LOAD_FORMATS",
     "logprob_distribution": "LOGPROB_DISTRIBUTIONS",
     "log_level": "LOG_LEVELS",
+    "chat_metadata_format": "CHAT_METADATA_FORMATS",
+}
+# What a flag does, where its field name does not say it.
+_HELP = {
+    "chat_metadata_format": "the `metadata` of non-streamed /v1/chat/completions and /v1/completions replies: "
+                            "'spans' is SGLang 0.5.23's (weight_version plus the weight_versions spans); "
+                            "'weight_version' is 0.5.6's (weight_version only), which clients validating "
+                            "replies with the openai package (metadata: Dict[str, str]) need",
 }
 _SCALARS = (int, float, str)
 
@@ -67,7 +75,7 @@ def server_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
 def _argparse_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     default = _default_of(field)
     base, _ = _unwrap_optional(annotation)
-    help_text = f"ServerArgs.{field.name} (default: {default!r})"
+    help_text = f"{_HELP.get(field.name, f'ServerArgs.{field.name}')} (default: {default!r})"
     if base is bool:
         if default is True or default is None:  # None: "decide for me"; --x / --no-x override it
             return dict(action=argparse.BooleanOptionalAction, default=default, help=help_text)
