@@ -9,6 +9,7 @@ import dataclasses
 import io
 import pickle
 import sys
+import time
 import types
 from multiprocessing.reduction import ForkingPickler
 
@@ -167,6 +168,11 @@ def test_get_load_as_roll_reads_it(engine_factory):
             eng.continue_generation()
         stream.result(timeout=60)
         assert c.get("/get_load").json()[0]["num_reqs"] == 0
+        eng.client.send(lambda core: time.sleep(3))  # the core is busy for 3 s (a white-box stall)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        busy = c.get("/get_load").json()[0]
+        assert time.monotonic() - t0 < 1.0 and busy["num_reqs"] == 0 and busy["num_waiting_reqs"] == 0
 
 
 def _submit_waiting(eng, n: int):
