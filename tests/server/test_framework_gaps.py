@@ -101,6 +101,18 @@ def test_verl_local_serialized_tensor_through_the_engine_api(engine_factory, loc
     assert eng.get_weight_version() == "verl-2"
 
 
+def test_verl_sync_reaches_every_tensor_parallel_rank(engine_factory, local_serialized_tensor):
+    """tandem's rank 0 reads values[0] and sends the tensor on: both ranks' outputs change alike."""
+    eng, one_rank = engine_factory(tp_size=2), engine_factory()  # one rank: the reference
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}
+    before = eng.generate(**body)["output_ids"]
+    named = _new_norm(one_rank, 0.25)
+    ok, message = eng.update_weights_from_tensor(mp_serialize(verl_named_tensors(local_serialized_tensor, named)))
+    assert ok, message
+    assert one_rank.update_weights_from_tensor(verl_named_tensors(local_serialized_tensor, named))[0]
+    assert eng.generate(**body)["output_ids"] == one_rank.generate(**body)["output_ids"] != before
+
+
 class _Exploit:
     def __reduce__(self):
         return (open, ("/tmp/tandem-pwned-by-nested-value", "w"))
