@@ -74,6 +74,8 @@ class PayloadOpener:
     def finished(self) -> list[tuple[Optional[UpdateWeightsReq], Optional[int], Optional[str]]]:
         """(update with its source opened, call id, None) or (None, call id, refusal) for each
         opening that ended or ran out of time."""
+        if not self._opening:  # the loop asks between every two steps
+            return []
         now, out, still = time.monotonic(), [], []
         for o in self._opening:
             if o.done.is_set():
