@@ -76,13 +76,14 @@ def hanging_payload(address: str) -> str:
     return base64.b64encode(pickle.dumps([("model.norm.weight", tensor)])).decode()
 
 
+@pytest.mark.parametrize("core_process", [False, True], ids=["thread_core", "process_core"])
 def test_a_descriptor_that_never_arrives_is_a_400_while_generate_answers(engine_factory, live_server_factory,
-                                                                         silent_listener):
+                                                                         silent_listener, core_process):
     import httpx
 
     from weight_sync.shared_fd import FETCH_TIMEOUT_S
 
-    eng = engine_factory()
+    eng = engine_factory(core_process=core_process)
     server = live_server_factory(eng)
     body = {"input_ids": [5, 6, 7], "sampling_params": GREEDY}
     weights_before = eng.get_weights_by_name("model.norm.weight")
@@ -106,7 +107,7 @@ def test_a_descriptor_that_never_arrives_is_a_400_while_generate_answers(engine_
             latencies.append(time.monotonic() - t0)
             assert out["output_ids"] == expected
         updater.join()
-    print(f"blocking payload: {reply['status']} after {reply['seconds']:.2f} s; concurrent /generate "
+    print(f"{'process' if core_process else 'thread'} core: blocking payload: {reply['status']} after {reply['seconds']:.2f} s; concurrent /generate "
           f"latency max {max(latencies):.3f} s, median {sorted(latencies)[len(latencies) // 2]:.3f} s "
           f"over {len(latencies)} requests")
     assert reply["status"] == 400 and not reply["body"]["success"]
