@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = backend_names()  # engine/attention/registry.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 LOGPROB_DISTRIBUTIONS = ("original", "processed")
+CHAT_METADATA_FORMATS = ("spans", "weight_version")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 
@@ -87,6 +88,12 @@ class ServerArgs:
         "let chat requests bring their own Jinja chat template (chat_template, or chat_template_kwargs' "
         "chat_template), rendered in the server; refused with a 400 otherwise (vLLM's flag)")})
     health_check_timeout: float = 20.0  # /health_generate: seconds for a 1-token probe to answer
+    # OpenAI replies' `metadata`: SGLang 0.5.23's {"weight_version", "weight_versions": [spans]}, or
+    # 0.5.6's {"weight_version"} alone, which the `openai` package's Dict[str, str] accepts
+    chat_metadata_format: str = field(default="spans", metadata={"help": (
+        "the `metadata` of non-streamed /v1/chat/completions and /v1/completions replies: 'spans' is "
+        "SGLang 0.5.23's (weight_version plus the weight_versions spans); 'weight_version' is 0.5.6's "
+        "(weight_version only), which clients validating replies with the openai package need")})
 
     def __post_init__(self) -> None:
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -96,6 +103,7 @@ class ServerArgs:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
+        _check_choice("chat_metadata_format", self.chat_metadata_format, CHAT_METADATA_FORMATS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
             if self.enable_deterministic_inference and not get_backend_spec(self.attention_backend).supports_deterministic:

@@ -26,6 +26,7 @@ _CHOICES = {
     "load_format": "LOAD_FORMATS",
     "logprob_distribution": "LOGPROB_DISTRIBUTIONS",
     "log_level": "LOG_LEVELS",
+    "chat_metadata_format": "CHAT_METADATA_FORMATS",
 }
 _SCALARS = (int, float, str)
 

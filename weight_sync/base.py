@@ -39,9 +39,14 @@ class WeightSource:
     every_rank_reads: each tensor-parallel rank reads the source itself (a checkpoint, a trainer's
     broadcast to the whole group); otherwise rank 0 loads it and sends its tensors to the others.
     A source whose sender waits on the engine (a broadcast) also has `discard(ctx)`: an update
-    refused before loading still takes what was sent, and drops it, to stay in step."""
+    refused before loading still takes what was sent, and drops it, to stay in step.
+    A source that must first fetch its tensors from the sender (a serialized payload's handles)
+    also has `open() -> WeightSource`: the core runs it off its step, bounded, then loads the result.
+    success_message: the reply on success, where SGLang words it exactly (else "Success." and the
+    new version)."""
     kind: ClassVar[str] = ""
     every_rank_reads: ClassVar[bool] = False
+    success_message: ClassVar[Optional[str]] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

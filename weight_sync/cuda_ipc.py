@@ -13,12 +13,14 @@ reuses the same bucket buffers for every update (and calls torch.cuda.ipc_collec
 keeps GPU memory flat, since the engine's mapping of a handle is closed when its tensors die.
 
 `deserialize` never runs plain `pickle.loads`. A payload may name only the globals those
-reductions emit, plus SGLang's bucket metadata class and its UUID-keyed CUDA rebuild (anything
-else, e.g. os.system, builtins.eval, torch.hub.load, is refused by name), and even those are not
+reductions emit, plus SGLang's bucket metadata class, its UUID-keyed CUDA rebuild and its per-rank
+LocalSerializedTensor (weight_sync.local_tensor; whose values may hold tensor reductions only):
+anything else, e.g. os.system, builtins.eval, torch.hub.load, is refused by name. Even those are not
 handed out as they are: each payload gets its own checked stand-ins (weight_sync.rebuilds). The
 rebuild functions become wrappers that check every argument before calling torch's; the classes
-they take become inert tokens mapped back to the real class; DupFd (which a payload may describe
-but not create) and the bucket metadata class become fresh subclasses. So a BUILD opcode aimed at
+they take become inert tokens mapped back to the real class; DupFd (weight_sync.shared_fd: described,
+never created, fetched with a bounded wait), the bucket metadata and LocalSerializedTensor become
+fresh subclasses. So a BUILD opcode aimed at
 a class or function changes only that payload's stand-in, never the process.
 """
 
@@ -32,8 +34,8 @@ from typing import Any, Union
 
 import torch
 
-from weight_sync.rebuilds import (LEGACY_STORAGES, RefusedPayload, Token, checked_rebuild, is_mp_listener,
-                                  refuse)
+from weight_sync.local_tensor import SGLANG_CLASSES as _LOCAL_TENSOR
+from weight_sync.rebuilds import LEGACY_STORAGES, RefusedPayload, Token, checked_rebuild, refuse
 
 __all__ = ["ALLOWED_GLOBALS", "RefusedPayload", "deserialize", "serialize"]
 
@@ -51,22 +53,26 @@ _SGLANG_CUDA_REBUILD = {("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_m
                         ("sglang.srt.patch_torch", "_rebuild_cuda_tensor_modified")}
 _METADATA = {("weight_sync.bucket", "FlattenedTensorMetadata"),
              ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")}
-ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+_DUP_FD = ("multiprocessing.resource_sharer", "DupFd")
+TENSOR_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     set(_IMMUTABLE) | set(_TOKENS) | {("torch", name) for name in _DTYPES}
-    | {("torch.multiprocessing.reductions", name) for name in _TORCH_REBUILDS}
-    | _SGLANG_CUDA_REBUILD | _METADATA | {("multiprocessing.resource_sharer", "DupFd")})
+    | {("torch.multiprocessing.reductions", name) for name in _TORCH_REBUILDS} | _SGLANG_CUDA_REBUILD | {_DUP_FD})
+# a whole payload may also hold bucket metadata and SGLang's per-rank LocalSerializedTensor
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = TENSOR_GLOBALS | _METADATA | _LOCAL_TENSOR
 
 
 class _AllowlistUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]] = ALLOWED_GLOBALS) -> None:
         super().__init__(io.BytesIO(data))
+        self._allowed = allowed
         self._stand_ins: dict[tuple[str, str], Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
-        if key not in ALLOWED_GLOBALS:
-            raise refuse(f"it names {module}.{name}, which is not a tensor reduction (weight payloads "
-                         "may hold only tensors, names and bucket metadata)")
+        if key not in self._allowed:
+            what = ("weight payloads may hold only tensors, names and bucket metadata" if self._allowed is
+                    ALLOWED_GLOBALS else "a LocalSerializedTensor's value may hold only a tensor")
+            raise refuse(f"it names {module}.{name}, which is not a tensor reduction ({what})")
         if key not in self._stand_ins:
             self._stand_ins[key] = self._stand_in(key)
         return self._stand_ins[key]
@@ -81,42 +87,17 @@ class _AllowlistUnpickler(pickle.Unpickler):
             return Token(_TOKENS[key])
         if module == "torch.multiprocessing.reductions" or key in _SGLANG_CUDA_REBUILD:
             return checked_rebuild(name)
-        if key == ("multiprocessing.resource_sharer", "DupFd"):
-            return _local_dup_fd_class()
+        if key == _DUP_FD:
+            from weight_sync.shared_fd import dup_fd_class
+
+            return dup_fd_class()
+        if key in _LOCAL_TENSOR:
+            from weight_sync.local_tensor import RankValues
+
+            return type("LocalSerializedTensor", (RankValues,), {})
         from weight_sync.bucket import FlattenedTensorMetadata  # tandem's or SGLang's: same fields
 
         return type("FlattenedTensorMetadata", (FlattenedTensorMetadata,), {})
-
-
-def _local_dup_fd_class() -> type:
-    """DupFd that a payload can only describe, never create (creating one registers a descriptor
-    of this process for sharing), and whose detach() fetches a descriptor only from a sender's
-    multiprocessing listener (weight_sync.rebuilds.is_mp_listener)."""
-    from multiprocessing import AuthenticationError
-    from multiprocessing.resource_sharer import DupFd
-
-    def new(cls, *args):
-        if args:
-            raise refuse("a payload may not create a shared-memory descriptor")
-        return object.__new__(cls)
-
-    def init(self, *args):
-        raise refuse("a payload may not create a shared-memory descriptor")
-
-    def detach(self) -> int:
-        ident = getattr(self, "_id", None)
-        address = ident[0] if isinstance(ident, tuple) and len(ident) == 2 else None
-        if not (isinstance(address, str) and isinstance(ident[1], int) and is_mp_listener(address)):
-            raise refuse(f"a shared-memory descriptor points at {address!r}, not a local multiprocessing listener")
-        try:
-            return DupFd.detach(self)
-        except AuthenticationError as exc:
-            raise refuse("a CPU tensor was sent as a file descriptor, which only a process sharing the "
-                         "sender's multiprocessing authkey may fetch; serialize with "
-                         "weight_sync.cuda_ipc.serialize (named shared memory) or "
-                         "torch.multiprocessing.set_sharing_strategy('file_system')") from exc
-
-    return type("DupFd", (DupFd,), {"__new__": new, "__init__": init, "detach": detach, "_tandem_checked": True})
 
 
 def _reduce_storage_by_name(storage: torch.UntypedStorage) -> tuple:
@@ -149,20 +130,21 @@ def serialize(obj: Any, as_text: bool = False) -> Union[bytes, str]:
     return base64.b64encode(data).decode("ascii") if as_text else data
 
 
-def deserialize(data: Union[bytes, str]) -> Any:
+def deserialize(data: Union[bytes, str], tensors_only: bool = False) -> Any:
     """The object `serialize` (or SGLang's MultiprocessingSerializer) wrote, through the
-    allowlist; base64 text is decoded first."""
+    allowlist; base64 text is decoded first. tensors_only: tensor reductions alone (a
+    LocalSerializedTensor's value), no bucket metadata or nesting."""
     if isinstance(data, str):
         try:
             data = base64.b64decode(data, validate=True)
         except ValueError as exc:
             raise refuse(f"not base64 ({exc})") from exc
     try:
-        return _AllowlistUnpickler(data).load()
+        return _AllowlistUnpickler(data, TENSOR_GLOBALS if tensors_only else ALLOWED_GLOBALS).load()
     except RefusedPayload:
         raise
     except Exception as exc:  # truncated or corrupt pickle, dead sender, bad IPC handle, wrong arity
-        raise RefusedPayload(f"payload could not be read: {type(exc).__name__}: {exc}") from exc
+        raise refuse(f"it could not be read: {type(exc).__name__}: {exc}") from exc
 
 
 # what a hostile or broken payload can raise while it is decoded: the sender's fault, refused

@@ -18,6 +18,7 @@ class DiskSource(WeightSource):
     """Every weight of a safetensors checkpoint of the same architecture."""
     kind: ClassVar[str] = "disk"
     every_rank_reads: ClassVar[bool] = True  # each tensor-parallel rank reads its own shards
+    success_message: ClassVar[Optional[str]] = "Succeeded to update model weights."  # SGLang's, word for word
     model_path: str
     load_format: Optional[str] = None
 

@@ -139,7 +139,24 @@ def _rebuild_storage_fd(cls, df, size):
     _cls(cls, (torch.UntypedStorage,), "rebuild_storage_fd's class")
     if not getattr(type(df), "_tandem_checked", False):
         raise refuse(f"a shared-memory descriptor has type {type(df).__name__}")
-    return R.rebuild_storage_fd(torch.UntypedStorage, df, _check(size, int, "a storage size"))
+    if _check(size, int, "a storage size") < 0:
+        raise refuse("a negative storage size")
+    return R.rebuild_storage_fd(torch.UntypedStorage, _SizedFd(df, size), size)
+
+
+class _SizedFd:
+    """The fetched descriptor, refused if its file is smaller than the storage mapped on it (a
+    read past the file's end would kill the process with SIGBUS)."""
+
+    def __init__(self, df: Any, size: int) -> None:
+        self.df, self.size = df, size
+
+    def detach(self) -> int:
+        fd = self.df.detach()
+        if os.fstat(fd).st_size < self.size:
+            os.close(fd)
+            raise refuse(f"a storage of {self.size} bytes reaches past its shared-memory descriptor's file")
+        return fd
 
 
 def _rebuild_storage_filename(cls, manager, handle, size, dtype=None):

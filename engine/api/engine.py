@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable, Optional, Union
 
 
-from engine.api.core_client import CoreClient, ThreadCoreClient
+from engine.api.core_client import CoreClient, CoreDead, ThreadCoreClient
 from engine.api.text_builder import TextBuilder
 from engine.api.generate_request import GenerateRequest
 from engine.api.generate_stream import GenerateStream
@@ -26,6 +26,7 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
                                   ReqInput, ReqOutput, StatsReq, StatsSnapshot, check_pause_mode)
 
 logger = logging.getLogger("tandem")
+LOAD_STATS_WAIT_S = 0.2  # get_load's wait for the core's counts before it answers from the last ones
 
 Sink = Callable[[ReqOutput], None]
 
@@ -39,6 +40,7 @@ class Engine(EngineWeights):
         self._sinks: dict[str, Sink] = {}
         self._inputs: dict[str, ReqInput] = {}  # in flight: for the final text and the recorder
         self._lock = threading.Lock()
+        self._last_stats: Optional[StatsSnapshot] = None  # get_load's fallback while the core is busy
         self.tokenizer: Any = None  # loaded once the core says from where
         self.client: CoreClient = self._start_core()
         try:
@@ -156,7 +158,25 @@ class Engine(EngineWeights):
 
     # ---- state ---------------------------------------------------------------------------------
     def get_stats(self) -> StatsSnapshot:
-        return self._call(StatsReq())
+        self._last_stats = self._call(StatsReq())
+        return self._last_stats
+
+    def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's /get_load: a dict per data-parallel rank (one here). num_reqs is this front end's
+        own count of requests in flight, so it is exact at once whatever the core is doing; the
+        waiting count and KV tokens are the core's, asked for LOAD_STATS_WAIT_S, else the last known."""
+        import time
+        from concurrent.futures import TimeoutError as NoAnswer
+
+        with self._lock:
+            in_flight = len(self._sinks)
+        try:
+            stats = self._last_stats = self.client.call(StatsReq(), LOAD_STATS_WAIT_S)
+        except (NoAnswer, CoreDead):
+            stats = self._last_stats
+        waiting = min(stats.num_waiting_reqs, in_flight) if stats is not None else 0
+        return [{"dp_rank": 0, "num_reqs": in_flight, "num_waiting_reqs": waiting,
+                 "num_tokens": stats.kv_tokens_used if stats is not None else 0, "ts_tic": time.perf_counter()}]
 
     def get_server_info(self) -> dict[str, Any]:
         """SGLang's shape: the server args, the derived limits and the internal states."""

@@ -151,6 +151,7 @@ class GenerationControl:
         if msg.weight_version is not None:  # the version names the weights now loaded
             core.weight_version = str(msg.weight_version)
             message += f" Weight version updated to {core.weight_version}."
+        message = msg.source.success_message or message
         if msg.flush_cache:
             core.scheduler.flush_cache()  # cannot fail: _refusal saw that nothing holds KV
         return True, message

@@ -4,6 +4,8 @@ It takes messages while there is nothing to run (blocking briefly) and between s
 blocking), steps while there is work, and hands every output and reply to the two callbacks it
 was given: the front end's dispatcher on a thread, a pipe back to the front end in a process.
 A failing message or step never kills the loop: the requests it concerned get an error answer.
+A weight update whose payload must first be fetched from its sender is opened off the step
+(engine/core/payload_opener.py) and handled once opened; the core keeps stepping meanwhile.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from engine.core.engine_core import EngineCore
 from engine.core.messages import ReqOutput, Reply
+from engine.core.payload_opener import PayloadOpener
 
 logger = logging.getLogger("tandem")
 
@@ -21,6 +24,7 @@ Answer = Callable[[int, bool, Any], None]  # (call id, ok, value or exception)
 NextMessage = Callable[[bool], Optional[tuple[Any, Optional[int]]]]  # block? -> (msg, call id) | None
 
 STOP = "stop"  # the message that ends the loop
+OPEN_POLL_S = 0.05  # an otherwise idle loop's wait for a payload being opened (it wakes the loop when done)
 
 
 class CoreWorker:
@@ -28,10 +32,11 @@ class CoreWorker:
         self.core = core
         self.emit = emit
         self.answer = answer
+        self.opener = PayloadOpener()
 
     def run(self, next_message: NextMessage) -> None:
         while True:
-            block = not self.core.has_work()
+            block = not self.core.has_work() and not self.opener.pending
             item = next_message(block)
             while item is not None:
                 if item[0] == STOP:
@@ -39,10 +44,33 @@ class CoreWorker:
                     return
                 self.handle(*item)
                 item = next_message(False)
+            self._handle_opened()
             if self.core.has_work():
                 self._emit(self._safe_step())
+            elif self.opener.pending:
+                self.opener.wait(OPEN_POLL_S)
 
     def handle(self, msg: Any, call_id: Optional[int]) -> None:
+        if self.opener.wants(msg):
+            refusal = self.opener.start(msg, call_id)
+            if refusal is not None:
+                self._refuse_update(call_id, refusal)
+            return
+        self._run(msg, call_id)
+
+    def _handle_opened(self) -> None:
+        for msg, call_id, refusal in self.opener.finished():
+            if refusal is not None:
+                self._refuse_update(call_id, refusal)
+            else:
+                self._run(msg, call_id)
+
+    def _refuse_update(self, call_id: Optional[int], refusal: str) -> None:
+        """As control refuses an update before writing: (False, reason), weights untouched."""
+        if call_id is not None:
+            self.answer(call_id, True, (False, f"Weights not updated: {refusal}"))
+
+    def _run(self, msg: Any, call_id: Optional[int]) -> None:
         try:  # a plain function only comes from tests, on a thread: it runs on the core thread
             result = msg(self.core) if callable(msg) else self.core.handle(msg)
         except Exception as exc:  # a failing message must not kill the worker

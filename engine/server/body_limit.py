@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from engine.server.errors import error_response
 
-GENERATE_PREFIXES = ("/generate", "/v1/")
+GENERATE_PREFIXES = ("/generate", "/v1/", "/tokenize", "/detokenize")
 
 
 class BodyLimitMiddleware:

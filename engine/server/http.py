@@ -27,6 +27,7 @@ from engine.server.openai import OpenAIServing
 from engine.server.origin_guard import OriginGuard
 from engine.server.protocol import UnknownFields
 from engine.server.served_model import ServedModel
+from engine.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger("tandem")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs show why
@@ -38,10 +39,12 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     unknown = UnknownFields()
     _install_error_handlers(app)
     add_info_routes(app, engine, served)
-    add_generate_routes(app, engine, OpenAIServing(engine, served.name, served.sampling_defaults), unknown)
+    openai = OpenAIServing(engine, served.name, served.sampling_defaults, engine.server_args.chat_metadata_format)
+    add_generate_routes(app, engine, openai, unknown)
     add_control_routes(app, engine, served, unknown)
     add_weights_checker_route(app, engine, unknown)
     add_maintenance_routes(app, engine, unknown)
+    add_tokenize_routes(app, engine, unknown)
     args = engine.server_args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes,
                        max_generate_bytes=args.max_generate_body_bytes)

@@ -72,6 +72,11 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
     async def loads() -> dict:
         return _loads(await asyncio.to_thread(engine.get_stats))
 
+    @app.get("/get_load")
+    async def get_load() -> list:
+        """SGLang's legacy load route (ROLL waits until every num_reqs and num_waiting_reqs is 0)."""
+        return await asyncio.to_thread(engine.get_load)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(await asyncio.to_thread(metrics_text, engine), media_type="text/plain; version=0.0.4")

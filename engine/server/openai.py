@@ -36,14 +36,19 @@ def usage(metas: list[dict], n: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _metadata(meta: dict) -> dict:
-    """SGLang 0.5.x's response metadata: the weights that produced choice 0."""
+def _metadata(meta: dict, metadata_format: str) -> dict:
+    """SGLang's response metadata: the weights that produced choice 0. "spans": 0.5.23's, with the
+    per-token spans; "weight_version": 0.5.6's, strings only (the openai package's Dict[str, str])."""
+    if metadata_format == "weight_version":
+        return {"weight_version": str(meta.get("weight_version"))}
     return {"weight_version": meta.get("weight_version"), "weight_versions": meta.get("weight_versions")}
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, model_name: str, sampling_defaults: Optional[dict] = None):
+    def __init__(self, engine: Any, model_name: str, sampling_defaults: Optional[dict] = None,
+                 metadata_format: str = "spans"):
         self.engine = engine
+        self.metadata_format = metadata_format
         self.model_name = model_name
         self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a chat request leaves unset
         self.decode = token_decoder(engine.tokenizer)
@@ -84,7 +89,7 @@ class OpenAIServing:
         metas = [o["meta_info"] for o in outs]
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
-                "metadata": _metadata(metas[0])}
+                "metadata": _metadata(metas[0], self.metadata_format)}
 
     def completion_events(self, req: CompletionRequest, stream: Any) -> AsyncIterator[str]:
         prompts = self._prompt_texts(req) if req.echo else []
@@ -130,7 +135,7 @@ class OpenAIServing:
         metas = [o["meta_info"] for o in outs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
-                "metadata": _metadata(metas[0])}
+                "metadata": _metadata(metas[0], self.metadata_format)}
 
     def chat_events(self, req: ChatCompletionRequest, stream: Any) -> AsyncIterator[str]:
         def delta(index: int, text: str, meta: dict, sent_tokens: int, first: bool) -> dict:

@@ -205,3 +205,16 @@ class StartProfileRequest(_Lenient):
     activities: Optional[list[str]] = None
     with_stack: Optional[bool] = None
     record_shapes: Optional[bool] = None
+
+
+class TokenizeRequest(_Lenient):
+    """SGLang's /tokenize body (entrypoints/openai/protocol.py)."""
+    model: Optional[str] = None
+    prompt: Union[str, list[str]]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Lenient):
+    model: Optional[str] = None
+    tokens: Union[list[int], list[list[int]]]
+    skip_special_tokens: bool = True

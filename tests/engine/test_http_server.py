@@ -105,7 +105,7 @@ def test_rl_control_routes(engine_factory, other_model_dir, tmp_path):
         assert bad.status_code == 400 and bad.json()["success"] is False and "none" in bad.json()["message"]
         good = c.post("/update_weights_from_disk", json={"model_path": other_model_dir, "weight_version": "s1"})
         assert good.status_code == 200, good.json()
-        assert good.json() == {"success": True, "message": "Success. Weight version updated to s1.",
+        assert good.json() == {"success": True, "message": "Succeeded to update model weights.",  # SGLang's
                                "num_paused_requests": 0}
         resumed = c.post("/continue_generation")
         assert resumed.json() == {"message": "Generation continued successfully.", "status": "ok"}

@@ -129,3 +129,21 @@ def test_a_payload_cannot_create_descriptors_or_reach_past_storage(tmp_path):
     negative = _Call(R.rebuild_tensor, torch.Tensor, empty, (0, (2,), (-1,), False))
     with pytest.raises(RefusedPayload, match="negative"):
         deserialize(pickle.dumps(negative))
+
+
+def test_a_descriptor_smaller_than_its_storage_is_refused(tmp_path):
+    """A real sender's descriptor (this process's resource sharer) to a 16-byte file, claimed as a
+    1 MiB storage: mapping it would read past the file's end (SIGBUS), so it is refused."""
+    from multiprocessing.resource_sharer import DupFd
+
+    import torch.multiprocessing.reductions as R
+
+    small = open(tmp_path / "small", "wb+")  # noqa: SIM115
+    small.write(b"x" * 16)
+    small.flush()
+    oversized = _Call(R.rebuild_storage_fd, torch.storage.UntypedStorage, DupFd(small.fileno()), 1 << 20)
+    with pytest.raises(RefusedPayload, match="reaches past its shared-memory descriptor's file"):
+        deserialize(pickle.dumps(oversized))
+    fits = _Call(R.rebuild_storage_fd, torch.storage.UntypedStorage, DupFd(small.fileno()), 16)
+    assert bytes(deserialize(pickle.dumps(fits)).tolist()) == b"x" * 16
+    small.close()
