@@ -1,0 +1,144 @@
+"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE): router, stacked experts, combine.
+
+Experts are stored stacked per layer, as the fused kernel reads them: `experts.gate_up_proj`
+[E, 2I, H] (gate rows 0..I, up rows I..2I) and `experts.down_proj` [E, H, I]; HF's per-expert
+tensors are shards (expert, part) of them (engine/models/hf_names.py). On CUDA the experts run in
+the Triton fused-MoE kernel (engine/kernels/fused_moe.py); elsewhere, and whenever a gradient is
+needed, in `moe_reference`, the torch formulation of the same sums.
+
+Routing: logits = gate(x); softmax over experts in float32; top-k; divided by their sum when
+`norm_topk_prob`. Every step works row by row (the deterministic mode's batch-invariant linear
+for the gate), so a token's route never depends on the rest of the batch. With a route buffer
+on the KV pool (--enable-return-routed-experts), each token's top-k ids are stored at its KV slot.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import batch_invariant as bi
+from engine.kernels.torch_backward import needs_grad
+from engine.models.layers import Linear
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+
+
+class ExpertWeights(nn.Module):
+    """One stacked expert tensor `weight` [E, sum(parts), cols]; shard ids (expert, part), each
+    a block of rows of one expert (the loading contract of engine/models/hf_names.py)."""
+
+    def __init__(self, num_experts: int, parts: dict[str, int], cols: int) -> None:
+        super().__init__()
+        self.num_experts, self.parts = num_experts, dict(parts)
+        self.weight = nn.Parameter(torch.empty(num_experts, sum(parts.values()), cols))
+        self._rows, start = {}, 0
+        for part, size in self.parts.items():
+            self._rows[part] = slice(start, start + size)
+            start += size
+
+    @property
+    def shard_ids(self) -> list[tuple[int, str]]:
+        return [(e, part) for e in range(self.num_experts) for part in self.parts]
+
+    def shard_slice(self, shard_id: tuple[int, str]) -> tuple[int, slice]:
+        expert, part = shard_id
+        return expert, self._rows[part]
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ExpertWeights(num_experts, {"gate": intermediate_size, "up": intermediate_size},
+                                          hidden_size)
+        self.down_proj = ExpertWeights(num_experts, {"down": hidden_size}, intermediate_size)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] -> (float32 weights [T, K], int32 expert ids [T, K])."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / _sum_in_order(weights)
+    return weights, ids.to(torch.int32)
+
+
+def _sum_in_order(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> [T, 1], summed k = 0..K-1 (one order for every row and batch size)."""
+    total = x[:, :1]
+    for k in range(1, x.shape[1]):
+        total = total + x[:, k:k + 1]
+    return total
+
+
+def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """The fused kernel's contract in torch: out[t] = sum over k = 0..K-1, in that order, of
+    topk_weights[t, k] * down_e(silu(gate_e(h)) * up_e(h)), e = topk_ids[t, k]; the sum in
+    float32. deterministic: the batch-invariant linear and SiLU, so a token's expert output does
+    not depend on how many tokens went to its expert."""
+    linear: Callable = bi.linear if deterministic else F.linear
+    T, K = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    per_pair = hidden.new_zeros(T * K, hidden.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            pairs = order[start:start + count]
+            gate_up = linear(hidden[pairs // K], w13[expert])
+            act = bi.silu_and_mul(gate_up) if deterministic else _silu_and_mul(gate_up)
+            per_pair = per_pair.index_copy(0, pairs, linear(act, w2[expert]))
+            start += count
+    per_pair = per_pair.view(T, K, -1).float()
+    out = per_pair[:, 0] * topk_weights[:, :1]
+    for k in range(1, K):
+        out = out + per_pair[:, k] * topk_weights[:, k:k + 1]
+    return out.to(hidden.dtype)
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+class SparseMoE(nn.Module):
+    """Router `gate` + stacked `experts`; HF names mlp.gate.weight, mlp.experts.{e}.*_proj.weight."""
+
+    def __init__(self, config: Any, layer_id: int, deterministic: bool) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
+        self.layer_id = layer_id
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}); got {self.top_k}")
+        self.renormalize = bool(getattr(config, "norm_topk_prob", False))
+        self.deterministic = deterministic
+        self.gate = Linear(config.hidden_size, self.num_experts, False, deterministic)
+        self.experts = Experts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if forward_batch is not None:
+            _record_routes(forward_batch, self.layer_id, ids)
+        w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
+        if x.is_cuda and not needs_grad(x, w13, w2):
+            from engine.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, w13, w2, weights, ids, self.deterministic)
+        return moe_reference(x, w13, w2, weights, ids, self.deterministic)
+
+
+def _record_routes(forward_batch: "ForwardBatch", layer_id: int, ids: torch.Tensor) -> None:
+    """Store each token's expert ids at its KV slot, when the pool keeps routes (a plain indexed
+    write: CUDA graphs replay it with the batch's slots)."""
+    routes = getattr(forward_batch.kv_pool, "routed_experts", None)
+    if routes is not None:
+        routes[forward_batch.out_cache_loc, layer_id] = ids.to(routes.device)
