@@ -295,7 +295,10 @@ class DecoderForCausalLM(nn.Module):
         if sharded is not None:  # tensor parallel: the checkpoint holds the full tensor
             expected = sharded.checkpoint_shape(param_name.rsplit(".", 1)[1], shard_id)
         else:
-            expected = tuple(names.view(param_name, shard_id, params[param_name]).shape)
+            try:
+                expected = tuple(names.view(param_name, shard_id, params[param_name]).shape)
+            except KeyError as exc:  # a shard the parameter does not hold, e.g. expert 9 of 8
+                raise ValueError(f"unknown weight {name!r}: {exc.args[0]}") from None
         if shape != expected:
             raise ValueError(f"weight {name!r} has shape {list(shape)}, expected {list(expected)}")
         return param_name, shard_id

@@ -47,6 +47,8 @@ class ExpertWeights(nn.Module):
 
     def shard_slice(self, shard_id: tuple[int, str]) -> tuple[int, slice]:
         expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise KeyError(f"expert {expert}: the layer has experts 0..{self.num_experts - 1}")
         return expert, self._rows[part]
 
 
@@ -139,6 +141,6 @@ class SparseMoE(nn.Module):
 def _record_routes(forward_batch: "ForwardBatch", layer_id: int, ids: torch.Tensor) -> None:
     """Store each token's expert ids at its KV slot, when the pool keeps routes (a plain indexed
     write: CUDA graphs replay it with the batch's slots)."""
-    routes = getattr(forward_batch.kv_pool, "routed_experts", None)
+    routes = getattr(getattr(forward_batch, "kv_pool", None), "routed_experts", None)  # the trainer passes none
     if routes is not None:
         routes[forward_batch.out_cache_loc, layer_id] = ids.to(routes.device)

@@ -25,6 +25,22 @@ def other_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE (4 experts, top-2, both layers sparse)."""
+    from engine.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-moe"), preset="tiny-moe", seed=0))
+
+
+@pytest.fixture(scope="session")
+def moe_mixed_model_dir(tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE with layer 1 dense (mlp_only_layers=[1])."""
+    from engine.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-moe-mixed"), preset="tiny-moe-mixed", seed=0))
+
+
+@pytest.fixture(scope="session")
 def other_engine(other_model_dir):
     """An engine started on other_model_dir: the oracle for a weight update to those weights."""
     from engine import Engine
