@@ -60,10 +60,16 @@ class Experts(nn.Module):
         self.down_proj = ExpertWeights(num_experts, {"down": hidden_size}, intermediate_size)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router logits [T, E] -> (float32 weights [T, K], int32 expert ids [T, K])."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          replay: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] -> (float32 weights [T, K], int32 expert ids [T, K]). replay: given
+    ids [T, K] (a rollout's routes, R3) used instead of the top-k, weighted by their probabilities."""
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if replay is None:
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        ids = replay.to(device=probs.device, dtype=torch.int64)
+        weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / _sum_in_order(weights)
     return weights, ids.to(torch.int32)
@@ -127,7 +133,9 @@ class SparseMoE(nn.Module):
         self.experts = Experts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        replay = getattr(forward_batch, "replay_routes", None)  # the trainer's R3: [T, layers, top_k]
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize,
+                             None if replay is None else replay[:, self.layer_id])
         if forward_batch is not None:
             _record_routes(forward_batch, self.layer_id, ids)
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
@@ -138,9 +146,14 @@ class SparseMoE(nn.Module):
         return moe_reference(x, w13, w2, weights, ids, self.deterministic)
 
 
-def _record_routes(forward_batch: "ForwardBatch", layer_id: int, ids: torch.Tensor) -> None:
-    """Store each token's expert ids at its KV slot, when the pool keeps routes (a plain indexed
-    write: CUDA graphs replay it with the batch's slots)."""
-    routes = getattr(getattr(forward_batch, "kv_pool", None), "routed_experts", None)  # the trainer passes none
+def _record_routes(forward_batch: Any, layer_id: int, ids: torch.Tensor) -> None:
+    """Store each token's expert ids: at its KV slot when the engine's pool keeps routes (a plain
+    indexed write: CUDA graphs replay it with the batch's slots); by row into the trainer's
+    `route_sink` [T, layers, top_k] when its forward asks for them."""
+    sink = getattr(forward_batch, "route_sink", None)
+    if sink is not None:
+        sink[:, layer_id] = ids.to(sink.device)
+        return
+    routes = getattr(getattr(forward_batch, "kv_pool", None), "routed_experts", None)
     if routes is not None:
         routes[forward_batch.out_cache_loc, layer_id] = ids.to(routes.device)

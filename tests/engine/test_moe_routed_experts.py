@@ -133,3 +133,56 @@ def test_rollout_samples_carry_routes(routes_engine):
             routes = decode_routed_experts(sample.routed_experts, LAYERS, TOP_K)
             assert len(routes) == len(prompt) + len(sample.response_ids) - 1
     assert RolloutManager([routes_engine]).generate(prompts, {"max_new_tokens": 2})[0][0].routed_experts is None
+
+
+# ---- trainer parity: the Policy (engine model code) vs the deterministic engine ------------------
+@pytest.fixture(scope="module")
+def policy(moe_mixed_model_dir):
+    from trainer_bridge.policy import Policy
+
+    return Policy.from_pretrained(moe_mixed_model_dir)
+
+
+@pytest.fixture(scope="module")
+def rollouts(routes_engine):
+    prompts = random_prompts(5, 1000, lengths=(1, 70), seed=15)
+    params = [{"max_new_tokens": 6 + 3 * i, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True}
+              for i in range(5)]
+    outs = routes_engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                  return_routed_experts=True)
+    return prompts, outs
+
+
+def _engine_logprobs(out: dict) -> torch.Tensor:
+    return torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]], dtype=torch.float32)
+
+
+def test_policy_logprobs_and_routes_equal_the_rollout(policy, rollouts):
+    prompts, outs = rollouts
+    responses = [o["output_ids"] for o in outs]
+    ours = policy.rollout_logprobs(prompts, responses)
+    routes = policy.rollout_routes(prompts, responses)
+    for out, lp, r in zip(outs, ours, routes):
+        assert torch.equal(lp.detach(), _engine_logprobs(out))  # logprob diff 0
+        assert torch.equal(r, _routes(out))  # route agreement 1.0
+
+
+def test_policy_replays_given_routes(policy, rollouts):
+    prompts, outs = rollouts
+    responses = [o["output_ids"] for o in outs]
+    given = [o["meta_info"]["routed_experts"] for o in outs]
+    replayed = policy.rollout_logprobs(prompts, responses, routed_experts=given)
+    for out, lp in zip(outs, replayed):  # the routes agree already, so replay changes no bit
+        assert torch.equal(lp.detach(), _engine_logprobs(out))
+    # other routes give other logprobs: the replay is really used (and stays differentiable)
+    swapped = [(_routes(o) + 1) % 4 for o in outs]
+    swapped = [torch.where(_routes(o) < 0, _routes(o), s) for o, s in zip(outs, swapped)]
+    policy.zero_grad()
+    moved = policy.rollout_logprobs(prompts, responses, routed_experts=swapped)
+    assert not torch.equal(moved[0].detach(), replayed[0].detach())
+    sum(lp.sum() for lp in moved).backward()
+    grad = policy.model.model.layers[0].mlp.experts.gate_up_proj.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    policy.zero_grad()
+    with pytest.raises(ValueError, match="expected"):
+        policy.rollout_logprobs(prompts[:1], responses[:1], routed_experts=[_routes(outs[0])[:-1]])
