@@ -103,18 +103,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, opts: LayerOptions) -> None:
+    def __init__(self, config: Any, opts: LayerOptions, intermediate_size: Optional[int] = None) -> None:
+        """intermediate_size: the config's unless given (an MoE block's shared expert)."""
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
         det, tp = opts.deterministic, opts.tp
+        inter = intermediate_size or config.intermediate_size
         if tp is not None:  # this rank's slice of the intermediate size
-            self.gate_up_proj = MergedGateUpParallel(config.hidden_size, config.intermediate_size, opts.mlp_bias,
-                                                     det, tp)
-            self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det, tp)
+            self.gate_up_proj = MergedGateUpParallel(config.hidden_size, inter, opts.mlp_bias, det, tp)
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, opts.mlp_bias, det, tp)
         else:
-            self.gate_up_proj = MergedGateUp(config.hidden_size, config.intermediate_size, opts.mlp_bias, det)
-            self.down_proj = Linear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det)
+            self.gate_up_proj = MergedGateUp(config.hidden_size, inter, opts.mlp_bias, det)
+            self.down_proj = Linear(inter, config.hidden_size, opts.mlp_bias, det)
         self.act_fn = SiluAndMul(det)
 
     def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:

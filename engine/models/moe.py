@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE): router, stacked experts, combine.
+"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE): router, stacked experts, combine,
+and Qwen2-MoE's shared expert (a dense MLP gated by sigmoid(shared_expert_gate(x)), added).
 
 Experts are stored stacked per layer, as the fused kernel reads them: `experts.gate_up_proj`
 [E, 2I, H] (gate rows 0..I, up rows I..2I) and `experts.down_proj` [E, H, I]; HF's per-expert
@@ -22,6 +23,8 @@ from torch import nn
 
 from engine.kernels import batch_invariant as bi
 from engine.kernels.torch_backward import needs_grad
+from engine.models.decoder import MLP, LayerOptions, MLPFactory, dense_mlp
+from engine.models.hf_names import DENSE_STACKING, EXPERT_STACKING
 from engine.models.layers import Linear
 
 if TYPE_CHECKING:
@@ -115,11 +118,41 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-class SparseMoE(nn.Module):
-    """Router `gate` + stacked `experts`; HF names mlp.gate.weight, mlp.experts.{e}.*_proj.weight."""
+def is_sparse_layer(config: Any, layer_id: int) -> bool:
+    """HF's rule: experts on every `decoder_sparse_step`-th layer outside `mlp_only_layers`."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_id + 1) % step == 0)
 
-    def __init__(self, config: Any, layer_id: int, deterministic: bool) -> None:
+
+def sparse_or_dense_mlp(config: Any, layer_id: int, opts: LayerOptions) -> nn.Module:
+    """The MLPFactory of the MoE decoders: SparseMoE on sparse layers, a dense MLP elsewhere."""
+    if is_sparse_layer(config, layer_id):
+        return SparseMoE(config, layer_id, opts)
+    return dense_mlp(config, layer_id, opts)
+
+
+class MoEDecoder:
+    """Mixin of the MoE model classes: stacked experts in the HF-name map, the MoE layers, one rank."""
+    hf_stacking = EXPERT_STACKING + DENSE_STACKING
+
+    def __init__(self, config: Any, deterministic: bool = False, tp: Optional[Any] = None) -> None:
+        if tp is not None:
+            raise ValueError("tensor parallelism (tp_size > 1) is not supported for MoE models yet")
+        super().__init__(config, deterministic=deterministic)  # type: ignore[call-arg]
+
+    @classmethod
+    def mlp_factory(cls, config: Any, opts: LayerOptions) -> MLPFactory:
+        return sparse_or_dense_mlp
+
+
+class SparseMoE(nn.Module):
+    """Router `gate` + stacked `experts`; HF names mlp.gate.weight, mlp.experts.{e}.*_proj.weight
+    (+ mlp.shared_expert.*, mlp.shared_expert_gate.weight with `shared_expert_intermediate_size`)."""
+
+    def __init__(self, config: Any, layer_id: int, opts: LayerOptions) -> None:
         super().__init__()
+        deterministic = opts.deterministic
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
         self.layer_id = layer_id
@@ -131,6 +164,11 @@ class SparseMoE(nn.Module):
         self.deterministic = deterministic
         self.gate = Linear(config.hidden_size, self.num_experts, False, deterministic)
         self.experts = Experts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        if shared:
+            self.shared_expert = MLP(config, opts, intermediate_size=shared)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, False, deterministic)
+        self.has_shared_expert = bool(shared)
 
     def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:
         replay = getattr(forward_batch, "replay_routes", None)  # the trainer's R3: [T, layers, top_k]
@@ -142,8 +180,16 @@ class SparseMoE(nn.Module):
         if x.is_cuda and not needs_grad(x, w13, w2):
             from engine.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, w13, w2, weights, ids, self.deterministic)
-        return moe_reference(x, w13, w2, weights, ids, self.deterministic)
+            out = fused_moe(x, w13, w2, weights, ids, self.deterministic)
+        else:
+            out = moe_reference(x, w13, w2, weights, ids, self.deterministic)
+        if self.has_shared_expert:
+            gate = self.shared_expert_gate(x)
+            # 1 / (1 + exp(-g)): elementwise with the same bits on every path (F.sigmoid's vector
+            # body and tail may round differently, engine/kernels/batch_invariant/ops.py)
+            gate = 1.0 / (1.0 + torch.exp(-gate)) if self.deterministic else torch.sigmoid(gate)
+            out = out + gate * self.shared_expert(x)
+        return out
 
 
 def _record_routes(forward_batch: Any, layer_id: int, ids: torch.Tensor) -> None:
