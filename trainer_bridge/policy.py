@@ -76,6 +76,17 @@ class Policy(nn.Module):
             self.forward(ids, [len(s) for s in seqs], route_sink=sink)
         return [rows[:-1] for rows in sink.split([len(s) for s in seqs])]
 
+    def route_agreement(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                        routed_experts: Sequence[Union[str, torch.Tensor]]) -> tuple[int, int]:
+        """(routes the policy's forward picks as given, routes compared): over every token's sparse
+        layers and top-k slots, the rollout's routes (as the engine returned them) vs its own."""
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        given = self._packed_replay(routed_experts, seqs)
+        ours = torch.cat([torch.cat([r, given.new_full((1, *r.shape[1:]), -1)])
+                          for r in self.rollout_routes(prompts, responses)])
+        sparse = ours >= 0  # dense layers and each sequence's unrouted last token hold -1
+        return int((ours == given)[sparse].sum()), int(sparse.sum())
+
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
