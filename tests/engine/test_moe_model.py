@@ -107,6 +107,8 @@ def test_update_by_hf_names_equals_engine_on_new_checkpoint(moe_model_dir, tmp_p
         assert eng.get_weights_by_name(name, truncate_size=2) == [[0.5] * new[name].shape[1]] * 2
         other = "model.layers.0.mlp.experts.1.down_proj.weight"
         assert torch.tensor(eng.get_weights_by_name(other, truncate_size=3)).equal(new[other][:3])
+        fused = torch.tensor(eng.get_weights_by_name("model.layers.0.mlp.experts.down_proj", truncate_size=2))
+        assert fused.shape == (2, 64, 32) and fused[1].equal(new[other])  # transformers 5's name: all experts
     finally:
         eng.shutdown()
         oracle.shutdown()
