@@ -97,16 +97,15 @@ def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    per_pair = hidden.new_zeros(T * K, hidden.shape[1])
-    start = 0
+    by_expert, start = [], 0  # (token, k) pairs grouped by expert, in `order`
     for expert, count in enumerate(counts):
         if count:
             pairs = order[start:start + count]
             gate_up = linear(hidden[pairs // K], w13[expert])
             act = bi.silu_and_mul(gate_up) if deterministic else _silu_and_mul(gate_up)
-            per_pair = per_pair.index_copy(0, pairs, linear(act, w2[expert]))
+            by_expert.append(linear(act, w2[expert]))
             start += count
-    per_pair = per_pair.view(T, K, -1).float()
+    per_pair = torch.cat(by_expert)[torch.argsort(order)].view(T, K, -1).float()
     out = per_pair[:, 0] * topk_weights[:, :1]
     for k in range(1, K):
         out = out + per_pair[:, k] * topk_weights[:, k:k + 1]
