@@ -33,3 +33,16 @@ def tiny_model_dir(moe_model_dir) -> str:
 @pytest.fixture(scope="module")
 def engine(engine_factory):
     return engine_factory()
+
+
+def test_determinism_harness_every_mode_on_moe(engine_factory):
+    """`tandem determinism`'s harness on the MoE model: 1 unique output, logprob difference 0."""
+    from tandem.determinism.client import EngineClient
+    from tandem.determinism.harness import MODES, Harness, HarnessConfig
+
+    eng = engine_factory(enable_deterministic_inference=True, chunked_prefill_size=64)
+    config = HarnessConfig(trials=4, max_new_tokens=6, prompt_len=100, prefix_lens=(1, 63, 65, 130))
+    results = Harness(EngineClient(eng), config).run(list(MODES))
+    assert {r.mode for r in results} == set(MODES)
+    for r in results:
+        assert r.max_unique == 1 and r.max_delta == 0.0 and r.passed, r
