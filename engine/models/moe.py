@@ -4,8 +4,9 @@ and Qwen2-MoE's shared expert (a dense MLP gated by sigmoid(shared_expert_gate(x
 Experts are stored stacked per layer, as the fused kernel reads them: `experts.gate_up_proj`
 [E, 2I, H] (gate rows 0..I, up rows I..2I) and `experts.down_proj` [E, H, I]; HF's per-expert
 tensors are shards (expert, part) of them (engine/models/hf_names.py). On CUDA the experts run in
-the Triton fused-MoE kernel (engine/kernels/fused_moe.py); elsewhere, and whenever a gradient is
-needed, in `moe_reference`, the torch formulation of the same sums.
+the Triton fused-MoE kernel (engine/kernels/fused_moe.py; with a gradient too, so the trainer's
+forward has the engine's bits); on the CPU in `moe_reference`, the torch formulation of the same
+sums (in float32 the same bits as the kernel module's fused_moe_reference).
 
 Routing: logits = gate(x); softmax over experts in float32; top-k; divided by their sum when
 `norm_topk_prob`. Every step works row by row (the deterministic mode's batch-invariant linear
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import batch_invariant as bi
-from engine.kernels.torch_backward import needs_grad
 from engine.models.decoder import MLP, LayerOptions, MLPFactory, dense_mlp
 from engine.models.hf_names import DENSE_STACKING, EXPERT_STACKING
 from engine.models.layers import Linear
@@ -176,7 +176,7 @@ class SparseMoE(nn.Module):
         if forward_batch is not None:
             _record_routes(forward_batch, self.layer_id, ids)
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
-        if x.is_cuda and not needs_grad(x, w13, w2):
+        if x.is_cuda:  # the trainer too: fused_moe's backward is torch's, its forward the engine's bits
             from engine.kernels.fused_moe import fused_moe
 
             out = fused_moe(x, w13, w2, weights, ids, self.deterministic)
