@@ -5,8 +5,9 @@ parameter (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`). A stacked tensor
 key (engine parameter name, shard id); shard id None is a whole parameter. The loader, weight
 updates, /get_weights_by_name, checkpoint export and the bench's HF copy all read names here.
 
-A new stacked layout (experts stacked per layer, LoRA A/B) is one more `Stacking` rule in a
-model's `hf_stacking` table, whose module offers `shard_ids` and `shard_slice` (StackedShards).
+A new stacked layout (LoRA A/B) is one more rule in a model's `hf_stacking` table, whose module
+offers `shard_ids` and `shard_slice` (StackedShards): experts stacked per layer are
+`ExpertStacking` (shard id (expert, part)) in the MoE models' table.
 """
 
 from __future__ import annotations
