@@ -44,6 +44,9 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     enable_deterministic_inference: bool = False
+    # MoE models: keep each token's top-k expert ids per layer with its KV slot, so a request with
+    # return_routed_experts gets meta_info["routed_experts"] (SGLang's flag; R3 routing replay)
+    enable_return_routed_experts: bool = False
     # numerics / kernels
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False

@@ -168,7 +168,8 @@ class HttpClient:
 
 def generate_body(request: GenerateRequest) -> dict:
     """SGLang's /generate body: text (the prompt) or input_ids, sampling_params, the logprob
-    options, and rid, logprob_distribution, token_ids_logprob only when set (as SGLang's clients)."""
+    options, and rid, logprob_distribution, token_ids_logprob, return_routed_experts only when set
+    (as SGLang's clients)."""
     if (request.prompt is None) == (request.input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
     if request.stream:
@@ -179,6 +180,8 @@ def generate_body(request: GenerateRequest) -> dict:
     optional = {"rid": request.rid, "logprob_distribution": request.logprob_distribution,
                 "token_ids_logprob": request.token_ids_logprob}
     body.update({name: value for name, value in optional.items() if value is not None})
+    if request.return_routed_experts:  # only when asked: a server without the flag refuses it
+        body["return_routed_experts"] = request.return_routed_experts
     return body
 
 

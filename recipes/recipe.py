@@ -23,6 +23,7 @@ from recipes.validate import check_fields
 
 TRAINERS = ("torch", "deepspeed")
 ENGINE_BACKENDS = ("ray", "in_process")
+ROUTED_EXPERTS_MODES = ("off", "measure", "replay")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Recipe:
     keep_cuda_graphs: bool = False  # colocated: release weights + KV only; no graph re-capture per step
     transport: str = "tensor"  # trainer_bridge.sync.TRANSPORTS
     bucket_bytes: int = 512 << 20
+    # MoE: "measure": the engines return each sample's routed experts and the trainer reports
+    # route_agreement (its routes vs the rollout's); "replay": also trains on the rollout's routes (R3)
+    routed_experts: str = "off"
     # ---- run
     deterministic: bool = True  # batch-invariant engine + Policy: logprob_abs_diff_max == 0
     off_policy: bool = False  # generate step k+1's rollouts while step k trains (TIS corrects)
@@ -82,6 +86,9 @@ class Recipe:
             raise ValueError(f"trainer must be one of {', '.join(TRAINERS)}; got {self.trainer!r}")
         if self.engine_backend not in ENGINE_BACKENDS:
             raise ValueError(f"engine_backend must be one of {', '.join(ENGINE_BACKENDS)}; got {self.engine_backend!r}")
+        if self.routed_experts not in ROUTED_EXPERTS_MODES:
+            raise ValueError(f"routed_experts must be one of {', '.join(ROUTED_EXPERTS_MODES)}; "
+                             f"got {self.routed_experts!r}")
 
 
 def load_recipe(name_or_path: str = "default") -> Recipe:

@@ -24,10 +24,13 @@ from rollout.types import Sample
 
 class RolloutManager:
     def __init__(self, engines: Sequence[EngineAPI], reward_fn: Optional[Callable[[Sample], float]] = None,
-                 route_prefix: int = 64, balance_slack: float = 0.25) -> None:
+                 route_prefix: int = 64, balance_slack: float = 0.25, return_routed_experts: bool = False) -> None:
+        """return_routed_experts: ask the (MoE) engines for every sample's routes (Sample.routed_experts);
+        they must run with --enable-return-routed-experts."""
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         self.engines = list(engines)
+        self.return_routed_experts = return_routed_experts
         self.reward_fn = reward_fn
         self.router = PrefixRouter(len(self.engines), route_prefix, balance_slack)
         self._batch_ids = itertools.count()
@@ -62,8 +65,10 @@ class RolloutManager:
             engine = self.engines[index]
             # submitted inside the task: a refused group fails its task, whose callback still
             # releases the router's count
+            extra = {"return_routed_experts": True} if self.return_routed_experts else {}
             task = asyncio.ensure_future(_generate_group(engine, input_ids=list(prompt), return_logprob=True,
-                                                         sampling_params={**params, "n": n}, rid=f"{batch}-{g}"))
+                                                         sampling_params={**params, "n": n}, rid=f"{batch}-{g}",
+                                                         **extra))
             task.add_done_callback(lambda _, i=index: self.router.release(i, n))
             tasks[task] = (g, engine)
         kept = await self._collect(tasks, keep_groups, n, batch)

@@ -21,6 +21,9 @@ class Sample:
     label: Any = None  # what the reward function checks the response against
     reward: Optional[float] = None
     metadata: dict = field(default_factory=dict)
+    # MoE (return_routed_experts): the engine's base64 int32 [prompt + response - 1, layers, top_k],
+    # for a trainer that replays the rollout's routes (R3)
+    routed_experts: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -42,5 +45,5 @@ class Sample:
         for span in meta.get("weight_versions", []):
             versions += [span["version"]] * (span["end"] - span["start"])
         return cls(group, index, list(prompt_ids), list(out["output_ids"]), logprobs, versions, status,
-                   text=out.get("text", ""), label=label,
+                   text=out.get("text", ""), label=label, routed_experts=meta.get("routed_experts"),
                    metadata={"finish_reason": meta.get("finish_reason"), "cached_tokens": meta.get("cached_tokens")})

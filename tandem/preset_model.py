@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b")
+PRESETS = ("tiny", "tiny-moe", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
 
 
 def add_preset_argument(group: Any) -> None:
@@ -33,6 +33,6 @@ def engine_kwargs_from_args(args: argparse.Namespace, command: str) -> tuple[dic
 
     preset = preset or "tiny"
     kwargs["model_path"] = str(tiny_model_path(preset=preset))
-    if preset != "tiny" and kwargs.get("load_format", "auto") == "auto":
+    if not preset.startswith("tiny") and kwargs.get("load_format", "auto") == "auto":
         kwargs["load_format"] = "dummy"  # real-shape presets ship config + tokenizer only
     return kwargs, f"{preset} preset"

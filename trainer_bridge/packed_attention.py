@@ -103,6 +103,10 @@ class PackedBatch:
 
     seq_lens_cpu: list[int]
     attn_backend: PackedAttention
+    # MoE (engine/models/moe.py): routes to use instead of the router's top-k (R3 replay), and a
+    # buffer the MoE layers write their routes into; both [T, layers, top_k] int32, packed rows
+    replay_routes: Optional[torch.Tensor] = None
+    route_sink: Optional[torch.Tensor] = None
     _metadata: dict = field(default_factory=dict, repr=False)  # built on the first layer's call
 
     @property

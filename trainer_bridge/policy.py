@@ -12,6 +12,10 @@ parameters require grad and nothing runs under inference mode; on CUDA the Trito
 inside autograd.Functions with torch backwards (engine.kernels.batch_invariant.autograd,
 PackedAttention).
 
+MoE models: `rollout_routes` gives the routes the policy's own forward takes (equal to the
+engine's meta_info["routed_experts"] in deterministic mode: route agreement 1.0 without replay),
+and `rollout_logprobs(..., routed_experts=...)` replays a rollout's routes instead (R3).
+
 `policy.model.named_parameters()` uses engine parameter names (stacked qkv_proj / gate_up_proj),
 which the engine's `load_weights` accepts for weight sync.
 """
@@ -51,18 +55,73 @@ class Policy(nn.Module):
         model.requires_grad_(True)  # the loader freezes it for serving
         return cls(model, attention_backend, split_size)
 
-    def forward(self, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
-        """Packed ids [T] of whole sequences (lengths seq_lens) -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, seq_lens: Sequence[int], replay_routes: Optional[torch.Tensor] = None,
+                route_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Packed ids [T] of whole sequences (lengths seq_lens) -> final hidden states [T, hidden].
+        MoE: replay_routes [T, layers, top_k] replaces the routers' choices; route_sink of that
+        shape receives them."""
         device = input_ids.device
         positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
-        return self.model(input_ids, positions, PackedBatch(list(seq_lens), self.attention))
+        batch = PackedBatch(list(seq_lens), self.attention, replay_routes=replay_routes, route_sink=route_sink)
+        return self.model(input_ids, positions, batch)
+
+    def rollout_routes(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+                       ) -> list[torch.Tensor]:
+        """MoE: the routes of each rollout's prompt + response - 1 tokens, int32 [n, layers, top_k]
+        (-1 on dense layers), in the engine's routed_experts layout."""
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=self._device())
+        sink = torch.full((len(ids), *self._routes_shape()), -1, dtype=torch.int32, device=ids.device)
+        with torch.no_grad():
+            self.forward(ids, [len(s) for s in seqs], route_sink=sink)
+        return [rows[:-1] for rows in sink.split([len(s) for s in seqs])]
+
+    def route_agreement(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                        routed_experts: Sequence[Union[str, torch.Tensor]]) -> tuple[int, int]:
+        """(routes the policy's forward picks as given, routes compared): over every token's sparse
+        layers and top-k slots, the rollout's routes (as the engine returned them) vs its own."""
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        given = self._packed_replay(routed_experts, seqs)
+        ours = torch.cat([torch.cat([r, given.new_full((1, *r.shape[1:]), -1)])
+                          for r in self.rollout_routes(prompts, responses)])
+        sparse = ours >= 0  # dense layers and each sequence's unrouted last token hold -1
+        return int((ours == given)[sparse].sum()), int(sparse.sum())
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _routes_shape(self) -> tuple[int, int]:
+        config = self.model.config
+        if not getattr(config, "num_experts_per_tok", None):
+            raise ValueError("routes exist for mixture-of-experts models only")
+        return config.num_hidden_layers, config.num_experts_per_tok
+
+    def _packed_replay(self, routed_experts: Sequence[Union[str, torch.Tensor]], seqs: list[list[int]]) -> torch.Tensor:
+        """Per rollout, the engine's routes (base64 or [n - 1, layers, top_k]) -> packed [T, layers, top_k];
+        each sequence's last token (whose output no logprob reads) takes experts 0..top_k-1."""
+        from engine.core.routed_experts import decode_routed_experts
+
+        layers, top_k = self._routes_shape()
+        if len(routed_experts) != len(seqs):
+            raise ValueError(f"{len(seqs)} rollouts but {len(routed_experts)} routed_experts")
+        rows = []
+        for routes, seq in zip(routed_experts, seqs):
+            if isinstance(routes, str):
+                routes = torch.from_numpy(decode_routed_experts(routes, layers, top_k).copy())
+            if tuple(routes.shape) != (len(seq) - 1, layers, top_k):
+                raise ValueError(f"routed_experts of shape {list(routes.shape)} for a rollout of {len(seq)} tokens; "
+                                 f"expected {[len(seq) - 1, layers, top_k]}")
+            rows += [routes.to(torch.int32), torch.arange(top_k, dtype=torch.int32).expand(1, layers, top_k)]
+        return torch.cat(rows).to(self._device())
 
     def rollout_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                         temperature: Optional[float] = None) -> list[torch.Tensor]:
+                         temperature: Optional[float] = None,
+                         routed_experts: Optional[Sequence[Union[str, torch.Tensor]]] = None) -> list[torch.Tensor]:
         """Logprob of each response token given everything before it, one [len(response)] float32
         tensor per rollout. temperature=None: the original distribution (the engine's default
         logprob_distribution); a value: log_softmax(logits / T), which is the engine's "processed"
-        distribution when no penalty or top-k/top-p/min-p applies."""
+        distribution when no penalty or top-k/top-p/min-p applies. routed_experts (MoE): each
+        rollout's routes as the engine returned them, replayed instead of the routers' top-k (R3)."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         device = next(self.model.parameters()).device
@@ -70,7 +129,8 @@ class Policy(nn.Module):
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-        hidden = self.forward(ids, [len(s) for s in seqs])
+        replay = None if routed_experts is None else self._packed_replay(routed_experts, seqs)
+        hidden = self.forward(ids, [len(s) for s in seqs], replay_routes=replay)
         rows, targets, offset = [], [], 0
         for p, r, s in zip(prompts, responses, seqs):
             # the row of token i predicts token i + 1

@@ -8,7 +8,7 @@ share of the whole batch's tokens and sequences so the accumulated loss equals t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -22,6 +22,8 @@ class RolloutBatch:
     advantages: list[float]  # one per sample
     token_share: float = 1.0  # this batch's masked tokens / its parent's (1 for a whole batch)
     seq_share: float = 1.0
+    # MoE: each sample's routes as the engine returned them (base64), when every sample has them
+    routed_experts: Optional[list[str]] = None
 
     @classmethod
     def from_samples(cls, samples: Sequence[Any], advantages: Sequence[float]) -> "RolloutBatch":
@@ -34,9 +36,11 @@ class RolloutBatch:
                 raise ValueError(f"sample {s.group}/{s.index}: {len(s.response_ids)} response tokens, "
                                  f"{len(s.rollout_logprobs)} logprobs, {len(s.loss_mask)} mask entries")
         kept = [i for i, s in enumerate(samples) if s.response_ids]  # an empty response has no token to train
+        routes = [getattr(samples[i], "routed_experts", None) for i in kept]
         return cls([list(samples[i].prompt_ids) for i in kept], [list(samples[i].response_ids) for i in kept],
                    [list(samples[i].loss_mask) for i in kept], [list(samples[i].rollout_logprobs) for i in kept],
-                   [float(advantages[i]) for i in kept])
+                   [float(advantages[i]) for i in kept],
+                   routed_experts=routes if routes and all(r is not None for r in routes) else None)
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -64,4 +68,5 @@ class RolloutBatch:
             masks = self.loss_masks[sl]
             yield RolloutBatch(self.prompts[sl], self.responses[sl], masks, self.rollout_logprobs[sl],
                                self.advantages[sl], token_share=sum(sum(m) for m in masks) / total_tokens,
-                               seq_share=len(masks) / max(len(self), 1))
+                               seq_share=len(masks) / max(len(self), 1),
+                               routed_experts=None if self.routed_experts is None else self.routed_experts[sl])

@@ -34,6 +34,7 @@ class Trainer(ABC):
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.reference: Optional[Policy] = None  # set by `freeze_reference` when kl_coef > 0
+        self.replay_routes = False  # MoE: train on the rollout's routes (R3) when the batch has them
 
     # ---- what subclasses provide ----
     @abstractmethod
@@ -64,8 +65,13 @@ class Trainer(ABC):
             raise ValueError("train_step got an empty batch (every response was empty)")
         totals = {"loss": 0.0, "logprob_abs_diff_max": 0.0, "logprob_abs_diff_mean": 0.0,
                   "tis_weight_mean": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        routes_same = routes_total = 0
         for micro in batch.micro_batches(self.micro_batch_size):
-            logprobs = self.policy.rollout_logprobs(micro.prompts, micro.responses, self.temperature)
+            replay = micro.routed_experts if self.replay_routes else None
+            logprobs = self.policy.rollout_logprobs(micro.prompts, micro.responses, self.temperature, replay)
+            if micro.routed_experts is not None:
+                same, total = self.policy.route_agreement(micro.prompts, micro.responses, micro.routed_experts)
+                routes_same, routes_total = routes_same + same, routes_total + total
             ref = None
             if self.loss.kl_coef > 0:
                 with torch.no_grad():
@@ -81,6 +87,8 @@ class Trainer(ABC):
                 param.grad = None  # nothing of this batch is left to add to the next
             raise FloatingPointError(f"the RL loss is {totals['loss']} (the step was not applied): "
                                      "lower the learning rate")
+        if routes_total:  # the share of (token, layer, slot) routes the policy picks as the rollout did
+            totals["route_agreement"] = routes_same / routes_total
         totals["grad_norm"] = self.optimizer_step(lr)
         return totals
 

@@ -27,6 +27,7 @@ class GenerateRequest:
     rid: Union[str, list[str], None] = None
     token_ids_logprob: Optional[IdLists] = None  # ids whose logprobs every position reports
     stream: bool = False
+    return_routed_experts: Union[bool, list[bool]] = False  # MoE: needs --enable-return-routed-experts
 
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":

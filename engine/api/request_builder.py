@@ -30,6 +30,7 @@ class RequestBuilder:
         self.default_distribution = server_args.logprob_distribution
         self.max_n = server_args.max_n
         self.max_batch_requests = server_args.max_batch_requests
+        self.routes_kept = server_args.enable_return_routed_experts
         # Unseeded requests draw their seed from here, so a whole run replays from --random-seed.
         self._seed_rng = random.Random(server_args.random_seed)
         self._grammars: Optional[GrammarCompiler] = None  # built on the first constrained request
@@ -48,8 +49,10 @@ class RequestBuilder:
         tops = _per_prompt("top_logprobs_num", request.top_logprobs_num, n, self._checked_top_logprobs_num)
         distribution = self._distribution(request.logprob_distribution)
         id_lists = self._token_ids_logprob(request.token_ids_logprob, n)
+        routes = _per_prompt("return_routed_experts", request.return_routed_experts, n, self._checked_routes)
         out: list[ReqInput] = []
-        for ids, p, base_rid, wanted, lp, start, top in zip(prompts, params, rids, id_lists, want, starts, tops):
+        for ids, p, base_rid, wanted, lp, start, top, route in zip(prompts, params, rids, id_lists, want, starts,
+                                                                   tops, routes):
             self._check_logprob_start(start, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
@@ -59,7 +62,7 @@ class RequestBuilder:
                     seed=base_seed if p.n == 1 else derive_seed(base_seed, i), return_logprob=lp,
                     logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
                     token_ids_logprob=wanted if lp else None, logprob_distribution=distribution,
-                    stream=request.stream,
+                    stream=request.stream, return_routed_experts=route,
                 ))
         self._check_unique_rids(out)
         return out, single and params[0].n == 1
@@ -226,6 +229,14 @@ class RequestBuilder:
             if r.rid in seen:
                 raise ValueError(f"rid {r.rid!r} appears twice in this batch; rids must be unique")
             seen.add(r.rid)
+
+    def _checked_routes(self, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"return_routed_experts must be a bool, got {type(value).__name__}")
+        if value and not self.routes_kept:  # SGLang refuses it likewise
+            raise ValueError("return_routed_experts needs the server started with --enable-return-routed-experts "
+                             "(and a mixture-of-experts model)")
+        return value
 
     @staticmethod
     def _check_logprob_start(start: int, prompt_len: int) -> None:

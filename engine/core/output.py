@@ -30,6 +30,8 @@ def build_output(req: Req, core: CoreView) -> dict[str, Any]:
     }
     if req.return_logprob:
         meta.update(_logprob_fields(req, core))
+    if req.routed_experts is not None:
+        meta["routed_experts"] = req.routed_experts
     return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 

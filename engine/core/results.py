@@ -13,6 +13,7 @@ from typing import Optional
 
 from engine.core.messages import ReqOutput
 from engine.core.output import CoreView, build_output
+from engine.core.routed_experts import routed_experts_b64
 from engine.runner.model_runner import ModelRunner
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -45,7 +46,7 @@ class StepResults:
             outputs.extend(self._after_token(req, grammar_stops.get(id(req))))
         for req in _prompt_only(batch):  # max_new_tokens=0: prompt logprobs, no output
             req.finished_reason = {"type": "length", "length": 0}
-            self.scheduler.release(req)
+            self._release(req)
             outputs.append(self.finish(req))
         return outputs
 
@@ -59,8 +60,15 @@ class StepResults:
         if reason is None:
             return [ReqOutput(req.rid, False, build_output(req, self.core))] if req.stream else []
         req.finished_reason = reason
-        self.scheduler.release(req)
+        self._release(req)
         return [self.finish(req)]
+
+    def _release(self, req: Req) -> None:
+        """Free what a finished request holds, reading its routed experts first (they live at its KV slots)."""
+        routes = self.runner.kv_pool.routed_experts
+        if req.return_routed_experts and routes is not None and req.req_pool_idx is not None:
+            req.routed_experts = routed_experts_b64(routes, self.runner.req_to_token_pool.req_to_token, req)
+        self.scheduler.release(req)
 
     def _advance_grammars(self, reqs: list[Req]) -> dict[int, Optional[dict]]:
         """Feed each request's committed token to its grammar, one call for the batch. By request

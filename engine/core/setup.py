@@ -100,9 +100,12 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
         model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic,
                            tp=tp.group if tp is not None else None)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
-    memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len)
+    routes = routes_shape(args, hf_config)
+    memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len,
+                         extra_bytes_per_token=4 * routes[0] * routes[1] if routes else 0)
     with saver.region("kv_cache"):
-        kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+        kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device,
+                         routes_shape=routes)
     # +1 row: the chunked request holds a row while it is neither running nor waiting
     req_pool = ReqToTokenPool(memory.max_running_requests + 1, context_len + 1, "cpu")
     if tp is not None:  # the other ranks size their pools as rank 0's: slot ids are rank 0's
@@ -125,6 +128,18 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
     )
     return CoreParts(scheduler, runner, tokenizer, eos, context_len, vocab_size, memory,
                      lambda req: _make_detokenizer(tokenizer, req))
+
+
+def routes_shape(args: ServerArgs, hf_config: Any) -> Optional[tuple[int, int]]:
+    """(layers, top_k) of the routes kept per KV slot with --enable-return-routed-experts (SGLang's
+    shape: every hidden layer, dense ones -1); None without the flag."""
+    if not args.enable_return_routed_experts:
+        return None
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    if not top_k:
+        raise ValueError("--enable-return-routed-experts needs a mixture-of-experts model; "
+                         f"{args.model_path!r} has no num_experts_per_tok in its config")
+    return int(hf_config.num_hidden_layers), int(top_k)
 
 
 def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: BackendSpec, memory: MemoryPlan) -> int:

@@ -47,7 +47,7 @@ def _resolve(model: nn.Module, name: str) -> torch.Tensor:
         return params[name]
     names = HFNameMap(model)
     param_name, shard_id = names.engine_key(name)
-    if shard_id is not None and param_name in params:
+    if param_name in params:  # a stacked shard, or an alias of a whole parameter (fused experts)
         return names.view(param_name, shard_id, params[param_name])
     raise ValueError(f"no parameter named {name!r}: give an HF checkpoint name such as "
                      "'model.layers.0.self_attn.q_proj.weight' or 'lm_head.weight'")

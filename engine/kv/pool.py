@@ -20,7 +20,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        routes_shape: tuple[int, int] | None = None,
     ):
+        """routes_shape: (layers, top_k) of an MoE model whose routed experts are kept per slot
+        (--enable-return-routed-experts): `routed_experts` [size + 1, layers, top_k] int32, -1
+        where no expert was routed (dense layers); the MoE layers write it (engine/models/moe.py)."""
         self.size = size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -30,11 +34,14 @@ class KVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.routed_experts = (None if routes_shape is None else
+                               torch.full((size + 1, *routes_shape), -1, dtype=torch.int32, device=self.device))
 
     @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        routes = 0 if self.routed_experts is None else self.routed_experts[0].numel() * 4
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem + routes
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

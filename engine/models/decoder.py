@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -103,29 +103,38 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, opts: LayerOptions) -> None:
+    def __init__(self, config: Any, opts: LayerOptions, intermediate_size: Optional[int] = None) -> None:
+        """intermediate_size: the config's unless given (an MoE block's shared expert)."""
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu'; got {config.hidden_act!r}")
         det, tp = opts.deterministic, opts.tp
+        inter = intermediate_size or config.intermediate_size
         if tp is not None:  # this rank's slice of the intermediate size
-            self.gate_up_proj = MergedGateUpParallel(config.hidden_size, config.intermediate_size, opts.mlp_bias,
-                                                     det, tp)
-            self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det, tp)
+            self.gate_up_proj = MergedGateUpParallel(config.hidden_size, inter, opts.mlp_bias, det, tp)
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, opts.mlp_bias, det, tp)
         else:
-            self.gate_up_proj = MergedGateUp(config.hidden_size, config.intermediate_size, opts.mlp_bias, det)
-            self.down_proj = Linear(config.intermediate_size, config.hidden_size, opts.mlp_bias, det)
+            self.gate_up_proj = MergedGateUp(config.hidden_size, inter, opts.mlp_bias, det)
+            self.down_proj = Linear(inter, config.hidden_size, opts.mlp_bias, det)
         self.act_fn = SiluAndMul(det)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# (config, layer id, options) -> the layer's feed-forward block, called as mlp(hidden, forward_batch)
+MLPFactory = Callable[[Any, int, LayerOptions], nn.Module]
+
+
+def dense_mlp(config: Any, layer_id: int, opts: LayerOptions) -> nn.Module:
+    return MLP(config, opts)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, opts: LayerOptions) -> None:
+    def __init__(self, config: Any, layer_id: int, opts: LayerOptions, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_id, opts)
-        self.mlp = MLP(config, opts)
+        self.mlp = make_mlp(config, layer_id, opts)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
 
@@ -139,18 +148,18 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos_sin, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, forward_batch), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, opts: LayerOptions) -> None:
+    def __init__(self, config: Any, opts: LayerOptions, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         if opts.tp is not None:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, opts.tp)
         else:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, opts) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, opts, make_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
         # one rope for all layers: cos/sin are computed once per forward
@@ -186,7 +195,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.deterministic = deterministic
         opts = dataclasses.replace(self.layer_options(config), deterministic=deterministic, tp=tp)
-        self.model = DecoderModel(config, opts)
+        self.model = DecoderModel(config, opts, self.mlp_factory(config, opts))
         if tp is not None:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, deterministic, tp)
         else:
@@ -207,6 +216,11 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:
         raise NotImplementedError
+
+    @classmethod
+    def mlp_factory(cls, config: Any, opts: LayerOptions) -> MLPFactory:
+        """Each layer's feed-forward block; dense everywhere unless a subclass says (MoE)."""
+        return dense_mlp
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -282,7 +296,10 @@ class DecoderForCausalLM(nn.Module):
         if sharded is not None:  # tensor parallel: the checkpoint holds the full tensor
             expected = sharded.checkpoint_shape(param_name.rsplit(".", 1)[1], shard_id)
         else:
-            expected = tuple(names.view(param_name, shard_id, params[param_name]).shape)
+            try:
+                expected = tuple(names.view(param_name, shard_id, params[param_name]).shape)
+            except KeyError as exc:  # a shard the parameter does not hold, e.g. expert 9 of 8
+                raise ValueError(f"unknown weight {name!r}: {exc.args[0]}") from None
         if shape != expected:
             raise ValueError(f"weight {name!r} has shape {list(shape)}, expected {list(expected)}")
         return param_name, shard_id

@@ -5,12 +5,14 @@ parameter (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`). A stacked tensor
 key (engine parameter name, shard id); shard id None is a whole parameter. The loader, weight
 updates, /get_weights_by_name, checkpoint export and the bench's HF copy all read names here.
 
-A new stacked layout (experts stacked per layer, LoRA A/B) is one more `Stacking` rule in a
-model's `hf_stacking` table, whose module offers `shard_ids` and `shard_slice` (StackedShards).
+A new stacked layout (LoRA A/B) is one more rule in a model's `hf_stacking` table, whose module
+offers `shard_ids` and `shard_slice` (StackedShards): experts stacked per layer are
+`ExpertStacking` (shard id (expert, part)) in the MoE models' table.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Protocol, runtime_checkable
 
@@ -50,6 +52,52 @@ class Stacking:
         return param_name.replace(part, f".{self.hf}.")
 
 
+@dataclass(frozen=True)
+class ExpertStacking:
+    """HF's per-expert `experts.{e}.{hf}` is shard (e, part) of the stacked `experts.{engine}`
+    ([num_experts, rows, cols]); e.g. experts.3.up_proj -> experts.gate_up_proj, shard (3, "up")."""
+    engine: str
+    hf: str
+    part: str
+
+    def to_engine(self, hf_name: str) -> Optional[WeightKey]:
+        match = re.search(rf"\.experts\.(\d+)\.{self.hf}\.", hf_name)
+        if match is None:
+            return None
+        engine = hf_name[:match.start()] + f".experts.{self.engine}." + hf_name[match.end():]
+        return engine, (int(match.group(1)), self.part)
+
+    def to_hf(self, param_name: str, shard_id: Any) -> Optional[str]:
+        part = f".experts.{self.engine}."
+        if not (isinstance(shard_id, tuple) and shard_id[1] == self.part and part in param_name):
+            return None
+        return param_name.replace(part, f".experts.{shard_id[0]}.{self.hf}.")
+
+
+@dataclass(frozen=True)
+class FusedExpertAlias:
+    """transformers 5.x names the stacked tensors `experts.gate_up_proj` / `experts.down_proj`
+    (no `.weight`; same [E, rows, cols] layout as the engine's): loads as the whole parameter.
+    Export keeps the per-expert names that checkpoints on the Hub (and save_pretrained) use."""
+    name: str
+
+    def to_engine(self, hf_name: str) -> Optional[WeightKey]:
+        return (hf_name + ".weight", None) if hf_name.endswith(f".experts.{self.name}") else None
+
+    def to_hf(self, param_name: str, shard_id: Any) -> Optional[str]:
+        return None
+
+
+# experts stacked per layer (Qwen3-MoE, Qwen2-MoE): before the dense rules, which would also
+# match the `.gate_proj.` inside an expert's name
+EXPERT_STACKING = (
+    ExpertStacking("gate_up_proj", "gate_proj", "gate"),
+    ExpertStacking("gate_up_proj", "up_proj", "up"),
+    ExpertStacking("down_proj", "down_proj", "down"),
+    FusedExpertAlias("gate_up_proj"),
+    FusedExpertAlias("down_proj"),
+)
+
 # the dense decoders' layout (Llama, Qwen2, Qwen3), as SGLang stacks them
 DENSE_STACKING: tuple[Stacking, ...] = (
     Stacking("qkv_proj", "q_proj", "q"),
@@ -65,7 +113,7 @@ class HFNameMap:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.rules: tuple[Stacking, ...] = getattr(model, "hf_stacking", DENSE_STACKING)
+        self.rules: tuple[Any, ...] = getattr(model, "hf_stacking", DENSE_STACKING)
         self.tied = bool(getattr(model, "tie_word_embeddings", False))
 
     def skipped(self, hf_name: str) -> bool:

@@ -10,7 +10,9 @@ from torch import nn
 # architecture name -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
 }
 

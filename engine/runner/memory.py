@@ -34,8 +34,10 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 def plan_memory(
     args: ServerArgs, model: torch.nn.Module, device: torch.device,
     num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, context_len: int,
+    extra_bytes_per_token: int = 0,
 ) -> MemoryPlan:
-    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    """extra_bytes_per_token: what else the pool keeps per slot (routed experts)."""
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) + extra_bytes_per_token
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())

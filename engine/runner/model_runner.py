@@ -288,6 +288,8 @@ class ModelRunner:
             saver.resume(tag)
         if "kv_cache" in back and self.req_to_token is not self.req_to_token_pool.req_to_token:
             self.req_to_token.zero_()  # graph padding rows read row 0: valid slot indices again
+        if "kv_cache" in back and self.kv_pool.routed_experts is not None:
+            self.kv_pool.routed_experts.fill_(-1)  # the region returns undefined; dense layers read -1
         if "weights" in back:
             self._restore_buffers()
         if "weights" in back and not saver.weights_cpu_backup:

@@ -26,6 +26,7 @@ class RequestOptions:
     token_ids_logprob: Optional[list[int]] = None  # SGLang's: these ids' logprobs at every position
     logprob_distribution: str = "original"
     stream: bool = False
+    return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (needs the server flag)
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects, never by value
@@ -67,6 +68,7 @@ class Req(RequestOptions):
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     weight_spans: list[tuple[str, int]] = field(default_factory=list)  # (version, first output index)
+    routed_experts: Optional[str] = None  # base64 int32 [tokens, layers, top_k], read before release
 
     @classmethod
     def from_input(cls, msg: Any) -> "Req":

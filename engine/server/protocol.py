@@ -1,7 +1,7 @@
 """Request bodies of the HTTP routes (pydantic), with SGLang's and OpenAI's field names.
 
 Unknown fields are accepted and ignored, as SGLang does (clients send fields of newer or forked
-versions: Miles' `return_routed_experts`, `selector`, ...); `UnknownFields` logs each name once.
+versions: Miles' `selector`, ...); `UnknownFields` logs each name once.
 Sampling fields are checked by SamplingParams, not here, so the error messages are the same as
 for the in-process API.
 """
@@ -62,6 +62,7 @@ class GenerateBody(_NullsAsDefaults):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    return_routed_experts: Union[bool, list[bool]] = False
     # SGLang refuses these unless started for them (--enable-return-hidden-states,
     # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
     return_hidden_states: Union[bool, list[bool]] = False
@@ -80,7 +81,8 @@ class GenerateBody(_NullsAsDefaults):
             prompt=self.text, input_ids=self.input_ids, sampling_params=_nulls_dropped(self.sampling_params),
             return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num or 0, token_ids_logprob=self.token_ids_logprob,
-            logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream)
+            logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream,
+            return_routed_experts=self.return_routed_experts)
 
 
 def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:

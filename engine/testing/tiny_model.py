@@ -51,6 +51,21 @@ PRESETS: dict[str, dict] = {
                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
                      tie_word_embeddings=False, torch_dtype="bfloat16"),
 }
+# Qwen3-MoE: the tiny shapes with 4 experts, top-2 ("-mixed": layer 1 dense, as mlp_only_layers
+# allows) and Qwen3-30B-A3B's published config
+_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", decoder_sparse_step=1,
+            norm_topk_prob=True, router_aux_loss_coef=0.001, output_router_logits=False)
+PRESETS.update({
+    "tiny-moe": dict(PRESETS["tiny"], **_MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     mlp_only_layers=[]),
+    "tiny-moe-mixed": dict(PRESETS["tiny"], **_MOE, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, mlp_only_layers=[1]),
+    "qwen3-30b-a3b": dict(_MOE, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, mlp_only_layers=[], vocab_size=151936,
+                          max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
+                          torch_dtype="bfloat16"),
+})
 # Weight init of the tiny preset, measured (see tests): a larger std than HF's 0.02 so random
 # logits are peaked (median top-1 vs top-2 gap ~0.5, <0.1% of gaps under 1e-3) and greedy
 # decoding does not lock onto one token; logits stay small (std ~2.4) so float32 logprobs
@@ -74,9 +89,14 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int
     _write_json(out / "generation_config.json", _generation_config(preset, ids))
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(config))
-    if preset == "tiny":
+    if is_random_weight_preset(preset):
         _write_weights(out / "model.safetensors", config, seed)
     return out
+
+
+def is_random_weight_preset(preset: str) -> bool:
+    """The tiny presets ship seeded weights; the real-shape ones config + tokenizer only."""
+    return preset.startswith("tiny")
 
 
 def tiny_model_path(cache_dir: Optional[str | os.PathLike] = None, preset: str = "tiny",
@@ -138,7 +158,7 @@ def _model_config(preset: str, tokenizer_vocab: int, ids: dict[str, int]) -> dic
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
         **_COMMON, **shape,
-        "initializer_range": TINY_INIT_STD if preset == "tiny" else 0.02,
+        "initializer_range": TINY_INIT_STD if is_random_weight_preset(preset) else 0.02,
         "max_window_layers": shape["num_hidden_layers"],
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
@@ -149,7 +169,7 @@ def _generation_config(preset: str, ids: dict[str, int]) -> dict:
     cfg = {"bos_token_id": ids["<|endoftext|>"],
            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
            "pad_token_id": ids["<|endoftext|>"]}
-    if preset != "tiny":  # Qwen3's published sampling defaults; tiny stays greedy by default
+    if not is_random_weight_preset(preset):  # Qwen3's published sampling defaults; tiny stays greedy by default
         cfg.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
     return cfg
 
@@ -168,19 +188,34 @@ def _tokenizer_config(config: dict) -> dict:
 
 def _write_weights(path: Path, config: dict, seed: int) -> None:
     import torch
+    import transformers
     from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    arch = config["architectures"][0]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    hf_config = config_cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     with torch.device("meta"):  # HF gives names and shapes; our generator gives the values
-        model = Qwen3ForCausalLM(hf_config)
+        model = getattr(transformers, arch)(hf_config)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, param in sorted(model.state_dict().items()):
         if name == "lm_head.weight" and config["tie_word_embeddings"]:
             continue  # tied checkpoints store only the embedding, as Qwen3-0.6B does
-        tensors[name] = _init_tensor(name, tuple(param.shape), gen)
+        tensors.update(_per_expert(name, _init_tensor(name, tuple(param.shape), gen)))
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _per_expert(name: str, tensor):
+    """transformers 5.x holds experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`);
+    checkpoints, as its save_pretrained writes them, name each expert's gate/up/down."""
+    prefix = name.rpartition(".experts.")[0] + ".experts"
+    if name.endswith(".experts.gate_up_proj"):
+        gate, up = tensor.chunk(2, dim=1)
+        return {**{f"{prefix}.{e}.gate_proj.weight": g.clone() for e, g in enumerate(gate)},
+                **{f"{prefix}.{e}.up_proj.weight": u.clone() for e, u in enumerate(up)}}
+    if name.endswith(".experts.down_proj"):
+        return {f"{prefix}.{e}.down_proj.weight": d.clone() for e, d in enumerate(tensor)}
+    return {name: tensor}
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], gen) -> "torch.Tensor":
@@ -199,7 +234,7 @@ def _write_json(path: Path, obj: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to write the checkpoint into")
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                        help="tiny: random weights; qwen3-*: real shapes, config + tokenizer only")
+                        help="tiny, tiny-moe*: random weights; qwen3-*: real shapes, config + tokenizer only")
     parser.add_argument("--seed", type=int, default=0, help="weight init seed (tiny preset)")
 
 

@@ -7,6 +7,7 @@ The tensors are views, not copies.
 
 from __future__ import annotations
 
+import re
 from typing import Iterator
 
 import torch
@@ -23,7 +24,7 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def copy_into_hf(engine_model: nn.Module, hf_model: nn.Module) -> None:
     """Overwrite every HF parameter with the engine's value; raise if any is left unset."""
-    tensors = dict(hf_named_tensors(engine_model))
+    tensors = _with_fused_experts(dict(hf_named_tensors(engine_model)), engine_model, hf_model)
     missing, unexpected = hf_model.load_state_dict(tensors, strict=False)
     names = HFNameMap(engine_model)
     missing = [m for m in missing if not names.skipped(m) and "rotary_emb" not in m]
@@ -32,3 +33,16 @@ def copy_into_hf(engine_model: nn.Module, hf_model: nn.Module) -> None:
                          f"unexpected {unexpected[:5]}")
     if names.tied:
         hf_model.tie_weights()
+
+
+def _with_fused_experts(tensors: dict, engine_model: nn.Module, hf_model: nn.Module) -> dict:
+    """transformers 5 holds each layer's experts fused (`experts.gate_up_proj` [E, 2I, H]), laid
+    out as the engine's stacked parameter of that name + `.weight`: use it whole, not per expert."""
+    params = dict(engine_model.named_parameters())
+    fused = {name: params[name + ".weight"].detach() for name in hf_model.state_dict()
+             if name not in tensors and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+             and name + ".weight" in params}
+    if not fused:
+        return tensors
+    per_expert = re.compile(r"\.experts\.\d+\.")
+    return {**{k: v for k, v in tensors.items() if not per_expert.search(k)}, **fused}

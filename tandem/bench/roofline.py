@@ -7,6 +7,9 @@ included, as the kernels do. A step costs max(bytes / bandwidth, FLOPs / matmul 
 Prefill is compute bound: 2 * matmul params per computed token, plus causal attention
 (QK^T and PV: 4 * layers * heads * head_dim * L^2 / 2 per prompt), at the matmul rate; a
 grpo prompt is computed once per group.
+MoE: a token multiplies by its top_k of num_experts experts only (active params), and a decode
+step reads the experts its batch touches, E * (1 - (1 - k/E)^batch) per layer in expectation
+under uniform routing (what random dummy weights give).
 """
 
 from __future__ import annotations
@@ -40,6 +43,23 @@ class ModelShape:
     num_layers: int
     num_heads: int
     head_dim: int
+    expert_bytes: int = 0  # stacked expert weights (MoE), in decode_weight_bytes
+    expert_params: int = 0  # in matmul_params
+    num_experts: int = 0
+    top_k: int = 0
+
+    def active_matmul_params(self) -> int:
+        """Matmul params one token multiplies by (its top_k experts of the MoE layers)."""
+        if not self.num_experts:
+            return self.matmul_params
+        return self.matmul_params - self.expert_params + self.expert_params * self.top_k // self.num_experts
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """Weight bytes a decode step of `batch` rows reads: expected experts touched only."""
+        if not self.num_experts:
+            return self.decode_weight_bytes
+        touched = 1 - (1 - self.top_k / self.num_experts) ** batch
+        return self.decode_weight_bytes - self.expert_bytes + self.expert_bytes * touched
 
 
 def measure_device(device: torch.device) -> DeviceRates:
@@ -87,23 +107,30 @@ def model_shape(model: nn.Module, hf_config: Any, kv_bytes_per_token: int) -> Mo
     decode_bytes = total_bytes if tied else total_bytes - embed.numel() * embed.element_size()
     matmul_params = total_params - embed.numel() + (lm_head.numel() if tied else 0)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    from engine.models.moe import ExpertWeights
+
+    experts = [m.weight for m in model.modules() if isinstance(m, ExpertWeights)]
     return ModelShape(decode_bytes, matmul_params, lm_head.numel(), kv_bytes_per_token,
-                      hf_config.num_hidden_layers, hf_config.num_attention_heads, head_dim)
+                      hf_config.num_hidden_layers, hf_config.num_attention_heads, head_dim,
+                      expert_bytes=sum(w.numel() * w.element_size() for w in experts),
+                      expert_params=sum(w.numel() for w in experts),
+                      num_experts=int(getattr(hf_config, "num_experts", 0) or 0) if experts else 0,
+                      top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0)
 
 
 def floor(workload: Workload, shape: ModelShape, rates: DeviceRates, max_batch: int) -> dict[str, Any]:
     """Lower bound on the workload's time, and the output tok/s it allows."""
     attn_unit = 4 * shape.num_layers * shape.num_heads * shape.head_dim  # FLOPs per (query, key) pair
     # prefill: layers for every computed token, lm_head only for each request's last token
-    layer_params = shape.matmul_params - shape.lm_head_params
+    layer_params = shape.active_matmul_params() - shape.lm_head_params
     prefill_flops = (2 * layer_params * sum(workload.unique_input_lens)
                      + 2 * shape.lm_head_params * workload.num_requests
                      + attn_unit * sum(L * L / 2 for L in workload.unique_input_lens))
     prefill_s = prefill_flops / rates.matmul_flops_s
     batch = min(workload.num_requests, max_batch)
     mean_ctx = (workload.total_input_tokens + workload.total_output_tokens / 2) / workload.num_requests
-    step_bytes = shape.decode_weight_bytes + batch * mean_ctx * shape.kv_bytes_per_token
-    step_flops = 2 * shape.matmul_params * batch + attn_unit * batch * mean_ctx
+    step_bytes = shape.step_weight_bytes(batch) + batch * mean_ctx * shape.kv_bytes_per_token
+    step_flops = 2 * shape.active_matmul_params() * batch + attn_unit * batch * mean_ctx
     step_s = max(step_bytes / rates.copy_bandwidth_bytes_s, step_flops / rates.matmul_flops_s)
     steps = math.ceil(workload.total_output_tokens / batch)  # perfect packing of decode rows
     decode_s = steps * step_s

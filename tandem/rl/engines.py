@@ -22,6 +22,8 @@ def engine_kwargs(recipe: Recipe, source: ModelSource) -> dict[str, Any]:
         # logprobs under the distribution the samples were drawn from (the Policy matches it)
         "logprob_distribution": "original" if recipe.temperature == 1.0 else "processed",
     }
+    if recipe.routed_experts != "off":
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(recipe.engine_args)
     return kwargs
 

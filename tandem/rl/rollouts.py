@@ -48,7 +48,8 @@ class Rollouts:
         self.task = task
         self.reward_fn = checked_reward(reward_fn, recipe.reward)  # a float in [0, 1], or the run stops
         self.rollout_fn = rollout_fn
-        self.manager = RolloutManager(engines, reward_fn=self.reward_fn)
+        self.manager = RolloutManager(engines, reward_fn=self.reward_fn,
+                                      return_routed_experts=recipe.routed_experts != "off")
         self._tag = uuid.uuid4().hex[:8]  # request ids stay unique across runs on the same engines
 
     def generate(self, step: int) -> RolloutResult:

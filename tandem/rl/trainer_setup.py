@@ -33,10 +33,17 @@ def build_trainer(recipe: Recipe, source: ModelSource) -> Trainer:
     if recipe.trainer == "deepspeed":
         from trainer_bridge.deepspeed import DeepSpeedTrainer
 
-        return DeepSpeedTrainer.from_pretrained(
+        trainer: Trainer = DeepSpeedTrainer.from_pretrained(
             source.path, loss_config(recipe), zero_stage=recipe.zero_stage, dtype=dtype, device=recipe.device,
             load_format=source.load_format, micro_batch_size=recipe.micro_batch_size,
             temperature=policy_temperature(recipe), max_grad_norm=recipe.max_grad_norm, attention_backend=backend)
+    else:
+        trainer = _torch_trainer(recipe, source, dtype, backend)
+    trainer.replay_routes = recipe.routed_experts == "replay"
+    return trainer
+
+
+def _torch_trainer(recipe: Recipe, source: ModelSource, dtype: torch.dtype, backend: Optional[str]) -> Trainer:
     from trainer_bridge.policy import Policy
     from trainer_bridge.trainer import TorchTrainer
 

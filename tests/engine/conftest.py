@@ -9,19 +9,33 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
+def _built(tmp_path_factory, preset: str, seed: int = 0) -> str:
     from engine.testing.tiny_model import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0))
+    return str(build_tiny_model(tmp_path_factory.mktemp(f"{preset}-{seed}"), preset=preset, seed=seed))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return _built(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
 def other_model_dir(tmp_path_factory) -> str:
     """The tiny model's architecture and tokenizer with other weights: a weight update's source."""
-    from engine.testing.tiny_model import build_tiny_model
+    return _built(tmp_path_factory, "tiny", seed=1)
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), preset="tiny", seed=1))
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE (4 experts, top-2, both layers sparse)."""
+    return _built(tmp_path_factory, "tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def moe_mixed_model_dir(tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE with layer 1 dense (mlp_only_layers=[1])."""
+    return _built(tmp_path_factory, "tiny-moe-mixed")
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,13 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=False),
     "llama": lambda: transformers.LlamaConfig(**SMALL, rope_parameters=dict(LLAMA3_ROPE),
                                               tie_word_embeddings=False),
+    # MoE: 4 experts top-2; layer 1 dense (mlp_only_layers) in Qwen3-MoE; Qwen2-MoE's shared expert
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=16, tie_word_embeddings=False, num_experts=4,
+                                                     num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SMALL, tie_word_embeddings=False, num_experts=4,
+                                                     num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=48, norm_topk_prob=False),
 }
 
 
