@@ -5,8 +5,8 @@ Experts are stored stacked per layer, as the fused kernel reads them: `experts.g
 [E, 2I, H] (gate rows 0..I, up rows I..2I) and `experts.down_proj` [E, H, I]; HF's per-expert
 tensors are shards (expert, part) of them (engine/models/hf_names.py). On CUDA the experts run in
 the Triton fused-MoE kernel (engine/kernels/fused_moe.py; with a gradient too, so the trainer's
-forward has the engine's bits); on the CPU in `moe_reference`, the torch formulation of the same
-sums (in float32 the same bits as the kernel module's fused_moe_reference).
+forward has the engine's bits); on the CPU in the kernel module's `fused_moe_reference`, the torch
+formulation of the same sums.
 
 Routing: logits = gate(x); softmax over experts in float32; top-k; divided by their sum when
 `norm_topk_prob`. Every step works row by row (the deterministic mode's batch-invariant linear
@@ -16,13 +16,12 @@ on the KV pool (--enable-return-routed-experts), each token's top-k ids are stor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import batch_invariant as bi
+from engine.kernels.fused_moe import fused_moe_reference
 from engine.models.decoder import MLP, LayerOptions, MLPFactory, dense_mlp
 from engine.models.hf_names import DENSE_STACKING, EXPERT_STACKING
 from engine.models.layers import Linear
@@ -84,37 +83,6 @@ def _sum_in_order(x: torch.Tensor) -> torch.Tensor:
     for k in range(1, x.shape[1]):
         total = total + x[:, k:k + 1]
     return total
-
-
-def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, deterministic: bool) -> torch.Tensor:
-    """The fused kernel's contract in torch: out[t] = sum over k = 0..K-1, in that order, of
-    topk_weights[t, k] * down_e(silu(gate_e(h)) * up_e(h)), e = topk_ids[t, k]; the sum in
-    float32. deterministic: the batch-invariant linear and SiLU, so a token's expert output does
-    not depend on how many tokens went to its expert."""
-    linear: Callable = bi.linear if deterministic else F.linear
-    T, K = topk_ids.shape
-    flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    by_expert, start = [], 0  # (token, k) pairs grouped by expert, in `order`
-    for expert, count in enumerate(counts):
-        if count:
-            pairs = order[start:start + count]
-            gate_up = linear(hidden[pairs // K], w13[expert])
-            act = bi.silu_and_mul(gate_up) if deterministic else _silu_and_mul(gate_up)
-            by_expert.append(linear(act, w2[expert]))
-            start += count
-    per_pair = torch.cat(by_expert)[torch.argsort(order)].view(T, K, -1).float()
-    out = per_pair[:, 0] * topk_weights[:, :1]
-    for k in range(1, K):
-        out = out + per_pair[:, k] * topk_weights[:, k:k + 1]
-    return out.to(hidden.dtype)
-
-
-def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
 
 
 def is_sparse_layer(config: Any, layer_id: int) -> bool:
@@ -181,7 +149,7 @@ class SparseMoE(nn.Module):
 
             out = fused_moe(x, w13, w2, weights, ids, self.deterministic)
         else:
-            out = moe_reference(x, w13, w2, weights, ids, self.deterministic)
+            out = fused_moe_reference(x, w13, w2, weights, ids, self.deterministic)
         if self.has_shared_expert:
             gate = self.shared_expert_gate(x)
             # 1 / (1 + exp(-g)): elementwise with the same bits on every path (F.sigmoid's vector
