@@ -21,11 +21,12 @@ if not torch.cuda.is_available():
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def tiny(request, tmp_path_factory) -> str:
+    """The dense tiny model, and the tiny Qwen3-MoE (its experts in the Triton fused-MoE kernel)."""
     from engine.testing.tiny_model import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", preset="tiny"))
+    return str(build_tiny_model(tmp_path_factory.mktemp(request.param) / request.param, preset=request.param))
 
 
 @pytest.fixture(scope="module")
