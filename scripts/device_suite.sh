@@ -65,7 +65,7 @@ for s in "$@"; do case $s in
   bench06q64) step bench06q64 70 $B --preset qwen3-0.6b --num-prompts 64 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-qwen3-0.6b-64.json" ;;
   gpudet) step gpudet 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_policy_parity_gpu.py ;;
   wsync) step wsync 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py ;;
-  hfgpu) step hfgpu 110 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hf_greedy_gpu.py ;;
+  hfgpu) step hfgpu 110 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_hf_greedy_gpu.py ;;
   gputests) step gputests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   bimatmul) step bimatmul 90 python3 scripts/bi_matmul_bench.py ;;
   det8) step det8 150 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 50 --max-new-tokens 16 --json "$OUT/determinism-qwen3-8b.json" ;;
