@@ -57,6 +57,13 @@ class ServerArgs:
     # "auto": the process on a GPU (0.875-0.93x of free decoding where the thread gave 0.65-0.92x,
     # H200 bs 64, docs/benchmarks.md), the thread on the CPU (no overlap to win there)
     grammar_backend: str = "auto"
+    # grammar bounds (engine/grammar/grammar_limits.py): a grammar past one is its request's 400
+    grammar_max_bytes: int = 256 << 10  # a grammar's text
+    grammar_max_schema_nodes: int = 20_000  # objects, arrays and members of a JSON schema / structural tag
+    grammar_compile_timeout: float = 10.0  # seconds one compile may take (it runs in a killable worker)
+    grammar_compile_workers: int = 2  # worker processes that check grammars (one kept for small ones)
+    grammar_cache_bytes: int = 256 << 20  # compiled grammars kept by the core (xgrammar's size of each)
+    grammar_step_timeout: float = 15.0  # the grammar process must answer a step within this, or is lost
     # chat completions' unset temperature / top_p / top_k / min_p / repetition_penalty: the
     # checkpoint's generation_config.json ("model", SGLang's default) or OpenAI's (1.0, 1.0, ...)
     sampling_defaults: str = "model"
@@ -98,11 +105,17 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes"):
+        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes",
+                     "grammar_max_bytes", "grammar_max_schema_nodes", "grammar_compile_workers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("grammar_compile_timeout", "grammar_step_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         if self.health_check_timeout <= 0:
             raise ValueError(f"health_check_timeout must be > 0 seconds, got {self.health_check_timeout}")
         if self.max_prefill_tokens <= 0:

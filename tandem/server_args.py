@@ -28,6 +28,17 @@ _CHOICES = {
     "log_level": "LOG_LEVELS",
 }
 _SCALARS = (int, float, str)
+# What a limit bounds, for --help (the other flags say their ServerArgs field and default).
+_HELP = {
+    "grammar_max_bytes": "a grammar's text (json_schema, regex, ebnf, structural_tag) over this many bytes is a 400",
+    "grammar_max_schema_nodes": "a JSON schema / structural tag with more objects, arrays and members is a 400",
+    "grammar_compile_timeout": "seconds a grammar may take to compile (in a killable worker); past it, a 400",
+    "grammar_compile_workers": "worker processes that compile grammars under the time limit (one kept for "
+                               "grammars of at most 8 KiB)",
+    "grammar_cache_bytes": "bytes of compiled grammars the core keeps (least recently used dropped first)",
+    "grammar_step_timeout": "seconds the grammar process (--grammar-backend process) may take to answer a "
+                            "step; past it its constrained requests abort and the others decode on",
+}
 
 
 def flag_name(field_name: str) -> str:
@@ -68,6 +79,8 @@ def _argparse_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any
     default = _default_of(field)
     base, _ = _unwrap_optional(annotation)
     help_text = f"ServerArgs.{field.name} (default: {default!r})"
+    if field.name in _HELP:
+        help_text = f"{_HELP[field.name]} (default: {default!r})"
     if base is bool:
         if default is True or default is None:  # None: "decide for me"; --x / --no-x override it
             return dict(action=argparse.BooleanOptionalAction, default=default, help=help_text)

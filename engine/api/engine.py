@@ -180,6 +180,9 @@ class Engine(EngineWeights):
         return self.client.call(msg)
 
     def shutdown(self) -> None:
+        builder = getattr(self, "builder", None)
+        if builder is not None:
+            builder.grammars.close()  # requests still checking a grammar answer now (GrammarUnavailable: a 503)
         self.client.shutdown()
         if self.recorder is not None:
             self.recorder.close()

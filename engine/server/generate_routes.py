@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable
@@ -69,13 +70,19 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
     app.api_route(route.path, methods=list(route.methods))(handle)
 
 
+# Threads that wait on grammar compiles (engine/grammar/compile_pool.py) up to their time limit:
+# their own, so slow grammars never take the event loop's default executor from other work.
+_GRAMMAR_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tandem-grammar-submit")
+
+
 async def _submitted(submit: Callable[..., Any], constrained: bool) -> Any:
     """Build and submit a request. One that carries a grammar is built on a worker thread: its
-    compile (tens of ms per new schema, ~0.5 s for the first on a Qwen-sized vocabulary) would
-    otherwise stall every stream this event loop serves."""
+    compile (tens of ms per new schema, ~0.5 s for the first on a Qwen-sized vocabulary, up to
+    --grammar-compile-timeout) would otherwise stall every stream this event loop serves."""
     if not constrained:
         return submit()
-    return await asyncio.to_thread(submit, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_GRAMMAR_THREADS, submit, loop)
 
 
 def _generate_response(decode: Any, body: GenerateBody, outs: Any) -> Any:
