@@ -5,8 +5,9 @@ allocates gigabytes (issue 27: 124-180 s and 4.2 GB for 6,000 optional propertie
 in a compile worker (engine/grammar/compile_worker.py) that is killed, and replaced, when it runs
 over `compile_timeout_s`: that request gets a ValueError (a 400) at its limit, and nobody else
 waits. Two lanes, so a simple grammar never queues behind a slow one: grammars of at most
-SMALL_SPEC_BYTES have a worker of their own, the others share the rest. A worker starts when its
-lane is first used (importing xgrammar takes seconds), not counted against the time limit.
+SMALL_SPEC_BYTES have a worker of their own, the others share the rest. The workers start
+together when the pool is made (the first grammar; importing xgrammar takes seconds, 4-8 s on a
+loaded 2-core host), and that wait does not count against the time limit.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class CompilePool:
             f.write(info.serialize_json())  # the workers' vocabulary, without loading the tokenizer
         self._info_path, self._vocab_size = f.name, vocab_size
         self.limits = limits
-        self._closed = False
+        self._closed: Optional[str] = None  # why no grammar is checked any more
         self._slots: list[_Slot] = []
         self._lanes = (self._lane(1), self._lane(max(1, workers - 1)))  # (small grammars, the others)
 
@@ -54,6 +55,7 @@ class CompilePool:
         lane: "queue.Queue[_Slot]" = queue.Queue()
         for _ in range(n):
             slot = _Slot()
+            self._start(slot)  # all at once: they import in parallel
             self._slots.append(slot)
             lane.put(slot)
         return lane
@@ -68,9 +70,9 @@ class CompilePool:
         finally:
             lane.put(slot)
 
-    def close(self) -> None:
-        """Kill every worker; checks in flight raise GrammarUnavailable."""
-        self._closed = True
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """Kill every worker; checks in flight raise GrammarUnavailable naming `reason`."""
+        self._closed = reason
         for slot in self._slots:
             if slot.process is not None:
                 slot.process.kill()
@@ -111,6 +113,7 @@ class CompilePool:
     def _wait_ready(self, slot: _Slot) -> None:
         if slot.process is None:
             self._start(slot)
+        self._raise_if_closed()
         if not slot.ready:
             reply = self._reply(slot, STARTUP_TIMEOUT_S)
             if reply != ("ready",):
@@ -139,17 +142,18 @@ class CompilePool:
                                  "most likely out of memory; simplify the grammar") from None
 
     def _replace(self, slot: _Slot, why: str) -> None:
-        logger.warning("grammar compile worker %s %s; starting another", slot.process.pid, why)
-        slot.process.kill()
-        slot.process.join(1)
-        slot.process.conn.close()
+        if slot.process is not None:
+            logger.warning("grammar compile worker %s %s; starting another", slot.process.pid, why)
+            slot.process.kill()
+            slot.process.join(1)
+            slot.process.conn.close()
         self._start(slot)
 
     def _start(self, slot: _Slot) -> None:
         slot.ready = False
-        slot.process = None if self._closed else ServerProcess(
+        slot.process = None if self._closed is not None else ServerProcess(
             "engine.grammar.compile_worker", [self._info_path, self._vocab_size, WORKER_MAX_RSS_BYTES])
 
     def _raise_if_closed(self) -> None:
-        if self._closed:
-            raise GrammarUnavailable("the server is shutting down; the grammar was not compiled")
+        if self._closed is not None:
+            raise GrammarUnavailable(f"{self._closed}; the grammar was not compiled")

@@ -29,7 +29,7 @@ class GrammarCheck:
         self._verdicts: OrderedDict[tuple[str, bytes], Optional[str]] = OrderedDict()  # None: compiles
         self._pending: dict[tuple[str, bytes], Future] = {}  # compiling now: later copies wait on it
         self._lock = threading.Lock()
-        self._closed = False
+        self._closed: Optional[str] = None  # why no grammar is checked any more
 
     def check(self, kind: str, spec: str) -> None:
         """ValueError naming what is wrong with the grammar (GrammarUnavailable at shutdown)."""
@@ -57,12 +57,12 @@ class GrammarCheck:
         if verdict is not None:
             raise ValueError(verdict)
 
-    def close(self) -> None:
+    def close(self, reason: str = "the server is shutting down") -> None:
         with self._lock:
-            self._closed = True
+            self._closed = reason
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.close()
+            pool.close(reason)
 
     def _compile(self, kind: str, spec: str) -> Optional[str]:
         try:
@@ -73,8 +73,8 @@ class GrammarCheck:
 
     def _get_pool(self) -> CompilePool:
         with self._lock:
-            if self._closed:
-                raise GrammarUnavailable("the server is shutting down; the grammar was not compiled")
+            if self._closed is not None:
+                raise GrammarUnavailable(f"{self._closed}; the grammar was not compiled")
             if self._pool is None:
                 self._pool = self._make_pool()
             return self._pool

@@ -96,7 +96,6 @@ class MatcherClient:
         """Start the process now (at engine start: its imports and vocabulary index run while
         the model loads, not when the first constrained request arrives)."""
         self._ensure_started()
-        self._send(("warm",))
 
     def new(self, kind: str, spec: str, stop_ids: Sequence[int]) -> ProcessGrammar:
         for _ in range(2):  # a process found dead is replaced once
@@ -112,10 +111,11 @@ class MatcherClient:
         self._read_replies()
         out = []
         for grammar, token in zip(grammars, tokens):
-            if grammar.generation != self._generation:
+            if grammar.generation != self._generation:  # nothing to send: no process holds its matcher
                 grammar.refusal = "its grammar process was lost; constrained requests in it cannot continue"
-            else:
-                grammar.refusal = self._refused.get(grammar.key)
+                out.append(False)
+                continue
+            grammar.refusal = self._refused.get(grammar.key)
             ok = grammar.refusal is None
             if ok and token in grammar.stop_ids:
                 grammar._terminated = True
@@ -279,6 +279,7 @@ class MatcherClient:
         if self._segment is None:
             self._use(SharedSegment.create(MIN_CAPACITY, self._setup[1]))
         self._attach()
+        self._send(("warm",))  # its vocabulary index comes before its first answer: the start-up allowance covers it
 
     def _ensure_capacity(self, rows: int) -> None:
         if self._segment.capacity >= rows:
