@@ -13,6 +13,7 @@ from typing import Any, Optional
 from engine.api.generate_request import GenerateRequest
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
 from engine.core.messages import ReqInput
+from engine.grammar.compile_pool import GrammarUnavailable  # noqa: F401  (the server's 503: it imports engine.api only)
 from engine.grammar.compiler import grammar_spec
 from engine.grammar.grammar_check import GrammarCheck, make_grammar_check
 from engine.grammar.grammar_limits import GrammarLimits

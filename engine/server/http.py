@@ -50,7 +50,7 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
 
 def _install_error_handlers(app: FastAPI) -> None:
     from engine.api.core_client import CoreDead
-    from engine.grammar.compile_pool import GrammarUnavailable
+    from engine.api.request_builder import GrammarUnavailable
 
     @app.exception_handler(ValueError)
     async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
