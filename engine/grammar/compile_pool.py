@@ -115,7 +115,10 @@ class CompilePool:
             self._start(slot)
         self._raise_if_closed()
         if not slot.ready:
-            reply = self._reply(slot, STARTUP_TIMEOUT_S)
+            try:
+                reply = self._reply(slot, STARTUP_TIMEOUT_S)
+            except ValueError:  # it died starting up: no fault of this grammar
+                reply = None
             if reply != ("ready",):
                 self._replace(slot, "did not start")
                 raise GrammarUnavailable(f"the grammar compile worker did not start within {STARTUP_TIMEOUT_S:g} s")
