@@ -76,6 +76,7 @@ class CompilePool:
         for slot in self._slots:
             if slot.process is not None:
                 slot.process.kill()
+                slot.process.join(1)  # reaped: no zombie per worker
         try:
             os.unlink(self._info_path)
         except OSError:

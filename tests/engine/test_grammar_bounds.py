@@ -169,3 +169,38 @@ def test_a_hung_grammar_process_aborts_its_rows_and_free_rows_decode_on(engine_f
     assert took < 15, took
     again = eng.generate(PROMPTS[1], sampled(1, 8, regex=CODE)[0])  # a new process serves on
     assert re.fullmatch(CODE, again["text"]), again
+
+
+def test_the_core_fails_a_compile_at_its_limit_and_small_grammars_pass_it():
+    """The core's compile threads (engine/grammar/compile_queue.py): a compile past the limit fails
+    its request at the limit; a small grammar compiles on its own thread meanwhile."""
+    from types import SimpleNamespace
+
+    from engine.grammar.compile_queue import GrammarQueue
+
+    release = threading.Event()
+
+    class Compiler:
+        def cached(self, kind, spec):
+            return None
+
+        def compile(self, kind, spec):
+            if len(spec) > 100:
+                release.wait(30)
+            return spec
+
+    queue = GrammarQueue(Compiler, lambda compiled, spec: ("grammar", compiled), workers=2, timeout_s=0.5)
+    slow, fast = SimpleNamespace(rid="slow"), SimpleNamespace(rid="fast")
+    start = time.monotonic()
+    assert queue.submit(slow, ("json_schema", "x" * 20_000)) is None
+    assert queue.submit(fast, ("regex", "[a-z]")) is None
+    done: dict = {}
+    while len(done) < 2 and time.monotonic() - start < 10:
+        queue.wait(0.05)
+        for req, grammar, error in queue.pop_ready():
+            done[req.rid] = (grammar, error, time.monotonic() - start)
+    release.set()
+    queue.shutdown()
+    assert done["fast"][0] == ("grammar", "[a-z]") and done["fast"][2] < 0.5
+    assert done["slow"][0] is None and "--grammar-compile-timeout" in done["slow"][1]
+    assert 0.5 <= done["slow"][2] < 2.0, done["slow"]
