@@ -42,6 +42,15 @@ def start_serve(model_dir: str, *flags: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
+def sigterm_then_join(proc: subprocess.Popen, waiter: threading.Thread, within_s: float) -> None:
+    """SIGTERM the server: it exits within `within_s`, and the waiting client has its answer."""
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=within_s)
+    assert time.monotonic() - start < within_s
+    waiter.join(timeout=5)
+
+
 def test_sigterm_with_waiting_requests_exits_fast(tiny_model_dir):
     proc, url = start_serve(tiny_model_dir)
     try:
@@ -57,11 +66,7 @@ def test_sigterm_with_waiting_requests_exits_fast(tiny_model_dir):
         waiter = threading.Thread(target=waiting_client)
         waiter.start()
         time.sleep(0.5)  # the request is queued behind the pause
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=10)
-        assert time.monotonic() - start < 10
-        waiter.join(timeout=5)
+        sigterm_then_join(proc, waiter, within_s=10)
         assert len(answers) == 1
         finish = answers[0].json()["meta_info"]["finish_reason"]
         assert finish["type"] == "abort" and "shutting down" in finish["message"]
@@ -84,11 +89,7 @@ def test_sigterm_during_a_grammar_compile_answers_503(tiny_model_dir):
         waiter = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/generate", json=body, timeout=60)))
         waiter.start()
         time.sleep(3.0)  # the compile workers start, then the slow compile runs
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
-        assert time.monotonic() - start < 15
-        waiter.join(timeout=5)
+        sigterm_then_join(proc, waiter, within_s=15)
         assert len(answers) == 1
         assert answers[0].status_code == 503, answers[0].text
         assert "shutting down" in answers[0].json()["message"]
