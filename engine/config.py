@@ -61,6 +61,22 @@ class ServerArgs:
     # "auto": the process on a GPU (0.875-0.93x of free decoding where the thread gave 0.65-0.92x,
     # H200 bs 64, docs/benchmarks.md), the thread on the CPU (no overlap to win there)
     grammar_backend: str = "auto"
+    # grammar bounds (engine/grammar/grammar_limits.py): a grammar past one is its request's 400
+    grammar_max_bytes: int = field(default=256 << 10, metadata={"help": (
+        "a grammar's text (json_schema, regex, ebnf, structural_tag) over this many bytes is a "
+        "400")})
+    grammar_max_schema_nodes: int = field(default=20_000, metadata={"help": (
+        "a JSON schema / structural tag with more objects, arrays and members is a 400")})
+    grammar_compile_timeout: float = field(default=10.0, metadata={"help": (
+        "seconds a grammar may take to compile (in a killable worker); past it, a 400")})
+    grammar_compile_workers: int = field(default=2, metadata={"help": (
+        "worker processes that compile grammars under the time limit (one kept for grammars of at "
+        "most 8 KiB)")})
+    grammar_cache_bytes: int = field(default=256 << 20, metadata={"help": (
+        "bytes of compiled grammars the core keeps (least recently used dropped first)")})
+    grammar_step_timeout: float = field(default=15.0, metadata={"help": (
+        "seconds the grammar process (--grammar-backend process) may take to answer a step; past "
+        "it its constrained requests abort and the others decode on")})
     # chat completions' unset temperature / top_p / top_k / min_p / repetition_penalty: the
     # checkpoint's generation_config.json ("model", SGLang's default) or OpenAI's (1.0, 1.0, ...)
     sampling_defaults: str = "model"
@@ -120,7 +136,8 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes"):
+        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes",
+                     "grammar_max_bytes", "grammar_max_schema_nodes", "grammar_compile_workers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
@@ -131,6 +148,11 @@ class ServerArgs:
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))  # argparse gives a list
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("grammar_compile_timeout", "grammar_step_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         if self.health_check_timeout <= 0:
             raise ValueError(f"health_check_timeout must be > 0 seconds, got {self.health_check_timeout}")
         if self.max_prefill_tokens <= 0:

@@ -209,6 +209,9 @@ class Engine(EngineWeights):
         return self.client.call(msg)
 
     def shutdown(self) -> None:
+        builder = getattr(self, "builder", None)
+        if builder is not None:
+            builder.grammars.close()  # requests still checking a grammar answer now (GrammarUnavailable: a 503)
         self.client.shutdown()
         if self.recorder is not None:
             self.recorder.close()
@@ -252,7 +255,12 @@ class Engine(EngineWeights):
             pass
 
     def fail_all_requests(self, message: str) -> None:
-        """The core died: every request in flight ends with an error instead of waiting forever."""
+        """The core died (or the server is shutting down): every request in flight ends with an
+        error instead of waiting forever; those still checking their grammar get GrammarUnavailable
+        (a 503 naming `message`)."""
+        builder = getattr(self, "builder", None)
+        if builder is not None:
+            builder.grammars.close(message)
         with self._lock:
             rids = list(self._sinks)
         self._dispatch([ReqOutput.error(rid, message) for rid in rids])

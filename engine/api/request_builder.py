@@ -14,7 +14,10 @@ from engine.api.generate_request import GenerateRequest
 from engine.api.prompt_size import PromptSize
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
 from engine.core.messages import ReqInput
-from engine.grammar.compiler import GrammarCompiler, grammar_spec
+from engine.grammar.compile_pool import GrammarUnavailable  # noqa: F401  (the server's 503: it imports engine.api only)
+from engine.grammar.compiler import grammar_spec
+from engine.grammar.grammar_check import GrammarCheck, make_grammar_check
+from engine.grammar.grammar_limits import GrammarLimits
 from engine.sampling.seeds import derive_seed
 from engine.sampling_params import SamplingParams
 
@@ -33,7 +36,8 @@ class RequestBuilder:
         self.routes_kept = server_args.enable_return_routed_experts
         # Unseeded requests draw their seed from here, so a whole run replays from --random-seed.
         self._seed_rng = random.Random(server_args.random_seed)
-        self._grammars: Optional[GrammarCompiler] = None  # built on the first constrained request
+        self.grammars: GrammarCheck = make_grammar_check(tokenizer, vocab_size, GrammarLimits.of(server_args),
+                                                         server_args.grammar_compile_workers)
 
     def build(self, request: GenerateRequest) -> tuple[list[ReqInput], bool]:
         """Returns one ReqInput per (prompt, sample) pair, prompt-major, and whether the caller
@@ -184,14 +188,12 @@ class RequestBuilder:
         return out
 
     def _check_grammar(self, params: SamplingParams) -> None:
-        """Compile the grammar (cached per spec) so a bad one is a ValueError here, not in the core;
-        the core compiles it again from the spec (compiled grammars do not pickle)."""
+        """Size-check and compile the grammar (in a worker, under its time limit) so a bad or slow
+        one is a ValueError here, not in the core; the core compiles it again from the spec
+        (compiled grammars do not pickle)."""
         spec = grammar_spec(params)
-        if spec is None:
-            return
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-        self._grammars.compile(*spec)
+        if spec is not None:
+            self.grammars.check(*spec)
 
     def _checked_top_logprobs_num(self, k: Any) -> int:
         if not _is_int(k) or not 0 <= k <= self.vocab_size:  # bool is no count

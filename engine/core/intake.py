@@ -72,8 +72,9 @@ class RequestIntake:
 
 def grammar_queue(args: ServerArgs, parts: CoreParts) -> GrammarQueue:
     """Constrained requests wait here while their grammar compiles, off the loop."""
-    return GrammarQueue(lambda: GrammarCompiler(parts.tokenizer, parts.vocab_size, parts.eos_token_ids),
-                        _grammar_backend(args, parts))
+    return GrammarQueue(lambda: GrammarCompiler(parts.tokenizer, parts.vocab_size, parts.eos_token_ids,
+                                                cache_bytes=args.grammar_cache_bytes),
+                        _grammar_backend(args, parts), args.grammar_compile_workers, args.grammar_compile_timeout)
 
 
 def _grammar_backend(args: ServerArgs, parts: CoreParts) -> Callable[[Any, tuple[str, str]], Any]:
@@ -83,7 +84,8 @@ def _grammar_backend(args: ServerArgs, parts: CoreParts) -> Callable[[Any, tuple
     if grammar_backend_for(args.grammar_backend, runner.device) != "process":
         return lambda compiled, spec: RequestGrammar(compiled)
     client = MatcherClient(args.tokenizer_path or args.model_path, parts.vocab_size,
-                           parts.eos_token_ids, runner.device)
+                           parts.eos_token_ids, runner.device, step_timeout_s=args.grammar_step_timeout,
+                           cache_bytes=args.grammar_cache_bytes)
     runner.use_grammar_backend(client, client.ring)
     if parts.tokenizer is not None:
         client.warm()

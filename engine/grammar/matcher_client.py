@@ -9,7 +9,8 @@ back with the step's reply and aborts its request at the next commit.
 
 With a StreamGate (CUDA) the device waits for the process's fill on the shared gate word; the
 core joins the process (all steps answered) before it reads the device again. A process that
-dies, stops answering for STEP_TIMEOUT_S or cannot map its buffers is lost: the core opens the
+dies, stops answering a step for `step_timeout_s` (--grammar-step-timeout; STARTUP_TIMEOUT_S until
+it first answered) or cannot map its buffers is lost: the core opens the
 gate itself (the device never hangs), the grammars it held refuse their next token (their
 requests abort, naming why) and the next constrained request starts a new process. Without a
 gate (CPU) `take` waits for the step's reply.
@@ -26,13 +27,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from engine.grammar.compiler import DEFAULT_CACHE_BYTES
 from engine.grammar.shared_ring import SharedBitmaskRing, SharedSegment
 from engine.grammar.stream_gate import StreamGate
 
 logger = logging.getLogger(__name__)
 
 REPLY_POLL_S = 0.05
-STEP_TIMEOUT_S = 120.0  # a step, or the start-up (imports, the first vocabulary index), must answer within this
+STARTUP_TIMEOUT_S = 120.0  # its first answer: imports and the first vocabulary index, on a loaded host
+STEP_TIMEOUT_S = 15.0  # each later step (every row of the batch waits for it): --grammar-step-timeout
 MIN_CAPACITY = 64
 
 
@@ -66,7 +69,10 @@ class ProcessGrammar:
 
 class MatcherClient:
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int],
-                 device: torch.device) -> None:
+                 device: torch.device, step_timeout_s: float = STEP_TIMEOUT_S,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.step_timeout_s, self._cache_bytes = step_timeout_s, cache_bytes
+        self._answered = False  # this process answered a step: the start-up allowance is spent
         self._setup = (tokenizer_path, vocab_size, list(stop_token_ids))
         self.device = device
         self.ring = SharedBitmaskRing(vocab_size, device)
@@ -90,7 +96,6 @@ class MatcherClient:
         """Start the process now (at engine start: its imports and vocabulary index run while
         the model loads, not when the first constrained request arrives)."""
         self._ensure_started()
-        self._send(("warm",))
 
     def new(self, kind: str, spec: str, stop_ids: Sequence[int]) -> ProcessGrammar:
         for _ in range(2):  # a process found dead is replaced once
@@ -106,10 +111,11 @@ class MatcherClient:
         self._read_replies()
         out = []
         for grammar, token in zip(grammars, tokens):
-            if grammar.generation != self._generation:
+            if grammar.generation != self._generation:  # nothing to send: no process holds its matcher
                 grammar.refusal = "its grammar process was lost; constrained requests in it cannot continue"
-            else:
-                grammar.refusal = self._refused.get(grammar.key)
+                out.append(False)
+                continue
+            grammar.refusal = self._refused.get(grammar.key)
             ok = grammar.refusal is None
             if ok and token in grammar.stop_ids:
                 grammar._terminated = True
@@ -200,8 +206,9 @@ class MatcherClient:
 
     def _wait_for(self, condition: Callable[[], bool], what: str) -> bool:
         """Read replies until `condition` holds; False (the process lost) if it died or took
-        longer than STEP_TIMEOUT_S."""
-        deadline = time.monotonic() + STEP_TIMEOUT_S
+        longer than its timeout."""
+        timeout_s = self.step_timeout_s if self._answered else STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while not condition():
             if self._conn is None:
                 return False
@@ -210,7 +217,7 @@ class MatcherClient:
             elif not self._process.is_alive():
                 self._lost(f"it exited with code {self._process.exitcode}")
             elif time.monotonic() > deadline:
-                self._lost(f"{what} took over {STEP_TIMEOUT_S:.0f} s")
+                self._lost(f"{what} took over {timeout_s:g} s (--grammar-step-timeout)")
         return True
 
     def _send(self, msg: tuple) -> bool:
@@ -231,7 +238,7 @@ class MatcherClient:
                 self._lost("its pipe closed")
                 return
             if reply[0] == "done":
-                self._done = reply[1]
+                self._done, self._answered = reply[1], True
                 while self._unanswered and (self._done - self._unanswered[0][0]) & 0xFFFFFFFF < 1 << 31:
                     self._unanswered.pop(0)  # that fill is written (cyclic seq <= done)
                 for key in reply[2]:
@@ -255,6 +262,7 @@ class MatcherClient:
         if self._segment is not None:
             self._segment.open_gate(self._seq)
         self._process = self._conn = None
+        self._answered = False
         self._accepts, self._job, self.freed = [], None, []
         self._done = self._seq
         self._generation += 1
@@ -264,11 +272,14 @@ class MatcherClient:
             return
         from engine.grammar.server_process import ServerProcess
 
-        self._process = ServerProcess(*self._setup)  # a fresh interpreter: never a fork of one holding CUDA
+        path, vocab_size, stop_ids = self._setup
+        setup = [os.fspath(path), int(vocab_size), [int(t) for t in stop_ids], int(self._cache_bytes)]
+        self._process = ServerProcess("engine.grammar.matcher_server", setup)  # a fresh interpreter: never a fork of one holding CUDA
         self._conn = self._process.conn
         if self._segment is None:
             self._use(SharedSegment.create(MIN_CAPACITY, self._setup[1]))
         self._attach()
+        self._send(("warm",))  # its vocabulary index comes before its first answer: the start-up allowance covers it
 
     def _ensure_capacity(self, rows: int) -> None:
         if self._segment.capacity >= rows:

@@ -23,7 +23,8 @@ A segment it cannot map ends this process: the core then opens the gate and star
 
 A "new" compiles here too (compiled grammars do not pickle), through this process's own cache:
 the core sends it once its own compile is done, so this one runs right after the core's and a
-new schema holds this process's next step up for one compile (tens of ms) at most.
+new schema holds this process's next step up for one compile (tens of ms; at most
+--grammar-compile-timeout, which the front end's check enforced, below --grammar-step-timeout).
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from engine.grammar.vocab_mask import prepare_rows, run_fill
 
 
 class MatcherServer:
-    def __init__(self, conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
+                 cache_bytes: int) -> None:
         self.conn = conn
         self._tokenizer_path, self._vocab_size, self._stop_ids = tokenizer_path, vocab_size, stop_token_ids
+        self._cache_bytes = cache_bytes
         self._compiler = None  # built on the first "new": indexing the vocabulary takes ~1 s
         self.grammars: dict[int, RequestGrammar] = {}
         self._segment: Optional[SharedSegment] = None
@@ -71,7 +74,8 @@ class MatcherServer:
             from engine.grammar.compiler import GrammarCompiler
             from engine.tokenizer import load_tokenizer
 
-            self._compiler = GrammarCompiler(load_tokenizer(self._tokenizer_path), self._vocab_size, self._stop_ids)
+            self._compiler = GrammarCompiler(load_tokenizer(self._tokenizer_path), self._vocab_size, self._stop_ids,
+                                             cache_bytes=self._cache_bytes)
 
     def _on_new(self, key: int, kind: str, spec: str) -> None:
         try:
@@ -123,9 +127,9 @@ class MatcherServer:
         run_fill(prepare_rows(grammars, bitmask))  # a failed fill leaves the rows allowing everything
 
 
-def serve(conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+def serve(conn: Any, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], cache_bytes: int) -> None:
     torch.set_num_threads(1)  # only xgrammar's own threads work here
-    MatcherServer(conn, tokenizer_path, vocab_size, stop_token_ids).run()
+    MatcherServer(conn, tokenizer_path, vocab_size, stop_token_ids, cache_bytes).run()
 
 
 if __name__ == "__main__":  # started by engine/grammar/server_process.py: FD SETUP_JSON

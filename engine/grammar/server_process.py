@@ -1,6 +1,7 @@
-"""ServerProcess: the grammar process (engine/grammar/matcher_server.py) as a child of this one.
+"""ServerProcess: a grammar process (engine/grammar/matcher_server.py, or a compile worker of
+engine/grammar/compile_worker.py) as a child of this one.
 
-It runs `python -m engine.grammar.matcher_server FD SETUP`, talking over one end of a socketpair
+It runs `python -m MODULE FD SETUP`, talking over one end of a socketpair
 (a multiprocessing Connection: pickled messages, and the masks' memfd descriptors beside them).
 Not multiprocessing's spawn: that re-imports the user's __main__ in the child, so a script that
 builds an Engine without an `if __name__ == "__main__":` guard would build a second one there, on
@@ -20,16 +21,17 @@ from typing import Optional, Sequence
 
 
 class ServerProcess:
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, module: str, setup: Sequence) -> None:
+        """`setup`: the JSON-able arguments the module's main takes after its socket."""
         ours, theirs = socket.socketpair()
-        setup = json.dumps([os.fspath(tokenizer_path), int(vocab_size), [int(t) for t in stop_token_ids]])
+        setup = json.dumps(list(setup))
         paths = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the modules this process sees
         safe = ["-P"] if sys.version_info >= (3, 11) else []  # -P: no working directory put first on the path
         python = os.fsdecode(spawn.get_executable())  # sys.executable, or what multiprocessing.set_executable chose
         try:
             self._popen = subprocess.Popen(
-                [python, *safe, "-m", "engine.grammar.matcher_server", str(theirs.fileno()), setup],
+                [python, *safe, "-m", module, str(theirs.fileno()), setup],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable
@@ -72,14 +73,20 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
     app.api_route(route.path, methods=list(route.methods))(handle)
 
 
+# Threads that build heavy requests: a grammar's compile waits up to its time limit
+# (engine/grammar/compile_pool.py), so these are their own, never the loop's default executor.
+_SUBMIT_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tandem-submit")
+
+
 async def _submitted(submit: Callable[..., Any], heavy: bool) -> Any:
     """Build and submit a request. A heavy one is built on a worker thread: a grammar's compile
-    (tens of ms per new schema, ~0.5 s for the first on a Qwen-sized vocabulary), a chat
-    template's render or a long text's tokenizing (~0.7 s per MB) would otherwise stall every
-    stream and /health this event loop serves."""
+    (tens of ms per new schema, ~0.5 s for the first on a Qwen-sized vocabulary, up to
+    --grammar-compile-timeout), a chat template's render or a long text's tokenizing (~0.7 s per
+    MB) would otherwise stall every stream and /health this event loop serves."""
     if not heavy:
         return submit()
-    return await asyncio.to_thread(submit, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_SUBMIT_THREADS, submit, loop)
 
 
 def _long_text(prompt: Any) -> bool:

@@ -55,6 +55,7 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
 
 def _install_error_handlers(app: FastAPI) -> None:
     from engine.api.core_client import CoreDead
+    from engine.api.request_builder import GrammarUnavailable
 
     @app.exception_handler(ValueError)
     async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
@@ -73,3 +74,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CoreDead)
     async def on_core_dead(_: Request, exc: CoreDead) -> JSONResponse:
         return error_response(f"the engine is not running: {exc}", 503)
+
+    @app.exception_handler(GrammarUnavailable)
+    async def on_grammar_unavailable(_: Request, exc: GrammarUnavailable) -> JSONResponse:
+        return error_response(str(exc), 503)

@@ -268,6 +268,21 @@ class _GatedCompiler:
         return self.inner.compile(kind, spec)
 
 
+class _GatedCheck:
+    """The front end's grammar check, held at a gate."""
+
+    def __init__(self, inner, gate) -> None:
+        self.inner, self.gate, self.calls = inner, gate, 0
+
+    def check(self, kind, spec):
+        self.calls += 1
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.inner.check(kind, spec)
+
+    def close(self):
+        self.inner.close()
+
+
 def _gate_core_compiles(eng) -> tuple[threading.Event, list]:
     core, gate, made = eng.local_core, threading.Event(), []
     make = core.grammars._make_compiler
@@ -327,13 +342,12 @@ def test_a_grammar_compiling_in_the_front_end_never_stalls_the_event_loop(engine
     the event loop answers other requests; then the request is served."""
     from fastapi.testclient import TestClient
 
-    from engine.grammar.compiler import GrammarCompiler
     from engine.server.http import create_app
 
     eng = engine_factory()
     gate = threading.Event()
-    front = _GatedCompiler(lambda: GrammarCompiler(eng.tokenizer, eng.builder.vocab_size), gate)
-    eng.builder._grammars = front
+    front = _GatedCheck(eng.builder.grammars, gate)
+    eng.builder.grammars = front
     with TestClient(create_app(eng)) as client:
         answers: list = []
         body = {"text": "hello", "sampling_params": {"regex": CODE, "temperature": 1.0, "sampling_seed": 2}}

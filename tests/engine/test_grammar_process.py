@@ -167,8 +167,6 @@ def test_a_process_lost_with_a_fill_in_flight_leaves_an_all_allowing_mask(engine
     the core writes -1 into it before opening the gate, so no row is sampled under a stale mask."""
     import signal
 
-    import engine.grammar.matcher_client as matcher_client
-
     class OpenGate:  # the device would wait on the word; here nothing waits
         def wait(self, seq: int) -> bool:
             return True
@@ -177,7 +175,7 @@ def test_a_process_lost_with_a_fill_in_flight_leaves_an_all_allowing_mask(engine
     client = process.local_core.runner.grammar_masks
     process.generate(PROMPTS[0], sampled(1, 8, regex=CODE)[0])  # the process is up, its ring written
     grammar = client.new("regex", CODE, [])
-    monkeypatch.setattr(matcher_client, "STEP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(client, "step_timeout_s", 1.0)
     monkeypatch.setattr(client, "gate", OpenGate())
     for _ in range(4):  # every ring slot holds a stale, all-forbidding mask
         client.ring.take(2).fill_(0)
