@@ -76,6 +76,13 @@ class ServerArgs:
     max_body_bytes: int = 1 << 30  # any HTTP body (weight payloads are the big ones)
     max_generate_body_bytes: int = 256 << 20  # /generate and /v1/* bodies
     health_check_timeout: float = 20.0  # /health_generate: seconds for a 1-token probe to answer
+    # streaming: a client whose socket takes nothing for stream_stall_timeout seconds, or leaves
+    # more than max_unread_stream_bytes unread, is cut off and its requests aborted (stream_watch.py)
+    stream_stall_timeout: float = 30.0
+    max_unread_stream_bytes: int = 64 << 20
+    # SGLang's flag: streamed /generate chunks carry only what is new (text, output_ids and the
+    # output_* logprob lists) instead of everything so far
+    incremental_streaming_output: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -98,11 +105,14 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes"):
+        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes",
+                     "max_unread_stream_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.stream_stall_timeout > 0:
+            raise ValueError(f"stream_stall_timeout must be > 0 seconds, got {self.stream_stall_timeout}")
         if self.health_check_timeout <= 0:
             raise ValueError(f"health_check_timeout must be > 0 seconds, got {self.health_check_timeout}")
         if self.max_prefill_tokens <= 0:

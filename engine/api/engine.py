@@ -11,10 +11,12 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
+from engine.api.streamed_logprobs import StreamedLogprobs
 from engine.api.text_builder import TextBuilder
 from engine.api.generate_request import GenerateRequest
 from engine.api.generate_stream import GenerateStream
@@ -28,6 +30,7 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
 logger = logging.getLogger("tandem")
 
 Sink = Callable[[ReqOutput], None]
+STATS_WAIT_S = 0.2  # how long an info route waits for the core's fresh counters before using its last report
 
 
 class Engine(EngineWeights):
@@ -39,12 +42,14 @@ class Engine(EngineWeights):
         self._sinks: dict[str, Sink] = {}
         self._inputs: dict[str, ReqInput] = {}  # in flight: for the final text and the recorder
         self._lock = threading.Lock()
+        self._stats_call: Optional[Future] = None  # recent_stats's call in flight
         self.tokenizer: Any = None  # loaded once the core says from where
         self.client: CoreClient = self._start_core()
         try:
             self.info: CoreInfo = self.client.info
             self.tokenizer = self._load_tokenizer()
             self.text_builder = TextBuilder(self.tokenizer)
+            self.streamed_logprobs = StreamedLogprobs()
             self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len,
                                           self.server_args, self.info.max_total_num_tokens)
             self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
@@ -57,7 +62,7 @@ class Engine(EngineWeights):
             from engine.api.process_client import ProcessCoreClient
 
             return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self.fail_all_requests)
-        return ThreadCoreClient(self.server_args, self._dispatch)
+        return ThreadCoreClient(self.server_args, self._dispatch, on_core_death=self.fail_all_requests)
 
     def _load_tokenizer(self) -> Any:
         if self.server_args.skip_tokenizer_init:
@@ -149,9 +154,24 @@ class Engine(EngineWeights):
     def get_stats(self) -> StatsSnapshot:
         return self._call(StatsReq())
 
+    async def recent_stats(self, wait_s: float = STATS_WAIT_S) -> StatsSnapshot:
+        """The core's counters for read-only routes, never held up by a busy core: its answer if
+        it comes within wait_s, else the counters it last reported (engine/core/worker.py). At
+        most one such call waits on the core at a time."""
+        call = self._stats_call
+        if call is None or call.done():
+            call = self._stats_call = self.client.call_future(StatsReq())  # CoreDead: the route's 503
+        done, _ = await asyncio.wait({asyncio.wrap_future(call)}, timeout=wait_s)
+        if done:
+            return done.pop().result()
+        latest = self.client.latest_stats
+        return latest if latest is not None else await asyncio.wrap_future(call)
+
     def get_server_info(self) -> dict[str, Any]:
+        return self.server_info(self.get_stats())
+
+    def server_info(self, stats: StatsSnapshot) -> dict[str, Any]:
         """SGLang's shape: the server args, the derived limits and the internal states."""
-        stats = self.get_stats()
         info = self.info
         return {
             **self.server_args.to_dict(),
@@ -205,6 +225,7 @@ class Engine(EngineWeights):
                     self._sinks.pop(out.rid, None)
                     self._inputs.pop(out.rid, None)
             if req_input is not None:
+                self.streamed_logprobs.fill(req_input, out)
                 self.text_builder.fill(req_input, out)
                 if out.finished and self.recorder is not None:
                     self.recorder.record(req_input, out.output)
@@ -223,10 +244,11 @@ class Engine(EngineWeights):
             pass
 
     def fail_all_requests(self, message: str) -> None:
-        """The core died: every request in flight ends with an error instead of waiting forever."""
+        """The core died: every request in flight ends with an error instead of waiting forever
+        (status 503: the HTTP routes answer it as SGLang answers a dead scheduler)."""
         with self._lock:
             rids = list(self._sinks)
-        self._dispatch([ReqOutput.error(rid, message) for rid in rids])
+        self._dispatch([ReqOutput.error(rid, message, status_code=503) for rid in rids])
 
 
 def _version() -> str:

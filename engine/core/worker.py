@@ -4,15 +4,19 @@ It takes messages while there is nothing to run (blocking briefly) and between s
 blocking), steps while there is work, and hands every output and reply to the two callbacks it
 was given: the front end's dispatcher on a thread, a pipe back to the front end in a process.
 A failing message or step never kills the loop: the requests it concerned get an error answer.
+While it works it reports the core's counters (`report`) every REPORT_INTERVAL_S, and once more
+when it goes idle: the front end serves /metrics and the other info routes from the last report
+when the core is too busy to answer (a long step, a weight load).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Optional
 
 from engine.core.engine_core import EngineCore
-from engine.core.messages import ReqOutput, Reply
+from engine.core.messages import ReqOutput, Reply, StatsSnapshot
 
 logger = logging.getLogger("tandem")
 
@@ -20,27 +24,44 @@ Emit = Callable[[list[ReqOutput]], None]
 Answer = Callable[[int, bool, Any], None]  # (call id, ok, value or exception)
 NextMessage = Callable[[bool], Optional[tuple[Any, Optional[int]]]]  # block? -> (msg, call id) | None
 
+Report = Callable[[StatsSnapshot], None]
+
 STOP = "stop"  # the message that ends the loop
+REPORT_INTERVAL_S = 0.25
 
 
 class CoreWorker:
-    def __init__(self, core: EngineCore, emit: Emit, answer: Answer) -> None:
+    def __init__(self, core: EngineCore, emit: Emit, answer: Answer, report: Optional[Report] = None) -> None:
         self.core = core
         self.emit = emit
         self.answer = answer
+        self.report = report
+        self._reported = float("-inf")  # time.monotonic() of the last report
+        self._changed = True  # a message or step ran since the last report
 
     def run(self, next_message: NextMessage) -> None:
         while True:
             block = not self.core.has_work()
+            self._maybe_report(block)
             item = next_message(block)
             while item is not None:
+                self._changed = True
                 if item[0] == STOP:
                     self.core.shutdown()
                     return
                 self.handle(*item)
                 item = next_message(False)
             if self.core.has_work():
+                self._changed = True
                 self._emit(self._safe_step())
+
+    def _maybe_report(self, idle: bool) -> None:
+        if self.report is None:
+            return
+        now = time.monotonic()
+        if self._changed and (idle or now - self._reported >= REPORT_INTERVAL_S):
+            self._reported, self._changed = now, False
+            self.report(self.core.snapshot())
 
     def handle(self, msg: Any, call_id: Optional[int]) -> None:
         try:  # a plain function only comes from tests, on a thread: it runs on the core thread
