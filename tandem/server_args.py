@@ -28,6 +28,15 @@ _CHOICES = {
     "log_level": "LOG_LEVELS",
 }
 _SCALARS = (int, float, str)
+# What a flag does, where "ServerArgs.x (default)" would not say enough (limits a client meets).
+_HELP = {
+    "stream_stall_timeout": "seconds a streaming client may leave its stream unread (its socket taking "
+                            "nothing) before it is cut off and its requests aborted",
+    "max_unread_stream_bytes": "bytes of a stream's output a client may leave unread before it is cut off "
+                               "and its requests aborted",
+    "incremental_streaming_output": "SGLang's: streamed /generate chunks carry only what is new (text, "
+                                    "output_ids, output_* logprobs) instead of everything so far",
+}
 
 
 def flag_name(field_name: str) -> str:
@@ -67,7 +76,8 @@ def server_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
 def _argparse_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     default = _default_of(field)
     base, _ = _unwrap_optional(annotation)
-    help_text = f"ServerArgs.{field.name} (default: {default!r})"
+    help_text = f"{_HELP[field.name]} " if field.name in _HELP else ""
+    help_text += f"(ServerArgs.{field.name}, default: {default!r})"
     if base is bool:
         if default is True or default is None:  # None: "decide for me"; --x / --no-x override it
             return dict(action=argparse.BooleanOptionalAction, default=default, help=help_text)
