@@ -113,6 +113,10 @@ class ThreadCoreClient(CoreClient):
         except BaseException as exc:  # the loop itself failed: the core is gone
             logger.exception("the engine core thread died")
             self._died(f"the engine core thread died: {type(exc).__name__}: {exc}")
+            try:  # its grammar workers and TP ranks must not outlive it
+                self._worker.core.shutdown()
+            except Exception:
+                logger.exception("could not shut down the dead core's workers")
         else:
             self._died("the engine core is shut down", quietly=True)
 

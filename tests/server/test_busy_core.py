@@ -4,6 +4,8 @@ every route at once, for requests in flight too (the core process's behaviour, k
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -67,8 +69,20 @@ def test_info_routes_answer_during_pending_rendezvous_and_a_long_step(engine_fac
     wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("tandem-rendezvous")], 60)
 
 
-def test_a_dead_thread_core_is_a_503_on_every_route_at_once(engine_factory, live_server_factory):
-    eng = engine_factory()
+def kill_thread_core(eng) -> None:
+    def die(core) -> None:  # what a MemoryError or a kill outside any request does to the loop
+        raise SystemExit("core thread killed")
+
+    eng.client.send(die)
+
+
+def kill_core_process(eng) -> None:
+    os.kill(eng.client.process.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("core_process", [False, True], ids=["thread", "process"])
+def test_a_dead_core_is_a_503_on_every_route_at_once(engine_factory, live_server_factory, core_process):
+    eng = engine_factory(core_process=core_process)
     server = live_server_factory(eng)
     in_flight: dict = {}
 
@@ -80,19 +94,16 @@ def test_a_dead_thread_core_is_a_503_on_every_route_at_once(engine_factory, live
     waiting = threading.Thread(target=long_request)
     waiting.start()
     wait_until(lambda: eng.get_stats().num_running_reqs == 1)
-
-    def die(core) -> None:  # what a MemoryError or a kill outside any request does to the loop
-        raise SystemExit("core thread killed")
-
     killed_at = time.monotonic()
-    eng.client.send(die)
+    (kill_core_process if core_process else kill_thread_core)(eng)
     waiting.join(timeout=10)
     assert not waiting.is_alive(), "the request in flight hung after the core died"
     assert in_flight["status"] == 503 and in_flight["at"] - killed_at < 3.0
+    why = "core process exited" if core_process else "core thread died"
     with httpx.Client(base_url=server.url, timeout=10) as http:
         start = time.monotonic()
         resp = http.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
-        assert resp.status_code == 503 and "core thread died" in resp.text
+        assert resp.status_code == 503 and why in resp.text
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 503
         assert http.post("/generate", json={"text": "Hi", "stream": True}).status_code == 503
         for path in ("/health", "/metrics", "/get_server_info", "/model_info", "/v1/loads"):
@@ -100,5 +111,5 @@ def test_a_dead_thread_core_is_a_503_on_every_route_at_once(engine_factory, live
         assert http.post("/flush_cache").status_code == 503
         print(f"503s answered in {time.monotonic() - start:.2f} s")
         assert time.monotonic() - start < 3.0
-    with pytest.raises(Exception, match="core thread died"):
+    with pytest.raises(Exception, match=why):
         eng.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
