@@ -61,8 +61,8 @@ class Engine(EngineWeights):
         if self.server_args.core_process:
             from engine.api.process_client import ProcessCoreClient
 
-            return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self.fail_all_requests)
-        return ThreadCoreClient(self.server_args, self._dispatch, on_core_death=self.fail_all_requests)
+            return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self._core_died)
+        return ThreadCoreClient(self.server_args, self._dispatch, on_core_death=self._core_died)
 
     def _load_tokenizer(self) -> Any:
         if self.server_args.skip_tokenizer_init:
@@ -243,12 +243,16 @@ class Engine(EngineWeights):
         except Exception:  # the core is gone: nothing is left to abort
             pass
 
-    def fail_all_requests(self, message: str) -> None:
-        """The core died: every request in flight ends with an error instead of waiting forever
-        (status 503: the HTTP routes answer it as SGLang answers a dead scheduler)."""
+    def fail_all_requests(self, message: str, status_code: Optional[int] = None) -> None:
+        """Every request in flight ends with an abort and `message` instead of waiting forever
+        (the core died, or the server is shutting down)."""
         with self._lock:
             rids = list(self._sinks)
-        self._dispatch([ReqOutput.error(rid, message, status_code=503) for rid in rids])
+        self._dispatch([ReqOutput.error(rid, message, status_code) for rid in rids])
+
+    def _core_died(self, why: str) -> None:
+        """Status 503: the HTTP routes answer these requests as SGLang answers a dead scheduler."""
+        self.fail_all_requests(why, status_code=503)
 
 
 def _version() -> str:
