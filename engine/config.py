@@ -113,6 +113,17 @@ class ServerArgs:
         "the `metadata` of non-streamed /v1/chat/completions and /v1/completions replies: 'spans' is "
         "SGLang 0.5.23's (weight_version plus the weight_versions spans); 'weight_version' is 0.5.6's "
         "(weight_version only), which clients validating replies with the openai package need")})
+    # streaming: a client whose socket takes nothing for stream_stall_timeout seconds, or leaves
+    # more than max_unread_stream_bytes unread, is cut off and its requests aborted (stream_watch.py)
+    stream_stall_timeout: float = field(default=30.0, metadata={"help": (
+        "seconds a streaming client may leave its stream unread (its socket taking nothing) before it "
+        "is cut off and its requests aborted")})
+    max_unread_stream_bytes: int = field(default=64 << 20, metadata={"help": (
+        "bytes of a stream's output a client may leave unread before it is cut off and its requests aborted")})
+    # SGLang's flag: streamed /generate chunks carry only what is new
+    incremental_streaming_output: bool = field(default=False, metadata={"help": (
+        "SGLang's: streamed /generate chunks carry only what is new (text, output_ids, output_* logprobs) "
+        "instead of everything so far")})
 
     def __post_init__(self) -> None:
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -137,7 +148,8 @@ class ServerArgs:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
         for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes",
-                     "grammar_max_bytes", "grammar_max_schema_nodes", "grammar_compile_workers"):
+                     "grammar_max_bytes", "grammar_max_schema_nodes", "grammar_compile_workers",
+                     "max_unread_stream_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
@@ -148,7 +160,7 @@ class ServerArgs:
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))  # argparse gives a list
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("grammar_compile_timeout", "grammar_step_timeout"):
+        for name in ("grammar_compile_timeout", "grammar_step_timeout", "stream_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.grammar_cache_bytes < 0:

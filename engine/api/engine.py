@@ -11,10 +11,13 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
 
-from engine.api.core_client import CoreClient, CoreDead, ThreadCoreClient
+from engine.api.core_client import CoreClient, ThreadCoreClient
+from engine.api.streamed_logprobs import StreamedLogprobs
 from engine.api.text_builder import TextBuilder
 from engine.api.generate_request import GenerateRequest
 from engine.api.generate_stream import GenerateStream
@@ -26,9 +29,9 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
                                   ReqInput, ReqOutput, StatsReq, StatsSnapshot, check_pause_mode)
 
 logger = logging.getLogger("tandem")
-LOAD_STATS_WAIT_S = 0.2  # get_load's wait for the core's counts before it answers from the last ones
 
 Sink = Callable[[ReqOutput], None]
+STATS_WAIT_S = 0.2  # how long an info route waits for the core's fresh counters before using its last report
 
 
 class Engine(EngineWeights):
@@ -40,13 +43,14 @@ class Engine(EngineWeights):
         self._sinks: dict[str, Sink] = {}
         self._inputs: dict[str, ReqInput] = {}  # in flight: for the final text and the recorder
         self._lock = threading.Lock()
-        self._last_stats: Optional[StatsSnapshot] = None  # get_load's fallback while the core is busy
+        self._stats_call: Optional[Future] = None  # recent_stats's call in flight
         self.tokenizer: Any = None  # loaded once the core says from where
         self.client: CoreClient = self._start_core()
         try:
             self.info: CoreInfo = self.client.info
             self.tokenizer = self._load_tokenizer()
             self.text_builder = TextBuilder(self.tokenizer)
+            self.streamed_logprobs = StreamedLogprobs()
             self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len,
                                           self.server_args, self.info.max_total_num_tokens)
             self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
@@ -58,8 +62,8 @@ class Engine(EngineWeights):
         if self.server_args.core_process:
             from engine.api.process_client import ProcessCoreClient
 
-            return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self.fail_all_requests)
-        return ThreadCoreClient(self.server_args, self._dispatch)
+            return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self._core_died)
+        return ThreadCoreClient(self.server_args, self._dispatch, on_core_death=self._core_died)
 
     def _load_tokenizer(self) -> Any:
         if self.server_args.skip_tokenizer_init:
@@ -158,29 +162,38 @@ class Engine(EngineWeights):
 
     # ---- state ---------------------------------------------------------------------------------
     def get_stats(self) -> StatsSnapshot:
-        self._last_stats = self._call(StatsReq())
-        return self._last_stats
+        return self._call(StatsReq())
 
     def get_load(self) -> list[dict[str, Any]]:
-        """SGLang's /get_load: a dict per data-parallel rank (one here). num_reqs is this front end's
-        own count of requests in flight, so it is exact at once whatever the core is doing; the
-        waiting count and KV tokens are the core's, asked for LOAD_STATS_WAIT_S, else the last known."""
-        import time
-        from concurrent.futures import TimeoutError as NoAnswer
+        return self.load_report(self.get_stats())
 
+    def load_report(self, stats: StatsSnapshot) -> list[dict[str, Any]]:
+        """SGLang's /get_load: a dict per data-parallel rank (one here). num_reqs is this front end's
+        own count of requests in flight, exact whatever the core is doing; the waiting count and KV
+        tokens are from `stats` (the HTTP route's: recent_stats, never held up by a busy core)."""
         with self._lock:
             in_flight = len(self._sinks)
-        try:
-            stats = self._last_stats = self.client.call(StatsReq(), LOAD_STATS_WAIT_S)
-        except (NoAnswer, CoreDead):
-            stats = self._last_stats
-        waiting = min(stats.num_waiting_reqs, in_flight) if stats is not None else 0
-        return [{"dp_rank": 0, "num_reqs": in_flight, "num_waiting_reqs": waiting,
-                 "num_tokens": stats.kv_tokens_used if stats is not None else 0, "ts_tic": time.perf_counter()}]
+        return [{"dp_rank": 0, "num_reqs": in_flight, "num_waiting_reqs": min(stats.num_waiting_reqs, in_flight),
+                 "num_tokens": stats.kv_tokens_used, "ts_tic": time.perf_counter()}]
+
+    async def recent_stats(self, wait_s: float = STATS_WAIT_S) -> StatsSnapshot:
+        """The core's counters for read-only routes, never held up by a busy core: its answer if
+        it comes within wait_s, else the counters it last reported (engine/core/worker.py). At
+        most one such call waits on the core at a time."""
+        call = self._stats_call
+        if call is None or call.done():
+            call = self._stats_call = self.client.call_future(StatsReq())  # CoreDead: the route's 503
+        done, _ = await asyncio.wait({asyncio.wrap_future(call)}, timeout=wait_s)
+        if done:
+            return done.pop().result()
+        latest = self.client.latest_stats
+        return latest if latest is not None else await asyncio.wrap_future(call)
 
     def get_server_info(self) -> dict[str, Any]:
+        return self.server_info(self.get_stats())
+
+    def server_info(self, stats: StatsSnapshot) -> dict[str, Any]:
         """SGLang's shape: the server args, the derived limits and the internal states."""
-        stats = self.get_stats()
         info = self.info
         return {
             **self.server_args.to_dict(),
@@ -237,6 +250,7 @@ class Engine(EngineWeights):
                     self._sinks.pop(out.rid, None)
                     self._inputs.pop(out.rid, None)
             if req_input is not None:
+                self.streamed_logprobs.fill(req_input, out)
                 self.text_builder.fill(req_input, out)
                 if out.finished and self.recorder is not None:
                     self.recorder.record(req_input, out.output)
@@ -254,16 +268,20 @@ class Engine(EngineWeights):
         except Exception:  # the core is gone: nothing is left to abort
             pass
 
-    def fail_all_requests(self, message: str) -> None:
-        """The core died (or the server is shutting down): every request in flight ends with an
-        error instead of waiting forever; those still checking their grammar get GrammarUnavailable
-        (a 503 naming `message`)."""
+    def fail_all_requests(self, message: str, status_code: Optional[int] = None) -> None:
+        """Every request in flight ends with an abort and `message` instead of waiting forever
+        (the core died, or the server is shutting down); those still checking their grammar get
+        GrammarUnavailable (a 503 naming `message`)."""
         builder = getattr(self, "builder", None)
         if builder is not None:
             builder.grammars.close(message)
         with self._lock:
             rids = list(self._sinks)
-        self._dispatch([ReqOutput.error(rid, message) for rid in rids])
+        self._dispatch([ReqOutput.error(rid, message, status_code) for rid in rids])
+
+    def _core_died(self, why: str) -> None:
+        """Status 503: the HTTP routes answer these requests as SGLang answers a dead scheduler."""
+        self.fail_all_requests(why, status_code=503)
 
 
 def _version() -> str:

@@ -1,39 +1,66 @@
 """GenerateStream: what async_generate returns; awaitable for final results, async-iterable
-for cumulative streaming chunks (SGLang's shape: each chunk carries the text so far)."""
+for cumulative streaming chunks (SGLang's shape: each chunk carries the text so far).
+
+Unread outputs never pile up: each output of a request holds everything the ones before it did,
+so only the newest one per request waits for the reader (a reader that falls behind gets the
+latest chunk, as SGLang's tokenizer manager gives it). A stream whose reader is gone (`close`)
+drops what arrives for it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Callable
 
-from engine.core.messages import ReqOutput
-from engine.core.messages import ReqInput
+from engine.core.messages import ReqInput, ReqOutput
 
 
 class GenerateStream:
     def __init__(self, reqs: list[ReqInput], single: bool, stream: bool, loop: asyncio.AbstractEventLoop):
         self.rids = [r.rid for r in reqs]
+        self._index = {rid: i for i, rid in enumerate(self.rids)}
         self.single = single
         self.stream = stream
         self.loop = loop
-        self.queue: "asyncio.Queue[ReqOutput]" = asyncio.Queue()
+        self._unread: dict[str, ReqOutput] = {}  # the newest output of each request not yet read
+        self._ready = asyncio.Event()
         self.pending = set(self.rids)
         self.finals: dict[str, dict] = {}
+        self.closed = False
 
     def sink_for(self, rid: str) -> Callable[[ReqOutput], None]:
-        return lambda out: self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        return lambda out: self.loop.call_soon_threadsafe(self._put, out)
+
+    def _put(self, out: ReqOutput) -> None:
+        if self.closed:
+            return
+        self._unread[out.rid] = out  # replaces an unread older one: this one carries it all
+        self._ready.set()
+
+    def unread_bytes(self) -> int:
+        """About the JSON size of what waits for the reader (engine/server/stream_watch.py)."""
+        return sum(map(_json_size_estimate, list(self._unread.values())))
+
+    def close(self) -> None:
+        """The reader is gone: free what waits and take nothing more."""
+        self.closed = True
+        self._unread.clear()
+        self._ready.set()
 
     def __aiter__(self) -> "GenerateStream":
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        if not self.pending:
-            raise StopAsyncIteration
-        out = await self.queue.get()
+        while not self._unread:
+            if not self.pending or self.closed:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        out = self._unread.pop(next(iter(self._unread)))
         if out.finished:
             self.pending.discard(out.rid)
             self.finals[out.rid] = out.output
-        return out.output if self.single else {"index": self.rids.index(out.rid), **out.output}
+        return out.output if self.single else {"index": self._index[out.rid], **out.output}
 
     def __await__(self):
         return self._collect().__await__()
@@ -43,3 +70,19 @@ class GenerateStream:
             pass
         results = [self.finals[rid] for rid in self.rids]
         return results[0] if self.single else results
+
+
+LOGPROB_ROWS = ("output_token_logprobs", "input_token_logprobs")
+LOGPROB_TABLES = ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs", "input_token_ids_logprobs")
+ENTRY_BYTES = 32  # one [logprob, token id, null] in JSON
+TOKEN_BYTES = 7
+
+
+def _json_size_estimate(out: ReqOutput) -> int:
+    """Cheap: counts list lengths (the last position's width for a table), never walks entries."""
+    meta = out.output.get("meta_info", {})
+    entries = sum(len(meta.get(key) or ()) for key in LOGPROB_ROWS)
+    for key in LOGPROB_TABLES:
+        rows = meta.get(key) or ()
+        entries += len(rows) * len(rows[-1] or ()) if rows else 0
+    return ENTRY_BYTES * entries + TOKEN_BYTES * len(out.output.get("output_ids", ())) + len(out.output.get("text", ""))

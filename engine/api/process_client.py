@@ -21,6 +21,7 @@ import multiprocessing as mp
 import queue
 import signal
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions on ForkingPickler)
@@ -28,7 +29,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from engine.api.core_client import CallTable, CoreClient, CoreDead, OnOutputs
 from engine.config import ServerArgs
-from engine.core.messages import CoreInfo
+from engine.core.messages import CoreInfo, StatsSnapshot
 from engine.core.process_main import run_core_process
 from engine.core.worker import STOP
 
@@ -98,12 +99,12 @@ class ProcessCoreClient(CoreClient):
         self._check_alive()
         self._outbox.put((_pickled(msg), None))
 
-    def call(self, msg: Any, timeout: Optional[float] = None) -> Any:
+    def call_future(self, msg: Any) -> Future:
         self._check_alive()
         payload = _pickled(msg)
         call_id, fut = self._calls.open()  # raises CoreDead once the core is gone
         self._outbox.put((payload, call_id))
-        return fut.result(timeout)
+        return fut
 
     def is_alive(self) -> bool:
         return self._dead is None and self.process.is_alive()
@@ -156,8 +157,12 @@ class ProcessCoreClient(CoreClient):
             try:
                 if reply[0] == "outputs":
                     self._on_outputs(reply[1])
+                elif reply[0] == "stats":
+                    self.note_stats(reply[1])
                 else:
                     _, call_id, ok, value = reply
+                    if ok and isinstance(value, StatsSnapshot):
+                        self.note_stats(value)
                     self._calls.close(call_id, ok, value)
             except Exception:  # a failing receiver must not stop the others' answers
                 logger.exception("could not deliver a message from the engine core")

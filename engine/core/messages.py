@@ -61,11 +61,18 @@ class ReqOutput:
     rid: str
     finished: bool
     output: dict[str, Any]  # SGLang's {"text", "output_ids", "meta_info"}, cumulative so far
+    # a streamed request's output-side logprob lists start at this output position (each position
+    # is sent once; its prompt-side ones only with position 0): engine/api/streamed_logprobs.py
+    # joins them back into SGLang's cumulative lists
+    logprobs_from: int = 0
 
     @classmethod
-    def error(cls, rid: str, message: str) -> "ReqOutput":
-        """A final answer for a request that ends with an error and no output."""
-        reason = {"type": "abort", "message": message}
+    def error(cls, rid: str, message: str, status_code: Optional[int] = None) -> "ReqOutput":
+        """A final answer for a request that ends with an error and no output. status_code (as
+        SGLang's abort reasons carry it): the HTTP status a non-streamed request answers with."""
+        reason: dict[str, Any] = {"type": "abort", "message": message}
+        if status_code is not None:
+            reason["status_code"] = status_code
         return cls(rid, True, {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}})
 
 

@@ -1,10 +1,15 @@
-"""build_output: a request's SGLang-shaped response dict {"text", "output_ids", "meta_info"}."""
+"""build_output: a request's SGLang-shaped response dict {"text", "output_ids", "meta_info"};
+req_output: the ReqOutput that carries it. A streamed request's answers carry each output
+position's logprobs once (and its prompt's with the first): re-sending all so far at every token
+cost O(tokens^2) here (300 tokens x 1024 top logprobs: minutes of core time); the front end
+joins them (engine/api/streamed_logprobs.py)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Optional, Protocol
 
+from engine.core.messages import ReqOutput
 from engine.scheduler.request import Req
 
 
@@ -13,7 +18,16 @@ class CoreView(Protocol):
     weight_version: str
 
 
-def build_output(req: Req, core: CoreView) -> dict[str, Any]:
+def req_output(req: Req, core: CoreView, finished: bool) -> ReqOutput:
+    since = req.streamed_logprobs if req.stream else 0
+    out = ReqOutput(req.rid, finished, build_output(req, core, since), logprobs_from=since)
+    if req.stream:
+        req.streamed_logprobs = len(req.output_ids)
+    return out
+
+
+def build_output(req: Req, core: CoreView, since: int = 0) -> dict[str, Any]:
+    """since: the first output position whose logprobs it carries (prompt logprobs only with 0)."""
     meta: dict[str, Any] = {
         "id": req.rid,
         "prompt_tokens": len(req.origin_input_ids),
@@ -29,37 +43,53 @@ def build_output(req: Req, core: CoreView) -> dict[str, Any]:
         "total_retractions": req.num_retractions,  # SGLang's name for the same count
     }
     if req.return_logprob:
-        meta.update(_logprob_fields(req, core))
+        meta.update(_logprob_fields(req, since))
     if req.routed_experts is not None:
         meta["routed_experts"] = req.routed_experts
     return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
-def _logprob_fields(req: Req, core: CoreView) -> dict[str, Any]:
+def _logprob_fields(req: Req, since: int) -> dict[str, Any]:
+    fields: dict[str, Any] = {"logprob_distribution": req.logprob_distribution,
+                              **_output_logprobs(req, since)}
+    if since == 0:
+        fields.update(_input_logprobs(req))
+    return fields
+
+
+def _output_logprobs(req: Req, since: int) -> dict[str, Any]:
+    ids = req.output_ids[since:]
     fields: dict[str, Any] = {
-        "logprob_distribution": req.logprob_distribution,
-        "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)],
+        "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(req.output_logprobs[since:], ids)],
     }
-    if req.logprob_start_len >= 0:
-        start = req.logprob_start_len
-        values: list[Optional[float]] = ([None] if start == 0 else []) + list(req.input_logprobs)
-        tokens = req.origin_input_ids[start:]
-        fields["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(values, tokens)]
-    if req.top_logprobs_num and req.logprob_start_len >= 0:  # SGLang: the first position has none
-        tops = [[[lp, tok, None] for lp, tok in entry] for entry in req.input_top_logprobs]
-        fields["input_top_logprobs"] = ([None] if req.logprob_start_len == 0 else []) + tops
     if req.top_logprobs_num:
         fields["output_top_logprobs"] = [
-            [[lp, tok, None] for lp, tok in (entry or [])] for entry in req.output_top_logprobs
+            [[lp, tok, None] for lp, tok in (entry or [])] for entry in req.output_top_logprobs[since:]
         ]
     if req.token_ids_logprob:  # SGLang: per position, [logprob, id, text] per requested id, in its order
-        ids = req.token_ids_logprob
-        if req.logprob_start_len >= 0:  # the first prompt position has none, as for input_top_logprobs
-            rows = [[[lp, tok, None] for lp, tok in zip(values, ids)] for values in req.input_token_ids_logprobs]
-            fields["input_token_ids_logprobs"] = ([None] if req.logprob_start_len == 0 else []) + rows
+        wanted = req.token_ids_logprob
         fields["output_token_ids_logprobs"] = [
-            [[lp, tok, None] for lp, tok in zip(values, ids)] for values in req.output_token_ids_logprobs
+            [[lp, tok, None] for lp, tok in zip(values, wanted)] for values in req.output_token_ids_logprobs[since:]
         ]
+    return fields
+
+
+def _input_logprobs(req: Req) -> dict[str, Any]:
+    if req.logprob_start_len < 0:
+        return {}
+    start = req.logprob_start_len
+    head: list[Any] = [None] if start == 0 else []  # SGLang: the first prompt position has none
+    values: list[Optional[float]] = head + list(req.input_logprobs)
+    fields: dict[str, Any] = {
+        "input_token_logprobs": [[lp, tok, None] for lp, tok in zip(values, req.origin_input_ids[start:])],
+    }
+    if req.top_logprobs_num:
+        fields["input_top_logprobs"] = head + [[[lp, tok, None] for lp, tok in entry]
+                                               for entry in req.input_top_logprobs]
+    if req.token_ids_logprob:
+        wanted = req.token_ids_logprob
+        fields["input_token_ids_logprobs"] = head + [[[lp, tok, None] for lp, tok in zip(values, wanted)]
+                                                     for values in req.input_token_ids_logprobs]
     return fields
 
 

@@ -6,7 +6,8 @@ tensors inside messages travel by reference: CPU shared memory, CUDA IPC handles
   front end -> core: a list of (pickled message, call id or None) pairs; STOP ends the loop.
   core -> front end: ("info", CoreInfo) once at start-up, or ("startup_error", exception, traceback);
                      then ("outputs", [ReqOutput, ...]) — every output of one step in one message —
-                     and ("answer", call id, ok, value or exception).
+                     ("answer", call id, ok, value or exception), and ("stats", StatsSnapshot) while it
+                     runs (engine/core/worker.py reports).
 This module imports nothing of engine.api or the server: the core process never loads them.
 """
 
@@ -74,6 +75,9 @@ class PipeSender:
     def outputs(self, outputs: list[ReqOutput]) -> None:
         self.conn.send(("outputs", outputs))
 
+    def stats(self, snapshot: Any) -> None:
+        self.conn.send(("stats", snapshot))
+
     def answer(self, call_id: int, ok: bool, value: Any) -> None:
         if not ok:
             value = _portable_error(value)
@@ -107,7 +111,7 @@ def run_core_process(server_args: ServerArgs, conn: Any) -> None:
     if core is None:
         return
     sender = PipeSender(conn)
-    worker = CoreWorker(core, sender.outputs, sender.answer)
+    worker = CoreWorker(core, sender.outputs, sender.answer, report=sender.stats)
     # The loop runs on a thread, as the thread core's does: on the CPU, torch's OpenMP team of the
     # main thread spin-waits and was measured 5-20x slower per step on a busy 2-core machine
     loop = threading.Thread(target=_run_loop, args=(worker, PipeInbox(conn, sender.answer)), name="tandem-core")

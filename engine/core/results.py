@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from engine.core.messages import ReqOutput
-from engine.core.output import CoreView, build_output
+from engine.core.output import CoreView, req_output
 from engine.core.routed_experts import routed_experts_b64
 from engine.runner.model_runner import ModelRunner
 from engine.scheduler.batch import BatchResult, ScheduleBatch
@@ -58,7 +58,7 @@ class StepResults:
             _detokenize(req)  # text is needed now; otherwise once, at the end
         reason = check_finished(req, self.eos_token_ids, self.context_len) or grammar_stop
         if reason is None:
-            return [ReqOutput(req.rid, False, build_output(req, self.core))] if req.stream else []
+            return [req_output(req, self.core, finished=False)] if req.stream else []
         req.finished_reason = reason
         self._release(req)
         return [self.finish(req)]
@@ -87,13 +87,13 @@ class StepResults:
         if req.detokenizer is not None and req.stop_text_len is None:
             _detokenize(req)
             req.text += req.detokenizer.flush()
-        return ReqOutput(req.rid, True, build_output(req, self.core))
+        return req_output(req, self.core, finished=True)
 
     def error(self, req: Req, message: str) -> ReqOutput:
         """A final answer built without the detokenizer or recorder (either may be what failed)."""
         if req.finished_reason is None or req.finished_reason.get("type") != "abort":
             req.finished_reason = {"type": "abort", "message": message}
-        return ReqOutput(req.rid, True, build_output(req, self.core))
+        return req_output(req, self.core, finished=True)
 
 
 def record_logprobs(batch: ScheduleBatch, result: BatchResult) -> None:

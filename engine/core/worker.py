@@ -6,15 +6,19 @@ was given: the front end's dispatcher on a thread, a pipe back to the front end 
 A failing message or step never kills the loop: the requests it concerned get an error answer.
 A weight update whose payload must first be fetched from its sender is opened off the step
 (engine/core/payload_opener.py) and handled once opened; the core keeps stepping meanwhile.
+While it works it reports the core's counters (`report`) every REPORT_INTERVAL_S, and once more
+when it goes idle: the front end serves /metrics and the other info routes from the last report
+when the core is too busy to answer (a long step, a weight load).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Optional
 
 from engine.core.engine_core import EngineCore
-from engine.core.messages import ReqOutput, Reply
+from engine.core.messages import ReqOutput, Reply, StatsSnapshot
 from engine.core.payload_opener import PayloadOpener
 
 logger = logging.getLogger("tandem")
@@ -23,22 +27,30 @@ Emit = Callable[[list[ReqOutput]], None]
 Answer = Callable[[int, bool, Any], None]  # (call id, ok, value or exception)
 NextMessage = Callable[[bool], Optional[tuple[Any, Optional[int]]]]  # block? -> (msg, call id) | None
 
+Report = Callable[[StatsSnapshot], None]
+
 STOP = "stop"  # the message that ends the loop
 OPEN_POLL_S = 0.05  # an otherwise idle loop's wait for a payload being opened (it wakes the loop when done)
+REPORT_INTERVAL_S = 0.25
 
 
 class CoreWorker:
-    def __init__(self, core: EngineCore, emit: Emit, answer: Answer) -> None:
+    def __init__(self, core: EngineCore, emit: Emit, answer: Answer, report: Optional[Report] = None) -> None:
         self.core = core
         self.emit = emit
         self.answer = answer
         self.opener = PayloadOpener()
+        self.report = report
+        self._reported = float("-inf")  # time.monotonic() of the last report
+        self._changed = True  # a message or step ran since the last report
 
     def run(self, next_message: NextMessage) -> None:
         while True:
             block = not self.core.has_work() and not self.opener.pending
+            self._maybe_report(block)
             item = next_message(block)
             while item is not None:
+                self._changed = True
                 if item[0] == STOP:
                     self.core.shutdown()
                     return
@@ -46,9 +58,18 @@ class CoreWorker:
                 item = next_message(False)
             self._handle_opened()
             if self.core.has_work():
+                self._changed = True
                 self._emit(self._safe_step())
             elif self.opener.pending:
                 self.opener.wait(OPEN_POLL_S)
+
+    def _maybe_report(self, idle: bool) -> None:
+        if self.report is None:
+            return
+        now = time.monotonic()
+        if self._changed and (idle or now - self._reported >= REPORT_INTERVAL_S):
+            self._reported, self._changed = now, False
+            self.report(self.core.snapshot())
 
     def handle(self, msg: Any, call_id: Optional[int]) -> None:
         if self.opener.wants(msg):

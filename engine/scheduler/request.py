@@ -57,6 +57,7 @@ class Req(RequestOptions):
     # token_ids_logprob: per position, one value per requested id (in its order)
     output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    streamed_logprobs: int = 0  # output positions whose logprobs a streamed answer already carried
 
     # text, for stop strings and streaming (set by the core)
     detokenizer: Any = None

@@ -3,16 +3,21 @@ decoding for nobody.
 
 Non-streaming: the result is awaited while `request.is_disconnected()` is polled. Streaming: the
 response aborts whatever it had not finished when it ends for any reason (client gone, send
-failed, cancelled).
+failed, cancelled, or the client stopped reading: engine/server/stream_watch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+
+from engine.server.stream_watch import CHECK_S, StreamLimits, StreamWatch
+
+logger = logging.getLogger("tandem")
 
 POLL_S = 0.2
 
@@ -44,18 +49,36 @@ async def await_or_abort(request: Request, stream: Any, engine: Any, poll_s: flo
 
 
 class AbortingStream(StreamingResponse):
-    """An SSE response that calls `on_close` once it ends, however it ends."""
+    """An SSE response that calls `on_close` once it ends, however it ends, and ends itself once
+    its client is over its StreamLimits (the connection is then closed without a last event)."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], limits: StreamLimits,
+                 held_bytes: Callable[[], int] = lambda: 0) -> None:
         super().__init__(events, media_type="text/event-stream")
         self.on_close = on_close
+        self.limits = limits
+        self.held_bytes = held_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watch = StreamWatch(send, self.limits, self.held_bytes)
+        task = asyncio.ensure_future(super().__call__(scope, receive, watch.send))
         try:
-            await super().__call__(scope, receive, send)
+            while not (await asyncio.wait({task}, timeout=CHECK_S))[0]:
+                why = watch.overrun()
+                if why is not None:
+                    logger.warning("%s: a streaming client %s; aborting its requests", scope.get("path"), why)
+                    break
+            else:
+                return task.result()
         finally:
+            task.cancel()
             self.on_close()
+        await asyncio.wait({task})  # the cancelled send lets go of its event
 
 
 def streaming_response(events: AsyncIterator[str], stream: Any, engine: Any) -> AbortingStream:
-    return AbortingStream(events, lambda: abort_unfinished(engine, stream))
+    def close() -> None:
+        abort_unfinished(engine, stream)
+        stream.close()
+
+    return AbortingStream(events, close, StreamLimits.of(engine.server_args), stream.unread_bytes)

@@ -15,12 +15,14 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 
+from engine.api.core_client import CoreDead
 from engine.api.generate_request import GenerateRequest
 from engine.server.disconnect import await_or_abort, streaming_response
 from engine.server.openai import OpenAIServing
 from engine.server.openai_logprobs import token_decoder
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.protocol import GenerateBody, UnknownFields
+from engine.server.stream_delta import StreamDelta
 
 OFF_LOOP_TEXT_CHARS = 16 << 10  # ~10 ms to tokenize: more is tokenized on a thread
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
@@ -44,9 +46,11 @@ class GenerationRoute:
 
 def generation_routes(engine: Any, openai: OpenAIServing) -> tuple[GenerationRoute, ...]:
     decode = token_decoder(engine.tokenizer)
+    incremental = engine.server_args.incremental_streaming_output
     return (
         GenerationRoute("/generate", GenerateBody, GenerateBody.to_request, partial(_generate_response, decode),
-                        partial(_generate_events, decode), lambda body: _long_text(body.text), methods=("POST", "PUT")),
+                        partial(_generate_events, decode, incremental), lambda body: _long_text(body.text),
+                        methods=("POST", "PUT")),
         GenerationRoute("/v1/completions", CompletionRequest, openai.completion_request, openai.completion_response,
                         openai.completion_events, lambda body: _long_text(body.prompt)),
         # the chat template renders the client's messages: a thread, whatever their size
@@ -67,10 +71,21 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
         stream = await _submitted(submit, body.carries_grammar() or route.off_loop(body))
         if body.stream:
             return streaming_response(route.events(body, stream), stream, engine)
-        return route.response(body, await await_or_abort(request, stream, engine))
+        outs = await await_or_abort(request, stream, engine)
+        _raise_if_core_died(outs)
+        return route.response(body, outs)
 
     handle.__annotations__ = {"body": route.body, "request": Request, "return": Any}  # FastAPI parses by these
     app.api_route(route.path, methods=list(route.methods))(handle)
+
+
+def _raise_if_core_died(outs: Any) -> None:
+    """A request the dead core's client ended (Engine.fail_all_requests) answers 503, as SGLang
+    answers an abort that carries status 503, not a 200 with an abort reason."""
+    for out in outs if isinstance(outs, list) else [outs]:
+        reason = out["meta_info"].get("finish_reason") or {}
+        if reason.get("status_code") == 503:
+            raise CoreDead(reason.get("message", "the engine core is gone"))
 
 
 # Threads that build heavy requests: a grammar's compile waits up to its time limit
@@ -102,10 +117,12 @@ def _generate_response(decode: Any, body: GenerateBody, outs: Any) -> Any:
     return [shape(o) for o in outs] if isinstance(outs, list) else shape(outs)
 
 
-async def _generate_events(decode: Any, body: GenerateBody, stream: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _generate_events(decode: Any, incremental: bool, body: GenerateBody,
+                           stream: AsyncIterator[dict]) -> AsyncIterator[str]:
     shape = _shape(body, decode)
+    delta = StreamDelta() if incremental else (lambda chunk: chunk)
     async for chunk in stream:
-        yield f"data: {json.dumps(shape(chunk))}\n\n"
+        yield f"data: {json.dumps(shape(delta(chunk)))}\n\n"
     yield "data: [DONE]\n\n"
 
 

@@ -1,5 +1,8 @@
 """Read-only routes: health, model and server info, weight version, loads, metrics, weights by
-name. Each answers from Engine API calls (run off the event loop when they wait on the core)."""
+name. The info routes answer from the core's counters without waiting on a busy core
+(Engine.recent_stats: a fresh answer within 0.2 s, else the core's last report), so a long step,
+a weight load or a pending rendezvous never holds them up; none of them takes a thread of the
+event loop's pool (other routes may hold those while they wait). A dead core is a 503 at once."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from engine.server.errors import error_response
@@ -41,19 +44,19 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
     @app.get("/get_model_info")
     async def model_info() -> dict:
         return {"model_path": served.model_path, "tokenizer_path": served.tokenizer_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": await asyncio.to_thread(engine.get_weight_version),
+                "preferred_sampling_params": None, "weight_version": (await engine.recent_stats()).weight_version,
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": served.model_type, "architectures": served.architectures,
                 "served_model_name": served.name}
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict:
-        return {"weight_version": await asyncio.to_thread(engine.get_weight_version)}
+        return {"weight_version": (await engine.recent_stats()).weight_version}
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        info = await asyncio.to_thread(engine.get_server_info)
+        info = engine.server_info(await engine.recent_stats())
         return {**SINGLE_ENGINE_DEFAULTS, **info, "model_path": served.model_path}
 
     @app.get("/v1/models")
@@ -70,16 +73,16 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
 
     @app.get("/v1/loads")
     async def loads() -> dict:
-        return _loads(await asyncio.to_thread(engine.get_stats))
+        return _loads(await engine.recent_stats())
 
     @app.get("/get_load")
     async def get_load() -> list:
         """SGLang's legacy load route (ROLL waits until every num_reqs and num_waiting_reqs is 0)."""
-        return await asyncio.to_thread(engine.get_load)
+        return engine.load_report(await engine.recent_stats())
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await asyncio.to_thread(metrics_text, engine), media_type="text/plain; version=0.0.4")
+        return Response(metrics_text(await engine.recent_stats()), media_type="text/plain; version=0.0.4")
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(req: GetWeightsByNameRequest) -> Any:

@@ -1,4 +1,4 @@
-"""Prometheus metrics for /metrics, read from the engine's counters at scrape time."""
+"""Prometheus metrics for /metrics, from the core's counters at scrape time (a StatsSnapshot)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class EngineCollector:
-    """Reads counters when scraped, so the hot loop never pays for metrics."""
+    """The counters of one snapshot, taken when scraped, so the hot loop never pays for metrics."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, stats: Any):
+        self.stats = stats
 
     def collect(self):
-        stats = self.engine.get_stats()
+        stats = self.stats
         yield CounterMetricFamily("tandem_prompt_tokens", "prompt tokens computed (cache misses)",
                                   value=stats.num_prefill_tokens)
         yield CounterMetricFamily("tandem_cached_tokens", "prompt tokens served from the radix cache",
@@ -43,7 +43,7 @@ class EngineCollector:
                                 value=stats.kv_tokens_used / max(stats.kv_tokens_total, 1))
 
 
-def metrics_text(engine: Any) -> bytes:
+def metrics_text(stats: Any) -> bytes:
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))
+    registry.register(EngineCollector(stats))
     return generate_latest(registry)

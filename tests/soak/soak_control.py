@@ -1,5 +1,5 @@
 """The soak's control traffic (admin key): pause in each mode and continue, weight updates from
-disk alternating between two checkpoints, cache flushes, aborts (by rid, unknown rids, all), and
+disk or from tensors (shared memory) alternating between two checkpoints, cache flushes, aborts (by rid, unknown rids, all), and
 malformed bodies that must get a 4xx. One controller task runs these while the clients generate;
 it tracks which checkpoint the server holds (every successful update flips it)."""
 
@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 from soak_requests import Clients
 from soak_tally import PARTLY_WRITTEN, Tally
@@ -15,7 +18,7 @@ from soak_tally import PARTLY_WRITTEN, Tally
 PAUSE_MODES = ("abort", "retract", "in_place")
 # A refused update (in_place KV that cannot be flushed, requests holding KV) and a flush while
 # requests run are 400s by design: the reply and the state agree.
-CONTROL_EXPECTED = {"update_weights": {200, 400}, "flush_cache": {200, 400}}
+CONTROL_EXPECTED = {"update_weights": {200, 400}, "update_weights_tensor": {200, 400}, "flush_cache": {200, 400}}
 
 MALFORMED: list[tuple[str, str, dict[str, Any]]] = [  # (name, path, httpx request kwargs)
     ("not_json", "/generate", {"content": b"{not json", "headers": {"content-type": "application/json"}}),
@@ -53,18 +56,37 @@ class Controller:
         resp = await self.post(path, body)
         return resp.status_code, resp.text[:200]
 
-    async def update_weights(self, flush_cache: bool) -> Any:
+    async def update_weights(self, flush_cache: bool, from_tensor: bool = False) -> Any:
+        """To the other checkpoint: from disk, or its tensors sent to /update_weights_from_tensor
+        (shared memory, SGLang's serialized_named_tensors)."""
         target = 1 - self.current
         self.version += 1
-        body = {"model_path": self.checkpoints[target], "flush_cache": flush_cache,
-                "weight_version": f"soak-{self.version}-{'ab'[target]}"}
-        resp = await self.post("/update_weights_from_disk", body)
-        answer = resp.json()
+        version = f"soak-{self.version}-{'ab'[target]}"
+        if from_tensor:
+            status, answer = await asyncio.to_thread(self._push_tensors, self.checkpoints[target], flush_cache,
+                                                     version)
+        else:
+            body = {"model_path": self.checkpoints[target], "flush_cache": flush_cache, "weight_version": version}
+            resp = await self.post("/update_weights_from_disk", body)
+            status, answer = resp.status_code, resp.json()
         if "partly" in answer.get("message", ""):
             return PARTLY_WRITTEN, answer["message"]
-        if resp.status_code == 200 and answer.get("success"):
-            self.current, self.version_name = target, body["weight_version"]
-        return resp.status_code, answer.get("message", "")
+        if status == 200 and answer.get("success"):
+            self.current, self.version_name = target, version
+        return status, answer.get("message", "")
+
+    def _push_tensors(self, checkpoint: str, flush_cache: bool, version: str) -> tuple[int, dict]:
+        from safetensors.torch import load_file
+
+        from weight_sync.cuda_ipc import serialize
+
+        named = [(name, tensor.share_memory_()) for path in sorted(Path(checkpoint).glob("*.safetensors"))
+                 for name, tensor in load_file(str(path)).items()]
+        body = {"serialized_named_tensors": [serialize(named, as_text=True)], "flush_cache": flush_cache,
+                "weight_version": version}
+        resp = httpx.post(self.clients.http.base_url.join("/update_weights_from_tensor"), json=body,
+                          headers=self.clients.admin, timeout=120)
+        return resp.status_code, resp.json()
 
     async def pause_cycle(self, rng: random.Random) -> None:
         """pause(mode) -> maybe update weights and/or flush -> continue (always)."""
@@ -74,7 +96,8 @@ class Controller:
             await asyncio.sleep(rng.uniform(0.1, 1.5))
             if rng.random() < 0.6:  # in_place keeps KV: a flushing update is refused, a non-flushing one lands
                 flush = mode != "in_place" or rng.random() < 0.5
-                await self.tally.guarded("update_weights", self.update_weights(flush))
+                kind, tensors = ("update_weights_tensor", True) if rng.random() < 0.4 else ("update_weights", False)
+                await self.tally.guarded(kind, self.update_weights(flush, from_tensor=tensors))
             if rng.random() < 0.3:
                 await self.tally.guarded("flush_cache", self.simple("/flush_cache", {}))
         finally:

@@ -200,6 +200,27 @@ async def generate_constrained(clients: Clients, rng: random.Random) -> Any:
     return resp.status_code
 
 
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"enum": ["yes", "no"]}},
+          "required": ["n", "ok"], "additionalProperties": False}
+
+
+async def generate_json_schema(clients: Clients, rng: random.Random) -> Any:
+    """/generate under a JSON schema (one that recurs, so the cache serves it after the first
+    compile, or a fresh variant now and then): an output that stopped parses and fits it."""
+    schema = SCHEMA if rng.random() < 0.8 else {**SCHEMA, "title": f"t{rng.randint(0, 10**6)}"}
+    body = {"text": random_text(rng), "sampling_params": {
+        "max_new_tokens": 48, "temperature": rng.choice([0.0, 1.0]), "json_schema": json.dumps(schema)}}
+    resp = await clients.http.post("/generate", json=body)
+    if resp.status_code != 200:
+        return resp.status_code, resp.text[:200]
+    out = resp.json()
+    if out["meta_info"]["finish_reason"]["type"] == "stop":
+        value = json.loads(out["text"])
+        assert set(value) == {"n", "ok"} and value["ok"] in ("yes", "no"), out["text"]
+    clients.note_finish("constrained", "/generate", out)
+    return resp.status_code
+
+
 async def malformed_grammar(clients: Clients, rng: random.Random) -> Any:
     """A grammar that cannot compile: a 400 naming it, before anything runs."""
     kind, spec = rng.choice([("regex", "[0-9"), ("json_schema", "{not json"), ("ebnf", "root ::= ")])
@@ -220,5 +241,6 @@ def generation_mix() -> list[tuple[str, int, Any]]:
         ("chat_left", 3, lambda c, r: chat(c, r, drop=True)),
         ("generate_aborted_by_rid", 5, generate_then_abort),
         ("generate_constrained", 6, generate_constrained),
+        ("generate_json_schema", 4, generate_json_schema),
         ("malformed_grammar", 1, malformed_grammar),
     ]
