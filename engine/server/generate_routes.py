@@ -23,6 +23,7 @@ from engine.server.openai_logprobs import token_decoder
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.protocol import GenerateBody, UnknownFields
 from engine.server.stream_delta import StreamDelta
+from engine.server.stream_spacing import StreamSpacing
 
 OFF_LOOP_TEXT_CHARS = 16 << 10  # ~10 ms to tokenize: more is tokenized on a thread
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
@@ -121,8 +122,10 @@ async def _generate_events(decode: Any, incremental: bool, body: GenerateBody,
                            stream: AsyncIterator[dict]) -> AsyncIterator[str]:
     shape = _shape(body, decode)
     delta = StreamDelta() if incremental else (lambda chunk: chunk)
+    send = (lambda chunk: True) if incremental else StreamSpacing()
     async for chunk in stream:
-        yield f"data: {json.dumps(shape(delta(chunk)))}\n\n"
+        if send(chunk):
+            yield f"data: {json.dumps(shape(delta(chunk)))}\n\n"
     yield "data: [DONE]\n\n"
 
 

@@ -155,3 +155,44 @@ def test_cumulative_streaming_is_sglangs_default(engine_factory, live_server_fac
     lengths = [len(c["output_ids"]) for c in chunks]
     assert lengths == sorted(lengths) and lengths[-1] == 16
     assert all(len(c["meta_info"]["output_top_logprobs"]) == len(c["output_ids"]) for c in chunks)
+
+
+def test_cumulative_streaming_of_many_logprobs_is_bounded(engine_factory, live_server_factory):
+    """SGLang's default (cumulative) chunks with 1024 top logprobs x 300 tokens: chunks past ~250 KB
+    go out only as the output grows by half (engine/server/stream_spacing.py), so the stream sends
+    < 50 MB (every chunk: ~1.5 GB) and its last chunk is the whole answer."""
+    eng = engine_factory()
+    server = live_server_factory(eng)
+    params = {**LONG, "max_new_tokens": 300}
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": params, "stream": True,
+            "return_logprob": True, "top_logprobs_num": 1024}
+    size, chunks = read_stream(server.url, body)
+    print(f"cumulative: {len(chunks)} chunks, {size / 1e6:.1f} MB")
+    assert size < 50e6
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 300 and len(chunks) > 5
+    assert all(len(c["meta_info"]["output_top_logprobs"]) == len(c["output_ids"]) for c in chunks)
+    whole = eng.generate(input_ids=[5, 6, 7, 8], sampling_params=params, return_logprob=True, top_logprobs_num=1024)
+    last = chunks[-1]
+    assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
+    assert [[e[1] for e in pos] for pos in last["meta_info"]["output_top_logprobs"]] == \
+        [[e[1] for e in pos] for pos in whole["meta_info"]["output_top_logprobs"]]
+
+
+def test_stream_spacing_sends_small_and_final_chunks_and_spaces_big_ones():
+    from engine.server.stream_spacing import StreamSpacing
+
+    def chunk(tokens: int, top: int, index: int = 0, done: bool = False) -> dict:
+        meta = {"finish_reason": {"type": "length"} if done else None,
+                "output_top_logprobs": [[[0.0, 1, None]] * top] * tokens}
+        return {"index": index, "output_ids": [1] * tokens, "meta_info": meta}
+
+    small = StreamSpacing()
+    assert all(small(chunk(t, 2)) for t in range(1, 200))  # small chunks: every one
+    big = StreamSpacing()
+    sent = [t for t in range(1, 301) if big(chunk(t, 1024, done=t == 300))]
+    assert sent[:8] == [1, 2, 3, 4, 5, 6, 7, 11] and sent[-1] == 300  # under ~8k entries, then spaced; the last kept
+    assert all(b >= 1.5 * a for a, b in zip(sent[6:-1], sent[7:-1]))
+    two = StreamSpacing()  # n > 1: each index spaced on its own
+    assert two(chunk(20, 1024, index=0)) and two(chunk(20, 1024, index=1))
+    assert not two(chunk(21, 1024, index=1))
