@@ -175,12 +175,22 @@ def failures(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def start_grammar_workers(server: ServeProcess) -> None:
+    """One constrained request before the first sample: the grammar-compile worker processes
+    (~280 MB each) start with the first grammar, and they belong to the warm server, not to growth."""
+    body = {"text": "warm", "sampling_params": {"max_new_tokens": 2, "regex": "[ab]+"}}
+    status = httpx.post(f"{server.url}/generate", json=body, timeout=REQUEST_TIMEOUT_S).status_code
+    if status != 200:
+        raise RuntimeError(f"the constrained warm-up request answered {status}")
+
+
 def run_soak(minutes: float, out_dir: Path, num_clients: int = 24, seed: int = 0) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = build_checkpoints(out_dir / "checkpoints")
     server = ServeProcess(checkpoints[0], out_dir / "server.log")
     try:
         server.wait_ready()
+        start_grammar_workers(server)
         tally, began = Tally(), time.monotonic()
         rss = [[0.0, round(server.rss_mb(), 1), None, None]]
         controller = asyncio.run(drive(server, checkpoints, minutes, num_clients, seed, tally, rss))
