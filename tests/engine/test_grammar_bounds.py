@@ -20,7 +20,7 @@ pytest.importorskip("xgrammar")
 
 from tests.engine.test_grammar import CODE, PROMPTS, sampled  # noqa: E402
 
-LIMIT_S = 2.0
+LIMIT_S = 5.0  # long enough that the simple request's path (its own compile, 4 tokens) fits inside it on a busy 2-core host
 
 
 def optional_properties(n: int, prefix: str = "p") -> str:
@@ -91,13 +91,13 @@ def test_a_slow_schema_is_a_400_at_its_limit_while_others_are_served(client):
     start = time.monotonic()
     metrics = client.get("/metrics")
     timings["metrics"] = time.monotonic() - start
-    assert not slow, "the simple schema waited for the slow one"
+    assert not slow, ("the simple schema waited for the slow one", timings)
     thread.join(LIMIT_S + 30)
     reply, took = slow[0]
     print(f"slow schema: {reply.status_code} in {took:.2f} s; simple {timings['simple']:.3f} s, "
           f"/metrics {timings['metrics']:.3f} s")
     assert simple.status_code == 200 and metrics.status_code == 200
-    assert timings["simple"] < 1.5 and timings["metrics"] < 1.5, timings  # < 1 s unloaded; slack for a busy host
+    assert timings["simple"] < 2.5 and timings["metrics"] < 2.5, timings  # 0.02-0.08 s unloaded; slack for a busy host
     assert reply.status_code == 400 and "--grammar-compile-timeout" in reply.json()["message"], reply.text
     assert LIMIT_S <= took < LIMIT_S + 3.0, took
     start = time.monotonic()  # the same schema again: refused at once, no worker held for it
