@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: gpuall sync8q gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 set -uo pipefail
 export PYTHONPATH=.
@@ -75,6 +75,16 @@ for s in "$@"; do case $s in
   moetests) step moetests 130 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/gpu/test_fused_moe_gpu.py ;;
   moegpu) step moegputests 170 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_fused_moe_gpu.py  # fused MoE: tests, then the bench
     step moebench 120 python3 scripts/fused_moe_bench.py --json "$OUT/fused-moe.json" ;;
+  bench30) step bench30 330 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --compare-hf --hf-num-prompts 32 --hf-runs 1 --stream-mode final --json "$OUT/bench-30b.json" ;;
+  bench30det) step bench30det 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/bench-30b-det.json" ;;
+  bench30re) step bench30re 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-return-routed-experts --json "$OUT/bench-30b-routes.json" ;;
+  det30) step det30 240 python3 -m tandem.main determinism --preset qwen3-30b-a3b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 20 --max-new-tokens 16 --json "$OUT/determinism-30b.json" ;;
+  sync30) ( kit && step sync30 240 python3 -m tandem.main bench-sync --preset qwen3-30b-a3b --transport cuda-ipc --num-updates 7 --cuda-graph-max-bs 8 --json "$OUT/sync-30b-ipc.json" ) ;;
+  train30det)  # the qwen3_gpu recipe on Qwen3-30B-A3B's shape at 4 of 48 layers: routes measured against the trainer's
+    ( kit; nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/smi-$s.csv" & smi=$!
+      step "$s" 300 python3 -m tandem.main train --recipe qwen3_gpu --model qwen3-30b-a3b-4l --steps 3 --deterministic true \
+        --routed-experts measure --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s"
+      kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
   gpuover) step gpuover 80 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap_gpu.py tests/gpu/test_cuda_graph.py ;;
   bench8q) step bench8q 90 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b-v2.json" ;;
   bench06q) step bench06q 70 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b-v2.json" ;;

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--compare-hf", action="store_true",
                    help="also run HF transformers generate on the same weights, in this process")
     r.add_argument("--hf-runs", type=int, default=None, help="measured HF runs (default: --runs)")
+    r.add_argument("--hf-num-prompts", type=int, default=None, metavar="N",
+                   help="HF generates the workload's first N requests only (default: all); its rate is "
+                        "per its own tokens. For models whose HF copy and batch do not fit beside the engine's")
     r.add_argument("--roofline", action="store_true",
                    help="measure copy bandwidth and matmul rate; print the workload's floor")
     r.add_argument("--json", default=None, metavar="PATH", help="write every number here")
@@ -84,6 +87,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         if args.runs < 1 or (args.hf_runs is not None and args.hf_runs < 1) or args.warmup_runs < 0:
             raise SystemExit("tandem bench: --runs and --hf-runs must be >= 1, --warmup-runs >= 0")
+        if args.hf_num_prompts is not None and args.hf_num_prompts < 1:
+            raise SystemExit("tandem bench: --hf-num-prompts must be >= 1")
         if args.compare_hf and args.temperature != 0.0:
             raise SystemExit("tandem bench: --compare-hf runs greedy generation; drop --temperature "
                              "(or --compare-hf to measure sampling alone)")
@@ -181,7 +186,7 @@ class Bench:
             hf_model = build_hf_model(self.engine_kwargs["model_path"], self._engine_model, dtype, device)
             self._engine_model = None  # the HF model holds its own copy now
             dev.free_memory(device)
-            hf = run_hf(hf_model, workload, device, self.args.hf_runs or self.args.runs)
+            hf = run_hf(hf_model, workload.head(self.args.hf_num_prompts), device, self.args.hf_runs or self.args.runs)
         except (RuntimeError, ValueError) as exc:  # OOM included: keep tandem's numbers
             logger.exception("HF baseline failed")
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -190,7 +195,8 @@ class Bench:
             del hf_model
             dev.free_memory(device)
         median = median_of_runs(hf["runs"])
-        result["hf"] = {"median": median, "runs": hf["runs"], "attn_implementation": hf["attn_implementation"]}
+        result["hf"] = {"median": median, "runs": hf["runs"], "attn_implementation": hf["attn_implementation"],
+                        "num_requests": len(hf["output_ids"] or [])}
         result["ratios"]["tandem_over_hf"] = ratio(result["tandem"]["median"]["output_tok_s"],
                                                    median["output_tok_s"])
         result["ratios"]["hf_agreement"] = agreement(self._tandem_output_ids, hf["output_ids"])

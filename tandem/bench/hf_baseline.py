@@ -83,11 +83,11 @@ def run_hf(model: nn.Module, workload: Workload, device: torch.device, runs: int
 
 def agreement(tandem_ids: list[list[int]], hf_ids: Optional[list[list[int]]]) -> Optional[float]:
     """Fraction of requests whose tandem output equals HF's greedy output (HF rows are cut to
-    each request's length). Expect 1.0 in float32; bf16 rounding flips near-tied argmaxes."""
+    each request's length), over the requests HF ran. Expect 1.0 in float32; bf16 rounding flips near-tied argmaxes."""
     if not hf_ids:
         return None
     same = sum(1 for t, h in zip(tandem_ids, hf_ids) if list(t) == list(h[: len(t)]))
-    return same / len(tandem_ids)
+    return same / min(len(tandem_ids), len(hf_ids))  # HF may have run the first requests only
 
 
 def _pad_id(model: nn.Module) -> int:

@@ -76,6 +76,7 @@ def run_once(engine: Any, workload: Workload, device: torch.device, stream: bool
     finals, traces, wall = asyncio.run(_submit_all(engine, workload, stream))
     metrics = run_metrics(workload, finals, traces, wall)
     metrics["retractions"] = engine.get_stats().num_retractions - retractions_before
+    metrics["routed_experts_returned"] = sum(1 for f in finals if f["meta_info"].get("routed_experts"))
     # a core in its own process holds the device memory there, out of this process's counters
     metrics["peak_memory_gb"] = None if engine.server_args.core_process else dev.peak_memory_gb(device)
     return RunOutcome(metrics, [f["output_ids"] for f in finals])
@@ -83,8 +84,11 @@ def run_once(engine: Any, workload: Workload, device: torch.device, stream: bool
 
 async def _submit_all(engine: Any, workload: Workload, stream: bool):
     params = workload.sampling_params()
+    # an engine started to return routed experts (MoE) returns them for every request: that is its cost
+    routes = bool(getattr(engine.server_args, "enable_return_routed_experts", False))
     start = time.perf_counter()
-    gen = engine.async_generate(input_ids=workload.input_ids, sampling_params=params, stream=stream)
+    gen = engine.async_generate(input_ids=workload.input_ids, sampling_params=params, stream=stream,
+                                return_routed_experts=routes)
     if not stream:
         finals = await gen
         return finals, None, time.perf_counter() - start

@@ -7,8 +7,10 @@ SGLang's `--random-range-ratio`: uniform integers in [ratio * len, len].
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 WORKLOADS = ("random", "grpo")
 
@@ -20,6 +22,12 @@ class Workload:
     output_lens: list[int]
     n: int  # samples per distinct prompt (1 for random)
     temperature: float = 0.0  # 0: greedy, so the HF comparison can check the tokens; RL samples at 1
+
+    def head(self, n: Optional[int]) -> "Workload":
+        """The first n requests (all when n is None)."""
+        if n is None:
+            return self
+        return dataclasses.replace(self, input_ids=self.input_ids[:n], output_lens=self.output_lens[:n])
 
     @property
     def num_requests(self) -> int:

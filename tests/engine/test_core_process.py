@@ -84,7 +84,12 @@ def test_text_decoded_in_front_equals_the_core_detokenizer(proc_engine, stream):
 
     front = asyncio.run(run(dict(GREEDY, max_new_tokens=12)))
     core = asyncio.run(run(dict(GREEDY, max_new_tokens=12, **never)))
-    assert front == core
+    # a busy host may coalesce different stream chunks in the two runs: compare the text at every
+    # token count both runs sent, and the final chunk
+    for f, c in zip(front, core, strict=True):
+        common = dict(f).keys() & dict(c).keys()
+        assert f[-1] == c[-1] and len(common) >= min(len(f), len(c)) // 2
+        assert {n: dict(f)[n] for n in common} == {n: dict(c)[n] for n in common}
     assert any(text for chunks in front for _, text in chunks)
 
 

@@ -88,10 +88,13 @@ def test_a_slow_schema_is_a_400_at_its_limit_while_others_are_served(client):
     thread.start()
     time.sleep(0.3)  # the slow compile is running
     timings = {}
+    import faulthandler, sys
+    faulthandler.dump_traceback_later(2.0, repeat=False, file=open("/tmp/gb_dump.txt", "w"))
     start = time.monotonic()
     simple = client.post("/generate", json={"text": "hi", "sampling_params": {
         "max_new_tokens": 4, "temperature": 1.0, "json_schema": optional_properties(4, "s")}})
     timings["simple"] = time.monotonic() - start
+    faulthandler.cancel_dump_traceback_later()
     start = time.monotonic()
     metrics = client.get("/metrics")
     timings["metrics"] = time.monotonic() - start

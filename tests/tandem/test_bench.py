@@ -45,6 +45,27 @@ def test_random_workload_with_hf_and_roofline(tmp_path, capsys):
     assert "output tok/s" in out and "roofline output tok/s" in out and "tandem / HF" in out
 
 
+def test_hf_on_the_first_requests_of_a_moe_model(tmp_path):
+    """--hf-num-prompts: HF generates only the first N requests (a 30B MoE's HF copy and full batch
+    do not fit beside the engine's); agreement is over those, and the MoE weights line up with HF's."""
+    path = tmp_path / "bench.json"
+    assert cli.main(["bench", "--preset", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--num-prompts", "4",
+                     "--input-len", "16", "--output-len", "6", "--runs", "1", "--compare-hf",
+                     "--hf-num-prompts", "2", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["hf"]["num_requests"] == 2 and result["hf"]["median"]["output_tokens"] == 2 * 6
+    assert result["ratios"]["hf_agreement"] == 1.0
+    assert result["tandem"]["median"]["routed_experts_returned"] == 0
+
+
+def test_an_engine_returning_routed_experts_returns_them_for_every_request(tmp_path):
+    path = tmp_path / "bench.json"
+    assert cli.main(["bench", "--preset", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--num-prompts", "3",
+                     "--input-len", "8", "--output-len", "4", "--runs", "1", "--enable-return-routed-experts",
+                     "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["tandem"]["median"]["routed_experts_returned"] == 3
+
+
 def test_grpo_workload_shares_prompts(tmp_path):
     result = _bench(tmp_path, "--workload", "grpo", "--num-prompts", "2", "--n", "4",
                     "--input-len", "64", "--output-len", "4", "--stream-mode", "final",
