@@ -44,8 +44,6 @@ def build_output(req: Req, core: CoreView, since: int = 0) -> dict[str, Any]:
     }
     if req.return_logprob:
         meta.update(_logprob_fields(req, since))
-    if req.routed_experts is not None:
-        meta["routed_experts"] = req.routed_experts
     return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 

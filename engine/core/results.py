@@ -13,7 +13,7 @@ from typing import Optional
 
 from engine.core.messages import ReqOutput
 from engine.core.output import CoreView, req_output
-from engine.core.routed_experts import routed_experts_b64
+from engine.core.routed_experts import read_routes, route_slots
 from engine.runner.model_runner import ModelRunner
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -29,6 +29,7 @@ class StepResults:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
+        self._pending_routes: list[tuple[str, object]] = []  # (rid, KV slots) released this step
 
     def answer(self, batch: ScheduleBatch, result: BatchResult, grown: list[Req],
                then: Optional[ScheduleBatch] = None) -> list[ReqOutput]:
@@ -48,6 +49,7 @@ class StepResults:
             req.finished_reason = {"type": "length", "length": 0}
             self._release(req)
             outputs.append(self.finish(req))
+        self._attach_routes(outputs)
         return outputs
 
     def _after_token(self, req: Req, grammar_stop: Optional[dict] = None) -> list[ReqOutput]:
@@ -64,11 +66,24 @@ class StepResults:
         return [self.finish(req)]
 
     def _release(self, req: Req) -> None:
-        """Free what a finished request holds, reading its routed experts first (they live at its KV slots)."""
-        routes = self.runner.kv_pool.routed_experts
-        if req.return_routed_experts and routes is not None and req.req_pool_idx is not None:
-            req.routed_experts = routed_experts_b64(routes, self.runner.req_to_token_pool.req_to_token, req)
+        """Free what a finished request holds, noting its routed experts' slots first (the routes
+        live at its KV slots; _attach_routes reads those of the whole step at once)."""
+        if (req.return_routed_experts and req.req_pool_idx is not None
+                and self.runner.kv_pool.routed_experts is not None):
+            self._pending_routes.append((req.rid, route_slots(self.runner.req_to_token_pool.req_to_token, req)))
         self.scheduler.release(req)
+
+    def _attach_routes(self, outputs: list[ReqOutput]) -> None:
+        """The routes of the step's finished requests: one gather and one copy to the host for them
+        all (no sync per request), as int32 arrays; the front end encodes them."""
+        if not self._pending_routes:
+            return
+        pending, self._pending_routes = self._pending_routes, []
+        routes = read_routes(self.runner.kv_pool.routed_experts, [slots for _, slots in pending])
+        by_rid = {rid: ids for (rid, _), ids in zip(pending, routes)}
+        for out in outputs:
+            if out.finished and out.rid in by_rid:
+                out.output["meta_info"]["routed_experts"] = by_rid[out.rid]
 
     def _advance_grammars(self, reqs: list[Req]) -> dict[int, Optional[dict]]:
         """Feed each request's committed token to its grammar, one call for the batch. By request

@@ -39,14 +39,22 @@ def serve(conn: Any, info_path: str, vocab_size: int, max_rss_bytes: int) -> Non
             reply = ("ok", compiler.compile(kind, spec).memory_size_bytes)
         except ValueError as exc:
             reply = ("error", str(exc))
-        exiting = _peak_rss_bytes() > max_rss_bytes  # its heap grew past the limit: a fresh worker replaces it
+        exiting = _rss_bytes() > max_rss_bytes  # its heap grew past the limit: a fresh worker replaces it
         conn.send((*reply, exiting))
         if exiting:
             return
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _rss_bytes() -> int:
+    """This process's resident memory now. Not getrusage's ru_maxrss: Linux carries it over exec
+    from the forked parent, so every worker of a server past the limit looked over it at once
+    (and was replaced after each compile)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: the peak (macOS reports bytes)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 if __name__ == "__main__":  # started by engine/grammar/compile_pool.py: FD SETUP_JSON

@@ -69,7 +69,6 @@ class Req(RequestOptions):
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     weight_spans: list[tuple[str, int]] = field(default_factory=list)  # (version, first output index)
-    routed_experts: Optional[str] = None  # base64 int32 [tokens, layers, top_k], read before release
 
     @classmethod
     def from_input(cls, msg: Any) -> "Req":
