@@ -77,6 +77,22 @@ def test_only_when_asked_and_per_prompt(routes_engine):
     assert len(_routes(outs[0])) == len(prompts[0]) + len(outs[0]["output_ids"]) - 1
 
 
+def test_a_core_process_returns_the_same_routes(routes_engine, moe_mixed_model_dir):
+    """The core sends a step's routes as int32 arrays; the front end (here across the pipe) encodes them.
+    Requests of different lengths finish in one step: one gather for them all, split per request."""
+    from engine import Engine
+
+    prompts = random_prompts(4, 1000, lengths=(3, 30), seed=14)
+    want = routes_engine.generate(input_ids=prompts, sampling_params=GREEDY, return_routed_experts=True)
+    with Engine(model_path=moe_mixed_model_dir, dtype="float32", device="cpu", enable_return_routed_experts=True,
+                enable_deterministic_inference=True, core_process=True) as eng:
+        got = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_routed_experts=True)
+    for w, g in zip(want, got, strict=True):
+        assert isinstance(g["meta_info"]["routed_experts"], str)
+        assert g["meta_info"]["routed_experts"] == w["meta_info"]["routed_experts"]
+        assert len(_routes(g)) == len(prompts[got.index(g)]) + GREEDY["max_new_tokens"] - 1
+
+
 def test_refused_without_the_server_flag(moe_mixed_model_dir):
     from engine import Engine
 
