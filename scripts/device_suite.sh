@@ -19,8 +19,9 @@ step() {  # name, seconds, command...
 B="python3 -m tandem.main bench --skip-tokenizer-init"
 kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
   source .devkit/install.sh || return 1
-  if [ -d .devkit/extra ] && [ ! -f /tmp/devkit-site/.extra ]; then  # aiohttp: the bench's load generator
-    python3 -m pip install -q --no-index --no-deps --target /tmp/devkit-site .devkit/extra/*.whl && touch /tmp/devkit-site/.extra
+  local mark=/tmp/devkit-site/.extra-$(ls .devkit/extra 2>/dev/null | wc -l)  # a wheel added: installed again
+  if [ -d .devkit/extra ] && [ ! -f $mark ]; then  # aiohttp: the bench's load generator; pybase64
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/devkit-site .devkit/extra/*.whl && touch $mark
   fi
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in

@@ -125,14 +125,19 @@ class DeepSpeedTrainer(Trainer):
 
 def _register_borrowed_parameters(model: torch.nn.Module) -> None:
     """ZeRO-3 gathers a module's parameters when that module's forward runs. Attention reads its
-    q/k norms' weights itself (one fused norm + rope kernel; their forwards never run), so they
-    are registered as the attention module's own: gathered for its forward and backward."""
+    q/k norms' weights itself (one fused norm + rope kernel; their forwards never run), and a MoE
+    block its stacked experts' (one fused MoE kernel), so they are registered as that module's
+    own: gathered for its forward and backward."""
     import deepspeed  # deepspeed.zero is an attribute of the package, not an importable module
 
     for module in model.modules():
+        borrowed = []
         if getattr(module, "qk_norm", False):
-            deepspeed.zero.register_external_parameter(module, module.q_norm.weight)
-            deepspeed.zero.register_external_parameter(module, module.k_norm.weight)
+            borrowed += [module.q_norm.weight, module.k_norm.weight]
+        if hasattr(module, "borrowed_parameters"):
+            borrowed += module.borrowed_parameters()
+        for param in borrowed:
+            deepspeed.zero.register_external_parameter(module, param)
 
 
 def _init_single_process_group(deepspeed) -> None:

@@ -39,7 +39,17 @@ def encode_routed_experts(meta: dict) -> None:
     core's loop)."""
     ids = meta.get("routed_experts")
     if isinstance(ids, np.ndarray):
-        meta["routed_experts"] = base64.b64encode(np.ascontiguousarray(ids, dtype="<i4").data).decode("ascii")
+        meta["routed_experts"] = _b64_string(np.ascontiguousarray(ids, dtype="<i4").data)
+
+
+def _b64_string(data: memoryview) -> str:
+    """pybase64 (SIMD, straight to str) where installed: 256 x 768 tokens of a 48-layer top-8 model
+    are 300 MB of routes, 3.5x faster than the standard library's encode + decode."""
+    try:
+        import pybase64
+    except ImportError:
+        return base64.b64encode(data).decode("ascii")
+    return pybase64.b64encode_as_string(data)
 
 
 def decode_routed_experts(b64: str, num_layers: int, top_k: int) -> np.ndarray:

@@ -137,6 +137,11 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(config.hidden_size, 1, False, deterministic)
         self.has_shared_expert = bool(shared)
 
+    def borrowed_parameters(self) -> list[nn.Parameter]:
+        """Parameters of submodules this forward reads itself (their forwards never run): what a
+        ZeRO-3 trainer must gather for it (trainer_bridge/deepspeed.py)."""
+        return [self.experts.gate_up_proj.weight, self.experts.down_proj.weight]
+
     def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:
         replay = getattr(forward_batch, "replay_routes", None)  # the trainer's R3: [T, layers, top_k]
         weights, ids = route(self.gate(x), self.top_k, self.renormalize,

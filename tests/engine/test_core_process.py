@@ -101,7 +101,11 @@ def test_streaming_chunks_are_cumulative(proc_engine):
     chunks = asyncio.run(run())
     for index in (0, 1):
         mine = [c for c in chunks if c["index"] == index]
-        assert [len(c["output_ids"]) for c in mine] == list(range(1, 9))
+        lengths = [len(c["output_ids"]) for c in mine]
+        # one chunk per token unless the reader lagged (a busy host): then chunks coalesce
+        assert lengths[-1] == 8 and lengths == sorted(set(lengths)) and len(lengths) >= 4, lengths
+        for earlier, later in zip(mine, mine[1:]):  # cumulative: each chunk extends the one before
+            assert later["output_ids"][: len(earlier["output_ids"])] == earlier["output_ids"]
         assert mine[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 

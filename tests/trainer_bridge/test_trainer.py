@@ -32,3 +32,27 @@ def test_a_non_finite_step_is_not_applied(engine, trainer, poison):  # noqa: F81
     with pytest.raises(FloatingPointError, match=("RL loss" if poison == "loss" else "gradient norm") + ".*not applied"):
         trainer.train_step(RolloutBatch.from_samples(samples, advantages), lr=1e-2)
     assert _unchanged(trainer, before)
+
+
+def test_zero3_gathers_what_fused_kernels_read_themselves(monkeypatch, tmp_path):
+    """ZeRO-3 gathers a module's own parameters for its forward; the MoE block reads its stacked
+    experts' and attention its q/k norms' weights itself, so those are registered as theirs (on
+    the H200 the 30B-A3B recipe otherwise met the experts' partitioned 1-D shards)."""
+    import sys
+    import types
+
+    from engine.testing.tiny_model import build_tiny_model
+    from trainer_bridge.deepspeed import _register_borrowed_parameters
+    from trainer_bridge.policy import Policy
+
+    registered: list[tuple[str, int]] = []
+    zero = types.SimpleNamespace(register_external_parameter=lambda m, p: registered.append((type(m).__name__, id(p))))
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(zero=zero))
+    policy = Policy.from_pretrained(str(build_tiny_model(tmp_path / "moe", preset="tiny-moe")))
+    _register_borrowed_parameters(policy)
+    moe = [m for m in policy.modules() if type(m).__name__ == "SparseMoE"]
+    attention = [m for m in policy.modules() if getattr(m, "qk_norm", False)]
+    assert len(moe) == 2 and len(attention) == 2
+    want = {("SparseMoE", id(p)) for m in moe for p in (m.experts.gate_up_proj.weight, m.experts.down_proj.weight)}
+    want |= {(type(m).__name__, id(p)) for m in attention for p in (m.q_norm.weight, m.k_norm.weight)}
+    assert set(registered) == want and len(registered) == len(want)
