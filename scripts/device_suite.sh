@@ -78,6 +78,7 @@ for s in "$@"; do case $s in
     step moebench 120 python3 scripts/fused_moe_bench.py --json "$OUT/fused-moe.json" ;;
   bench30) step bench30 330 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --compare-hf --hf-num-prompts 32 --hf-runs 1 --stream-mode final --json "$OUT/bench-30b.json" ;;
   bench30q) step bench30q 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-30b-q.json" ;;
+  routesprobe) step routesprobe 200 python3 scripts/routes_cost_probe.py --preset qwen3-30b-a3b ;;
   bench30det) step bench30det 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/bench-30b-det.json" ;;
   bench30re) step bench30re 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-return-routed-experts --json "$OUT/bench-30b-routes.json" ;;
   det30) step det30 240 python3 -m tandem.main determinism --preset qwen3-30b-a3b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 20 --max-new-tokens 16 --json "$OUT/determinism-30b.json" ;;
@@ -85,7 +86,8 @@ for s in "$@"; do case $s in
   train30det)  # the qwen3_gpu recipe on Qwen3-30B-A3B's shape at 4 of 48 layers: routes measured against the trainer's
     ( kit; nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/smi-$s.csv" & smi=$!
       step "$s" 300 python3 -m tandem.main train --recipe qwen3_gpu --model qwen3-30b-a3b-4l --steps 3 --deterministic true \
-        --routed-experts measure --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s"
+        --routed-experts measure --save-checkpoint false --wandb false --quiet --output-dir "/tmp/$s"
+      cp "/tmp/$s/metrics.jsonl" "$OUT/$s-metrics.jsonl"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
   gpuover) step gpuover 80 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap_gpu.py tests/gpu/test_cuda_graph.py ;;
   bench8q) step bench8q 90 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b-v2.json" ;;

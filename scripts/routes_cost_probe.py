@@ -1,0 +1,68 @@
+"""Where return_routed_experts' cost goes: one engine started with --enable-return-routed-experts
+(the forward writes routes either way), the same workload with the per-request flag off and on,
+and the time spent reading (core) and encoding (front end) the routes.
+
+    python scripts/routes_cost_probe.py --preset qwen3-30b-a3b [--num-prompts 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import engine.api.engine as engine_api
+import engine.core.results as results
+from engine import Engine
+from engine.testing.tiny_model import tiny_model_path
+from tandem.bench.workload import build_workload
+
+spent = {"read_routes": 0.0, "encode": 0.0}
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    results.read_routes = timed("read_routes", results.read_routes)
+    engine_api.encode_routed_experts = timed("encode", engine_api.encode_routed_experts)
+    path = tiny_model_path(preset=args.preset)
+    dummy = not any(path.glob("*.safetensors"))
+    for server_flag, flags in ((False, (False, False)), (True, (False, True, False, True, False, True))):
+        eng = Engine(model_path=str(path), load_format="dummy" if dummy else "auto", skip_tokenizer_init=True,
+                     device=args.device, enable_return_routed_experts=server_flag)
+        print(f"engine with --enable-return-routed-experts {server_flag}", flush=True)
+        run(eng, args.num_prompts, flags)
+        eng.shutdown()
+
+
+def run(eng: Engine, num_prompts: int, flags: tuple) -> None:
+    work = build_workload("random", num_prompts, 512, 256, eng.info.vocab_size, seed=1)
+    eng.generate(input_ids=work.input_ids[:32], sampling_params=work.sampling_params()[:32])  # warm-up
+    for flag in flags:
+        eng.flush_cache()
+        for key in spent:
+            spent[key] = 0.0
+        start = time.perf_counter()
+        outs = eng.generate(input_ids=work.input_ids, sampling_params=work.sampling_params(),
+                            return_routed_experts=flag)
+        wall = time.perf_counter() - start
+        got = sum(1 for o in outs if "routed_experts" in o["meta_info"])
+        print(f"routes {'on ' if flag else 'off'}: {work.total_output_tokens / wall:,.1f} output tok/s, wall "
+              f"{wall:.3f} s, read {spent['read_routes']:.3f} s, encode {spent['encode']:.3f} s, {got} with routes",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
