@@ -14,6 +14,8 @@ import engine.api.engine as engine_api
 import engine.core.results as results
 from engine import Engine
 from engine.testing.tiny_model import tiny_model_path
+from engine.core.setup import resolve_device
+from tandem.bench.device import free_memory
 from tandem.bench.workload import build_workload
 
 spent = {"read_routes": 0.0, "encode": 0.0}
@@ -45,6 +47,8 @@ def main() -> None:
         print(f"engine with --enable-return-routed-experts {server_flag}", flush=True)
         run(eng, args.num_prompts, flags)
         eng.shutdown()
+        del eng
+        free_memory(resolve_device(args.device))  # the next engine sizes its pool from what is free
 
 
 def run(eng: Engine, num_prompts: int, flags: tuple) -> None:
