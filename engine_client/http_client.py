@@ -11,8 +11,9 @@ for weight and memory verbs and as a ValueError for generate, as Engine raises o
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 from engine.api.generate_request import GenerateRequest
 from engine.api.protocol import Reply
@@ -46,27 +47,31 @@ class HttpClient:
 
     async def async_generate(self, *args: Any, **kwargs: Any) -> Any:
         body = generate_body(GenerateRequest.of(*args, **kwargs))
-        response = await self._async_client().post("/generate", json=body, timeout=self.timeout_s)
-        return _generate_reply(response)
+        client = await self._async_client()
+        return _generate_reply(_Answer(*await client.post("/generate", body, timeout_s=self.timeout_s)))
 
-    def _async_client(self) -> Any:
-        import httpx
+    async def _async_client(self) -> Any:
+        """This event loop's client (aiohttp when installed: engine_client/async_http.py), closed
+        when the loop shuts down (asyncio.run), or by aclose()."""
+        from engine_client.async_http import open_client
 
         loop = asyncio.get_running_loop()
-        client = self._async.get(loop)
-        if client is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=limits)
-            self._async[loop] = client
-        return client
+        entry = self._async.get(loop)
+        if entry is None:
+            client = open_client(self.base_url, None, self._headers)
+            closer = _close_at_loop_shutdown(client)
+            await closer.__anext__()  # the loop now holds it: shutdown_asyncgens() runs its finally
+            entry = self._async[loop] = (client, closer)
+        return entry[0]
 
     def abort_request(self, rid=None, abort_all=False):
         self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
     async def async_abort_request(self, rid=None, abort_all=False):
-        response = await self._async_client().post("/abort_request", json={"rid": rid or "", "abort_all": abort_all})
-        if response.status_code != 200:
-            raise RuntimeError(f"/abort_request failed with HTTP {response.status_code}: {_message(response)}")
+        client = await self._async_client()
+        answer = _Answer(*await client.post("/abort_request", {"rid": rid or "", "abort_all": abort_all}))
+        if answer.status_code != 200:
+            raise RuntimeError(f"/abort_request failed with HTTP {answer.status_code}: {_message(answer)}")
 
     def flush_cache(self):
         return self._sync.post("/flush_cache").status_code == 200
@@ -143,7 +148,18 @@ class HttpClient:
         return response.json()
 
     def close(self):
+        """Close the synchronous client and the async ones whose event loop is idle; await
+        aclose() on a running loop for its own."""
         self._sync.close()
+        for loop, (_, closer) in list(self._async.items()):
+            if not loop.is_closed() and not loop.is_running():
+                loop.run_until_complete(closer.aclose())
+            self._async.pop(loop, None)
+
+    async def aclose(self):
+        entry = self._async.pop(asyncio.get_running_loop(), None)
+        if entry is not None:
+            await entry[1].aclose()
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _post(self, route: str, body: dict) -> Any:
@@ -183,6 +199,25 @@ def generate_body(request: GenerateRequest) -> dict:
     if request.return_routed_experts:  # only when asked: a server without the flag refuses it
         body["return_routed_experts"] = request.return_routed_experts
     return body
+
+
+async def _close_at_loop_shutdown(client: Any) -> AsyncIterator[None]:
+    """Suspended until its loop finalizes async generators (asyncio.run does on exit) or aclose():
+    the client's connections close while their loop still runs."""
+    try:
+        yield
+    finally:
+        await client.close()
+
+
+class _Answer:
+    """An async client's (status, text), read as an httpx response is."""
+
+    def __init__(self, status_code: int, text: str) -> None:
+        self.status_code, self.text = status_code, text
+
+    def json(self) -> Any:
+        return json.loads(self.text)
 
 
 def _generate_reply(response: Any) -> Any:

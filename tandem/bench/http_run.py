@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any, Optional
 
-from tandem.bench.http_clients import open_client
+from engine_client.async_http import open_client
 from tandem.bench.tandem_run import LATENCY_KEYS, STREAM_MODES, RunOutcome, TokenTrace, run_metrics
 from tandem.bench.workload import Workload
 
