@@ -97,7 +97,7 @@ def test_a_slow_schema_is_a_400_at_its_limit_while_others_are_served(client):
     print(f"slow schema: {reply.status_code} in {took:.2f} s; simple {timings['simple']:.3f} s, "
           f"/metrics {timings['metrics']:.3f} s")
     assert simple.status_code == 200 and metrics.status_code == 200
-    assert timings["simple"] < 2.5 and timings["metrics"] < 2.5, timings  # 0.02-0.08 s unloaded; slack for a busy host
+    assert timings["simple"] < 1.0 and timings["metrics"] < 1.0, timings  # 0.02-0.08 s, 0.04 s beside a full suite
     assert reply.status_code == 400 and "--grammar-compile-timeout" in reply.json()["message"], reply.text
     assert LIMIT_S <= took < LIMIT_S + 3.0, took
     start = time.monotonic()  # the same schema again: refused at once, no worker held for it
