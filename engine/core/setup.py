@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from engine.attention.registry import BackendSpec, default_backend, get_backend_spec
 from engine.config import ServerArgs
+from engine.core.startup_clock import StartupClock
 from engine.models.parallel_state import check_tp_size, kv_heads_per_rank
 from engine.runner.tp_driver import TPDriver
 from engine.runner.tp_messages import KVPlan
@@ -65,6 +66,7 @@ def load_hf_config(model_path: str) -> Any:
 
 
 def build_core_parts(args: ServerArgs) -> CoreParts:
+    clock = StartupClock()
     hf_config = load_hf_config(args.model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
@@ -73,7 +75,7 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     backend.check_model(str(dtype).removeprefix("torch."), head_dim, device.type)  # fail before the model loads
     tp = _start_tensor_parallel(args, device, hf_config)
     try:
-        return _build(args, hf_config, device, dtype, backend, head_dim, tp)
+        return _build(args, hf_config, device, dtype, backend, head_dim, tp, clock)
     except BaseException:  # the other ranks must not outlive a failed start
         if tp is not None:
             tp.stop()
@@ -90,20 +92,20 @@ def _start_tensor_parallel(args: ServerArgs, device: torch.device, hf_config: An
 
 
 def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.dtype, backend: BackendSpec,
-           head_dim: int, tp: Optional[TPDriver]) -> CoreParts:
+           head_dim: int, tp: Optional[TPDriver], clock: StartupClock) -> CoreParts:
     deterministic = args.enable_deterministic_inference
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     if tp is not None:  # this rank's kv heads only
         num_kv_heads = kv_heads_per_rank(num_kv_heads, args.tp_size)
     saver = MemorySaver(args.enable_memory_saver, device, weights_cpu_backup=args.enable_weights_cpu_backup)
-    with saver.region("weights"):  # release_memory_occupation frees these regions (runner/memory_saver.py)
+    with saver.region("weights"), clock.phase("weights"):  # release_memory_occupation frees these regions
         model = load_model(args.model_path, hf_config, dtype, device, args.load_format, deterministic=deterministic,
                            tp=tp.group if tp is not None else None)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
     routes = routes_shape(args, hf_config)
     memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len,
                          extra_bytes_per_token=4 * routes[0] * routes[1] if routes else 0)
-    with saver.region("kv_cache"):
+    with saver.region("kv_cache"), clock.phase("kv_pool"):
         kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device,
                          routes_shape=routes)
     # +1 row: the chunked request holds a row while it is neither running nor waiting
@@ -113,18 +115,20 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
     allocator = TokenSlotAllocator(memory.max_total_num_tokens)
     cache = ChunkCache(allocator, req_pool) if args.disable_radix_cache else RadixCache(allocator, req_pool)
     scheduler = Scheduler(_scheduler_config(args, memory), cache, allocator, req_pool)
-    tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args)
+    with clock.phase("tokenizer"):
+        tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args)
     eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
     vocab_size = int(hf_config.vocab_size)
     runner_cfg = RunnerConfig(device, dtype, backend.name, eos, vocab_size,
                               cuda_graph_max_bs=0 if tp is not None else _cuda_graph_max_bs(args, device, backend, memory),
                               deterministic=deterministic)
-    runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver, tp=tp)
+    with clock.phase("runner"):  # CUDA graphs, sampler warm-up
+        runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver, tp=tp)
     logger.info(
         "tandem ready: model=%s device=%s dtype=%s tp_size=%d max_total_num_tokens=%d chunked_prefill_size=%s "
-        "max_running_requests=%d context_len=%d available_mem=%.2f GB",
+        "max_running_requests=%d context_len=%d available_mem=%.2f GB %s",
         args.model_path, device, str(dtype).replace("torch.", ""), args.tp_size, memory.max_total_num_tokens,
-        memory.chunked_prefill_size, memory.max_running_requests, context_len, memory.available_gb,
+        memory.chunked_prefill_size, memory.max_running_requests, context_len, memory.available_gb, clock.summary(),
     )
     return CoreParts(scheduler, runner, tokenizer, eos, context_len, vocab_size, memory,
                      lambda req: _make_detokenizer(tokenizer, req))
