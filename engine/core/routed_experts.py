@@ -1,7 +1,7 @@
 """A finished request's routed experts, as SGLang sends them: meta_info["routed_experts"] is the
-base64 of little-endian int32 [tokens, layers, top_k] (the front end encodes it), tokens = prompt + output - 1 (every token
-that went through the model; the last sampled one never does), layers = every hidden layer (-1 on
-dense ones).
+base64 of little-endian int32 [tokens, layers, top_k] (the front end encodes it), tokens =
+prompt + output - 1 (every token that went through the model; the last sampled one never does),
+layers = every hidden layer (-1 on dense ones).
 
 The MoE layers store each token's ids at its KV slot (engine/models/moe.py), so tokens whose KV
 came from the radix cache still have the routes computed when that KV was written, under the same
@@ -35,8 +35,8 @@ def read_routes(routes: Any, slots: list) -> list[np.ndarray]:
 
 
 def encode_routed_experts(meta: dict) -> None:
-    """The core's int32 array -> SGLang's base64 string, in place (done by the front end, off the
-    core's loop)."""
+    """The core's int32 array -> SGLang's base64 string, in place. Done where the front end receives
+    outputs: in its own process with --core-process, off the scheduler's."""
     ids = meta.get("routed_experts")
     if isinstance(ids, np.ndarray):
         meta["routed_experts"] = _b64_string(np.ascontiguousarray(ids, dtype="<i4").data)
