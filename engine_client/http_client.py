@@ -140,6 +140,11 @@ class HttpClient:
         except httpx.HTTPError:
             return False
 
+    def get_load(self):
+        response = self._sync.get("/get_load")
+        response.raise_for_status()
+        return response.json()
+
     def get_server_info(self):
         response = self._sync.get("/get_server_info")
         if response.status_code == 404:  # SGLang's other spelling

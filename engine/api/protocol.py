@@ -60,6 +60,11 @@ class EngineAPI(Protocol):
 
     def get_server_info(self) -> dict: ...
 
+    def get_load(self) -> list[dict]:
+        """SGLang's /get_load: per data-parallel rank, num_reqs / num_waiting_reqs / num_tokens
+        (ROLL waits on them)."""
+        ...
+
     def health(self) -> bool:
         """True while the engine answers and its core is alive."""
         ...

@@ -54,6 +54,8 @@ def served(model_a):
 def test_generate_by_ids_and_text_equals_the_engine(served, oracle_a):
     client, engine = served
     assert client.health() and client.get_weight_version() == "default"
+    load = client.get_load()  # SGLang's /get_load, as ROLL reads it
+    assert [sorted(rank) for rank in load] == [sorted(engine.get_load()[0])] and load[0]["num_reqs"] == 0
     assert greedy_ids(client) == greedy_ids(oracle_a)
     out = client.generate(prompt="hello world", sampling_params=GREEDY, return_logprob=True)
     assert out["output_ids"] == oracle_a.generate(prompt="hello world", sampling_params=GREEDY)["output_ids"]
