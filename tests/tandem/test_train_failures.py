@@ -196,3 +196,20 @@ def test_a_model_folder_without_weights_or_tokenizer_is_refused_up_front(tmp_pat
     assert _exit_message(["train", *FAST, "--model", str(model), "--output-dir", str(out)]).startswith(
         f"tandem train: model {str(model)!r} has no tokenizer (tokenizer.json, tokenizer_config.json")
     assert not out.exists()
+
+
+def test_engines_capture_graphs_up_to_the_rollout_batch_only():
+    """A colocated step re-captures the engine's CUDA graphs on every resume: only the sizes a
+    rollout can reach (issue 25: 51 graphs were ~4.4 s of a 0.6B step); engine_args still win."""
+    import dataclasses
+
+    from recipes.qwen3_gpu import RECIPE
+    from tandem.rl.engines import engine_kwargs, rollout_graph_max_bs
+    from tandem.rl.model_source import ModelSource
+
+    source = ModelSource("/nowhere", "dummy", "test")
+    assert rollout_graph_max_bs(RECIPE) == 128 == engine_kwargs(RECIPE, source)["cuda_graph_max_bs"]
+    assert rollout_graph_max_bs(dataclasses.replace(RECIPE, prompts_per_step=3, n_per_prompt=3)) == 16
+    assert rollout_graph_max_bs(dataclasses.replace(RECIPE, prompts_per_step=64, n_per_prompt=16)) == 512
+    own = dataclasses.replace(RECIPE, engine_args={**RECIPE.engine_args, "cuda_graph_max_bs": 8})
+    assert engine_kwargs(own, source)["cuda_graph_max_bs"] == 8
