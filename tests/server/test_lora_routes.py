@@ -131,3 +131,22 @@ def test_hostile_payload_executes_nothing(lora_client, tmp_path, adapter_dir):
     assert not marker.exists()
     assert "evil" not in client.post("/unload_lora_adapter", json={"lora_name": "a_missing"}).json()["loaded_adapters"]
     assert _ids(client, lora_path="a")  # still serving
+
+
+def test_http_client_lora_verbs(lora_client, adapter_dir, live_server_factory):
+    from engine_client.client import HttpClient
+
+    _, eng = lora_client
+    http = HttpClient(live_server_factory(eng).url)
+    try:
+        want = eng.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"]
+        assert http.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"] == want
+        assert http.load_lora_adapter("c", adapter_dir)["success"]
+        bad = http.load_lora_adapter("c", adapter_dir)
+        assert bad["success"] is False and "already loaded" in bad["error_message"]
+        assert http.generate(input_ids=IDS, sampling_params=ONE, lora_path="c")["output_ids"] == want
+        assert "c" not in http.unload_lora_adapter("c")["loaded_adapters"]
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'c'"):
+            http.generate(input_ids=IDS, sampling_params=ONE, lora_path="c")
+    finally:
+        http.close()
