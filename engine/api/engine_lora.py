@@ -33,11 +33,16 @@ class EngineLoRA:
         """An adapter from its PEFT config and tensors: serialized_tensors (SGLang's payload, bytes or
         base64 text, opened through the weight payloads' allowlist) or `tensors` in memory
         ({name: tensor} or pairs); load_format "flattened_bucket" for a bucket payload."""
+        from engine.lora.tensor_payload import lora_tensors
+
         payload = serialized_tensors if serialized_tensors is not None else tensors
         if payload is None:
             return {"success": False, "error_message": "serialized_tensors is required", "loaded_adapters": None}
-        return self._lora_call(LoadLoraReq(lora_name, config_dict=config_dict, tensors=payload,
-                                           load_format=load_format, pinned=bool(pinned)))
+        try:
+            source = lora_tensors(payload, load_format)
+        except ValueError as exc:  # an unknown load_format
+            return {"success": False, "error_message": str(exc), "loaded_adapters": None}
+        return self._lora_call(LoadLoraReq(lora_name, config_dict=config_dict, source=source, pinned=bool(pinned)))
 
     def unload_lora_adapter(self, lora_name: str, timeout_s: float = UNLOAD_TIMEOUT_S) -> dict:
         deadline = time.monotonic() + timeout_s

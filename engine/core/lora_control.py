@@ -69,15 +69,17 @@ class LoRAControl:
     def _build(self, msg: LoadLoraReq) -> LoRAAdapter:
         self.registry.check_can_add(msg.lora_name)
         model = self.core.runner.model
-        if msg.tensors is None:
+        if msg.source is None:
             if not isinstance(msg.lora_path, str) or not msg.lora_path:
                 raise ValueError("load_lora_adapter needs lora_path, the adapter's directory")
             return LoRAAdapter.from_dir(msg.lora_name, msg.lora_path, model, self.limits, msg.pinned)
-        from engine.lora.tensor_payload import open_lora_tensors
-
-        tensors = open_lora_tensors(msg.tensors, msg.load_format)
-        return LoRAAdapter.from_tensors(msg.lora_name, msg.config_dict, tensors, model, self.limits,
+        source = msg.source.open() if hasattr(msg.source, "open") else msg.source  # the worker opened it already
+        return LoRAAdapter.from_tensors(msg.lora_name, msg.config_dict, source.pairs(), model, self.limits,
                                         pinned=msg.pinned)
+
+    def refusal(self, message: str) -> dict:
+        """A load refused before the core saw it (its payload could not be opened in time)."""
+        return self._reply(False, message)
 
     def _add(self, adapter: LoRAAdapter) -> None:
         lora_id = self.registry.add(adapter)

@@ -177,14 +177,13 @@ class CheckIntegrityReq:
 @dataclass
 class LoadLoraReq:
     """A PEFT adapter from a directory (lora_path), or from tensors: config_dict (its
-    adapter_config) and tensors, a serialized payload (bytes or base64 text, opened through the
-    weight payloads' allowlist in the core) or in memory ({name: tensor} or pairs); with
-    load_format "flattened_bucket", a bucket payload {flattened_tensor, metadata}."""
+    adapter_config) and `source`, an engine.lora.tensor_payload LoRATensors (in memory) or
+    SerializedLoRATensors (opened off the step through the weight payloads' allowlist, as an
+    update's serialized source)."""
     lora_name: str
     lora_path: Optional[str] = None
     config_dict: Optional[dict] = None
-    tensors: Any = None
-    load_format: Optional[str] = None
+    source: Any = None
     pinned: bool = False
 
 

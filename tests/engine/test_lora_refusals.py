@@ -146,3 +146,15 @@ def test_lora_paths_forms_and_server_args():
         ServerArgs(model_path="m", max_loras_per_batch=0)
     with pytest.raises(ValueError, match="tp_size 1 only"):
         ServerArgs(model_path="m", enable_lora=True, tp_size=2)
+
+
+def test_serialized_lora_payloads_are_opened_off_the_step():
+    """The worker opens them as it opens weight payloads: bounded in time, the core stepping meanwhile."""
+    from engine.core.messages import LoadLoraReq
+    from engine.core.payload_opener import PayloadOpener
+    from engine.lora.tensor_payload import lora_tensors
+
+    assert PayloadOpener.wants(LoadLoraReq("x", source=lora_tensors(b"payload", "flattened_bucket")))
+    assert not PayloadOpener.wants(LoadLoraReq("x", source=lora_tensors({}, None)))
+    with pytest.raises(ValueError, match="load_format 'zip' is not supported"):
+        lora_tensors(b"payload", "zip")
