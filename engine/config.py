@@ -55,7 +55,8 @@ class ServerArgs:
         "LoRA adapters (PEFT's format) to load at start: each PATH, NAME=PATH, or JSON "
         '{"lora_name": str, "lora_path": str, "pinned": bool}')})
     max_loras_per_batch: int = field(default=8, metadata={"help": (
-        "the most distinct LoRA adapters one batch runs (requests of other adapters wait)")})
+        "the most distinct LoRA adapters one batch runs, the base model counted as one, as in SGLang "
+        "(requests of other adapters wait)")})
     max_lora_rank: Optional[int] = field(default=None, metadata={"help": (
         "an adapter of a higher rank is refused (default: any rank)")})
     lora_target_modules: tuple[str, ...] = field(default=(), metadata={"help": (

@@ -60,7 +60,7 @@ class Admission:
         ordered, in_queue_order = order_waiting(q.waiting, self.config.schedule_policy, self.tree_cache)
         admitted: list[Req] = []  # and refused: both leave the queue
         siblings: set[tuple] = set()
-        adapters = {r.lora_id for r in list(q.running) + adder.reqs if r.lora_id is not None}
+        adapters = {r.lora_id for r in list(q.running) + adder.reqs}  # None, the base model, takes a slot too
         deferred = 0
         for req in ordered:
             if adder.full or len(q.running) + len(adder.reqs) >= self.config.max_running_requests:
@@ -82,8 +82,7 @@ class Admission:
             if self.slots.req_to_token_pool.available_size() == 0 or not self._admit(req, adder):
                 break
             admitted.append(req)
-            if req.lora_id is not None:
-                adapters.add(req.lora_id)
+            adapters.add(req.lora_id)
         # FCFS: a request that does not fit now stops admission (the `break` above), so it is not
         # overtaken forever by smaller ones; it waits at most until the running requests end,
         # since an empty pool fits it (never_fits refuses the rest, so none blocks the queue).
@@ -93,10 +92,11 @@ class Admission:
             self._mix_in_decode(batch)
         return batch
 
-    def _adapter_fits(self, req: Req, adapters: set[int]) -> bool:
-        """--max-loras-per-batch: the running requests and this batch's use at most that many adapters."""
+    def _adapter_fits(self, req: Req, adapters: set[Optional[int]]) -> bool:
+        """--max-loras-per-batch: the running requests and this batch's use at most that many
+        adapters, the base model (None) counted as one, as SGLang counts its slot."""
         limit = self.config.max_loras_per_batch
-        return limit is None or req.lora_id is None or req.lora_id in adapters or len(adapters) < limit
+        return limit is None or req.lora_id in adapters or len(adapters) < limit
 
     def _refuse_oversized(self, req: Req) -> None:
         """The front end refuses these (RequestBuilder); a request that still gets here ends now
