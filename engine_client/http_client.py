@@ -127,10 +127,12 @@ class HttpClient:
     def unload_lora_adapter(self, lora_name):
         return self._lora("/unload_lora_adapter", {"lora_name": lora_name})
 
-    def load_lora_adapter_from_tensors(self, lora_name, config_dict=None, serialized_tensors=None, load_format=None,
-                                       pinned=False, tensors=None):
-        """serialized_tensors: base64 text as weight_sync.cuda_ipc.serialize(as_text=True) writes it;
-        or `tensors` ({name: tensor}, pairs or a bucket payload), serialized here."""
+    def load_lora_adapter_from_tensors(self, lora_name, tensors=None, config_dict=None, load_format=None,
+                                       pinned=False, serialized_tensors=None):
+        """tensors ({name: tensor}, pairs or a bucket payload) are serialized here; or pass base64
+        text (weight_sync.cuda_ipc.serialize(as_text=True)) as tensors or serialized_tensors."""
+        if serialized_tensors is None and isinstance(tensors, str):
+            serialized_tensors = tensors
         if serialized_tensors is None:
             from weight_sync.cuda_ipc import serialize
 

@@ -27,12 +27,13 @@ class EngineLoRA:
         """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) under lora_name."""
         return self._lora_call(LoadLoraReq(lora_name, lora_path=lora_path, pinned=bool(pinned)))
 
-    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: Optional[dict] = None,
-                                       serialized_tensors: Any = None, load_format: Optional[str] = None,
-                                       pinned: bool = False, tensors: Any = None) -> dict:
-        """An adapter from its PEFT config and tensors: serialized_tensors (SGLang's payload, bytes or
-        base64 text, opened through the weight payloads' allowlist) or `tensors` in memory
-        ({name: tensor} or pairs); load_format "flattened_bucket" for a bucket payload."""
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any = None, config_dict: Optional[dict] = None,
+                                       load_format: Optional[str] = None, pinned: bool = False,
+                                       serialized_tensors: Any = None) -> dict:
+        """An adapter from its tensors and PEFT config (SGLang's Engine order). tensors: in memory
+        ({name: tensor}, pairs, or with load_format "flattened_bucket" a bucket payload), or that
+        serialized (bytes or base64 text, as `serialized_tensors` of the HTTP route too), which the
+        core opens through the weight payloads' allowlist unpickler."""
         from engine.lora.tensor_payload import lora_tensors
 
         payload = serialized_tensors if serialized_tensors is not None else tensors

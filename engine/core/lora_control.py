@@ -103,6 +103,7 @@ class LoRAControl:
         reqs = list(sched.waiting) + sched.active() + [entry[0] for entry in grammars.waiting]
         return sum(1 for r in reqs if r.lora_id == lora_id)
 
-    def _reply(self, success: bool, error: str = "") -> dict:
+    def _reply(self, success: bool, error: Optional[str] = None) -> dict:
+        """SGLang's LoadLoRAAdapterReqOutput: error_message null on success."""
         return {"success": success, "error_message": error,
                 "loaded_adapters": self.registry.loaded_adapters()}

@@ -59,8 +59,9 @@ def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
 
         def load() -> dict:
             try:
-                return engine.load_lora_adapter_from_tensors(req.lora_name, req.config_dict, req.serialized_tensors,
-                                                             req.load_format, req.pinned)
+                return engine.load_lora_adapter_from_tensors(
+                    req.lora_name, config_dict=req.config_dict, serialized_tensors=req.serialized_tensors,
+                    load_format=req.load_format, pinned=req.pinned)
             except PAYLOAD_ERRORS as exc:  # refused while being carried to a core process
                 return {"success": False, "error_message": str(exc), "loaded_adapters": None}
 

@@ -131,7 +131,7 @@ def test_load_from_serialized_tensors_gives_the_disk_adapters_outputs(lora_engin
     config, tensors = _adapter_tensors(adapters["b"])
     payload = FlattenedBucket.pack(list(tensors.items())).to_payload() if load_format else tensors
     name = f"t-{load_format}"
-    reply = lora_engine.load_lora_adapter_from_tensors(name, config, serialize(payload, as_text=True), load_format)
+    reply = lora_engine.load_lora_adapter_from_tensors(name, serialize(payload, as_text=True), config, load_format)
     assert reply["success"], reply
     assert name in reply["loaded_adapters"] and reply["loaded_adapters"][name] is None
     try:

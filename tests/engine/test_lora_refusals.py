@@ -39,7 +39,7 @@ def engine(model_a):
 
 
 def _load(engine, config, tensors, name="x") -> dict:
-    return engine.load_lora_adapter_from_tensors(name, config, tensors=tensors)
+    return engine.load_lora_adapter_from_tensors(name, tensors, config)
 
 
 def test_rank_over_max_lora_rank(engine, parts):

@@ -93,7 +93,7 @@ def test_load_unload_and_from_tensors_flattened_bucket(lora_client, adapter_dir)
     client, eng = lora_client
     want = eng.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"]
     r = client.post("/load_lora_adapter", json={"lora_name": "disk", "lora_path": str(adapter_dir)})
-    assert r.status_code == 200 and r.json() == {"success": True, "error_message": "",
+    assert r.status_code == 200 and r.json() == {"success": True, "error_message": None,
                                                  "loaded_adapters": {"a": str(adapter_dir), "disk": str(adapter_dir)}}
     assert _ids(client, lora_path="disk") == want
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -146,6 +146,13 @@ def test_http_client_lora_verbs(lora_client, adapter_dir, live_server_factory):
         assert bad["success"] is False and "already loaded" in bad["error_message"]
         assert http.generate(input_ids=IDS, sampling_params=ONE, lora_path="c")["output_ids"] == want
         assert "c" not in http.unload_lora_adapter("c")["loaded_adapters"]
+        from safetensors.torch import load_file
+
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        tensors = load_file(adapter_dir / "adapter_model.safetensors")  # serialized by the client (shared memory)
+        assert http.load_lora_adapter_from_tensors("d", tensors, config)["success"]
+        assert http.generate(input_ids=IDS, sampling_params=ONE, lora_path="d")["output_ids"] == want
+        assert http.unload_lora_adapter("d")["success"]
         with pytest.raises(ValueError, match="unknown LoRA adapter 'c'"):
             http.generate(input_ids=IDS, sampling_params=ONE, lora_path="c")
     finally:
