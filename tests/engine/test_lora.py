@@ -192,3 +192,21 @@ def test_prefill_equals_decode_with_an_adapter_deterministic(det_engine):
     base = det_engine.generate(input_ids=prompt + out["output_ids"], sampling_params={**GREEDY, "max_new_tokens": 1},
                                return_logprob=True, logprob_start_len=len(prompt))
     assert [lp for lp, _, _ in base["meta_info"]["input_token_logprobs"]] != decoded  # the adapter's, not the base's
+
+
+def test_core_process_serves_adapters(model_a, adapters, oracle):
+    """The core in its own process: a serialized payload is opened there (off its step), requests
+    name the adapter, an unknown one is refused by the front end."""
+    from engine import Engine
+    from weight_sync.cuda_ipc import serialize
+
+    config, tensors = _adapter_tensors(adapters["a"])
+    eng = Engine(model_path=model_a, **ENGINE, core_process=True, enable_lora=True)
+    try:
+        assert eng.load_lora_adapter_from_tensors("a", serialize(tensors), config)["success"]
+        assert engine_greedy(eng, PROMPTS, "a")[0] == oracle["a"][0]
+        assert engine_greedy(eng, PROMPTS)[0] == oracle[None][0]
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'b'"):
+            eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="b")
+    finally:
+        eng.shutdown()
