@@ -65,11 +65,8 @@ class Admission:
         for req in ordered:
             if adder.full or len(q.running) + len(adder.reqs) >= self.config.max_running_requests:
                 break
-            if not self._adapter_fits(req, adapters):  # waits for a batch with room for its adapter
-                in_queue_order, deferred = False, deferred + 1
-                if deferred > MAX_DEFERRED_PER_STEP:
-                    break
-                continue
+            if not self._adapter_fits(req, adapters):  # waits for room for its adapter; as FCFS below, the
+                break  # requests behind it wait too, so a steady stream of others cannot starve it
             if never_fits(req, self.slots.allocator.size):  # waiting cannot help it, nor those behind it
                 self._refuse_oversized(req)
                 admitted.append(req)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -15,10 +16,10 @@ PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46], [300, 12, 800, 9, 77]]
 def make_peft_adapter(model_path: str, out_dir: Path, seed: int, rank: int = 8, alpha: int = 16,
                       targets: list[str] = TARGETS) -> Path:
     """A PEFT LoRA of the tiny model, lora_A and lora_B drawn from `seed`, saved in PEFT's format."""
-    peft = __import__("pytest").importorskip("peft")
+    peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
                                                       lora_dropout=0.0))
     gen = torch.Generator().manual_seed(seed)
@@ -35,7 +36,7 @@ def peft_greedy(model_path: str, adapter_dir: Path | None, prompts: list[list[in
     """HF (+ PEFT) float32 greedy decoding: output ids and each chosen token's logprob."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
 

@@ -1,6 +1,7 @@
-"""The radix cache's namespaces (a LoRA adapter's id; None for the base model): a prefix is never
-shared across them, eviction and flush cover them all, and dropping one (an unloaded adapter)
-frees exactly its tokens, refused while a request locks it."""
+"""LoRA in the scheduler, without a model. The radix cache's namespaces (a LoRA adapter's id; None
+for the base model): a prefix is never shared across them, eviction and flush cover them all, and
+dropping one (an unloaded adapter) frees exactly its tokens, refused while a request locks it.
+Admission under --max-loras-per-batch: FCFS, no starvation."""
 
 from __future__ import annotations
 
@@ -62,3 +63,34 @@ def test_evict_and_reset_cover_every_namespace():
     tree.reset()
     assert tree.total_size() == 0 and alloc.available_size() == alloc.size
     tree.check_invariants()
+
+
+def test_max_loras_per_batch_admission_never_starves_the_head():
+    """--max-loras-per-batch 1: a waiting request of another adapter stops admission (FCFS), so the
+    base requests queued behind it cannot overtake it forever; it runs once the running ones end."""
+    from engine.scheduler.request import Req
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    alloc = TokenSlotAllocator(1000)
+    rows = ReqToTokenPool(9, 64, "cpu")
+    sched = Scheduler(SchedulerConfig(8, None, 16384, max_loras_per_batch=1), RadixCache(alloc, rows), alloc, rows)
+
+    def req(rid, lora_id):
+        r = Req(rid=rid, origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=2), seed=0)
+        r.lora_id = lora_id
+        return r
+
+    for r in (req("base0", None), req("a", 1), req("base1", None)):
+        sched.add_request(r)
+    first = sched.schedule()
+    assert [r.rid for r in first.reqs] == ["base0"]  # "a" needs a second slot, "base1" waits behind it
+    sched.commit(first, [7])
+    decode = sched.schedule()
+    assert decode.forward_mode.is_decode and [r.rid for r in decode.reqs] == ["base0"]  # the others still wait
+    sched.commit(decode, [7])
+    base0 = sched.running[0]
+    base0.finished_reason = {"type": "length"}
+    sched.release(base0)
+    assert [r.rid for r in sched.schedule().reqs] == ["a"]
+    assert [r.rid for r in sched.waiting] == ["base1"]
