@@ -47,6 +47,23 @@ class ServerArgs:
     # MoE models: keep each token's top-k expert ids per layer with its KV slot, so a request with
     # return_routed_experts gets meta_info["routed_experts"] (SGLang's flag; R3 routing replay)
     enable_return_routed_experts: bool = False
+    # LoRA adapters (engine/lora/): SGLang's flags
+    enable_lora: bool = field(default=False, metadata={"help": (
+        "serve LoRA adapters: per-request lora_path, /load_lora_adapter, /unload_lora_adapter, "
+        "/load_lora_adapter_from_tensors (on when --lora-paths is given)")})
+    lora_paths: tuple[str, ...] = field(default=(), metadata={"help": (
+        "LoRA adapters (PEFT's format) to load at start: each PATH, NAME=PATH, or JSON "
+        '{"lora_name": str, "lora_path": str, "pinned": bool}')})
+    max_loras_per_batch: int = field(default=8, metadata={"help": (
+        "the most distinct LoRA adapters one batch runs, the base model counted as one, as in SGLang "
+        "(requests of other adapters wait)")})
+    max_lora_rank: Optional[int] = field(default=None, metadata={"help": (
+        "an adapter of a higher rank is refused (default: any rank)")})
+    lora_target_modules: tuple[str, ...] = field(default=(), metadata={"help": (
+        "modules adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj or "
+        "all-linear (default: all of them); an adapter targeting others is refused")})
+    max_loaded_loras: Optional[int] = field(default=None, metadata={"help": (
+        "the most LoRA adapters loaded at once; loading one more is refused (default: no limit)")})
     # numerics / kernels
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False
@@ -152,6 +169,7 @@ class ServerArgs:
                      "max_unread_stream_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        self._check_lora()
         if self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0:
             raise ValueError(f"max_prompt_bytes must be a positive integer, got {self.max_prompt_bytes}")
         if isinstance(self.allowed_origins, str) or not all(isinstance(o, str) for o in self.allowed_origins):
@@ -173,6 +191,25 @@ class ServerArgs:
             raise ValueError("schedule_conservativeness must be > 0")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    def _check_lora(self) -> None:
+        for name in ("lora_paths", "lora_target_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))  # argparse gives a list
+        if self.lora_paths:  # SGLang: --lora-paths turns LoRA on
+            object.__setattr__(self, "enable_lora", True)
+        if self.max_loras_per_batch <= 0:
+            raise ValueError(f"max_loras_per_batch must be a positive integer, got {self.max_loras_per_batch}")
+        for name in ("max_lora_rank", "max_loaded_loras"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_loaded_loras is not None and len(self.lora_paths) > self.max_loaded_loras:
+            raise ValueError(f"--lora-paths names {len(self.lora_paths)} adapters but max_loaded_loras is "
+                             f"{self.max_loaded_loras}")
+        if self.enable_lora and self.tp_size > 1:
+            raise ValueError("LoRA adapters are served with tp_size 1 only")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, with secrets left out (for /get_server_info)."""

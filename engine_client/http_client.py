@@ -125,6 +125,33 @@ class HttpClient:
     def resume_memory_occupation(self, tags=None):
         return self._reply("/resume_memory_occupation", {"tags": tags})
 
+    # ---- LoRA adapters (SGLang's routes; replies {"success", "error_message", "loaded_adapters"}) ---
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        return self._lora("/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": pinned})
+
+    def unload_lora_adapter(self, lora_name):
+        return self._lora("/unload_lora_adapter", {"lora_name": lora_name})
+
+    def load_lora_adapter_from_tensors(self, lora_name, tensors=None, config_dict=None, load_format=None,
+                                       pinned=False, serialized_tensors=None):
+        """tensors ({name: tensor}, pairs or a bucket payload) are serialized here; or pass base64
+        text (weight_sync.cuda_ipc.serialize(as_text=True)) as tensors or serialized_tensors."""
+        if serialized_tensors is None and isinstance(tensors, str):
+            serialized_tensors = tensors
+        if serialized_tensors is None:
+            from weight_sync.cuda_ipc import serialize
+
+            serialized_tensors = serialize(tensors, as_text=True)
+        return self._lora("/load_lora_adapter_from_tensors", {
+            "lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": serialized_tensors,
+            "load_format": load_format, "pinned": pinned})
+
+    def _lora(self, route, body):
+        response = self._sync.post(route, json=body)
+        if response.status_code in (200, 400) and isinstance(response.json(), dict) and "success" in response.json():
+            return response.json()
+        return {"success": False, "error_message": _message(response), "loaded_adapters": None}
+
     # ---- state ---------------------------------------------------------------------------------
     def get_weight_version(self):
         """From /model_info (SGLang >= 0.5.9 answers /get_weight_version with 404)."""
@@ -199,7 +226,7 @@ def generate_body(request: GenerateRequest) -> dict:
     body.update(sampling_params=request.sampling_params or {}, return_logprob=request.return_logprob,
                 logprob_start_len=request.logprob_start_len, top_logprobs_num=request.top_logprobs_num)
     optional = {"rid": request.rid, "logprob_distribution": request.logprob_distribution,
-                "token_ids_logprob": request.token_ids_logprob}
+                "token_ids_logprob": request.token_ids_logprob, "lora_path": request.lora_path}
     body.update({name: value for name, value in optional.items() if value is not None})
     if request.return_routed_experts:  # only when asked: a server without the flag refuses it
         body["return_routed_experts"] = request.return_routed_experts

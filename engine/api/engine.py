@@ -24,6 +24,7 @@ from engine.api.generate_stream import GenerateStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs, configure_logging
+from engine.api.engine_lora import EngineLoRA
 from engine.api.engine_weights import EngineWeights
 from engine.core.routed_experts import encode_routed_experts
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, FlushCacheReq, PauseReq,
@@ -35,8 +36,9 @@ Sink = Callable[[ReqOutput], None]
 STATS_WAIT_S = 0.2  # how long an info route waits for the core's fresh counters before using its last report
 
 
-class Engine(EngineWeights):
-    """Generation, pause, state and lifetime here; weights and colocated memory in EngineWeights."""
+class Engine(EngineWeights, EngineLoRA):
+    """Generation, pause, state and lifetime here; weights and colocated memory in EngineWeights,
+    LoRA adapters in EngineLoRA."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.server_args = ServerArgs.from_kwargs(**kwargs)
@@ -54,6 +56,7 @@ class Engine(EngineWeights):
             self.streamed_logprobs = StreamedLogprobs()
             self.builder = RequestBuilder(self.tokenizer, self.info.vocab_size, self.info.context_len,
                                           self.server_args, self.info.max_total_num_tokens)
+            self.builder.lora.update(dict(self.info.lora_adapters))
             self.recorder = Recorder.maybe_open(self.server_args.record_path, self.server_args.model_path)
         except BaseException:  # e.g. no tokenizer: the core (maybe a process) must not outlive the failure
             self.client.shutdown()

@@ -28,6 +28,8 @@ class GenerateRequest:
     token_ids_logprob: Optional[IdLists] = None  # ids whose logprobs every position reports
     stream: bool = False
     return_routed_experts: Union[bool, list[bool]] = False  # MoE: needs --enable-return-routed-experts
+    # a LoRA adapter's name (or path) for every prompt, or one per prompt (None: the base model)
+    lora_path: Union[str, list[Optional[str]], None] = None
 
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":

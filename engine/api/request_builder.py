@@ -17,6 +17,7 @@ from engine.core.messages import ReqInput
 from engine.grammar.compile_pool import GrammarUnavailable  # noqa: F401  (the server's 503: it imports engine.api only)
 from engine.grammar.compiler import grammar_spec
 from engine.grammar.grammar_check import GrammarCheck, make_grammar_check
+from engine.api.lora_names import LoRANames
 from engine.grammar.grammar_limits import GrammarLimits
 from engine.sampling.seeds import derive_seed
 from engine.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class RequestBuilder:
         self.max_n = server_args.max_n
         self.max_batch_requests = server_args.max_batch_requests
         self.routes_kept = server_args.enable_return_routed_experts
+        self.lora = LoRANames(server_args.enable_lora)  # the Engine keeps it up to date
         # Unseeded requests draw their seed from here, so a whole run replays from --random-seed.
         self._seed_rng = random.Random(server_args.random_seed)
         self.grammars: GrammarCheck = make_grammar_check(tokenizer, vocab_size, GrammarLimits.of(server_args),
@@ -54,9 +56,10 @@ class RequestBuilder:
         distribution = self._distribution(request.logprob_distribution)
         id_lists = self._token_ids_logprob(request.token_ids_logprob, n)
         routes = _per_prompt("return_routed_experts", request.return_routed_experts, n, self._checked_routes)
+        adapters = _per_prompt("lora_path", request.lora_path, n, self.lora.check)
         out: list[ReqInput] = []
-        for ids, p, base_rid, wanted, lp, start, top, route in zip(prompts, params, rids, id_lists, want, starts,
-                                                                   tops, routes):
+        for ids, p, base_rid, wanted, lp, start, top, route, adapter in zip(prompts, params, rids, id_lists, want,
+                                                                            starts, tops, routes, adapters):
             self._check_logprob_start(start, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
@@ -66,7 +69,7 @@ class RequestBuilder:
                     seed=base_seed if p.n == 1 else derive_seed(base_seed, i), return_logprob=lp,
                     logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
                     token_ids_logprob=wanted if lp else None, logprob_distribution=distribution,
-                    stream=request.stream, return_routed_experts=route,
+                    stream=request.stream, return_routed_experts=route, lora_path=adapter,
                 ))
         self._check_unique_rids(out)
         return out, single and params[0].n == 1

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from engine.config import ServerArgs
 from engine.core.control import GenerationControl
 from engine.core.intake import RequestIntake, grammar_queue
+from engine.core.lora_control import LORA_MESSAGES, LoRAControl
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
@@ -55,7 +56,8 @@ class EngineCore:
         self.results = StepResults(self, self.scheduler, self.runner, self.parts.eos_token_ids,
                                    self.parts.context_len)
         self.grammars = grammar_queue(server_args, self.parts)
-        self.intake = RequestIntake(self.parts, self.grammars, self.results)
+        self.lora = LoRAControl(self, server_args)
+        self.intake = RequestIntake(self.parts, self.grammars, self.results, self.lora.resolve)
 
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> Any:
@@ -65,6 +67,8 @@ class EngineCore:
             return self.abort(msg)
         if isinstance(msg, CONTROL_MESSAGES):
             return self.control.handle(msg)
+        if isinstance(msg, LORA_MESSAGES):
+            return self.lora.handle(msg)
         if isinstance(msg, FlushCacheReq):
             return self.scheduler.flush_cache()
         if isinstance(msg, GetWeightVersionReq):
@@ -99,7 +103,8 @@ class EngineCore:
             device=str(self.runner.device), dtype=str(self.runner.config.dtype).replace("torch.", ""),
             attention_backend=self.runner.config.attention_backend,
             max_total_num_tokens=p.memory.max_total_num_tokens, chunked_prefill_size=p.memory.chunked_prefill_size,
-            max_running_requests=p.memory.max_running_requests, available_gb=p.memory.available_gb)
+            max_running_requests=p.memory.max_running_requests, available_gb=p.memory.available_gb,
+            lora_adapters=tuple(self.lora.registry.loaded_adapters().items()))
 
     def snapshot(self) -> StatsSnapshot:
         sched = self.scheduler

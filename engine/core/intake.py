@@ -22,14 +22,21 @@ from engine.scheduler.request import Req
 
 
 class RequestIntake:
-    def __init__(self, parts: CoreParts, grammars: GrammarQueue, results: StepResults) -> None:
+    def __init__(self, parts: CoreParts, grammars: GrammarQueue, results: StepResults,
+                 resolve_lora: Callable[[Optional[str]], Optional[int]] = lambda path: None) -> None:
         self.parts = parts
+        self.resolve_lora = resolve_lora  # lora_path -> adapter id (engine/core/lora_control.py)
         self.scheduler = parts.scheduler
         self.grammars = grammars
         self.results = results
 
     def add(self, msg: ReqInput) -> list[ReqOutput]:
         req = Req.from_input(msg)
+        try:  # the front end checked it; an adapter unloaded since is refused here
+            req.lora_id = self.resolve_lora(msg.lora_path)
+        except ValueError as exc:
+            req.finished_reason = {"type": "abort", "status_code": 400, "message": str(exc)}
+            return [self.results.error(req, str(exc))]
         if self.parts.tokenizer is not None and msg.core_detokenizes:  # else the front end decodes the final ids
             req.detokenizer = self.parts.make_detokenizer(req)
         spec = grammar_spec(req.sampling_params)  # compiled again here: compiled grammars do not pickle

@@ -175,6 +175,27 @@ class CheckIntegrityReq:
 
 
 @dataclass
+class LoadLoraReq:
+    """A PEFT adapter from a directory (lora_path), or from tensors: config_dict (its
+    adapter_config) and `source`, an engine.lora.tensor_payload LoRATensors (in memory) or
+    SerializedLoRATensors (opened off the step through the weight payloads' allowlist, as an
+    update's serialized source)."""
+    lora_name: str
+    lora_path: Optional[str] = None
+    config_dict: Optional[dict] = None
+    source: Any = None
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoraReq:
+    """Answers None while requests still use the adapter (it takes no new ones meanwhile): ask
+    again; cancel=True gives up waiting and the adapter serves again."""
+    lora_name: str
+    cancel: bool = False
+
+
+@dataclass
 class Reply:
     """A control message's return value, plus the outputs it produced (tokens of the drained
     batch, requests it aborted) for the front end to deliver."""
@@ -198,6 +219,7 @@ class CoreInfo:
     chunked_prefill_size: Optional[int]
     max_running_requests: int
     available_gb: float
+    lora_adapters: tuple[tuple[str, Optional[str]], ...] = ()  # (name, path) loaded at start (--lora-paths)
 
 
 @dataclass(frozen=True)

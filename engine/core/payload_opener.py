@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.core.messages import UpdateWeightsReq
+from engine.core.messages import LoadLoraReq, UpdateWeightsReq
 
 logger = logging.getLogger(__name__)
 OPEN_TIMEOUT_S = 10.0  # opening one payload (its descriptor fetches give up after 5 s each)
@@ -45,7 +45,8 @@ class PayloadOpener:
 
     @staticmethod
     def wants(msg: Any) -> bool:
-        return isinstance(msg, UpdateWeightsReq) and callable(getattr(msg.source, "open", None))
+        """A weight update or a LoRA load whose source is still serialized."""
+        return isinstance(msg, (UpdateWeightsReq, LoadLoraReq)) and callable(getattr(msg.source, "open", None))
 
     @property
     def pending(self) -> bool:

@@ -164,6 +164,7 @@ def _scheduler_config(args: ServerArgs, memory: MemoryPlan) -> SchedulerConfig:
         schedule_policy=args.schedule_policy,
         schedule_conservativeness=args.schedule_conservativeness,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        max_loras_per_batch=args.max_loras_per_batch if args.enable_lora else None,
     )
 
 

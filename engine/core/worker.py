@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Optional
 
 from engine.core.engine_core import EngineCore
-from engine.core.messages import ReqOutput, Reply, StatsSnapshot
+from engine.core.messages import LoadLoraReq, ReqOutput, Reply, StatsSnapshot
 from engine.core.payload_opener import PayloadOpener
 
 logger = logging.getLogger("tandem")
@@ -40,6 +40,7 @@ class CoreWorker:
         self.emit = emit
         self.answer = answer
         self.opener = PayloadOpener()
+        self._lora_loads: set[Optional[int]] = set()  # call ids of LoRA loads being opened: refused in their shape
         self.report = report
         self._reported = float("-inf")  # time.monotonic() of the last report
         self._changed = True  # a message or step ran since the last report
@@ -73,6 +74,8 @@ class CoreWorker:
 
     def handle(self, msg: Any, call_id: Optional[int]) -> None:
         if self.opener.wants(msg):
+            if isinstance(msg, LoadLoraReq) and call_id is not None:
+                self._lora_loads.add(call_id)
             refusal = self.opener.start(msg, call_id)
             if refusal is not None:
                 self._refuse_update(call_id, refusal)
@@ -84,11 +87,16 @@ class CoreWorker:
             if refusal is not None:
                 self._refuse_update(call_id, refusal)
             else:
+                self._lora_loads.discard(call_id)
                 self._run(msg, call_id)
 
     def _refuse_update(self, call_id: Optional[int], refusal: str) -> None:
-        """As control refuses an update before writing: (False, reason), weights untouched."""
-        if call_id is not None:
+        """As control refuses an update before writing: (False, reason), weights untouched; a LoRA
+        load as LoRA control refuses one."""
+        if call_id in self._lora_loads:
+            self._lora_loads.discard(call_id)
+            self.answer(call_id, True, self.core.lora.refusal(refusal))
+        elif call_id is not None:
             self.answer(call_id, True, (False, f"Weights not updated: {refusal}"))
 
     def _run(self, msg: Any, call_id: Optional[int]) -> None:

@@ -16,12 +16,18 @@ class MatchResult(NamedTuple):
 
 class PrefixCache(ABC):
     # ---- token level ------------------------------------------------------------------------
+    # namespace: the tree a key lives in (a LoRA adapter's id; None: the base model). Keys of
+    # different namespaces never share a prefix.
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult: ...
+    def match_prefix(self, key: list[int], namespace: Any = None) -> MatchResult: ...
 
     @abstractmethod
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: Any = None) -> int:
         """Returns how much of key was already cached; the caller frees those duplicate slots."""
+
+    def drop_namespace(self, namespace: Any) -> int:
+        """Free every cached token of `namespace` (nothing in it locked); returns how many."""
+        return 0
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> int: ...

@@ -21,10 +21,10 @@ class ChunkCache(PrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.root = TreeNode()  # dummy; lets callers lock/unlock unconditionally
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: Any = None) -> MatchResult:
         return MatchResult(_EMPTY.clone(), self.root)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: Any = None) -> int:
         return 0
 
     def inc_lock_ref(self, node: Any) -> int:

@@ -7,6 +7,8 @@ one token per slot).
   the rest "evictable"; both counts are kept incrementally.
 - evict frees unlocked leaves in LRU order; a parent that becomes an unlocked leaf joins the
   heap, so branches shrink from the tip and shared stems last longest.
+- A namespace (a LoRA adapter's id; None for the base model) has a tree of its own, as SGLang's
+  extra_key: a prefix is never shared across adapters, and an unloaded adapter's tree is dropped.
 """
 
 from __future__ import annotations
@@ -59,14 +61,24 @@ class RadixCache(PrefixCache):
 
     def _new_root(self) -> None:
         self.root = TreeNode()
+        self.roots: dict[Any, TreeNode] = {None: self.root}  # namespace -> its tree
         self._evictable = 0
         self._protected = 0
 
+    def _root_of(self, namespace: Any) -> TreeNode:
+        if namespace not in self.roots:
+            self.roots[namespace] = TreeNode()
+        return self.roots[namespace]
+
+    @staticmethod
+    def _is_root(node: TreeNode) -> bool:
+        return node.parent is None and not node.key
+
     # ---- match / insert ---------------------------------------------------------------------
-    def _walk(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+    def _walk(self, key: list[int], namespace: Any = None) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Descend while tokens agree, splitting the last node at the match boundary."""
         now = next(self._clock)
-        node, i, values = self.root, 0, []
+        node, i, values = self._root_of(namespace), 0, []
         node.last_access_time = now
         while i < len(key) and key[i] in node.children:
             child = node.children[key[i]]
@@ -88,15 +100,15 @@ class RadixCache(PrefixCache):
         upper.children[child.key[0]] = child
         return upper
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        node, _, values = self._walk(key)
+    def match_prefix(self, key: list[int], namespace: Any = None) -> MatchResult:
+        node, _, values = self._walk(key, namespace)
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         return MatchResult(indices, node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: Any = None) -> int:
         if value.numel() != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {value.numel()} slots")
-        node, matched, _ = self._walk(key)
+        node, matched, _ = self._walk(key, namespace)
         if matched < len(key):
             slots = value[matched:].to(device="cpu", dtype=torch.int64, copy=True)
             leaf = TreeNode(list(key[matched:]), slots, node)
@@ -110,7 +122,7 @@ class RadixCache(PrefixCache):
         """Lock node and its ancestors; returns tokens moved from evictable to protected."""
         self._check_attached(node)
         delta = 0
-        while node is not None and node is not self.root:
+        while node is not None and not self._is_root(node):
             if node.lock_ref == 0:
                 delta += len(node.key)
             node.lock_ref += 1
@@ -121,12 +133,12 @@ class RadixCache(PrefixCache):
 
     def dec_lock_ref(self, node: Any) -> int:
         """Unlock node and its ancestors; returns tokens moved from protected to evictable."""
-        if node is None or node is self.root:
+        if node is None or self._is_root(node):
             return 0
         if node.lock_ref <= 0:  # ancestors hold >= node's count, so checking node suffices
             raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
         delta = 0
-        while node is not self.root:
+        while not self._is_root(node):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 delta += len(node.key)
@@ -137,7 +149,7 @@ class RadixCache(PrefixCache):
 
     def _check_attached(self, node: TreeNode | None) -> None:
         n = node
-        while n is not None and n is not self.root:
+        while n is not None and not self._is_root(n):
             n = n.parent
         if node is not None and n is None:
             raise RuntimeError(f"cannot lock {node!r}: it was evicted or flushed")
@@ -162,24 +174,44 @@ class RadixCache(PrefixCache):
         return freed
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
-        return node is not self.root and not node.children and node.lock_ref == 0
+        return not self._is_root(node) and not node.children and node.lock_ref == 0
 
     def reset(self) -> None:
         if self._protected:
             raise RuntimeError(
                 f"cannot flush the radix cache: {self._protected} tokens are locked by running requests"
             )
-        values = [n.value for n in self._nodes() if n is not self.root]
-        for n in self._nodes():
+        self._free_tree(list(self._nodes()))
+        # keep the root objects: requests whose last_node is a root stay valid across a flush
+        for root in self.roots.values():
+            root.children = {}
+        self._evictable = self._protected = 0
+
+    def drop_namespace(self, namespace: Any) -> int:
+        """Free a namespace's whole tree (an unloaded LoRA adapter's KV); returns the tokens freed.
+        Nothing in it may be locked (the adapter has no request left)."""
+        root = self.roots.pop(namespace, None)
+        if root is None:
+            return 0
+        nodes = list(self._nodes([root]))
+        if any(n.lock_ref for n in nodes if n is not root):
+            self.roots[namespace] = root
+            raise RuntimeError(f"cannot drop cache namespace {namespace!r}: running requests lock it")
+        freed = self._free_tree(nodes)
+        root.children = {}
+        self._evictable -= freed
+        return freed
+
+    def _free_tree(self, nodes: list[TreeNode]) -> int:
+        values = [n.value for n in nodes if not self._is_root(n)]
+        for n in nodes:
             n.parent = None
         if values:
             self.allocator.free(torch.cat(values))
-        # keep the root object: requests whose last_node is the root stay valid across a flush
-        self.root.children = {}
-        self._evictable = self._protected = 0
+        return sum(v.numel() for v in values)
 
-    def _nodes(self):
-        stack = [self.root]
+    def _nodes(self, roots: Any = None):
+        stack = list(self.roots.values() if roots is None else roots)
         while stack:
             node = stack.pop()
             yield node
@@ -198,7 +230,8 @@ class RadixCache(PrefixCache):
     def check_invariants(self) -> None:
         evictable = protected = 0
         values = []
-        assert self.root.parent is None and not self.root.key, "root must be empty and parentless"
+        for root in self.roots.values():
+            assert root.parent is None and not root.key, "roots must be empty and parentless"
         for node in self._nodes():
             child_locks = 0
             for tok, child in node.children.items():
@@ -213,7 +246,7 @@ class RadixCache(PrefixCache):
                 else:
                     evictable += len(child.key)
                 values.append(child.value)
-            if node is not self.root:
+            if not self._is_root(node):
                 assert node.lock_ref >= child_locks, f"{node!r} holds fewer locks than its children"
         assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
         assert protected == self._protected, f"protected {self._protected} != recount {protected}"
@@ -232,9 +265,10 @@ class RadixCache(PrefixCache):
         tokens = req.fill_ids
         kv = self._row(req, len(tokens))
         owned = len(req.prefix_indices)
-        n = self.insert(tokens, kv)
+        namespace = getattr(req, "lora_id", None)
+        n = self.insert(tokens, kv, namespace)
         self.allocator.free(kv[owned:n])
-        new_indices, new_node = self.match_prefix(tokens)
+        new_indices, new_node = self.match_prefix(tokens, namespace)
         self.req_to_token_pool.write(req.req_pool_idx, owned, new_indices[owned:])
         self.inc_lock_ref(new_node)
         self.dec_lock_ref(req.last_node)
@@ -250,7 +284,7 @@ class RadixCache(PrefixCache):
             seq = max(min(len(tokens) - 1, committed), 0)
             kv = self._row(req, committed)
             owned = len(req.prefix_indices)
-            n = self.insert(tokens[:seq], kv[:seq])
+            n = self.insert(tokens[:seq], kv[:seq], getattr(req, "lora_id", None))
             self.allocator.free(kv[owned:n])
             # KV written past the last keyable token has no token id to key it by
             self.allocator.free(kv[max(seq, owned) : committed])

@@ -85,7 +85,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 forward_batch: "ForwardBatch") -> torch.Tensor:
-        q, k, v = self.qkv_proj(x)
+        lora = getattr(forward_batch, "lora", None)  # a trainer's pass may bring its own batch type
+        q, k, v = self.qkv_proj(x, lora)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -99,7 +100,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), lora)
 
 
 class MLP(nn.Module):
@@ -119,7 +120,8 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul(det)
 
     def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        lora = getattr(forward_batch, "lora", None)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, lora)), lora)
 
 
 # (config, layer id, options) -> the layer's feed-forward block, called as mlp(hidden, forward_batch)
@@ -202,6 +204,18 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, deterministic)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tie_weights()
+        self._name_lora_targets()
+
+    def _name_lora_targets(self) -> None:
+        """The attention and dense MLP linears learn their module names: how a LoRA adapter finds
+        them (an MoE block's experts, router and shared expert take no adapter)."""
+        for i, layer in enumerate(self.model.layers):
+            for part_name in ("self_attn", "mlp"):
+                part = getattr(layer, part_name)
+                if isinstance(part, (Attention, MLP)):
+                    for name, module in part.named_children():
+                        if isinstance(module, Linear):
+                            module.lora_name = f"model.layers.{i}.{part_name}.{name}"
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

@@ -171,17 +171,21 @@ class SiluAndMul(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint names) whose kernel is fixed at construction."""
+    """nn.Linear (same parameters, same checkpoint names) whose kernel is fixed at construction.
+
+    `lora`: a forward pass's engine.lora.LoRABatch (ForwardBatch.lora), which adds each token's
+    adapter delta to this layer's output, found by `lora_name` (the module's name in the model,
+    set by the model once built; empty for layers no adapter may target)."""
+    lora_name: str = ""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  deterministic: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.deterministic = deterministic
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.deterministic:
-            return bi.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        out = bi.linear(x, self.weight, self.bias) if self.deterministic else F.linear(x, self.weight, self.bias)
+        return out if lora is None else lora.apply(self.lora_name, x, out)
 
 
 class StackedLinear(Linear):
@@ -218,8 +222,8 @@ class QKVLinear(StackedLinear):
         super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, deterministic)
         self.output_sizes = [q_size, kv_size, kv_size]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().forward(x).split(self.output_sizes, dim=-1)
+    def forward(self, x: torch.Tensor, lora: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().forward(x, lora).split(self.output_sizes, dim=-1)
         return q, k, v
 
 

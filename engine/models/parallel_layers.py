@@ -116,7 +116,8 @@ class RowParallelLinear(TPSharded, Linear):
             return tensor
         return tensor.narrow(1, self.tp.rank * self.in_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        """lora: always None here (LoRA is refused with tp_size > 1)."""
         out = self.tp.all_reduce(_linear(x, self.weight, None, self.deterministic), fixed_order=self.deterministic)
         return out if self.bias is None else out + self.bias
 

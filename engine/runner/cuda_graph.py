@@ -73,7 +73,9 @@ class CudaGraphRunner:
         self.graphs.clear()
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        return forward_batch.forward_mode.is_decode and forward_batch.batch_size <= self.max_bs
+        # a pass with LoRA adapters runs eagerly (the graphs are captured without LoRA)
+        return (forward_batch.forward_mode.is_decode and forward_batch.batch_size <= self.max_bs
+                and forward_batch.lora is None)
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:

@@ -22,6 +22,7 @@ from engine.grammar.stream_gate import StreamGate
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kernels.device_copy import h2d
 from engine.forward_batch import ForwardBatch
+from engine.lora.lora_batch import LoRABatch
 from engine.runner.logits_plan import LogitsPlan
 from engine.runner.memory_saver import MemorySaver
 from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs, top_k_of
@@ -72,6 +73,7 @@ class ModelRunner:
             self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
         self._buffers_backup: dict[str, torch.Tensor] = {}  # model buffers while the weights are released
         self._capture_stream = None  # kept across re-captures (engine/runner/cuda_graph.py)
+        self.lora_adapters: Optional[dict] = None  # id -> engine.lora.LoRAAdapter, with --enable-lora
         self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
         self.sampler.warmup(self.device, config.vocab_size)
 
@@ -141,6 +143,9 @@ class ModelRunner:
             extend_seq_lens_cpu=list(batch.extend_lens), req_to_token=self.req_to_token,
             kv_pool=self.kv_pool, attn_backend=self.attn_backend,
         )
+        if self.lora_adapters is not None:
+            fb.lora = LoRABatch.build([r.lora_id for r in batch.reqs], list(batch.extend_lens), self.lora_adapters,
+                                      self.device, self.config.deterministic)
         self._sync_req_to_token(fb, batch)
         return fb
 

@@ -35,6 +35,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     enable_mixed_chunk: bool = False
+    max_loras_per_batch: Optional[int] = None  # distinct LoRA adapters in one batch (None: no LoRA limit)
 
 
 class Admission:
@@ -59,10 +60,13 @@ class Admission:
         ordered, in_queue_order = order_waiting(q.waiting, self.config.schedule_policy, self.tree_cache)
         admitted: list[Req] = []  # and refused: both leave the queue
         siblings: set[tuple] = set()
+        adapters = {r.lora_id for r in list(q.running) + adder.reqs}  # None, the base model, takes a slot too
         deferred = 0
         for req in ordered:
             if adder.full or len(q.running) + len(adder.reqs) >= self.config.max_running_requests:
                 break
+            if not self._adapter_fits(req, adapters):  # waits for room for its adapter; as FCFS below, the
+                break  # requests behind it wait too, so a steady stream of others cannot starve it
             if never_fits(req, self.slots.allocator.size):  # waiting cannot help it, nor those behind it
                 self._refuse_oversized(req)
                 admitted.append(req)
@@ -75,6 +79,7 @@ class Admission:
             if self.slots.req_to_token_pool.available_size() == 0 or not self._admit(req, adder):
                 break
             admitted.append(req)
+            adapters.add(req.lora_id)
         # FCFS: a request that does not fit now stops admission (the `break` above), so it is not
         # overtaken forever by smaller ones; it waits at most until the running requests end,
         # since an empty pool fits it (never_fits refuses the rest, so none blocks the queue).
@@ -83,6 +88,12 @@ class Admission:
         if batch is not None and self.config.enable_mixed_chunk and q.running:
             self._mix_in_decode(batch)
         return batch
+
+    def _adapter_fits(self, req: Req, adapters: set[Optional[int]]) -> bool:
+        """--max-loras-per-batch: the running requests and this batch's use at most that many
+        adapters, the base model (None) counted as one, as SGLang counts its slot."""
+        limit = self.config.max_loras_per_batch
+        return limit is None or req.lora_id in adapters or len(adapters) < limit
 
     def _refuse_oversized(self, req: Req) -> None:
         """The front end refuses these (RequestBuilder); a request that still gets here ends now
@@ -98,10 +109,10 @@ class Admission:
         the second waits one round and then reads the shared part from the tree (SGLang's
         in-batch prefix trick; it is what makes n > 1 groups hit the cache)."""
         ids = req.all_ids
-        start = len(self.tree_cache.match_prefix(ids[:-1]).indices)
+        start = len(self.tree_cache.match_prefix(ids[:-1], req.lora_id).indices)
         if len(ids) - start <= SIBLING_PREFIX:
             return False
-        key = (start, tuple(ids[start : start + SIBLING_PREFIX]))
+        key = (req.lora_id, start, tuple(ids[start : start + SIBLING_PREFIX]))
         if key in siblings:
             return True
         siblings.add(key)
@@ -109,7 +120,7 @@ class Admission:
 
     def _admit(self, req: Req, adder: PrefillAdder) -> bool:
         req.fill_ids = req.all_ids
-        match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+        match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], req.lora_id)
         self.tree_cache.inc_lock_ref(match.last_node)
         if not adder.try_add(req, len(match.indices)):
             self.tree_cache.dec_lock_ref(match.last_node)

@@ -27,6 +27,7 @@ class RequestOptions:
     logprob_distribution: str = "original"
     stream: bool = False
     return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (needs the server flag)
+    lora_path: Optional[str] = None  # the LoRA adapter's name (or path); None: the base model
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects, never by value
@@ -47,6 +48,8 @@ class Req(RequestOptions):
     finished_reason: Optional[dict] = None
     # engine.grammar.RequestGrammar when the request is constrained (set by the core; opaque here)
     grammar: Any = None
+    # the id of the LoRA adapter lora_path names (set by the core); its radix cache namespace
+    lora_id: Optional[int] = None
 
     # logprobs: values only; token ids are origin_input_ids / output_ids
     output_logprobs: list[float] = field(default_factory=list)

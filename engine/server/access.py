@@ -23,6 +23,7 @@ ADMIN_ROUTES = frozenset({
     "/update_weight_version", "/abort_request", "/flush_cache", "/release_memory_occupation",
     "/resume_memory_occupation", "/start_profile", "/stop_profile", "/begin_weight_update", "/end_weight_update",
     "/weights_checker", "/post_process_weights",
+    "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
 })
 
 

@@ -22,6 +22,7 @@ from engine.server.disconnect import ClientGone
 from engine.server.errors import error_response
 from engine.server.generate_routes import add_generate_routes
 from engine.server.info_routes import add_info_routes
+from engine.server.lora_routes import add_lora_routes
 from engine.server.maintenance_routes import add_maintenance_routes
 from engine.server.openai import OpenAIServing
 from engine.server.origin_guard import OriginGuard
@@ -43,6 +44,7 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     add_generate_routes(app, engine, openai, unknown)
     add_control_routes(app, engine, served, unknown)
     add_weights_checker_route(app, engine, unknown)
+    add_lora_routes(app, engine, unknown)
     add_maintenance_routes(app, engine, unknown)
     add_tokenize_routes(app, engine, unknown)
     args = engine.server_args

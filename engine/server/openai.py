@@ -53,6 +53,7 @@ class OpenAIServing:
         self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a chat request leaves unset
         self.decode = token_decoder(engine.tokenizer)
         self.trust_request_chat_template = engine.server_args.trust_request_chat_template
+        self.lora_enabled = engine.server_args.enable_lora
 
     # ---- completions ---------------------------------------------------------------------------
     def completion_request(self, req: CompletionRequest) -> GenerateRequest:
@@ -62,7 +63,8 @@ class OpenAIServing:
         return GenerateRequest(
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
-            top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream)
+            top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream,
+            lora_path=req.adapter(self.lora_enabled))
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:
         prompt = req.prompt
@@ -119,7 +121,7 @@ class OpenAIServing:
         return GenerateRequest(
             input_ids=ids, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-            rid=req.rid, stream=req.stream)
+            rid=req.rid, stream=req.stream, lora_path=req.adapter(self.lora_enabled))
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]

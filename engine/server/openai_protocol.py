@@ -70,6 +70,18 @@ class _OpenAISampling(_NullsAsDefaults):
     rid: Optional[Union[str, list[str]]] = None  # SGLang's: the id /abort_request takes (one per prompt)
     return_hidden_states: bool = False  # refused when true, as SGLang started without them
     custom_logit_processor: Optional[str] = None
+    lora_path: Any = None  # SGLang's: the adapter for the request (or one per prompt)
+
+    def adapter(self, lora_enabled: bool) -> Any:
+        """The LoRA adapter SGLang's OpenAI routes select: an explicit lora_path first, else the
+        `model` field's "base:adapter" form. Without LoRA a model name is only a name (some have
+        colons), while an explicit lora_path is still refused by the RequestBuilder."""
+        if self.lora_path is not None or not lora_enabled or not self.model or ":" not in self.model:
+            return self.lora_path
+        adapter = self.model.split(":", 1)[1]
+        if not adapter:
+            raise ValueError(f"model {self.model!r} names no adapter after ':' (use base:adapter)")
+        return adapter
 
     @model_validator(mode="after")
     def _no_unsupported_outputs(self) -> "_OpenAISampling":

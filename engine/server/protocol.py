@@ -63,6 +63,7 @@ class GenerateBody(_NullsAsDefaults):
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
     return_routed_experts: Union[bool, list[bool]] = False
+    lora_path: Any = None  # an adapter name, or one per prompt (None: the base): checked by the RequestBuilder
     # SGLang refuses these unless started for them (--enable-return-hidden-states,
     # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
     return_hidden_states: Union[bool, list[bool]] = False
@@ -82,7 +83,7 @@ class GenerateBody(_NullsAsDefaults):
             return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num or 0, token_ids_logprob=self.token_ids_logprob,
             logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream,
-            return_routed_experts=self.return_routed_experts)
+            return_routed_experts=self.return_routed_experts, lora_path=self.lora_path)
 
 
 def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:

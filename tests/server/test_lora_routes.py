@@ -1,0 +1,163 @@
+"""SGLang's LoRA routes over HTTP: load / unload / load from tensors with SGLang's replies (400 on
+failure), lora_path on /generate (per prompt, None = base), the OpenAI routes' adapter selection
+(lora_path, or model "base:adapter"), a hostile pickle in the tensors payload refused unrun, and
+every bad request a 400 naming the problem."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import pickle
+
+import pytest
+
+# peft (the oracle) is imported by the fixtures only: it imports triton, which the Triton
+# interpreter tests must find unimported at collection (they set TRITON_INTERPRET first)
+if importlib.util.find_spec("peft") is None:
+    pytest.skip("needs peft (the test extra)", allow_module_level=True)
+
+from tests.engine.lora_setup import make_peft_adapter  # noqa: E402
+
+ONE = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+IDS = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir, tmp_path_factory):
+    return make_peft_adapter(tiny_model_dir, tmp_path_factory.mktemp("lora") / "a", seed=3)
+
+
+@pytest.fixture(scope="module")
+def lora_client(engine_factory, adapter_dir):
+    from fastapi.testclient import TestClient
+
+    from engine.server.http import create_app
+
+    eng = engine_factory(lora_paths=[f"a={adapter_dir}"])
+    with TestClient(create_app(eng)) as c:
+        yield c, eng
+
+
+def _ids(client, **body):
+    r = client.post("/generate", json={"input_ids": IDS, "sampling_params": ONE, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"] if isinstance(r.json(), dict) else [o["output_ids"] for o in r.json()]
+
+
+def test_generate_lora_path_per_prompt(lora_client):
+    client, eng = lora_client
+    with_a = eng.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"]
+    base = eng.generate(input_ids=IDS, sampling_params=ONE)["output_ids"]
+    assert with_a != base
+    assert _ids(client, lora_path="a") == with_a
+    r = client.post("/generate", json={"input_ids": [IDS, IDS], "sampling_params": ONE, "lora_path": ["a", None]})
+    assert [o["output_ids"] for o in r.json()] == [with_a, base]
+
+
+def test_openai_routes_select_the_adapter(lora_client):
+    client, eng = lora_client
+    want = eng.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"]
+    want_text = eng.tokenizer.decode(want)
+    body = {"prompt": IDS, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    for extra in ({"model": "tiny:a"}, {"model": "tiny", "lora_path": "a"}):
+        r = client.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want_text
+    r = client.post("/v1/completions", json={**body, "model": "tiny:nope"})
+    assert r.status_code == 400 and "unknown LoRA adapter 'nope'" in r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.0}
+    base = client.post("/v1/chat/completions", json={**chat, "model": "tiny"}).json()["choices"][0]
+    r = client.post("/v1/chat/completions", json={**chat, "model": "tiny:a"})
+    assert r.status_code == 200 and r.json()["choices"][0] != base
+
+
+def test_bad_lora_requests_are_400s(lora_client, client):
+    lc, _ = lora_client
+    r = lc.post("/generate", json={"input_ids": IDS, "sampling_params": ONE, "lora_path": "nope"})
+    assert r.status_code == 400 and "unknown LoRA adapter 'nope'" in r.text
+    r = lc.post("/generate", json={"input_ids": IDS, "sampling_params": ONE, "lora_path": 3})
+    assert r.status_code == 400 and "lora_path must be" in r.text
+    # a server without LoRA no longer answers with the base weights
+    r = client.post("/generate", json={"input_ids": IDS, "sampling_params": ONE, "lora_path": "a"})
+    assert r.status_code == 400 and "--enable-lora" in r.text
+    r = client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+    assert r.status_code == 400 and r.json()["success"] is False and "LoRA is not enabled" in r.json()["error_message"]
+    r = lc.post("/load_lora_adapter", json={"lora_name": "z"})
+    assert r.status_code == 400 and "lora_path" in r.text
+
+
+def test_load_unload_and_from_tensors_flattened_bucket(lora_client, adapter_dir):
+    from safetensors.torch import load_file
+
+    from weight_sync.bucket import FlattenedBucket
+    from weight_sync.cuda_ipc import serialize
+
+    client, eng = lora_client
+    want = eng.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"]
+    r = client.post("/load_lora_adapter", json={"lora_name": "disk", "lora_path": str(adapter_dir)})
+    assert r.status_code == 200 and r.json() == {"success": True, "error_message": None,
+                                                 "loaded_adapters": {"a": str(adapter_dir), "disk": str(adapter_dir)}}
+    assert _ids(client, lora_path="disk") == want
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    bucket = FlattenedBucket.pack(list(load_file(adapter_dir / "adapter_model.safetensors").items())).to_payload()
+    r = client.post("/load_lora_adapter_from_tensors", json={
+        "lora_name": "pushed", "config_dict": config, "serialized_tensors": serialize(bucket, as_text=True),
+        "load_format": "flattened_bucket"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert _ids(client, lora_path="pushed") == want
+    for name in ("disk", "pushed"):
+        r = client.post("/unload_lora_adapter", json={"lora_name": name})
+        assert r.status_code == 200 and name not in r.json()["loaded_adapters"]
+    r = client.post("/unload_lora_adapter", json={"lora_name": "pushed"})
+    assert r.status_code == 400 and "'pushed' is not loaded" in r.json()["error_message"]
+
+
+class _Hostile:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_payload_executes_nothing(lora_client, tmp_path, adapter_dir):
+    client, eng = lora_client
+    marker = tmp_path / "pwned"
+    payload = base64.b64encode(pickle.dumps({"x": _Hostile(str(marker))})).decode()
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    for load_format in (None, "flattened_bucket"):
+        r = client.post("/load_lora_adapter_from_tensors", json={
+            "lora_name": "evil", "config_dict": config, "serialized_tensors": payload, "load_format": load_format})
+        message = r.json()["error_message"]
+        assert r.status_code == 400 and "payload refused" in message and "system" in message, r.text
+    assert not marker.exists()
+    assert "evil" not in client.post("/unload_lora_adapter", json={"lora_name": "a_missing"}).json()["loaded_adapters"]
+    assert _ids(client, lora_path="a")  # still serving
+
+
+def test_http_client_lora_verbs(lora_client, adapter_dir, live_server_factory):
+    from engine_client.client import HttpClient
+
+    _, eng = lora_client
+    http = HttpClient(live_server_factory(eng).url)
+    try:
+        want = eng.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"]
+        assert http.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"] == want
+        assert http.load_lora_adapter("c", adapter_dir)["success"]
+        bad = http.load_lora_adapter("c", adapter_dir)
+        assert bad["success"] is False and "already loaded" in bad["error_message"]
+        assert http.generate(input_ids=IDS, sampling_params=ONE, lora_path="c")["output_ids"] == want
+        assert "c" not in http.unload_lora_adapter("c")["loaded_adapters"]
+        from safetensors.torch import load_file
+
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        tensors = load_file(adapter_dir / "adapter_model.safetensors")  # serialized by the client (shared memory)
+        assert http.load_lora_adapter_from_tensors("d", tensors, config)["success"]
+        assert http.generate(input_ids=IDS, sampling_params=ONE, lora_path="d")["output_ids"] == want
+        assert http.unload_lora_adapter("d")["success"]
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'c'"):
+            http.generate(input_ids=IDS, sampling_params=ONE, lora_path="c")
+    finally:
+        http.close()
