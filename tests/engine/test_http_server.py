@@ -40,7 +40,10 @@ def test_generate_stream_is_sse(client):
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
-    assert len(chunks) == 6 and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    # a chunk per token, unless the reader lags (a busy host): then only the newest is sent (SGLang)
+    tokens = [len(c["output_ids"]) for c in chunks]
+    assert 2 <= len(chunks) <= 6 and tokens == sorted(set(tokens)) and tokens[-1] == 6, tokens
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_openai_completion_and_chat(client):
@@ -55,7 +58,9 @@ def test_openai_completion_and_chat(client):
     with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                               "max_tokens": 3, "stream": True, "ignore_eos": True}) as resp:
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]" and len(lines) == 4
+    # role, 3 tokens, the finish: 4 events before [DONE] when the reader keeps up; fewer when it lags
+    assert lines[-1] == "data: [DONE]" and 3 <= len(lines) <= 5, lines
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body,needle", [
