@@ -112,7 +112,11 @@ def test_async_stream_is_cumulative(engine):
         return chunks, final
 
     chunks, final = asyncio.run(run())
-    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5, 6]
+    lengths = [len(c["output_ids"]) for c in chunks]
+    # a chunk per token, unless the reader lags (a busy host): then only the newest is delivered
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 6 and len(lengths) >= 2, lengths
+    for earlier, later in zip(chunks, chunks[1:]):  # cumulative: each extends the one before
+        assert later["output_ids"][: len(earlier["output_ids"])] == earlier["output_ids"]
     assert chunks[-1]["output_ids"] == final["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
