@@ -45,7 +45,10 @@ def run_train(args: argparse.Namespace) -> int:
           f"{last.get('reward_mean', float('nan')):.3f} (step {last.get('step')})" if result.metrics else "done")
     print(f"run folder: {result.output_dir}  (metrics.jsonl"
           + (", reward_curve.png" if result.reward_curve else "") + (", checkpoint/" if result.checkpoint else "") + ")")
-    if result.checkpoint:
+    if result.checkpoint and (result.checkpoint / "adapter_config.json").exists():
+        print(f"LoRA adapter (PEFT format): {result.checkpoint}  (tandem serve --model-path <base> "
+              f"--lora-paths policy={result.checkpoint})")
+    elif result.checkpoint:
         print(f"checkpoint: {result.checkpoint}  (tandem serve --model-path {result.checkpoint})")
     return 0
 
