@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from recipes.recipe import Recipe
 
     parser.add_argument("--recipe", default="default",
-                        help="a recipe name (recipes/<name>.py: default, tool_use, qwen3_gpu), a .py file "
+                        help="a recipe name (recipes/<name>.py: default, lora, tool_use, qwen3_gpu), a .py file "
                         "defining RECIPE, or a .yaml/.json file of fields")
     parser.add_argument("--output-dir", default=None, help="the run folder (default: a fresh one under ./runs/)")
     parser.add_argument("--quiet", action="store_true", help="no console table or progress bar")
