@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -45,8 +46,10 @@ def run_train(args: argparse.Namespace) -> int:
           f"{last.get('reward_mean', float('nan')):.3f} (step {last.get('step')})" if result.metrics else "done")
     print(f"run folder: {result.output_dir}  (metrics.jsonl"
           + (", reward_curve.png" if result.reward_curve else "") + (", checkpoint/" if result.checkpoint else "") + ")")
-    if result.checkpoint and (result.checkpoint / "adapter_config.json").exists():
-        print(f"LoRA adapter (PEFT format): {result.checkpoint}  (tandem serve --model-path <base> "
+    adapter_config = result.checkpoint / "adapter_config.json" if result.checkpoint else None
+    if adapter_config and adapter_config.exists():
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        print(f"LoRA adapter (PEFT format): {result.checkpoint}  (tandem serve --model-path {base} "
               f"--lora-paths policy={result.checkpoint})")
     elif result.checkpoint:
         print(f"checkpoint: {result.checkpoint}  (tandem serve --model-path {result.checkpoint})")

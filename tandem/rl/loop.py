@@ -46,6 +46,8 @@ class RunResult:
 def plan_line(recipe: Recipe, source: ModelSource, output_dir: Path) -> str:
     engines = f"{recipe.num_engines} {'Ray engine actors' if recipe.engine_backend == 'ray' else 'in-process engines'}"
     warm = f"{recipe.warm_start_steps} warm-start steps, then " if recipe.warm_start_steps else ""
+    if recipe.lora_rank:
+        warm = f"LoRA rank {recipe.lora_rank} on {','.join(recipe.lora_targets)} (base frozen); " + warm
     return (f"tandem train [{recipe.name}]: {source.label} on {recipe.device}; {warm}{recipe.steps} GRPO steps x "
             f"{recipe.prompts_per_step} prompts x {recipe.n_per_prompt} samples of {recipe.task.split(':')[-1]}; "
             f"{engines}, {recipe.trainer} trainer, deterministic={recipe.deterministic}, "
