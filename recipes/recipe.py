@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from recipes.recipe_data import MAX_BASE_CHAIN, check_size, check_yaml_nesting, read_text
-from recipes.validate import check_fields
+from recipes.validate import check_fields, check_lora, lora_targets
 
 TRAINERS = ("torch", "deepspeed")
 ENGINE_BACKENDS = ("ray", "in_process")
@@ -71,6 +71,12 @@ class Recipe:
     # MoE: "measure": the engines return each sample's routed experts and the trainer reports
     # route_agreement (its routes vs the rollout's); "replay": also trains on the rollout's routes (R3)
     routed_experts: str = "off"
+    # LoRA RL (lora_rank > 0): the base is frozen, only a PEFT adapter of this rank trains; each step
+    # pushes the adapter alone (load_lora_adapter_from_tensors) and the run saves it in PEFT's format.
+    # lora_target_modules: comma-separated HF module names (q_proj,...,down_proj) or all-linear
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_target_modules: str = "all-linear"
     # ---- run
     deterministic: bool = True  # batch-invariant engine + Policy: logprob_abs_diff_max == 0
     off_policy: bool = False  # generate step k+1's rollouts while step k trains (TIS corrects)
@@ -89,6 +95,12 @@ class Recipe:
         if self.routed_experts not in ROUTED_EXPERTS_MODES:
             raise ValueError(f"routed_experts must be one of {', '.join(ROUTED_EXPERTS_MODES)}; "
                              f"got {self.routed_experts!r}")
+        check_lora(self)
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """lora_target_modules as PEFT's target_modules list (all-linear expanded)."""
+        return lora_targets(self.lora_target_modules)
 
 
 def load_recipe(name_or_path: str = "default") -> Recipe:

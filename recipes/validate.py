@@ -83,6 +83,36 @@ def _check_ranges(r: Any) -> None:
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {r.zero_stage}")
 
 
+MAX_LORA_RANK = 1024
+
+
+def lora_targets(spec: str) -> tuple[str, ...]:
+    """"q_proj,v_proj" or "all-linear" -> the HF module names (a ValueError names an unknown one)."""
+    from engine.lora.lora_config import expand_targets
+
+    names = [n for n in spec.replace(",", " ").split() if n]
+    try:
+        targets = tuple(expand_targets(names))
+    except ValueError as exc:
+        raise ValueError(f"lora_target_modules: {exc}") from None
+    if not targets:
+        raise ValueError("lora_target_modules names no module; give e.g. q_proj,v_proj or all-linear")
+    return targets
+
+
+def check_lora(r: Any) -> None:
+    """lora_rank 0 is off; otherwise a rank, a finite alpha > 0 and known target modules."""
+    if not 0 <= r.lora_rank <= MAX_LORA_RANK:
+        raise ValueError(f"lora_rank must be in [0, {MAX_LORA_RANK}] (0: full-weight RL), got {r.lora_rank}")
+    _check_number("lora_alpha", r.lora_alpha, 0, False)
+    lora_targets(r.lora_target_modules)
+    if r.lora_rank and r.trainer != "torch":
+        raise ValueError(f"lora_rank > 0 trains with the torch trainer only; got trainer {r.trainer!r}")
+    if r.lora_rank and r.rollout_fn:
+        raise ValueError("lora_rank > 0 with a rollout_fn is not supported yet (its turns would not name the "
+                         "adapter); use single-turn rollouts")
+
+
 def _check_number(name: str, value: Any, low: float, inclusive: bool) -> None:
     """A finite number above `low` (None passes: the optional fields' off)."""
     if value is None:

@@ -49,7 +49,8 @@ class RolloutManager:
 
     async def agenerate(self, prompts: Sequence[Sequence[int]], sampling_params: Any, n: int = 1,
                         labels: Optional[Sequence[Any]] = None,
-                        keep_groups: Optional[int] = None) -> list[list[Sample]]:
+                        keep_groups: Optional[int] = None, lora_path: Optional[str] = None) -> list[list[Sample]]:
+        """lora_path: the LoRA adapter every request is generated with (None: the base model)."""
         labels = list(labels) if labels is not None else [None] * len(prompts)
         if len(labels) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(labels)} labels")
@@ -66,6 +67,8 @@ class RolloutManager:
             # submitted inside the task: a refused group fails its task, whose callback still
             # releases the router's count
             extra = {"return_routed_experts": True} if self.return_routed_experts else {}
+            if lora_path is not None:
+                extra["lora_path"] = lora_path
             task = asyncio.ensure_future(_generate_group(engine, input_ids=list(prompt), return_logprob=True,
                                                          sampling_params={**params, "n": n}, rid=f"{batch}-{g}",
                                                          **extra))

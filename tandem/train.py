@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from recipes.recipe import Recipe
 
     parser.add_argument("--recipe", default="default",
-                        help="a recipe name (recipes/<name>.py: default, tool_use, qwen3_gpu), a .py file "
+                        help="a recipe name (recipes/<name>.py: default, lora, tool_use, qwen3_gpu), a .py file "
                         "defining RECIPE, or a .yaml/.json file of fields")
     parser.add_argument("--output-dir", default=None, help="the run folder (default: a fresh one under ./runs/)")
     parser.add_argument("--quiet", action="store_true", help="no console table or progress bar")
@@ -45,7 +46,12 @@ def run_train(args: argparse.Namespace) -> int:
           f"{last.get('reward_mean', float('nan')):.3f} (step {last.get('step')})" if result.metrics else "done")
     print(f"run folder: {result.output_dir}  (metrics.jsonl"
           + (", reward_curve.png" if result.reward_curve else "") + (", checkpoint/" if result.checkpoint else "") + ")")
-    if result.checkpoint:
+    adapter_config = result.checkpoint / "adapter_config.json" if result.checkpoint else None
+    if adapter_config and adapter_config.exists():
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        print(f"LoRA adapter (PEFT format): {result.checkpoint}  (tandem serve --model-path {base} "
+              f"--lora-paths policy={result.checkpoint})")
+    elif result.checkpoint:
         print(f"checkpoint: {result.checkpoint}  (tandem serve --model-path {result.checkpoint})")
     return 0
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +107,7 @@ class PackedBatch:
     # buffer the MoE layers write their routes into; both [T, layers, top_k] int32, packed rows
     replay_routes: Optional[torch.Tensor] = None
     route_sink: Optional[torch.Tensor] = None
+    lora: Optional[Any] = None  # an engine.lora.LoRABatch (the trainer's adapter), read by the linears
     _metadata: dict = field(default_factory=dict, repr=False)  # built on the first layer's call
 
     @property

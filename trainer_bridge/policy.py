@@ -18,6 +18,9 @@ and `rollout_logprobs(..., routed_experts=...)` replays a rollout's routes inste
 
 `policy.model.named_parameters()` uses engine parameter names (stacked qkv_proj / gate_up_proj),
 which the engine's `load_weights` accepts for weight sync.
+
+LoRA RL: `add_lora` freezes the model and adds a TrainableLoRA (trainer_bridge/trainable_lora.py),
+whose delta every forward adds through the linears' `lora` seam with the engine's own LoRA code.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from transformers import AutoConfig
 from engine.kernels import batch_invariant as bi
 from engine.models.loader import load_model
 from trainer_bridge.packed_attention import PackedAttention, PackedBatch
+from trainer_bridge.trainable_lora import TrainableLoRA
 
 
 class Policy(nn.Module):
@@ -44,6 +48,14 @@ class Policy(nn.Module):
             raise ValueError("Policy needs a model built with deterministic=True (batch-invariant kernels)")
         self.model = model
         self.attention = PackedAttention(attention_backend, split_size)
+        self.lora: Optional[TrainableLoRA] = None
+
+    def add_lora(self, rank: int, alpha: float, target_modules: Sequence[str],
+                 base_model_name_or_path: Optional[str] = None) -> TrainableLoRA:
+        """Freeze the base model; only the new adapter's parameters train from here on."""
+        self.model.requires_grad_(False)
+        self.lora = TrainableLoRA(self.model, rank, alpha, target_modules, base_model_name_or_path)
+        return self.lora
 
     @classmethod
     def from_pretrained(cls, model_path: str, dtype: torch.dtype = torch.float32,
@@ -62,7 +74,9 @@ class Policy(nn.Module):
         shape receives them."""
         device = input_ids.device
         positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
-        batch = PackedBatch(list(seq_lens), self.attention, replay_routes=replay_routes, route_sink=route_sink)
+        lora = None if self.lora is None else self.lora.lora_batch(len(input_ids), device)
+        batch = PackedBatch(list(seq_lens), self.attention, replay_routes=replay_routes, route_sink=route_sink,
+                            lora=lora)
         return self.model(input_ids, positions, batch)
 
     def rollout_routes(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]

@@ -25,6 +25,8 @@ def engine_kwargs(recipe: Recipe, source: ModelSource) -> dict[str, Any]:
     if recipe.routed_experts != "off":
         kwargs["enable_return_routed_experts"] = True
     kwargs["cuda_graph_max_bs"] = rollout_graph_max_bs(recipe)
+    if recipe.lora_rank:  # LoRA RL: the engines serve the pushed adapter (one per engine)
+        kwargs.update(enable_lora=True, max_lora_rank=recipe.lora_rank, lora_target_modules=recipe.lora_targets)
     kwargs.update(recipe.engine_args)
     return kwargs
 

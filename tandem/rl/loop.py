@@ -2,7 +2,8 @@
 
 Step k generates its groups on the engines (weight version k-1), computes GRPO advantages per
 group, takes one optimizer step with the clipped objective and TIS on the rollout logprobs, and
-pushes the new weights (version k) to every engine. With `off_policy`, step k+1's rollouts are
+pushes the new weights (version k) to every engine. LoRA RL (lora_rank > 0): the adapter alone
+trains, is pushed, names the rollouts' lora_path and is saved in PEFT's format as the checkpoint. With `off_policy`, step k+1's rollouts are
 generated on version k-1 while step k trains, and TIS corrects the one-step lag. The warm start
 (supervised) runs first and its weights are pushed as version 0.
 """
@@ -45,6 +46,8 @@ class RunResult:
 def plan_line(recipe: Recipe, source: ModelSource, output_dir: Path) -> str:
     engines = f"{recipe.num_engines} {'Ray engine actors' if recipe.engine_backend == 'ray' else 'in-process engines'}"
     warm = f"{recipe.warm_start_steps} warm-start steps, then " if recipe.warm_start_steps else ""
+    if recipe.lora_rank:
+        warm = f"LoRA rank {recipe.lora_rank} on {','.join(recipe.lora_targets)} (base frozen); " + warm
     return (f"tandem train [{recipe.name}]: {source.label} on {recipe.device}; {warm}{recipe.steps} GRPO steps x "
             f"{recipe.prompts_per_step} prompts x {recipe.n_per_prompt} samples of {recipe.task.split(':')[-1]}; "
             f"{engines}, {recipe.trainer} trainer, deterministic={recipe.deterministic}, "
@@ -116,7 +119,8 @@ def _partial(recipe: Recipe, output_dir: Path) -> str:
     done = len((output_dir / "metrics.jsonl").read_text().splitlines())
     saved = "metrics.jsonl" + (", reward_curve.png" if (output_dir / "reward_curve.png").exists() else "")
     checkpoint = output_dir / "checkpoint"
-    whole = (checkpoint / "model.safetensors").exists() and (checkpoint / "config.json").exists()  # written last
+    whole = ((checkpoint / "model.safetensors").exists() and (checkpoint / "config.json").exists()  # written last
+             or (checkpoint / "adapter_config.json").exists())
     saved += ", checkpoint/" if whole else "; no checkpoint"
     return f"{done} of {recipe.steps} steps; the partial run is in {output_dir} ({saved})"
 
@@ -144,7 +148,9 @@ def _run_phases(recipe: Recipe, source: ModelSource, plugins: Plugins, report: R
         rollouts = Rollouts(recipe, pool.clients, tokenizer, plugins.task, plugins.reward_fn, plugins.rollout_fn)
         last_groups = _grpo_steps(recipe, trainer, rollouts, pusher, report)
     checkpoint = None
-    if recipe.save_checkpoint:
+    if recipe.save_checkpoint and trainer.policy.lora is not None:  # PEFT's format, for the base model
+        checkpoint = trainer.policy.lora.save_pretrained(str(output_dir / "checkpoint"))
+    elif recipe.save_checkpoint:
         checkpoint = trainer.save_hf_checkpoint(source.path, str(output_dir / "checkpoint"))
     return checkpoint, last_groups
 
@@ -210,6 +216,7 @@ def _train_and_push(recipe: Recipe, trainer: Any, pusher: WeightPusher, result: 
         "rollout_tok_s": result.generated_tokens / max(result.seconds, 1e-9),
         "train_s": train_s, "sync_s": sync_s, "response_len_mean": result.generated_tokens / max(len(samples), 1),
         "truncated": sum(1 for s in samples if s.status == "truncated") / max(len(samples), 1),
+        "push_bytes": pusher.last_push_bytes,  # per engine: the adapter alone in LoRA RL
         "rollout_weight_versions": versions, **phases, **train, **_trainer_memory(),
     }
 

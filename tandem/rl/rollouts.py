@@ -24,6 +24,7 @@ from rollout.plugins import plugin_error
 from rollout.rewards import checked_reward
 from rollout.tasks import draw_problems
 from rollout.types import Sample
+from trainer_bridge.trainable_lora import ADAPTER_NAME
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Rollouts:
         self.manager = RolloutManager(engines, reward_fn=self.reward_fn,
                                       return_routed_experts=recipe.routed_experts != "off")
         self._tag = uuid.uuid4().hex[:8]  # request ids stay unique across runs on the same engines
+        self.lora_path = ADAPTER_NAME if recipe.lora_rank else None  # LoRA RL: the pushed adapter
 
     def generate(self, step: int) -> RolloutResult:
         """Blocking; call from a thread without a running event loop."""
@@ -64,7 +66,7 @@ class Rollouts:
         params = [self._sampling_params(step, g) for g in range(len(problems))]
         if self.rollout_fn is None:
             groups = await self.manager.agenerate(prompts, params, n=self.recipe.n_per_prompt,
-                                                  labels=[p.answer for p in problems])
+                                                  labels=[p.answer for p in problems], lora_path=self.lora_path)
         else:
             groups = await self._plugin_groups(step, problems, prompts, params)
         check_not_failed([s for g in groups for s in g], step)

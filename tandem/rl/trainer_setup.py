@@ -1,5 +1,6 @@
 """build_trainer: the recipe's trainer (torch AdamW here, or DeepSpeed ZeRO on GPUs) on its Policy.
 
+With lora_rank > 0 the Policy's base is frozen and a PEFT adapter is what trains.
 The Policy matches the engines' numerics (same checkpoint, dtype, device kind, attention backend
 and distribution), so in deterministic mode its logprobs equal the rollout logprobs bit for bit.
 """
@@ -48,5 +49,7 @@ def _torch_trainer(recipe: Recipe, source: ModelSource, dtype: torch.dtype, back
     from trainer_bridge.trainer import TorchTrainer
 
     policy = Policy.from_pretrained(source.path, dtype, recipe.device, source.load_format, attention_backend=backend)
+    if recipe.lora_rank:  # before the optimizer: it holds the adapter's parameters only
+        policy.add_lora(recipe.lora_rank, recipe.lora_alpha, recipe.lora_targets, source.path)
     return TorchTrainer(policy, loss_config(recipe), recipe.micro_batch_size, policy_temperature(recipe),
                         max_grad_norm=recipe.max_grad_norm)

@@ -4,7 +4,9 @@ One pause per engine for the whole update: the trainer hands out runs of full pa
 gathers one run at a time) and each goes to every engine at once before the next is drawn
 (trainer_bridge.sync.push_to_engines). Colocated on one GPU, `colocated` wraps the train step in
 trainer_bridge.colocate.colocated_step: engines release their memory, the trainer steps in it,
-weights come back and are pushed, then the KV cache.
+weights come back and are pushed, then the KV cache. LoRA RL (the policy has an adapter) pushes
+the adapter alone instead (trainer_bridge.adapter_sync). `last_push_bytes`: what the last push
+moved to each engine.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from trainer_bridge.colocate import ColocatePhases, colocated_step
+from trainer_bridge.adapter_sync import push_adapter
 from trainer_bridge.sync import push_to_engines
 
 T = TypeVar("T")
@@ -29,12 +32,22 @@ class WeightPusher:
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.keep_cuda_graphs = keep_cuda_graphs
+        self.last_push_bytes = 0
+        self._adapter_loaded = False
 
     def push(self, trainer: Any, version: str) -> float:
-        """Every bucket of the trainer's weights to every engine -> seconds taken."""
+        """Every bucket of the trainer's weights (or its LoRA adapter) to every engine -> seconds taken."""
         start = time.perf_counter()
-        push_to_engines(self.engines, trainer.weight_buckets(self.bucket_bytes), version, self.transport,
-                        "retract", self.bucket_bytes)
+        lora = getattr(trainer.policy, "lora", None)
+        if lora is not None:
+            self.last_push_bytes = push_adapter(self.engines, lora, version, replace=self._adapter_loaded)
+            self._adapter_loaded = True
+            return time.perf_counter() - start
+        runs = trainer.weight_buckets(self.bucket_bytes)
+        self.last_push_bytes = 0
+        if isinstance(runs, (list, tuple)):
+            self.last_push_bytes = sum(t.numel() * t.element_size() for run in runs for _, t in run)
+        push_to_engines(self.engines, runs, version, self.transport, "retract", self.bucket_bytes)
         return time.perf_counter() - start
 
     def colocated(self, train: Callable[[], T], trainer: Any, version: str) -> tuple[T, ColocatePhases]:

@@ -60,7 +60,7 @@ def test_file_values_take_the_field_type(tmp_path):
 
 @pytest.mark.parametrize("arg,message", [
     ("default.py", "recipe file default.py does not exist (a shipped recipe is named without .py: --recipe default)"),
-    ("notes.txt", "recipe 'notes.txt': pass a recipe name (default, qwen3_gpu, tool_use), a .py file"),
+    ("notes.txt", "recipe 'notes.txt': pass a recipe name (default, lora, qwen3_gpu, tool_use), a .py file"),
     ("missing.yaml", "recipe file missing.yaml does not exist"),
     ("nope", "no recipe 'nope': expected recipes/nope.py"),
 ])

@@ -1,0 +1,110 @@
+"""TrainableLoRA: the trainer's LoRA adapter, whose delta is the engine's own code.
+
+Its parameters are PEFT's tensors, one lora_A [r, in] and lora_B [out, r] per HF target module
+(q_proj ... down_proj of every decoder layer), named as PEFT saves them
+(`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) and initialised as PEFT does
+(A kaiming-uniform, B zeros: version 0 is the base model). Each forward builds, from the live
+parameters, the engine's LoRAAdapter (engine/lora/adapter.py: the same stacking of q/k/v and
+gate/up, checks and scaling) and a LoRABatch putting every token on it, which the model's linears
+call through their `lora` seam: the delta is the same function the engine runs, so in
+deterministic mode trainer logprobs equal the engine's bit for bit. torch.cat / copies keep it
+differentiable; the base weights are frozen by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.lora_batch import LoRABatch
+from engine.lora.lora_config import LoRALimits, expand_targets
+from engine.models.hf_names import HFNameMap
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_NAME = "policy"  # the name the engines serve the trained adapter under
+
+
+class TrainableLoRA(nn.Module):
+    def __init__(self, model: nn.Module, rank: int, alpha: float, target_modules: Sequence[str],
+                 base_model_name_or_path: Optional[str] = None) -> None:
+        super().__init__()
+        if rank <= 0:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.rank, self.alpha = rank, float(alpha)
+        self.target_modules = tuple(expand_targets(list(target_modules)))
+        self.base_model_name_or_path = base_model_name_or_path
+        self.names: list[str] = []  # PEFT names, in parameter order
+        self.weights = nn.ParameterList()
+        param = next(model.parameters())
+        for hf_module, out_rows, in_features in _target_shapes(model, self.target_modules):
+            a = torch.empty(rank, in_features, dtype=param.dtype, device=param.device)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default init of lora_A
+            b = torch.zeros(out_rows, rank, dtype=param.dtype, device=param.device)
+            for kind, tensor in (("A", a), ("B", b)):
+                self.names.append(f"{PEFT_PREFIX}{hf_module}.lora_{kind}.weight")
+                self.weights.append(nn.Parameter(tensor))
+        if not self.names:
+            raise ValueError(f"the model has no linear among LoRA targets {', '.join(self.target_modules)}")
+        self._model_ref = [model]  # not a submodule: its parameters are not the adapter's
+
+    def config_dict(self) -> dict[str, Any]:
+        """PEFT's adapter_config.json."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "target_modules": list(self.target_modules), "lora_dropout": 0.0, "bias": "none",
+                "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+                "modules_to_save": None, "base_model_name_or_path": self.base_model_name_or_path,
+                "inference_mode": True}
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(PEFT name, tensor) of every adapter weight, detached: what a push sends."""
+        return [(name, p.detach()) for name, p in zip(self.names, self.weights)]
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.weights)
+
+    def lora_batch(self, num_tokens: int, device: torch.device, deterministic: bool = True) -> LoRABatch:
+        """Every one of the pass's tokens on this adapter, built from the live parameters."""
+        adapter = LoRAAdapter.from_tensors(ADAPTER_NAME, self.config_dict(), zip(self.names, self.weights),
+                                           self._model_ref[0], LoRALimits())
+        rows = torch.arange(num_tokens, dtype=torch.int64, device=device)
+        return LoRABatch(torch.zeros_like(rows), [adapter], [rows], deterministic)
+
+    def save_pretrained(self, out_dir: str) -> Path:
+        """PEFT's on-disk format: adapter_config.json + adapter_model.safetensors."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {n: t.to("cpu").contiguous().clone() for n, t in self.named_tensors()}
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(self.config_dict(), indent=2))
+        return out
+
+
+def _target_shapes(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """(HF module name, its output rows, in_features) of every linear the adapter covers, one per
+    stacked shard (q/k/v of qkv_proj, gate/up of gate_up_proj), in model order."""
+    names = HFNameMap(model)
+    out = []
+    for module in model.modules():
+        lora_name = getattr(module, "lora_name", "")
+        if not lora_name:
+            continue
+        shard_ids = getattr(module, "shard_ids", [None])
+        for shard_id in shard_ids:
+            hf_module = names.hf_name(f"{lora_name}.weight", shard_id).removesuffix(".weight")
+            if hf_module.rpartition(".")[2] not in targets:
+                continue
+            rows = module.out_features if shard_id is None else _span(module.shard_slice(shard_id))
+            out.append((hf_module, rows, module.in_features))
+    return out
+
+
+def _span(rows: slice) -> int:
+    return rows.stop - rows.start
