@@ -55,11 +55,12 @@ def _settled_used(timeout_s: float = 30.0) -> int:
     as this engine's."""
     gc.collect()
     torch.cuda.empty_cache()
-    last, deadline = _used(), time.monotonic() + timeout_s
+    last, deadline, steady = _used(), time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
         time.sleep(1.0)
         now = _used()
-        if now == last:
+        steady = steady + 1 if now == last else 0
+        if steady == 3:  # three seconds unchanged: an exiting process can pause before it lets go
             return now
         last = now
     return last
@@ -90,13 +91,15 @@ def test_release_frees_the_engine_and_resume_brings_it_back(checkpoints, expecte
     eng = _engine(checkpoints[0], enable_memory_saver=True, max_total_tokens=16_000_000)  # an 8 GB KV pool
     try:
         assert _ids(eng) == expected["a"]
-        engine_bytes = _used() - baseline
+        held = _used()
+        engine_bytes = held - baseline
         start = time.perf_counter()
         assert eng.release_memory_occupation()[0]
         released = time.perf_counter() - start
-        left = _used() - baseline
-        print(f"  engine {engine_bytes / 2**30:.2f} GB, {left / 2**30:.3f} GB left after release ({released * 1e3:.0f} ms)")
-        assert left <= 0.10 * engine_bytes  # >= 90% freed
+        after_release = _used()
+        freed = held - after_release  # measured across the release alone: another process exiting meanwhile
+        print(f"  engine {engine_bytes / 2**30:.2f} GB, {freed / 2**30:.3f} GB freed by release ({released * 1e3:.0f} ms)")
+        assert freed >= 0.90 * engine_bytes
         hog = torch.empty(int(0.8 * engine_bytes), dtype=torch.uint8, device="cuda")  # the trainer's turn
         del hog
         torch.cuda.empty_cache()
@@ -106,8 +109,8 @@ def test_release_frees_the_engine_and_resume_brings_it_back(checkpoints, expecte
         assert ok, message
         assert eng.resume_memory_occupation(["kv_cache", "cuda_graph"])[0]
         print(f"  resume + update: {(time.perf_counter() - start) * 1e3:.0f} ms")
-        back = _used() - baseline
-        assert abs(back - engine_bytes) <= 0.05 * engine_bytes, (back, engine_bytes)
+        taken_back = _used() - after_release  # against the level just before, for the same reason
+        assert abs(taken_back - freed) <= 0.05 * engine_bytes, (taken_back, freed)
         assert _ids(eng) == expected["b"]
         assert eng.local_core.parts.runner.cuda_graph.num_replays > 0
         eng.check_integrity()
