@@ -1,6 +1,6 @@
 """Where return_routed_experts' cost goes: one engine started with --enable-return-routed-experts
 (the forward writes routes either way), the same workload with the per-request flag off and on,
-and the time spent reading (core) and encoding (front end) the routes.
+and the time the core spends reading and encoding the routes.
 
     python scripts/routes_cost_probe.py --preset qwen3-30b-a3b [--num-prompts 256]
 """
@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import engine.api.engine as engine_api
-import engine.core.results as results
 from engine import Engine
+from engine.core.routed_experts import RouteReader
 from engine.testing.tiny_model import tiny_model_path
 from engine.core.setup import resolve_device
 from tandem.bench.device import free_memory
@@ -37,8 +36,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    results.read_routes = timed("read_routes", results.read_routes)
-    engine_api.encode_routed_experts = timed("encode", engine_api.encode_routed_experts)
+    RouteReader._to_host = timed("read_routes", RouteReader._to_host)
+    RouteReader.read = timed("encode", RouteReader.read)  # gather, copy and encode together
     path = tiny_model_path(preset=args.preset)
     dummy = not any(path.glob("*.safetensors"))
     for server_flag, flags in ((False, (False, False)), (True, (False, True, False, True, False, True))):
@@ -64,7 +63,7 @@ def run(eng: Engine, num_prompts: int, flags: tuple) -> None:
         wall = time.perf_counter() - start
         got = sum(1 for o in outs if "routed_experts" in o["meta_info"])
         print(f"routes {'on ' if flag else 'off'}: {work.total_output_tokens / wall:,.1f} output tok/s, wall "
-              f"{wall:.3f} s, read {spent['read_routes']:.3f} s, encode {spent['encode']:.3f} s, {got} with routes",
+              f"{wall:.3f} s, copy to host {spent['read_routes']:.3f} s, read + encode {spent['encode']:.3f} s, {got} with routes",
               flush=True)
 
 

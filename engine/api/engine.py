@@ -26,7 +26,6 @@ from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs, configure_logging
 from engine.api.engine_lora import EngineLoRA
 from engine.api.engine_weights import EngineWeights
-from engine.core.routed_experts import encode_routed_experts
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, FlushCacheReq, PauseReq,
                                   ReqInput, ReqOutput, StatsReq, StatsSnapshot, check_pause_mode)
 
@@ -253,8 +252,6 @@ class Engine(EngineWeights, EngineLoRA):
                 if out.finished:
                     self._sinks.pop(out.rid, None)
                     self._inputs.pop(out.rid, None)
-            if out.finished:
-                encode_routed_experts(out.output.get("meta_info", {}))
             if req_input is not None:
                 self.streamed_logprobs.fill(req_input, out)
                 self.text_builder.fill(req_input, out)

@@ -13,7 +13,7 @@ from typing import Optional
 
 from engine.core.messages import ReqOutput
 from engine.core.output import CoreView, req_output
-from engine.core.routed_experts import read_routes, route_slots
+from engine.core.routed_experts import RouteReader, route_slots
 from engine.runner.model_runner import ModelRunner
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -30,6 +30,7 @@ class StepResults:
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
         self._pending_routes: list[tuple[str, object]] = []  # (rid, KV slots) released this step
+        self._route_reader = RouteReader()
 
     def answer(self, batch: ScheduleBatch, result: BatchResult, grown: list[Req],
                then: Optional[ScheduleBatch] = None) -> list[ReqOutput]:
@@ -74,12 +75,12 @@ class StepResults:
         self.scheduler.release(req)
 
     def _attach_routes(self, outputs: list[ReqOutput]) -> None:
-        """The routes of the step's finished requests: one gather and one copy to the host for them
-        all (no sync per request), as int32 arrays; the front end encodes them."""
+        """The routes of the step's finished requests, read for them all at once (no sync per
+        request), as SGLang's base64 strings."""
         if not self._pending_routes:
             return
         pending, self._pending_routes = self._pending_routes, []
-        routes = read_routes(self.runner.kv_pool.routed_experts, [slots for _, slots in pending])
+        routes = self._route_reader.read(self.runner.kv_pool.routed_experts, [slots for _, slots in pending])
         by_rid = {rid: ids for (rid, _), ids in zip(pending, routes)}
         for out in outputs:
             if out.finished and out.rid in by_rid:

@@ -1,5 +1,5 @@
 """A finished request's routed experts, as SGLang sends them: meta_info["routed_experts"] is the
-base64 of little-endian int32 [tokens, layers, top_k] (the front end encodes it), tokens =
+base64 of little-endian int32 [tokens, layers, top_k] (encoded where the core reads it), tokens =
 prompt + output - 1 (every token that went through the model; the last sampled one never does),
 layers = every hidden layer (-1 on dense ones).
 
@@ -23,23 +23,50 @@ def route_slots(req_to_token: Any, req: Any) -> Any:
     return req_to_token[req.req_pool_idx, :n].clone()
 
 
-def read_routes(routes: Any, slots: list) -> list[np.ndarray]:
-    """routes: the pool's [slots, layers, top_k] int32. One gather for several requests' slots and
-    one copy to the host (a copy per request would wait on the device once each): a host int32
-    array [tokens, layers, top_k] per request."""
-    import torch
+class RouteReader:
+    """Reads the routes of a step's finished requests: one gather on the device, one copy into a
+    reused pinned host buffer (a pageable copy into fresh memory ran at ~1.5 GB/s: 0.2 s for the
+    300 MB of 256 x 768 tokens of a 48-layer top-8 model), then SGLang's base64 per request on a
+    few threads (pybase64 releases the GIL). The buffer is reused only after every encode is done."""
 
-    lengths = [len(s) for s in slots]
-    ids = routes[torch.cat(slots).to(routes.device)].cpu().numpy()
-    return np.split(ids, np.cumsum(lengths)[:-1]) if len(slots) > 1 else [ids]
+    def __init__(self) -> None:
+        self._pinned = None
+        self._encoders = None
 
+    def read(self, routes: Any, slots: list) -> list[str]:
+        """routes: the pool's [slots, layers, top_k] int32; slots: each request's KV slots."""
+        import torch
 
-def encode_routed_experts(meta: dict) -> None:
-    """The core's int32 array -> SGLang's base64 string, in place. Done where the front end receives
-    outputs: in its own process with --core-process, off the scheduler's."""
-    ids = meta.get("routed_experts")
-    if isinstance(ids, np.ndarray):
-        meta["routed_experts"] = _b64_string(np.ascontiguousarray(ids, dtype="<i4").data)
+        ids = routes[torch.cat(slots).to(routes.device)]
+        host = self._to_host(ids)
+        views = np.split(host, np.cumsum([len(s) for s in slots])[:-1])
+        if len(views) < 4:
+            return [_b64_string(v.data) for v in views]
+        return list(self._pool().map(lambda v: _b64_string(v.data), views))
+
+    def _to_host(self, ids: Any) -> np.ndarray:
+        if not ids.is_cuda:
+            return ids.numpy()
+        import torch
+
+        if self._pinned is None or self._pinned.numel() < ids.numel():
+            grain = 8 << 20  # elements: grow in 32 MB steps
+            self._pinned = None
+            self._pinned = torch.empty(-(-ids.numel() // grain) * grain, dtype=ids.dtype, pin_memory=True)
+        host = self._pinned[:ids.numel()].view(ids.shape)
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the copy only, not the whole device
+        return host.numpy()
+
+    def _pool(self):
+        if self._encoders is None:
+            import os
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._encoders = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="routes-b64")
+        return self._encoders
 
 
 def _b64_string(data: memoryview) -> str:

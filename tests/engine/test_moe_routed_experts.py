@@ -78,7 +78,7 @@ def test_only_when_asked_and_per_prompt(routes_engine):
 
 
 def test_a_core_process_returns_the_same_routes(routes_engine, moe_mixed_model_dir):
-    """The core sends a step's routes as int32 arrays; the front end (here across the pipe) encodes them.
+    """The core encodes a step's routes; with --core-process they cross the pipe as the same strings.
     Requests of different lengths finish in one step: one gather for them all, split per request."""
     from engine import Engine
 
@@ -202,3 +202,18 @@ def test_policy_replays_given_routes(policy, rollouts):
     policy.zero_grad()
     with pytest.raises(ValueError, match="expected"):
         policy.rollout_logprobs(prompts[:1], responses[:1], routed_experts=[_routes(outs[0])[:-1]])
+
+
+def test_the_route_reader_encodes_each_request_s_slots_on_its_threads():
+    """Many requests at once take the threaded encode: each string decodes to that request's slots' rows."""
+    from engine.core.routed_experts import RouteReader
+
+    gen = torch.Generator().manual_seed(0)
+    routes = torch.randint(-1, 128, (200, 3, 8), dtype=torch.int32, generator=gen)
+    slots = [torch.randperm(200, generator=gen)[:n] for n in (5, 1, 17, 40, 9, 33)]
+    reader = RouteReader()
+    for _ in range(2):  # the second read reuses what the first set up
+        got = reader.read(routes, slots)
+        assert len(got) == len(slots)
+        for text, s in zip(got, slots):
+            assert torch.equal(torch.from_numpy(decode_routed_experts(text, 3, 8).copy()), routes[s])
