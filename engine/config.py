@@ -71,11 +71,11 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     cuda_graph_max_bs: Optional[int] = None
     # the scheduler + model in their own process; None: a thread for the in-process API, a process
-    # for `tandem serve` on a GPU (HTTP at 0.99x in-process throughput vs 0.85x on a thread, H200)
+    # for `tandem serve` on a GPU (HTTP at 0.90x in-process throughput vs 0.85x on a thread, H200)
     core_process: Optional[bool] = None
     # structured output: xgrammar's matchers on a thread of the core ("thread") or in a process of
     # their own ("process": no GIL shared with the core loop; engine/grammar/matcher_server.py);
-    # "auto": the process on a GPU (0.875-0.93x of free decoding where the thread gave 0.65-0.92x,
+    # "auto": the process on a GPU (0.83-0.93x of free decoding where the thread gave 0.65-0.92x,
     # H200 bs 64, docs/benchmarks.md), the thread on the CPU (no overlap to win there)
     grammar_backend: str = "auto"
     # grammar bounds (engine/grammar/grammar_limits.py): a grammar past one is its request's 400

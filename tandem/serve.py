@@ -33,8 +33,9 @@ def with_env_keys(kwargs: dict[str, Any], environ: Any = os.environ) -> dict[str
 
 def default_core_process(kwargs: dict[str, Any]) -> dict[str, Any]:
     """On a GPU the server runs the core in its own process unless told otherwise: measured on
-    the H200 (Qwen3-0.6B shape, 256 concurrent /generate, 512/256) it serves 0.99x the in-process
-    throughput, against 0.85x with the core on a thread of the HTTP process (docs/benchmarks.md)."""
+    the H200 (Qwen3-0.6B shape, 256 concurrent /generate, 512/256) it serves 0.90x (64
+    concurrent: 0.88x) the in-process throughput, against 0.85x with the core on a thread of the HTTP
+    process (docs/benchmarks.md)."""
     if kwargs.get("core_process") is not None:
         return kwargs
     import torch
