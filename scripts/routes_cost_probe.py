@@ -8,6 +8,7 @@ and the time the core spends reading and encoding the routes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 from engine import Engine
@@ -40,7 +41,10 @@ def main() -> None:
     RouteReader.read = timed("encode", RouteReader.read)  # gather, copy and encode together
     path = tiny_model_path(preset=args.preset)
     dummy = not any(path.glob("*.safetensors"))
-    for server_flag, flags in ((False, (False, False)), (True, (False, True, False, True, False, True))):
+    # (per-request flag, API): the async API is what `tandem bench` drives
+    first = ((False, "sync"), (False, "async"))
+    second = tuple((flag, api) for _ in range(2) for api in ("sync", "async") for flag in (False, True))
+    for server_flag, flags in ((False, first), (True, second)):
         eng = Engine(model_path=str(path), load_format="dummy" if dummy else "auto", skip_tokenizer_init=True,
                      device=args.device, enable_return_routed_experts=server_flag)
         print(f"engine with --enable-return-routed-experts {server_flag}", flush=True)
@@ -53,18 +57,22 @@ def main() -> None:
 def run(eng: Engine, num_prompts: int, flags: tuple) -> None:
     work = build_workload("random", num_prompts, 512, 256, eng.info.vocab_size, seed=1)
     eng.generate(input_ids=work.input_ids[:32], sampling_params=work.sampling_params()[:32])  # warm-up
-    for flag in flags:
+    for flag, api in flags:
         eng.flush_cache()
         for key in spent:
             spent[key] = 0.0
         start = time.perf_counter()
-        outs = eng.generate(input_ids=work.input_ids, sampling_params=work.sampling_params(),
-                            return_routed_experts=flag)
+        kwargs = dict(input_ids=work.input_ids, sampling_params=work.sampling_params(), return_routed_experts=flag)
+        outs = eng.generate(**kwargs) if api == "sync" else asyncio.run(_async_generate(eng, kwargs))
         wall = time.perf_counter() - start
         got = sum(1 for o in outs if "routed_experts" in o["meta_info"])
-        print(f"routes {'on ' if flag else 'off'}: {work.total_output_tokens / wall:,.1f} output tok/s, wall "
+        print(f"{api:5} routes {'on ' if flag else 'off'}: {work.total_output_tokens / wall:,.1f} output tok/s, wall "
               f"{wall:.3f} s, copy to host {spent['read_routes']:.3f} s, read + encode {spent['encode']:.3f} s, {got} with routes",
               flush=True)
+
+
+async def _async_generate(eng: Engine, kwargs: dict) -> list:
+    return await eng.async_generate(stream=False, **kwargs)
 
 
 if __name__ == "__main__":
