@@ -56,7 +56,8 @@ def main() -> None:
 
 def run(eng: Engine, num_prompts: int, flags: tuple) -> None:
     work = build_workload("random", num_prompts, 512, 256, eng.info.vocab_size, seed=1)
-    eng.generate(input_ids=work.input_ids[:32], sampling_params=work.sampling_params()[:32])  # warm-up
+    eng.generate(input_ids=work.input_ids[:32], sampling_params=work.sampling_params()[:32],
+                 return_routed_experts=any(flag for flag, _ in flags))  # warm-up
     for flag, api in flags:
         eng.flush_cache()
         for key in spent:
