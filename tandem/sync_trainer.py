@@ -17,27 +17,7 @@ from typing import Any
 
 import torch
 
-
-def hf_parameter_shapes(model_path: str) -> list[tuple[str, torch.Size]]:
-    """(HF name, shape) of every weight: from the checkpoint's safetensors headers, or for a
-    config-only checkpoint (real-shape presets) from its config on the meta device."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if files:
-        shapes = []
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                shapes += [(name, torch.Size(f.get_slice(name).get_shape())) for name in f.keys()]
-        return shapes
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return [(name, p.shape) for name, p in model.named_parameters()]
+from engine.testing.checkpoint_shapes import hf_parameter_shapes
 
 
 class BucketTrainer:
