@@ -12,6 +12,7 @@ all seven linears). The result's "lora" records these settings.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -75,6 +76,7 @@ def prepare_lora(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Opt
     dirs = write_random_adapters(engine_kwargs["model_path"], scratch.name, args.lora_adapters, args.lora_rank,
                                  target_modules=targets, seed=args.seed, dtype=dtype)
     names = [d.name for d in dirs]
+    targets = json.loads((dirs[0] / "adapter_config.json").read_text())["target_modules"]  # a MoE's dense ones
     per_batch = max(engine_kwargs.get("max_loras_per_batch") or 1, len(names) + 1)
     engine_kwargs.update(enable_lora=True, lora_paths=tuple(f"{n}={d}" for n, d in zip(names, dirs)),
                          max_loras_per_batch=per_batch,

@@ -60,6 +60,15 @@ def test_targets_and_dense_linears_only(tiny_model_dir, tmp_path):
         lora_shapes(tiny_model_dir, ["lm_head"])
 
 
+def test_moe_experts_get_no_adapter(tmp_path):
+    """The engine serves LoRA on dense linears: a MoE model's adapters cover its attention only."""
+    from engine.testing.random_lora import lora_shapes
+    from engine.testing.tiny_model import tiny_model_path
+
+    shapes = lora_shapes(str(tiny_model_path(preset="tiny-moe")))
+    assert {m.rpartition(".")[2] for m, _, _ in shapes} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
 def test_bench_json_records_lora_settings(tmp_path, capsys):
     result = _bench(tmp_path, "--num-prompts", "5", "--input-len", "8", "--output-len", "4",
                     "--lora-adapters", "2", "--lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj")
