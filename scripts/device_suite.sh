@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 set -uo pipefail
 export PYTHONPATH=.
@@ -101,6 +101,16 @@ for s in "$@"; do case $s in
   grpo8nconce) step grpo8nconce 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache-once.json" ;;
   fitests) ( kit && step fitests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer_attention_gpu.py ) ;;
   bench06fi) ( kit && step bench06fi 130 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --attention-backend flashinfer --json "$OUT/bench-qwen3-0.6b-fi.json" ) ;;
+  lora8)  # issue 26's H200 points in one call: 256 x (512, 256) on the base, 1 adapter, 8 adapters mixed
+    # (rank 16, all linears), then the adapter push by CUDA IPC from a spawned trainer; the ratios last
+    ( kit; for n in 0 1 8; do
+        step "lora8-$n" $(( n == 0 ? 100 : n == 1 ? 110 : 130 )) $B --preset qwen3-8b --num-prompts 256 --input-len 512 \
+          --output-len 256 --runs 3 --stream-mode final --lora-adapters $n --lora-rank 16 --json "$OUT/lora8-$n.json"
+      done
+      step lora8push 90 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --trainer process \
+        --lora-rank 16 --num-updates 20 --cuda-graph-max-bs 8 --json "$OUT/lora8-push.json"
+      python3 scripts/summarize_lora.py "$OUT"/lora8-0.json "$OUT"/lora8-1.json "$OUT"/lora8-8.json "$OUT"/lora8-push.json \
+        | tee -a "$OUT/suite.log" ) ;;
   bench8fi) ( kit && step bench8fi 150 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --attention-backend flashinfer --json "$OUT/bench-qwen3-8b-fi.json" ) ;;
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   ladder) step ladder 240 python3 scripts/bi_matmul_bench.py --base-split0 --configs --no-norms --reps 15 ;;

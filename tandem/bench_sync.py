@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cuda-ipc: where the trainer runs (auto: a Ray actor if Ray is installed)")
     g.add_argument("--trainer-device", default=None,
                    help="nccl: the trainer's device (default: cuda:1 beside an engine on a GPU, else cpu)")
+    g.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="push a rank-R LoRA adapter (targets: --lora-target-modules, default all linears) "
+                   "instead of the full weights: unload + load_lora_adapter_from_tensors, as LoRA RL syncs")
+    g.add_argument("--lora-load-format", choices=("flattened_bucket", "direct"), default="flattened_bucket",
+                   help="--lora-rank: the adapter as one flattened bucket or as (name, tensor) pairs")
     g.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     add_server_args(p, require_model_path=False)
 
@@ -56,15 +61,19 @@ def run_bench_sync(args: argparse.Namespace) -> int:
     from engine import Engine
     from tandem.preset_model import engine_kwargs_from_args
 
-    if args.num_updates < 1:
-        raise SystemExit("tandem bench-sync: --num-updates must be >= 1")
+    if args.num_updates < 1 or args.lora_rank < 0:
+        raise SystemExit("tandem bench-sync: --num-updates must be >= 1 and --lora-rank >= 0")
+    if args.lora_rank:
+        from tandem.bench_sync_lora import format_lora_report, run_lora_push
+
+        return _write_report(run_lora_push(args), format_lora_report, args.json_path)
     kwargs, label = engine_kwargs_from_args(args, "bench-sync")
     if _on_gpu(kwargs) and kwargs.get("mem_fraction_static") is None and args.transport != "nccl":
         kwargs["mem_fraction_static"] = 0.5  # leave room for the colocated trainer's weights
     engine = Engine(**kwargs)
     trainer = None
     try:
-        trainer = _start_trainer(args, engine)
+        trainer = start_trainer(args, engine)
         report = measure(engine, trainer, args.transport, args.num_updates)
     finally:
         if trainer is not None:
@@ -72,9 +81,13 @@ def run_bench_sync(args: argparse.Namespace) -> int:
         engine.shutdown()
     report.update(model=label, transport=args.transport, trainer=getattr(trainer, "kind", None),
                   bucket_mb=args.bucket_mb, device=engine.info.device, dtype=engine.info.dtype, **trainer.layout)
-    print(format_report(report))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
+    return _write_report(report, format_report, args.json_path)
+
+
+def _write_report(report: dict, formatter: Callable[[dict], str], json_path: Optional[str]) -> int:
+    print(formatter(report))
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
     return 0
 
@@ -84,14 +97,14 @@ def _on_gpu(kwargs: dict) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
-class _LocalTrainer:
+class LocalTrainer:
     """The trainer in this process (inprocess and disk transports)."""
     kind = "inprocess"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, trainer_cls: Optional[type] = None, **kwargs: Any) -> None:
         from tandem.sync_trainer import BucketTrainer
 
-        self.trainer = BucketTrainer(**kwargs)
+        self.trainer = (trainer_cls or BucketTrainer)(**kwargs)
         self.layout = self.trainer.layout()
 
     def call(self, method: str, *args: Any) -> Any:
@@ -101,21 +114,26 @@ class _LocalTrainer:
         pass
 
 
-def _start_trainer(args: argparse.Namespace, engine: Any) -> Any:
+def start_trainer(args: argparse.Namespace, engine: Any, trainer_cls: Optional[type] = None, **extra: Any) -> Any:
+    """The trainer where --transport puts it: this process, a spawned one or a Ray actor (cuda-ipc),
+    or a weight group's rank 0 (nccl). trainer_cls: BucketTrainer unless given; extra: its kwargs."""
     from tandem import sync_trainer
 
-    kwargs = dict(model_path=engine.info.model_path, dtype=engine.info.dtype, device=engine.info.device,
-                  bucket_bytes=int(args.bucket_mb * 2**20))
+    kwargs = dict(model_path=engine.info.model_path, dtype=engine.info.dtype, device=engine.info.device, **extra)
+    if trainer_cls is None:
+        trainer_cls = sync_trainer.BucketTrainer
+        kwargs["bucket_bytes"] = int(args.bucket_mb * 2**20)
     if args.transport == "nccl":
         return _start_group_trainer(args, engine, kwargs)
     if args.transport != "cuda-ipc":
-        return _LocalTrainer(**kwargs)
+        return LocalTrainer(trainer_cls, **kwargs)
     use_ray = args.trainer == "ray" or (args.trainer == "auto" and _ray_installed())
     if use_ray:
         trainer = sync_trainer.TrainerActor(num_gpus=0.5 if engine.info.device.startswith("cuda") else 0,
+                                            trainer_cls=trainer_cls,
                                             **dict(kwargs, device="cuda" if "cuda" in kwargs["device"] else "cpu"))
     else:
-        trainer = sync_trainer.TrainerProcess(**kwargs)
+        trainer = sync_trainer.TrainerProcess(trainer_cls, **kwargs)
     trainer.kind = "ray" if use_ray else "process"
     return trainer
 
@@ -163,23 +181,23 @@ def _ray_installed() -> bool:
 def measure(engine: Any, trainer: Any, transport: str, num_updates: int) -> dict[str, Any]:
     """Runs the updates; -> medians per phase, per-update totals, memory and the weight check."""
     step = {"inprocess": _inprocess_step, "cuda-ipc": _ipc_step, "disk": _disk_step, "nccl": _nccl_step}[transport]
-    memory = {"before": _gpu_memory(engine)}
+    memory = {"before": gpu_memory(engine)}
     updates = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-sync-") as scratch:
         for i in range(num_updates):
             updates.append(_one_update(engine, lambda: step(engine, trainer, scratch), f"bench-{i + 1}"))
             trainer.call("ipc_collect")
             if i == 0:
-                memory["after_first"] = _gpu_memory(engine)
-    memory["after"] = _gpu_memory(engine)
+                memory["after_first"] = gpu_memory(engine)
+    memory["after"] = gpu_memory(engine)
     medians = {p: statistics.median(u[p] for u in updates) for p in (*PHASES, "total")}
     return {"num_updates": num_updates, "median_s": medians, "updates_total_s": [u["total"] for u in updates],
-            "memory": _memory_report(memory), "weights_match_trainer": _weights_match(engine, trainer),
+            "memory": memory_report(memory), "weights_match_trainer": _weights_match(engine, trainer),
             "weight_version": engine.get_weight_version()}
 
 
 def _one_update(engine: Any, transfer_and_load: Callable[[], tuple[float, float]], version: str) -> dict:
-    sync = _synchronizer(engine)
+    sync = synchronizer(engine)
     start = time.perf_counter()
     engine.pause_generation(mode="retract")
     paused = time.perf_counter()
@@ -250,13 +268,13 @@ def _load_buckets(engine: Any, payloads: list) -> None:
             raise RuntimeError(f"bucket refused: {message}")
 
 
-def _synchronizer(engine: Any) -> Callable[[], None]:
+def synchronizer(engine: Any) -> Callable[[], None]:
     if engine.info.device.startswith("cuda"):
         return lambda: torch.cuda.synchronize()
     return lambda: None
 
 
-def _gpu_memory(engine: Any) -> Optional[dict[str, float]]:
+def gpu_memory(engine: Any) -> Optional[dict[str, float]]:
     """Device-wide used bytes (the trainer's process included) and this process's allocations."""
     if not engine.info.device.startswith("cuda"):
         return None
@@ -265,7 +283,7 @@ def _gpu_memory(engine: Any) -> Optional[dict[str, float]]:
     return {"device_used_gb": (total - free) / 2**30, "process_reserved_gb": torch.cuda.memory_reserved() / 2**30}
 
 
-def _memory_report(memory: dict) -> Optional[dict]:
+def memory_report(memory: dict) -> Optional[dict]:
     """Growth is counted from after the first update (the first one may leave allocator caches)."""
     if memory["before"] is None:
         return None

@@ -17,27 +17,7 @@ from typing import Any
 
 import torch
 
-
-def hf_parameter_shapes(model_path: str) -> list[tuple[str, torch.Size]]:
-    """(HF name, shape) of every weight: from the checkpoint's safetensors headers, or for a
-    config-only checkpoint (real-shape presets) from its config on the meta device."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if files:
-        shapes = []
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                shapes += [(name, torch.Size(f.get_slice(name).get_shape())) for name in f.keys()]
-        return shapes
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return [(name, p.shape) for name, p in model.named_parameters()]
+from engine.testing.checkpoint_shapes import hf_parameter_shapes
 
 
 class BucketTrainer:
@@ -82,8 +62,8 @@ class BucketTrainer:
             torch.cuda.ipc_collect()
 
 
-def _serve(conn: Any, kwargs: dict) -> None:
-    trainer = BucketTrainer(**kwargs)
+def _serve(conn: Any, trainer_cls: type, kwargs: dict) -> None:
+    trainer = trainer_cls(**kwargs)
     conn.send(trainer.layout())
     while True:
         method, args = conn.recv()
@@ -94,12 +74,13 @@ def _serve(conn: Any, kwargs: dict) -> None:
 
 
 class TrainerProcess:
-    """BucketTrainer in a spawned process, driven over a pipe (the calls Ray's actor would take)."""
+    """A trainer (BucketTrainer, or tandem/lora_sync_trainer.py's LoRATrainer) in a spawned process,
+    driven over a pipe (the calls Ray's actor would take)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, trainer_cls: type = BucketTrainer, **kwargs: Any) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(child, kwargs), daemon=True)
+        self._process = ctx.Process(target=_serve, args=(child, trainer_cls, kwargs), daemon=True)
         self._process.start()
         self.layout = self._conn.recv()
 
@@ -113,14 +94,14 @@ class TrainerProcess:
 
 
 class TrainerActor:
-    """BucketTrainer as a Ray actor sharing the engine's GPU (num_gpus < 1)."""
+    """A trainer as a Ray actor sharing the engine's GPU (num_gpus < 1)."""
 
-    def __init__(self, num_gpus: float, **kwargs: Any) -> None:
+    def __init__(self, num_gpus: float, trainer_cls: type = BucketTrainer, **kwargs: Any) -> None:
         import ray
 
         ray.init(ignore_reinit_error=True, log_to_driver=False)
         self._ray = ray
-        self._actor = ray.remote(num_gpus=num_gpus)(BucketTrainer).remote(**kwargs)
+        self._actor = ray.remote(num_gpus=num_gpus)(trainer_cls).remote(**kwargs)
         self.layout = ray.get(self._actor.layout.remote())
 
     def call(self, method: str, *args: Any) -> Any:

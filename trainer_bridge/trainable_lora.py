@@ -13,7 +13,6 @@ differentiable; the base weights are frozen by the caller.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -24,9 +23,9 @@ from torch import nn
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.lora_batch import LoRABatch
 from engine.lora.lora_config import LoRALimits, expand_targets
+from engine.lora.peft_format import PEFT_PREFIX, peft_config_dict, save_peft_adapter
 from engine.models.hf_names import HFNameMap
 
-PEFT_PREFIX = "base_model.model."
 ADAPTER_NAME = "policy"  # the name the engines serve the trained adapter under
 
 
@@ -55,11 +54,7 @@ class TrainableLoRA(nn.Module):
 
     def config_dict(self) -> dict[str, Any]:
         """PEFT's adapter_config.json."""
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                "target_modules": list(self.target_modules), "lora_dropout": 0.0, "bias": "none",
-                "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-                "modules_to_save": None, "base_model_name_or_path": self.base_model_name_or_path,
-                "inference_mode": True}
+        return peft_config_dict(self.rank, self.alpha, self.target_modules, self.base_model_name_or_path)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(PEFT name, tensor) of every adapter weight, detached: what a push sends."""
@@ -77,14 +72,7 @@ class TrainableLoRA(nn.Module):
 
     def save_pretrained(self, out_dir: str) -> Path:
         """PEFT's on-disk format: adapter_config.json + adapter_model.safetensors."""
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = {n: t.to("cpu").contiguous().clone() for n, t in self.named_tensors()}
-        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (out / "adapter_config.json").write_text(json.dumps(self.config_dict(), indent=2))
-        return out
+        return save_peft_adapter(out_dir, self.config_dict(), self.named_tensors())
 
 
 def _target_shapes(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, int, int]]:

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any, Optional
 
+from tandem.bench.lora_mode import add_lora_arguments, check_lora_flags
 from tandem.bench.tandem_run import STREAM_MODES
 from tandem.bench.workload import WORKLOADS, Workload, build_workload
 from tandem.preset_model import add_preset_argument, engine_kwargs_from_args
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="0: greedy (what --compare-hf checks); 1.0 samples as RL rollouts do")
     m = p.add_argument_group("model")
     add_preset_argument(m)
+    add_lora_arguments(p.add_argument_group("LoRA"))
     h = p.add_argument_group("HTTP serving")
     h.add_argument("--url", default=None, metavar="http://HOST:PORT",
                    help="drive a running server's /generate instead of an in-process engine: one "
@@ -75,7 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from tandem.bench.report import format_table, write_json
 
-    result = Bench(args).run()
+    bench = Bench(args)
+    try:
+        result = bench.run()
+    finally:
+        if bench.lora is not None:
+            bench.lora.cleanup()
     print(format_table(result))
     if args.json:
         write_json(args.json, result)
@@ -93,11 +100,13 @@ class Bench:
             raise SystemExit("tandem bench: --compare-hf runs greedy generation; drop --temperature "
                              "(or --compare-hf to measure sampling alone)")
         _check_http_flags(args)
+        check_lora_flags(args)
         self.args = args
         self.engine_kwargs, self.model_label = _engine_kwargs(args) if not args.url else ({}, args.url)
         self.n = args.n or (GRPO_DEFAULT_N if args.workload == "grpo" else 1)
         self._engine_model: Any = None
         self._tandem_output_ids: list[list[int]] = []
+        self.lora: Any = None  # tandem.bench.lora_mode.LoRABench with --lora-adapters
 
     def run(self) -> dict[str, Any]:
         import torch
@@ -113,8 +122,10 @@ class Bench:
         vocab = self._check_model_limits()
         workload = self._workload(vocab, self.args.seed)  # bad sizes fail here, before any model loads
         warmup = self._workload(vocab, self.args.seed + 1)  # other prompts: no cache carry-over
+        workload, warmup = self._add_adapters(workload), self._add_adapters(warmup)
         rates = self._measure_rates(device)
         result = self._header(device, torch.__version__)
+        result["lora"] = self.lora.describe() if self.lora else {"adapters": 0}
         self._run_tandem(result, device, rates, workload, warmup)
         if self.args.compare_hf:
             self._save_partial(result)
@@ -222,6 +233,16 @@ class Bench:
                                   vocab_size, a.random_range_ratio, self.n, seed, a.temperature)
         except ValueError as exc:
             raise SystemExit(f"tandem bench: {exc}") from exc
+
+    def _add_adapters(self, workload: Workload) -> Workload:
+        """--lora-adapters: written and set in the engine's flags once; requests round-robin over them."""
+        from tandem.bench.lora_mode import prepare_lora
+
+        if self.lora is None:
+            self.lora = prepare_lora(self.args, self.engine_kwargs)
+        if self.lora is None:
+            return workload
+        return workload.with_adapters(self.lora.request_adapters(workload.num_requests))
 
     def _check_model_limits(self) -> int:
         """-> vocab size; exits early when prompt + output cannot fit the context."""

@@ -63,7 +63,8 @@ class HttpBench:
         traces = [TokenTrace() for _ in range(workload.num_requests)] if stream else None
         start = time.perf_counter()
         finals = await asyncio.gather(*[
-            self._generate(client, ids, p, traces[i] if traces else None, start)
+            self._generate(client, ids, p, traces[i] if traces else None, start,
+                           workload.lora_paths[i] if workload.lora_paths else None)
             for i, (ids, p) in enumerate(zip(workload.input_ids, params))])
         wall = time.perf_counter() - start
         metrics = run_metrics(workload, finals, traces, wall)
@@ -72,8 +73,10 @@ class HttpBench:
         return RunOutcome(metrics, [f["output_ids"] for f in finals])
 
     async def _generate(self, client: Any, input_ids: list[int], params: dict, trace: Optional[TokenTrace],
-                        start: float) -> dict:
+                        start: float, lora_path: Optional[str] = None) -> dict:
         body = {"input_ids": input_ids, "sampling_params": params, "stream": trace is not None}
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         if trace is None:
             status, text = await client.post("/generate", body, self.headers)
             _check(status, text, "/generate")

@@ -54,6 +54,10 @@ def format_table(result: dict[str, Any]) -> str:
 def _summary_lines(result: dict[str, Any]) -> list[str]:
     out = [""]
     ratios = result.get("ratios", {})
+    lora = result.get("lora") or {}
+    if lora.get("adapters"):
+        out.append(f"LoRA: {lora['adapters']} adapter(s) of rank {lora['rank']} on {', '.join(lora['target_modules'])}; "
+                   f"requests {lora['assignment']} over them (max {lora['max_loras_per_batch']} per batch)")
     if result.get("serve_command"):
         out.append(f"served: {result['serve_command']} (start-up {result['serve_startup_s']:.1f} s)")
     if ratios.get("http_over_in_process") is not None:

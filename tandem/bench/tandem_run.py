@@ -88,7 +88,7 @@ async def _submit_all(engine: Any, workload: Workload, stream: bool):
     routes = bool(getattr(engine.server_args, "enable_return_routed_experts", False))
     start = time.perf_counter()
     gen = engine.async_generate(input_ids=workload.input_ids, sampling_params=params, stream=stream,
-                                return_routed_experts=routes)
+                                return_routed_experts=routes, lora_path=workload.lora_paths)
     if not stream:
         finals = await gen
         return finals, None, time.perf_counter() - start

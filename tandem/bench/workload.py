@@ -22,12 +22,18 @@ class Workload:
     output_lens: list[int]
     n: int  # samples per distinct prompt (1 for random)
     temperature: float = 0.0  # 0: greedy, so the HF comparison can check the tokens; RL samples at 1
+    lora_paths: Optional[list[str]] = None  # each request's LoRA adapter (None: the base model)
 
     def head(self, n: Optional[int]) -> "Workload":
         """The first n requests (all when n is None)."""
         if n is None:
             return self
-        return dataclasses.replace(self, input_ids=self.input_ids[:n], output_lens=self.output_lens[:n])
+        lora = None if self.lora_paths is None else self.lora_paths[:n]
+        return dataclasses.replace(self, input_ids=self.input_ids[:n], output_lens=self.output_lens[:n],
+                                   lora_paths=lora)
+
+    def with_adapters(self, lora_paths: Optional[list[str]]) -> "Workload":
+        return dataclasses.replace(self, lora_paths=lora_paths)
 
     @property
     def num_requests(self) -> int:
@@ -66,6 +72,7 @@ class Workload:
             "input_tokens": self.total_input_tokens, "output_tokens": self.total_output_tokens,
             "mean_input_len": self.total_input_tokens / self.num_requests,
             "mean_output_len": self.total_output_tokens / self.num_requests,
+            "lora_adapters": len(set(self.lora_paths)) if self.lora_paths else 0,
         }
 
 

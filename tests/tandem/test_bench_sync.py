@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tandem.bench_sync import PHASES, _LocalTrainer, measure
+from tandem.bench_sync import PHASES, LocalTrainer, measure
 from tandem.main import main
 
 
@@ -35,7 +35,7 @@ def test_cli_json_report_with_several_buckets(tmp_path, capsys):
 @pytest.mark.parametrize("transport", ["disk", "inprocess"])
 def test_measure_each_local_transport(engine_factory, transport):
     eng = engine_factory()
-    trainer = _LocalTrainer(model_path=eng.info.model_path, dtype="float32", device="cpu", bucket_bytes=1 << 18)
+    trainer = LocalTrainer(model_path=eng.info.model_path, dtype="float32", device="cpu", bucket_bytes=1 << 18)
     report = measure(eng, trainer, transport, num_updates=2)
     _check(report, 2)
     total = sum(report["median_s"][p] for p in PHASES)
@@ -54,12 +54,12 @@ def test_cuda_ipc_transport_from_a_spawned_trainer(tmp_path):
 
 
 def test_gpu_memory_growth_is_counted_from_the_first_update():
-    from tandem.bench_sync import _memory_report, format_report
+    from tandem.bench_sync import memory_report, format_report
 
     used = lambda gb: {"device_used_gb": gb, "process_reserved_gb": gb / 2}  # noqa: E731
-    report = _memory_report({"before": used(10.0), "after_first": used(20.0), "after": used(20.1)})
+    report = memory_report({"before": used(10.0), "after_first": used(20.0), "after": used(20.1)})
     assert report["device_growth_pct"] == pytest.approx(0.5)
-    assert _memory_report({"before": None, "after_first": None, "after": None}) is None
+    assert memory_report({"before": None, "after_first": None, "after": None}) is None
     text = format_report({"model": "m", "device": "cuda", "dtype": "bfloat16", "transport": "cuda-ipc",
                           "trainer": "ray", "num_tensors": 3, "total_bytes": 2**30, "num_buckets": 1,
                           "bucket_mb": 1024, "num_updates": 200, "memory": report, "weights_match_trainer": True,
