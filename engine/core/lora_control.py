@@ -39,7 +39,9 @@ class LoRAControl:
     def __init__(self, core: LoRACore, args: ServerArgs) -> None:
         self.core = core
         self.enabled = args.enable_lora
-        self.limits = LoRALimits.from_flags(args.max_lora_rank, args.lora_target_modules)
+        pool = getattr(core.runner, "lora_pool", None)  # the Triton path holds ranks up to its own
+        self.limits = LoRALimits.from_flags(pool.max_rank if pool is not None else args.max_lora_rank,
+                                            args.lora_target_modules)
         self.registry = LoRARegistry(args.max_loaded_loras)
         if self.enabled:
             core.runner.lora_adapters = self.registry.by_id

@@ -7,21 +7,22 @@ a CUDA graph the slots are a static buffer the replay refills, and the grouping 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.lora.lora_pool import LoRAPool
-
 
 class LoRAPoolBatch:
-    def __init__(self, pool: "LoRAPool", token_slots: torch.Tensor, deterministic: bool) -> None:
-        self.pool = pool
+    def __init__(self, pool: Any, token_slots: torch.Tensor, deterministic: bool) -> None:
+        self.pool = pool  # engine.lora.lora_pool.LoRAPool (which imports this module)
         self.token_slots = token_slots
         self.deterministic = deterministic
         self._align: Optional[Any] = None
         self._block_m = 0
+
+    def begin_pass(self) -> None:
+        """Group the tokens again at the next linear (a CUDA graph's warm-up and capture reuse this batch)."""
+        self._align = None
 
     def apply(self, module_name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (the base linear's output for x) with each adapter token's delta added in place."""
