@@ -9,9 +9,11 @@ many distinct adapters (the base, counted as one by it, takes no slot: it is slo
 
 An adapter is copied into a slot when a batch needs it and it is not resident (device to device,
 on the compute stream: a pass still running reads the old contents first). The slot taken is a
-free one, else the least recently used adapter outside the batch, unpinned first; a pinned
-adapter keeps its slot while loaded unless every other slot is needed by the batch. Slots of
-unloaded adapters are freed at the next batch. The scheduler and caches never see the pool.
+free one, else the least recently used unpinned adapter outside the batch. A pinned adapter keeps
+its slot while loaded: admission keeps a batch's unpinned adapters within the slots the pinned ones
+leave, and LoRAControl refuses a pin that would leave none (only requests already running when a
+pin arrives can force a pinned one out; it is logged and loaded again when next used). Slots of
+unloaded adapters are freed at the next batch. The scheduler and caches never touch the pool.
 """
 
 from __future__ import annotations
@@ -92,8 +94,7 @@ class LoRAPool:
         victims = [i for i in outside if i not in self._pinned] or outside
         victim = min(victims, key=self._last_use.__getitem__)
         if victim in self._pinned:
-            logger.warning("LoRA pool: every slot is needed by this batch or pinned; evicting pinned adapter %d",
-                           victim)
+            logger.warning("LoRA pool: every free slot is needed by this batch; evicting pinned adapter %d", victim)
         self._pinned.discard(victim)
         del self._last_use[victim]
         return self.slot_of.pop(victim)
