@@ -35,9 +35,12 @@ def align_slots(token_slots: torch.Tensor, num_slots: int, block_m: int) -> MoeA
     return moe_align(token_slots.view(-1, 1), num_slots, block_m)
 
 
-def _shrink_config(block_m: int, n: int) -> MoeTileConfig:
-    return MoeTileConfig(block_m=block_m, block_n=min(64, max(16, triton.next_power_of_2(n))), block_k=64,
-                         group_m=1, num_warps=4, num_stages=3)
+def _shrink_config(block_m: int, n: int, deterministic: bool) -> MoeTileConfig:
+    # n (shards * R) is narrow and K long: decode's few row blocks would leave most SMs idle with
+    # one n tile each, so normal mode splits n finer (x is re-read from L2); deterministic mode
+    # keeps one tile shape for every batch
+    block_n = 16 if block_m == 16 and not deterministic else min(64, max(16, triton.next_power_of_2(n)))
+    return MoeTileConfig(block_m=block_m, block_n=block_n, block_k=64, group_m=1, num_warps=4, num_stages=3)
 
 
 def _expand_config(block_m: int, rank: int) -> MoeTileConfig:
@@ -45,10 +48,11 @@ def _expand_config(block_m: int, rank: int) -> MoeTileConfig:
                          group_m=1, num_warps=4, num_stages=2)
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, align: MoeAlignment, block_m: int) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, align: MoeAlignment, block_m: int,
+                deterministic: bool) -> torch.Tensor:
     """x [T, in], lora_a [S, shards * R, in] -> h [T, shards * R] (rows of base tokens unset)."""
     h = torch.empty(x.shape[0], lora_a.shape[1], dtype=x.dtype, device=x.device)
-    expert_gemm(x, lora_a, h, align, x.shape[0], 1, False, _shrink_config(block_m, lora_a.shape[1]))
+    expert_gemm(x, lora_a, h, align, x.shape[0], 1, False, _shrink_config(block_m, lora_a.shape[1], deterministic))
     return h
 
 

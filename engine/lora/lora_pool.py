@@ -102,7 +102,7 @@ class LoRAPool:
     @torch.no_grad()
     def _load(self, slot: int, lora_id: int, adapter: LoRAAdapter) -> None:
         if adapter.config.rank > self.max_rank:  # LoRAControl refuses these at load; a guard
-            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.config.rank} > the pool's {self.max_rank}")
+            raise ValueError(f"LoRA adapter {adapter.name!r}: rank {adapter.config.rank} > the pool's {self.max_rank}")
         r, R = adapter.config.rank, self.max_rank
         for name, buf in self.modules.items():
             buf.a[slot].zero_()

@@ -35,7 +35,7 @@ class LoRAPoolBatch:
             self._block_m = lora_block_m(self.token_slots.numel(), self.deterministic)
             self._align = align_slots(self.token_slots, self.pool.num_slots, self._block_m)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        h = lora_shrink(x, buf.a, self._align, self._block_m)
+        h = lora_shrink(x, buf.a, self._align, self._block_m, self.deterministic)
         R = self.pool.max_rank
         for p, rows in enumerate(buf.shard_rows):
             lora_expand(h[:, p * R:(p + 1) * R], buf.b[:, rows], out[:, rows], self.pool.scaling, self._align,
