@@ -17,64 +17,29 @@ if torch.cuda.is_available():  # the interpreter flag would leak into the GPU te
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 triton = import_triton_or_skip()
 
-from engine.lora.adapter import LoRAAdapter, LoRAModule, LoRAShard  # noqa: E402
+from engine.lora.adapter import LoRAAdapter  # noqa: E402
 from engine.lora.lora_batch import LoRABatch  # noqa: E402
-from engine.lora.lora_config import LoRAConfig  # noqa: E402
 from engine.lora.lora_pool import LoRAPool  # noqa: E402
-from engine.models.layers import Linear, MergedGateUp, QKVLinear  # noqa: E402
+from tests.engine.lora_block import ALL_SHARDS, Block, block_inputs, make_adapter, run_block  # noqa: E402
 
-HIDDEN, INTER, MAX_RANK = 32, 48, 8
+MAX_RANK = 8
 CPU = torch.device("cpu")
 
 
-class Block(torch.nn.Module):
-    def __init__(self, deterministic: bool = False) -> None:
-        super().__init__()
-        self.qkv_proj = QKVLinear(HIDDEN, 4, 2, 8, False, deterministic)
-        self.gate_up_proj = MergedGateUp(HIDDEN, INTER, False, deterministic)
-        self.down_proj = Linear(INTER, HIDDEN, False, deterministic)
-        for name in ("qkv_proj", "gate_up_proj", "down_proj"):
-            getattr(self, name).lora_name = name
-
-
-def _adapter(block: Block, name: str, rank: int, shards: dict[str, list], seed: int, pinned=False) -> LoRAAdapter:
-    """shards: module name -> the shard ids it targets ([None] for a plain linear)."""
-    g = torch.Generator().manual_seed(seed)
-    modules = {}
-    for module_name, ids in shards.items():
-        module = getattr(block, module_name)
-        a_list, parts = [], []
-        for k, shard_id in enumerate(ids):
-            rows = slice(0, module.out_features) if shard_id is None else module.shard_slice(shard_id)
-            a_list.append(torch.randn(rank, module.in_features, generator=g))
-            b = torch.randn(rows.stop - rows.start, rank, generator=g)
-            parts.append(LoRAShard(rows, slice(k * rank, (k + 1) * rank), b))
-        modules[module_name] = LoRAModule(torch.cat(a_list), parts, 2.0 / rank)
-    return LoRAAdapter(name, None, LoRAConfig(rank, 2.0, ("q_proj",)), modules, pinned)
+def _block(deterministic: bool = False) -> Block:
+    return Block(32, 48, 4, 2, 8, deterministic)
 
 
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    block = Block()
+    block = _block()
     adapters = {
-        1: _adapter(block, "a", 4, {"qkv_proj": ["q", "k", "v"], "gate_up_proj": [0, 1], "down_proj": [None]}, 1),
-        2: _adapter(block, "b", MAX_RANK, {"qkv_proj": ["k"], "down_proj": [None]}, 2),
-        3: _adapter(block, "c", 2, {"gate_up_proj": [1]}, 3),
+        1: make_adapter(block, "a", 4, ALL_SHARDS, 1),
+        2: make_adapter(block, "b", MAX_RANK, {"qkv_proj": ["k"], "down_proj": [None]}, 2),
+        3: make_adapter(block, "c", 2, {"gate_up_proj": [1]}, 3),
     }
     return block, adapters
-
-
-def _run(block, batch, x):
-    """Each target linear's output (base + the batch's deltas); q, k, v side by side."""
-    outs = {name: getattr(block, name)(x[name], batch) for name in ("qkv_proj", "gate_up_proj", "down_proj")}
-    return {name: torch.cat(out, -1) if isinstance(out, tuple) else out for name, out in outs.items()}
-
-
-def _inputs(T, seed):
-    g = torch.Generator().manual_seed(seed)
-    return {"qkv_proj": torch.randn(T, HIDDEN, generator=g), "gate_up_proj": torch.randn(T, HIDDEN, generator=g),
-            "down_proj": torch.randn(T, INTER, generator=g)}
 
 
 LORA_IDS = [1, None, 2, 3, 1, None, 2]
@@ -85,11 +50,11 @@ TOKENS = [5, 3, 1, 7, 2, 4, 6]
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_triton_path_equals_torch_path(setup, deterministic):
     block, adapters = setup
-    x = _inputs(sum(TOKENS), 0)
+    x = block_inputs(block, sum(TOKENS), 0)
     pool = LoRAPool(block, 3, MAX_RANK, CPU, torch.float32)
-    got = _run(block, pool.prepare(LORA_IDS, TOKENS, adapters, deterministic), x)
-    want = _run(block, LoRABatch.build(LORA_IDS, TOKENS, adapters, CPU, deterministic), x)
-    base = _run(block, None, x)
+    got = run_block(block, pool.prepare(LORA_IDS, TOKENS, adapters, deterministic), x)
+    want = run_block(block, LoRABatch.build(LORA_IDS, TOKENS, adapters, CPU, deterministic), x)
+    base = run_block(block, None, x)
     is_base = torch.repeat_interleave(torch.tensor([i is None for i in LORA_IDS]), torch.tensor(TOKENS))
     for name in got:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
@@ -100,15 +65,15 @@ def test_triton_path_equals_torch_path(setup, deterministic):
 @torch.inference_mode()
 def test_token_bits_independent_of_batch_in_deterministic_mode(setup):
     _, adapters = setup
-    block = Block(deterministic=True)  # batch-invariant base linears too
+    block = _block(deterministic=True)  # batch-invariant base linears too
     block.load_state_dict(setup[0].state_dict())
-    x = _inputs(sum(TOKENS), 1)
+    x = block_inputs(block, sum(TOKENS), 1)
     pool = LoRAPool(block, 3, MAX_RANK, CPU, torch.float32)
-    mixed = _run(block, pool.prepare(LORA_IDS, TOKENS, adapters, True), x)
+    mixed = run_block(block, pool.prepare(LORA_IDS, TOKENS, adapters, True), x)
     start = 0
     for lora_id, n in zip(LORA_IDS, TOKENS):
         alone_x = {name: v[start:start + n] for name, v in x.items()}
-        alone = _run(block, pool.prepare([lora_id], [n], adapters, True), alone_x)
+        alone = run_block(block, pool.prepare([lora_id], [n], adapters, True), alone_x)
         for name in mixed:
             assert torch.equal(mixed[name][start:start + n], alone[name]), (lora_id, name)
         start += n
@@ -121,9 +86,9 @@ def test_eviction_keeps_outputs_right_and_pinned_adapters_resident(setup):
     adapters[2] = LoRAAdapter(**{**vars(adapters[2]), "pinned": True})
     pool = LoRAPool(block, 2, MAX_RANK, CPU, torch.float32)
     for step, ids in enumerate([[1, 2], [3, None], [1], [3, 2], [None, 1]]):
-        x = _inputs(len(ids) * 3, 10 + step)
-        got = _run(block, pool.prepare(ids, [3] * len(ids), adapters, False), x)
-        want = _run(block, LoRABatch.build(ids, [3] * len(ids), adapters, CPU, False), x)
+        x = block_inputs(block, len(ids) * 3, 10 + step)
+        got = run_block(block, pool.prepare(ids, [3] * len(ids), adapters, False), x)
+        want = run_block(block, LoRABatch.build(ids, [3] * len(ids), adapters, CPU, False), x)
         for name in got:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
         assert 2 in pool.slot_of  # pinned: never evicted while loaded

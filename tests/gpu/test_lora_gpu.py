@@ -105,3 +105,65 @@ def test_small_pool_evicts_and_stays_right(model_a, lora_paths):
                disable_cuda_graph=True)
     for g, w in zip(got, want):
         assert_close(g, w, 1e-4)
+
+
+def _graph_ms(fn, iters: int = 50) -> float:
+    """Mean ms of fn replayed as a CUDA graph (as decode runs it)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("num_adapters", [1, 8])
+def test_kernels_at_the_8b_shape_bf16(num_adapters):
+    """One Llama-8B layer's qkv, gate_up and down at decode bs 256, rank 16, bf16: the Triton path
+    within bf16 rounding of the torch path, base rows bitwise untouched; in deterministic mode a
+    token's bits the same alone; the LoRA kernels' time in a graph beside the base linears'."""
+    from engine.lora.lora_batch import LoRABatch
+    from engine.lora.lora_pool import LoRAPool
+    from tests.engine.lora_block import ALL_SHARDS, Block, block_inputs, make_adapter, run_block
+
+    torch.manual_seed(0)
+    cuda, T = torch.device("cuda"), 256
+    block = Block(4096, 14336, 32, 8, 128, deterministic=True).to(cuda, torch.bfloat16)
+    adapters = {i: make_adapter(block, f"a{i}", 16, ALL_SHARDS, i, std=0.1) for i in range(1, num_adapters + 1)}
+    pool = LoRAPool(block, 8, 16, cuda, torch.bfloat16)
+    lora_ids = [None if k % 16 == 0 else 1 + k % num_adapters for k in range(T)]  # 1 in 16 rows the base's
+    x = block_inputs(block, T, 0)
+    batch = pool.prepare(lora_ids, [1] * T, adapters, True)
+    got, base = run_block(block, batch, x), run_block(block, None, x)
+    want = run_block(block, LoRABatch.build(lora_ids, [1] * T, adapters, cuda, True), x)
+    is_base = torch.tensor([i is None for i in lora_ids], device=cuda)
+    for name in got:
+        delta = (want[name] - base[name]).float()[~is_base]
+        assert delta.norm() > 0.1 * base[name].float()[~is_base].norm()  # the deltas matter
+        assert ((got[name] - want[name]).float().norm() / delta.norm()).item() < 2e-2, name
+        assert torch.equal(got[name][is_base], base[name][is_base]), name
+    rows = [k for k, i in enumerate(lora_ids) if i in (None, 1)][:37]  # adapter 1 and base rows, alone
+    alone = run_block(block, pool.prepare([lora_ids[k] for k in rows], [1] * len(rows), adapters, True),
+                      {name: v[rows] for name, v in x.items()})
+    for name in got:
+        assert torch.equal(alone[name], got[name][rows]), name
+
+    def lora_pass():
+        batch.begin_pass()
+        run_block(block, batch, x)
+
+    base_ms, lora_ms = _graph_ms(lambda: run_block(block, None, x)), _graph_ms(lora_pass)
+    print(f"  {num_adapters} adapter(s), bs {T}: base linears {base_ms * 1e3:.0f} us, "
+          f"with LoRA {lora_ms * 1e3:.0f} us (+{(lora_ms - base_ms) * 1e3:.0f} us per layer's 3 linears)")
+    assert lora_ms < 3 * base_ms
