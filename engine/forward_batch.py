@@ -40,8 +40,8 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [max_reqs, max_context_len] int64 slot table
     kv_pool: Any  # engine.kv.pool.KVPool (named loosely: this contract sits below kv and attention)
     attn_backend: Any  # engine.attention.base.AttentionBackend
-    # engine.lora.LoRABatch: each token's adapter (per-token index tensor) and the adapters' weights;
-    # None when no request of the pass uses one
+    # engine.lora.LoRABatch (torch path) or LoRAPoolBatch (Triton path): each token's adapter and the
+    # adapters' weights; None when no request of the pass uses one
     lora: Any = None
 
     @property

@@ -39,8 +39,11 @@ class LoRAControl:
     def __init__(self, core: LoRACore, args: ServerArgs) -> None:
         self.core = core
         self.enabled = args.enable_lora
-        self.limits = LoRALimits.from_flags(args.max_lora_rank, args.lora_target_modules)
+        pool = getattr(core.runner, "lora_pool", None)  # the Triton path holds ranks up to its own
+        self.limits = LoRALimits.from_flags(pool.max_rank if pool is not None else args.max_lora_rank,
+                                            args.lora_target_modules)
         self.registry = LoRARegistry(args.max_loaded_loras)
+        self.max_per_batch = args.max_loras_per_batch
         if self.enabled:
             core.runner.lora_adapters = self.registry.by_id
         for spec in map(parse_lora_path, args.lora_paths):  # a bad one fails the start, naming it
@@ -82,7 +85,12 @@ class LoRAControl:
         return self._reply(False, message)
 
     def _add(self, adapter: LoRAAdapter) -> None:
+        pinned = len(self.registry.pinned_ids())
+        if adapter.pinned and pinned + 1 >= self.max_per_batch:
+            raise ValueError(f"{pinned} LoRA adapters are pinned; pinning {adapter.name!r} would leave no pool slot "
+                             f"for the others (--max-loras-per-batch {self.max_per_batch}); load it unpinned")
         lora_id = self.registry.add(adapter)
+        self._publish_pins()
         logger.info("LoRA adapter %r loaded (id %d, rank %d, %d modules)", adapter.name, lora_id,
                     adapter.config.rank, len(adapter.modules))
 
@@ -94,9 +102,14 @@ class LoRAControl:
         if self.requests_using(lora_id):
             return None  # asked again until its requests are done
         self.registry.finish_unload(msg.lora_name)
+        self._publish_pins()
         freed = self.core.scheduler.tree_cache.drop_namespace(lora_id)
         logger.info("LoRA adapter %r unloaded (%d cached tokens dropped)", msg.lora_name, freed)
         return self._reply(True)
+
+    def _publish_pins(self) -> None:
+        """The scheduler keeps a batch's adapters within the pool slots the pinned ones leave."""
+        self.core.scheduler.admission.pinned_loras = self.registry.pinned_ids()
 
     def requests_using(self, lora_id: int) -> int:
         sched, grammars = self.core.scheduler, self.core.grammars

@@ -103,8 +103,10 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
                            tp=tp.group if tp is not None else None)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
     routes = routes_shape(args, hf_config)
+    lora_pool = _lora_pool(args, model, device, dtype)
     memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len,
-                         extra_bytes_per_token=4 * routes[0] * routes[1] if routes else 0)
+                         extra_bytes_per_token=4 * routes[0] * routes[1] if routes else 0,
+                         extra_static_bytes=lora_pool.nbytes if lora_pool is not None else 0)
     with saver.region("kv_cache"), clock.phase("kv_pool"):
         kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device,
                          routes_shape=routes)
@@ -123,7 +125,7 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
                               cuda_graph_max_bs=0 if tp is not None else _cuda_graph_max_bs(args, device, backend, memory),
                               deterministic=deterministic)
     with clock.phase("runner"):  # CUDA graphs, sampler warm-up
-        runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver, tp=tp)
+        runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver, tp=tp, lora_pool=lora_pool)
     logger.info(
         "tandem ready: model=%s device=%s dtype=%s tp_size=%d max_total_num_tokens=%d chunked_prefill_size=%s "
         "max_running_requests=%d context_len=%d available_mem=%.2f GB %s",
@@ -132,6 +134,21 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
     )
     return CoreParts(scheduler, runner, tokenizer, eos, context_len, vocab_size, memory,
                      lambda req: _make_detokenizer(tokenizer, req))
+
+
+def _lora_pool(args: ServerArgs, model: Any, device: torch.device, dtype: torch.dtype) -> Optional[Any]:
+    """The LoRA Triton path's device pool (engine/lora/lora_pool.py), or None: LoRA off, or the
+    torch path (the CPU's default; Triton there only under TRITON_INTERPRET=1)."""
+    backend = args.lora_backend or ("triton" if device.type == "cuda" else "torch_native")
+    if not args.enable_lora or backend == "torch_native":
+        return None
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"lora_backend {backend!r} needs a CUDA device; use torch_native on {device.type}")
+    from engine.lora.lora_pool import LoRAPool, pool_rank
+
+    pool = LoRAPool(model, args.max_loras_per_batch, pool_rank(args.max_lora_rank, args.lora_paths), device, dtype)
+    logger.info("LoRA pool: %d slots of rank %d, %.2f GB", pool.num_slots, pool.max_rank, pool.nbytes / 2**30)
+    return pool
 
 
 def routes_shape(args: ServerArgs, hf_config: Any) -> Optional[tuple[int, int]]:

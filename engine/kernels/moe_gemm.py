@@ -64,13 +64,14 @@ def moe_tile_config(num_tokens: int, num_experts: int, top_k: int, deterministic
 # The token-count arguments are not specialized (divisible by 16, equal to 1): one binary per
 # config serves every T, so no batch size compiles anew (e.g. at CUDA-graph capture) or runs other code.
 @triton.jit(do_not_specialize=["num_rows", "n_blocks_m"])
-def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, total_ptr,
+def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, total_ptr, scale_ptr,
                         N, K, num_rows, n_blocks_m, stride_am, stride_we, stride_wn, stride_om,
-                        A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ADD_SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """out[row, n] = a[row // A_ROW_DIV] . w[expert, n] for the rows of one block; GATED: also the
-    up half w[expert, N + n] and out = silu(gate) * up."""
+    up half w[expert, N + n] and out = silu(gate) * up; ADD_SCALED (LoRA's expand): out[row, n] +=
+    scale[expert] * that product, each step rounded as torch rounds it."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), n_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -104,7 +105,11 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, total
     else:
         res = round_to(acc, dt)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, res.to(dt), mask=row_ok[:, None] & n_ok[None, :])
+    out_mask = row_ok[:, None] & n_ok[None, :]
+    if ADD_SCALED:
+        res = round_to(res * tl.load(scale_ptr + expert), dt)
+        res = round_to(tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32) + res, dt)
+    tl.store(out_ptrs, res.to(dt), mask=out_mask)
 
 
 @triton.jit
@@ -120,14 +125,17 @@ def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H
     tl.store(out_ptr + token * H + cols, round_to(acc, dt).to(dt), mask=mask)
 
 
-def _expert_gemm(a, w, out, align, num_rows, a_row_div, gated, cfg: MoeTileConfig):
+def expert_gemm(a, w, out, align, num_rows, a_row_div, gated, cfg: MoeTileConfig, add_scaled=None):
+    """add_scaled: None, or float32 [E]: out += add_scaled[expert] * product (in place)."""
     n_out = out.shape[1]
     k_dim = a.shape[1]
     n_blocks_m = align.expert_ids.numel()
     grid = (n_blocks_m * triton.cdiv(n_out, cfg.block_n),)
     _expert_gemm_kernel[grid](
-        a, w, out, align.sorted_ids, align.expert_ids, align.total, n_out, k_dim, num_rows, n_blocks_m,
+        a, w, out, align.sorted_ids, align.expert_ids, align.total,
+        align.total if add_scaled is None else add_scaled, n_out, k_dim, num_rows, n_blocks_m,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div, GATED=gated,
+        ADD_SCALED=add_scaled is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=k_dim % cfg.block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -141,9 +149,9 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     hidden, w13, w2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (hidden, w13, w2))
     align = moe_align(topk_ids, E, cfg.block_m)
     act = torch.empty(T * top_k, I, dtype=hidden.dtype, device=hidden.device)
-    _expert_gemm(hidden, w13, act, align, T * top_k, top_k, True, cfg)
+    expert_gemm(hidden, w13, act, align, T * top_k, top_k, True, cfg)
     y = torch.empty(T * top_k, H, dtype=hidden.dtype, device=hidden.device)
-    _expert_gemm(act, w2, y, align, T * top_k, 1, False, cfg)
+    expert_gemm(act, w2, y, align, T * top_k, 1, False, cfg)
     out = torch.empty_like(hidden)
     block_h = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, block_h))](

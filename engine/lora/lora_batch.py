@@ -1,11 +1,11 @@
 """LoRABatch: which adapter each token of one forward pass uses, as the target linears read it.
 
 `token_slots` [T] is the per-token adapter index (-1: the base model) into `adapters`, the
-distinct adapters of the batch (at most --max-loras-per-batch); it is what a segmented / gathered
-LoRA GEMM (Triton, CUDA graphs) would read. The torch path here groups the tokens of each adapter
-(`rows`, ascending) and adds each adapter's delta to its rows only: a base token's output is
-never touched, and with batch-invariant matmuls a token's delta does not depend on which other
-tokens or adapters share the pass.
+distinct adapters of the batch (at most --max-loras-per-batch). This is the torch path
+(--lora-backend torch_native: the CPU's, and the oracle of the Triton path, pool_batch.py). It
+groups the tokens of each adapter (`rows`, ascending) and adds each adapter's delta to its rows
+only: a base token's output is never touched, and with batch-invariant matmuls a token's delta
+does not depend on which other tokens or adapters share the pass.
 """
 
 from __future__ import annotations

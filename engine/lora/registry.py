@@ -47,6 +47,9 @@ class LoRARegistry:
         self._ids[adapter.name] = lora_id
         return lora_id
 
+    def pinned_ids(self) -> frozenset[int]:
+        return frozenset(i for i in self.by_id if self.by_id[i].pinned)
+
     def resolve(self, name_or_path: str) -> int:
         """A request's lora_path -> adapter id: the adapter's name, or the path it was loaded from."""
         if name_or_path in self._ids:

@@ -173,7 +173,7 @@ class SiluAndMul(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose kernel is fixed at construction.
 
-    `lora`: a forward pass's engine.lora.LoRABatch (ForwardBatch.lora), which adds each token's
+    `lora`: a forward pass's LoRABatch or LoRAPoolBatch (ForwardBatch.lora), which adds each token's
     adapter delta to this layer's output, found by `lora_name` (the module's name in the model,
     set by the model once built; empty for layers no adapter may target)."""
     lora_name: str = ""

@@ -9,6 +9,11 @@ per-batch metadata in static buffers it refreshes before each replay
 (`init_forward_metadata_replay`, given the device and the host seq_lens); the sampler stays
 outside the graph.
 
+LoRA (the Triton path, engine/lora/lora_pool.py): with a pool the graphs are captured with the
+LoRA kernels, reading a static per-token slot buffer the replay refills (padding rows and base-only
+batches: slot -1, which no kernel reads or writes); the pool's buffers have fixed addresses, so
+what is resident at capture does not matter. The torch path's passes run eagerly.
+
 Memory: every graph writes its float32 logits into one shared [max_bs, vocab] buffer (a graph per
 size keeping its own output would hold ~6 GB at max_bs 512 and a 152k vocabulary). Sharing is
 safe because everything runs on one stream: a step's sampling reads the buffer before the next
@@ -40,8 +45,11 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, kv_pool, req_to_token: torch.Tensor,
-                 device: torch.device, max_bs: int, stream: torch.cuda.Stream | None = None) -> None:
+                 device: torch.device, max_bs: int, stream: torch.cuda.Stream | None = None,
+                 lora_pool=None, deterministic: bool = False) -> None:
         self.model = model
+        self.lora_pool = lora_pool
+        self.deterministic = deterministic
         # a re-capture (after release_memory_occupation) reuses its runner's stream: cuBLAS keeps a
         # workspace per stream it has seen, so a fresh stream per capture is memory never returned
         self.stream = stream or (torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None)
@@ -55,6 +63,7 @@ class CudaGraphRunner:
         self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices = (
             zeros(), zeros(), zeros(), zeros())
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
+        self.lora_slots = torch.full((self.max_bs,), -1, dtype=torch.int32, device=device)
         cfg = model.config
         attn_backend.init_cuda_graph_state(
             self.max_bs, req_to_token.shape[1], cfg.num_attention_heads,
@@ -73,9 +82,10 @@ class CudaGraphRunner:
         self.graphs.clear()
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        # a pass with LoRA adapters runs eagerly (the graphs are captured without LoRA)
+        # the torch path's LoRA passes run eagerly (the graphs hold the pool's kernels only)
+        lora = forward_batch.lora
         return (forward_batch.forward_mode.is_decode and forward_batch.batch_size <= self.max_bs
-                and forward_batch.lora is None)
+                and (lora is None or (self.lora_pool is not None and getattr(lora, "pool", None) is self.lora_pool)))
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -91,6 +101,12 @@ class CudaGraphRunner:
             static[:bs].copy_(value)
             if padded > bs:
                 static[bs:padded].fill_(pad)
+        if self.lora_pool is not None:  # each row's adapter slot; base rows and padding: -1
+            if fb.lora is None:
+                self.lora_slots[:padded].fill_(-1)
+            else:
+                self.lora_slots[:bs].copy_(fb.lora.token_slots)
+                self.lora_slots[bs:padded].fill_(-1)
         # host lengths too: a backend that plans on the host (flashinfer) needs no device sync
         self.attn_backend.init_forward_metadata_replay(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
@@ -133,11 +149,13 @@ class CudaGraphRunner:
 
     def _forward(self, fb: ForwardBatch) -> None:
         """The captured work: model and logits, into the shared buffer's first bs rows."""
+        if fb.lora is not None:  # the tokens' grouping by slot is part of the captured work
+            fb.lora.begin_pass()
         hidden = self.model(fb.input_ids, fb.positions, fb)
         self.model.compute_logits(hidden, out=self.logits[:fb.batch_size])
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        return ForwardBatch(
+        fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
@@ -151,3 +169,8 @@ class CudaGraphRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
         )
+        if self.lora_pool is not None:
+            from engine.lora.pool_batch import LoRAPoolBatch
+
+            fb.lora = LoRAPoolBatch(self.lora_pool, self.lora_slots[:bs], self.deterministic)
+        return fb

@@ -34,13 +34,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 def plan_memory(
     args: ServerArgs, model: torch.nn.Module, device: torch.device,
     num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, context_len: int,
-    extra_bytes_per_token: int = 0,
+    extra_bytes_per_token: int = 0, extra_static_bytes: int = 0,
 ) -> MemoryPlan:
-    """extra_bytes_per_token: what else the pool keeps per slot (routed experts)."""
+    """extra_bytes_per_token: what else the pool keeps per slot (routed experts); extra_static_bytes:
+    fixed buffers counted with the weights (the LoRA pool)."""
     per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) + extra_bytes_per_token
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in model.parameters()) + extra_static_bytes
         fraction = args.mem_fraction_static or _default_fraction(total)
         budget_tokens = int((total * fraction - weights) // per_token)
         available_gb = free / 2**30

@@ -32,6 +32,7 @@ from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import ScheduleBatch
 
 if TYPE_CHECKING:
+    from engine.lora.lora_pool import LoRAPool
     from engine.runner.tp_driver import TPDriver
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class RunnerConfig:
 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, model: torch.nn.Module, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
-                 memory_saver: Optional[MemorySaver] = None, tp: Optional["TPDriver"] = None):
+                 memory_saver: Optional[MemorySaver] = None, tp: Optional["TPDriver"] = None,
+                 lora_pool: Optional["LoRAPool"] = None):
         self.config = config
         self.tp = tp  # rank 0's TPDriver when tp_size > 1: every pass is sent to the other ranks first
         self.device = config.device
@@ -74,6 +76,7 @@ class ModelRunner:
         self._buffers_backup: dict[str, torch.Tensor] = {}  # model buffers while the weights are released
         self._capture_stream = None  # kept across re-captures (engine/runner/cuda_graph.py)
         self.lora_adapters: Optional[dict] = None  # id -> engine.lora.LoRAAdapter, with --enable-lora
+        self.lora_pool = lora_pool  # the Triton path's adapter slots (None: the torch path), graphs read it
         self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
         self.sampler.warmup(self.device, config.vocab_size)
 
@@ -144,10 +147,16 @@ class ModelRunner:
             kv_pool=self.kv_pool, attn_backend=self.attn_backend,
         )
         if self.lora_adapters is not None:
-            fb.lora = LoRABatch.build([r.lora_id for r in batch.reqs], list(batch.extend_lens), self.lora_adapters,
-                                      self.device, self.config.deterministic)
+            fb.lora = self._lora_batch([r.lora_id for r in batch.reqs], list(batch.extend_lens))
         self._sync_req_to_token(fb, batch)
         return fb
+
+    def _lora_batch(self, lora_ids: list[Optional[int]], tokens_per_req: list[int]) -> Any:
+        """The pass's LoRA: the pool's (Triton, its adapters made resident) or the torch path's."""
+        det = self.config.deterministic
+        if self.lora_pool is not None:
+            return self.lora_pool.prepare(lora_ids, tokens_per_req, self.lora_adapters, det)
+        return LoRABatch.build(lora_ids, tokens_per_req, self.lora_adapters, self.device, det)
 
     def _sync_req_to_token(self, fb: ForwardBatch, batch: ScheduleBatch) -> None:
         host = self.req_to_token_pool.req_to_token
@@ -317,7 +326,8 @@ class ModelRunner:
         from engine.runner.cuda_graph import CudaGraphRunner
 
         return CudaGraphRunner(self.model, self.attn_backend, self.kv_pool, self.req_to_token, self.device,
-                               self.config.cuda_graph_max_bs, self._capture_stream)
+                               self.config.cuda_graph_max_bs, self._capture_stream, self.lora_pool,
+                               self.config.deterministic)
 
     def _why_no_op(self) -> str:
         if self.device.type != "cuda":

@@ -46,6 +46,7 @@ class Admission:
         self.slots = slots
         self.tree_cache = slots.tree_cache
         self.forecast = forecast
+        self.pinned_loras: frozenset[int] = frozenset()  # adapters holding a LoRA pool slot while loaded
 
     def prefill_batch(self) -> Optional[ScheduleBatch]:
         q = self.queues
@@ -91,9 +92,14 @@ class Admission:
 
     def _adapter_fits(self, req: Req, adapters: set[Optional[int]]) -> bool:
         """--max-loras-per-batch: the running requests and this batch's use at most that many
-        adapters, the base model (None) counted as one, as SGLang counts its slot."""
+        adapters, the base model (None) counted as one, as SGLang counts its slot; and with the
+        pinned adapters, resident or not, at most that many pool slots."""
         limit = self.config.max_loras_per_batch
-        return limit is None or req.lora_id in adapters or len(adapters) < limit
+        if limit is None or req.lora_id in adapters:
+            return True
+        # pinned adapters keep their pool slots: the batch's other adapters share the rest
+        unpinned = {i for i in adapters | {req.lora_id} if i is not None and i not in self.pinned_loras}
+        return len(adapters) < limit and len(unpinned) + len(self.pinned_loras) <= limit
 
     def _refuse_oversized(self, req: Req) -> None:
         """The front end refuses these (RequestBuilder); a request that still gets here ends now

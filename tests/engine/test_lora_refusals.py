@@ -162,3 +162,19 @@ def test_serialized_lora_payloads_are_opened_off_the_step():
     assert not PayloadOpener.wants(LoadLoraReq("x", source=lora_tensors({}, None)))
     with pytest.raises(ValueError, match="load_format 'zip' is not supported"):
         lora_tensors(b"payload", "zip")
+
+
+def test_pinning_that_would_leave_no_pool_slot_is_refused(model_a, adapter_dir):
+    """--max-loras-per-batch 2: one pinned adapter holds a slot, a second would leave none for the others."""
+    from engine import Engine
+
+    eng = Engine(model_path=model_a, **ENGINE, enable_lora=True, max_loras_per_batch=2)
+    try:
+        assert eng.load_lora_adapter("p1", str(adapter_dir), pinned=True)["success"]
+        reply = eng.load_lora_adapter("p2", str(adapter_dir), pinned=True)
+        assert not reply["success"] and "would leave no pool slot" in reply["error_message"]
+        assert eng.load_lora_adapter("p2", str(adapter_dir))["success"]  # unpinned: fine
+        assert eng.unload_lora_adapter("p1")["success"]
+        assert eng.load_lora_adapter("p3", str(adapter_dir), pinned=True)["success"]  # p1's pin went with it
+    finally:
+        eng.shutdown()

@@ -94,3 +94,22 @@ def test_max_loras_per_batch_admission_never_starves_the_head():
     sched.release(base0)
     assert [r.rid for r in sched.schedule().reqs] == ["a"]
     assert [r.rid for r in sched.waiting] == ["base1"]
+
+
+def test_pinned_adapters_keep_their_pool_slots_out_of_the_batch_limit():
+    """3 slots, adapter 9 pinned (resident while loaded): a batch may hold 2 unpinned adapters with
+    it, or 2 without it, not 3 (that would need a 4th slot); the base takes no slot."""
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler.request import Req
+    from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    alloc = TokenSlotAllocator(1000)
+    rows = ReqToTokenPool(9, 64, "cpu")
+    sched = Scheduler(SchedulerConfig(8, None, 16384, max_loras_per_batch=3), RadixCache(alloc, rows), alloc, rows)
+    sched.admission.pinned_loras = frozenset({9})
+    for rid, lora_id in (("a", 1), ("b", 2), ("c", 3), ("base", None)):
+        r = Req(rid=rid, origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=2), seed=0)
+        r.lora_id = lora_id
+        sched.add_request(r)
+    assert [r.rid for r in sched.schedule().reqs] == ["a", "b"]  # c would be a 3rd unpinned beside 9's slot
+    assert [r.rid for r in sched.waiting] == ["c", "base"]
