@@ -79,6 +79,7 @@ for s in "$@"; do case $s in
     step moebench 120 python3 scripts/fused_moe_bench.py --json "$OUT/fused-moe.json" ;;
   bench30) step bench30 330 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --compare-hf --hf-num-prompts 32 --hf-runs 1 --stream-mode final --json "$OUT/bench-30b.json" ;;
   bench30q) step bench30q 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-30b-q.json" ;;
+  loragpu) ( kit && step loragpu 150 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py tests/gpu/test_routes_gpu.py tests/gpu/test_cuda_graph.py ) ;;
   routesprobe) ( kit && step routesprobe 230 python3 scripts/routes_cost_probe.py --preset qwen3-30b-a3b ) ;;
   bench30det) step bench30det 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/bench-30b-det.json" ;;
   bench30re) step bench30re 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-return-routed-experts --json "$OUT/bench-30b-routes.json" ;;
