@@ -51,7 +51,7 @@ class RouteReader:
 
         if self._pinned is None or self._pinned.numel() < ids.numel():
             grain = 8 << 20  # elements: grow in 32 MB steps
-            self._pinned = None
+            self._pinned = None  # the old buffer goes before the larger one is allocated
             self._pinned = torch.empty(-(-ids.numel() // grain) * grain, dtype=ids.dtype, pin_memory=True)
         host = self._pinned[:ids.numel()].view(ids.shape)
         host.copy_(ids, non_blocking=True)
