@@ -65,9 +65,11 @@ class ServerArgs:
     max_loaded_loras: Optional[int] = field(default=None, metadata={"help": (
         "the most LoRA adapters loaded at once; loading one more is refused (default: no limit)")})
     lora_backend: Optional[str] = field(default=None, metadata={"help": (
-        "LoRA kernels: triton (grouped GEMMs over a device pool of --max-loras-per-batch slots of rank "
-        "--max-lora-rank, under CUDA graphs; csgmv is taken as triton) or torch_native (per-adapter "
-        "matmuls, no graphs for LoRA batches); default triton on CUDA, torch_native on the CPU")})
+        "LoRA kernels: triton (a device pool of --max-loras-per-batch slots of rank --max-lora-rank, "
+        "under CUDA graphs: dense GEMMs over the slots in normal mode, grouped Triton GEMMs in "
+        "deterministic mode; csgmv is taken as triton), grouped (the grouped Triton GEMMs in both "
+        "modes) or torch_native (per-adapter matmuls, no graphs for LoRA batches); default triton on "
+        "CUDA, torch_native on the CPU")})
     # numerics / kernels
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False
@@ -212,8 +214,8 @@ class ServerArgs:
         if self.max_loaded_loras is not None and len(self.lora_paths) > self.max_loaded_loras:
             raise ValueError(f"--lora-paths names {len(self.lora_paths)} adapters but max_loaded_loras is "
                              f"{self.max_loaded_loras}")
-        if self.lora_backend not in (None, "triton", "csgmv", "torch_native"):
-            raise ValueError(f"lora_backend must be triton, csgmv or torch_native, got {self.lora_backend!r}")
+        if self.lora_backend not in (None, "triton", "csgmv", "grouped", "torch_native"):
+            raise ValueError(f"lora_backend must be triton, csgmv, grouped or torch_native, got {self.lora_backend!r}")
         if self.enable_lora and self.tp_size > 1:
             raise ValueError("LoRA adapters are served with tp_size 1 only")
 

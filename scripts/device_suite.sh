@@ -41,12 +41,13 @@ for s in "$@"; do case $s in
   grammarproc) ( kit && step grammarproc 300 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,prefetch2} --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-proc.json" ) ;;
   hostprobe) ( kit && step hostprobe 150 python3 scripts/grammar_host_probe.py ) ;;
   grammarab) ( kit && step grammarab 420 python3 scripts/grammar_bench.py --batch 64 --runs 5 --variants prefetch,noprefetch,prefetch2 --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-ab.json" ) ;;
-  train06*|train4b*)  # train06 | train06det | train4b | train4bdet (| train06keepdet: graphs kept; | train06z2det: ZeRO-2, not the recipe's 3, on one GPU): the qwen3_gpu recipe, 5 steps, peak device memory sampled
+  train06*|train4b*)  # train06 | train06det | train4b | train4bdet (| train06keepdet: graphs kept; | train06z2det: ZeRO-2, not the recipe's 3, on one GPU; | train06lora[det]: LoRA RL, rank 16 on all linears): the qwen3_gpu recipe, 5 steps, peak device memory sampled
     ( kit; model=qwen3-0.6b; [[ $s == train4b* ]] && model=qwen3-4b; det=false; [[ $s == *det ]] && det=true
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/smi-$s.csv" & smi=$!
       lim=170; extra=(); [[ $s == train4b* ]] && lim=260 && extra=(--engine-args '{"mem_fraction_static": 0.25, "enable_memory_saver": true}')
       [[ $s == *keep* ]] && extra+=(--keep-cuda-graphs true)
       [[ $s == *z2* ]] && extra+=(--zero-stage 2)
+      [[ $s == *lora* ]] && extra+=(--lora-rank 16 --lora-alpha 32 --lora-target-modules all-linear)
       step "$s" $lim python3 -m tandem.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;

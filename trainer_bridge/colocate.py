@@ -24,7 +24,6 @@ from trainer_bridge.sync import on_all_engines
 T = TypeVar("T")
 WEIGHT_TAGS = ["weights", "cuda_graph"]  # back before the push: the push writes into the weights
 KV_TAGS = ["kv_cache"]  # back last
-KEEP_GRAPHS_TAGS = ["weights", "kv_cache"]  # released when the CUDA graphs stay (keep_cuda_graphs)
 
 
 class ColocateError(RuntimeError):
@@ -52,31 +51,37 @@ class PushConfig:
 
 
 def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Callable[[], Any],
-                   keep_cuda_graphs: bool = False) -> tuple[T, ColocatePhases]:
+                   keep_cuda_graphs: bool = False, keep_weights: bool = False) -> tuple[T, ColocatePhases]:
     """-> (train_step's result, the phase times). push runs once, after the train step, while the
     engines hold their weights but not their KV (trainer_bridge.sync.push_to_engines, say).
-    keep_cuda_graphs: release weights and KV only. The graphs keep their memory pool (small next
-    to weights + KV) and replay on weights and KV restored at the same addresses, so resuming skips
-    their re-capture (seconds a step on the H200: most of resume_kv in docs/benchmarks.md)."""
+    keep_cuda_graphs: the graphs keep their memory pool (small next to weights + KV) and replay on
+    weights and KV restored at the same addresses, so resuming skips their re-capture (seconds a
+    step on the H200: most of resume_kv in docs/benchmarks.md). keep_weights (LoRA RL: the push
+    is an adapter, the base never changes): the weights stay resident, since a release without a
+    CPU backup would leave them undefined with nothing to rewrite them."""
     if not engines:
         raise ValueError("colocated_step needs at least one engine")
+    kept = (["cuda_graph"] if keep_cuda_graphs else []) + (["weights"] if keep_weights else [])
+    released = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in kept]
     clock = _Clock()
     resumed: list[str] = []
     try:
         with clock("release"):
-            tags = KEEP_GRAPHS_TAGS if keep_cuda_graphs else None  # None: every tag
+            tags = released if kept else None  # None: every tag
             on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, tags, "release"))
         with clock("train"):
             result = train_step()
             _return_cached_memory()
         with clock("resume_weights"):
-            on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, WEIGHT_TAGS, "resume"))
-        resumed += WEIGHT_TAGS
+            early = [tag for tag in WEIGHT_TAGS if tag in released]
+            if early:
+                on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, early, "resume"))
+            resumed += early
         with clock("push"):
             push()
             _return_cached_memory()
     finally:
-        missing = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in resumed]
+        missing = [tag for tag in released if tag not in resumed]
         with clock("resume_kv"):
             on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
     return result, ColocatePhases(**clock.seconds)

@@ -137,8 +137,8 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
 
 
 def _lora_pool(args: ServerArgs, model: Any, device: torch.device, dtype: torch.dtype) -> Optional[Any]:
-    """The LoRA Triton path's device pool (engine/lora/lora_pool.py), or None: LoRA off, or the
-    torch path (the CPU's default; Triton there only under TRITON_INTERPRET=1)."""
+    """The LoRA device pool (engine/lora/lora_pool.py), or None: LoRA off, or the torch path (the
+    CPU's default; the pool there only under TRITON_INTERPRET=1, its deterministic kernels being Triton's)."""
     backend = args.lora_backend or ("triton" if device.type == "cuda" else "torch_native")
     if not args.enable_lora or backend == "torch_native":
         return None
@@ -146,7 +146,8 @@ def _lora_pool(args: ServerArgs, model: Any, device: torch.device, dtype: torch.
         raise ValueError(f"lora_backend {backend!r} needs a CUDA device; use torch_native on {device.type}")
     from engine.lora.lora_pool import LoRAPool, pool_rank
 
-    pool = LoRAPool(model, args.max_loras_per_batch, pool_rank(args.max_lora_rank, args.lora_paths), device, dtype)
+    pool = LoRAPool(model, args.max_loras_per_batch, pool_rank(args.max_lora_rank, args.lora_paths), device, dtype,
+                    dense=backend != "grouped")
     logger.info("LoRA pool: %d slots of rank %d, %.2f GB", pool.num_slots, pool.max_rank, pool.nbytes / 2**30)
     return pool
 

@@ -3,7 +3,9 @@
 Per target linear, allocated once at start-up (so CUDA graphs see fixed addresses):
   a [S, shards * R, in]   each shard's lora_A at rows p*R .. p*R + r (p: the shard's place in
                           the module, q/k/v or gate/up), zero-padded to R = the pool's max rank
-  b [S, out, R]           each shard's lora_B at its output rows, columns 0 .. r, zeros elsewhere
+  b [S, out, R]           each shard's lora_B at its output rows, columns 0 .. r, zeros elsewhere;
+                          a view of b_rows [out, S * R] (every slot's B of an output row side by
+                          side: the dense path's expand is then one plain GEMM per shard)
 and scaling [S] float32. S = --max-loras-per-batch: the scheduler lets a batch use at most that
 many distinct adapters (the base, counted as one by it, takes no slot: it is slot -1).
 
@@ -40,14 +42,20 @@ DEFAULT_POOL_RANK = 64  # without --max-lora-rank or --lora-paths to infer it fr
 @dataclass
 class PoolModule:
     a: torch.Tensor  # [S, shards * R, in]
-    b: torch.Tensor  # [S, out, R]
+    b_rows: torch.Tensor  # [out, S * R]
     shard_rows: list[slice]  # output rows of shard p
+
+    @property
+    def b(self) -> torch.Tensor:
+        """[S, out, R]: slot-major view of b_rows (what the grouped kernels and slot loads index)."""
+        return self.b_rows.view(self.b_rows.shape[0], self.a.shape[0], -1).permute(1, 0, 2)
 
 
 class LoRAPool:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, dense: bool = True) -> None:
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, device
+        self.dense = dense  # normal mode's passes use the dense path (pool_batch.py)
         self.modules = {m.lora_name: _allocate(m, num_slots, max_rank, device, dtype)
                         for m in model.modules() if getattr(m, "lora_name", "")}
         self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
@@ -59,7 +67,7 @@ class LoRAPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.a, m.b))
+        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.a, m.b_rows))
 
     def prepare(self, lora_ids: list[Optional[int]], tokens_per_req: list[int], adapters: dict[int, LoRAAdapter],
                 deterministic: bool) -> Optional[LoRAPoolBatch]:
@@ -123,8 +131,8 @@ def _allocate(module: nn.Module, num_slots: int, rank: int, device: torch.device
     shard_ids = getattr(module, "shard_ids", None)
     rows = [module.shard_slice(s) for s in shard_ids] if shard_ids else [slice(0, module.out_features)]
     a = torch.zeros(num_slots, len(rows) * rank, module.in_features, dtype=dtype, device=device)
-    b = torch.zeros(num_slots, module.out_features, rank, dtype=dtype, device=device)
-    return PoolModule(a, b, rows)
+    b_rows = torch.zeros(module.out_features, num_slots * rank, dtype=dtype, device=device)
+    return PoolModule(a, b_rows, rows)
 
 
 def pool_rank(max_lora_rank: Optional[int], lora_paths: tuple[str, ...]) -> int:

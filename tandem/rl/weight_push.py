@@ -52,5 +52,8 @@ class WeightPusher:
 
     def colocated(self, train: Callable[[], T], trainer: Any, version: str) -> tuple[T, ColocatePhases]:
         """release -> train -> resume weights -> push -> resume KV; -> (train's result, phase times).
-        Every engine gets its memory back even when training or the push fails."""
-        return colocated_step(self.engines, train, lambda: self.push(trainer, version), self.keep_cuda_graphs)
+        Every engine gets its memory back even when training or the push fails. LoRA RL keeps the
+        engines' weights (the frozen base) resident: only the adapter is pushed."""
+        keep_weights = getattr(trainer.policy, "lora", None) is not None
+        return colocated_step(self.engines, train, lambda: self.push(trainer, version), self.keep_cuda_graphs,
+                              keep_weights)

@@ -1,4 +1,4 @@
-"""The LoRA Triton path (engine/lora/lora_pool.py, engine/kernels/lora_gemm.py) under Triton's CPU
+"""The LoRA pool's grouped path (engine/lora/lora_pool.py, engine/kernels/lora_gemm.py) under Triton's CPU
 interpreter, small sizes, float32: against the torch path (engine/lora/lora_batch.py, the oracle)
 on a qkv, a gate_up and a down linear, with mixed adapters, base tokens, ranks below the pool's
 and adapters targeting only some shards; a token's bits independent of its batch in
@@ -47,11 +47,12 @@ TOKENS = [5, 3, 1, 7, 2, 4, 6]
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_triton_path_equals_torch_path(setup, deterministic):
+@pytest.mark.parametrize("deterministic,dense", [(False, False), (False, True), (True, True)])
+def test_triton_path_equals_torch_path(setup, deterministic, dense):
+    """dense=True in deterministic mode still runs the grouped kernels (the pool's rule)."""
     block, adapters = setup
     x = block_inputs(block, sum(TOKENS), 0)
-    pool = LoRAPool(block, 3, MAX_RANK, CPU, torch.float32)
+    pool = LoRAPool(block, 3, MAX_RANK, CPU, torch.float32, dense=dense)
     got = run_block(block, pool.prepare(LORA_IDS, TOKENS, adapters, deterministic), x)
     want = run_block(block, LoRABatch.build(LORA_IDS, TOKENS, adapters, CPU, deterministic), x)
     base = run_block(block, None, x)
@@ -84,7 +85,7 @@ def test_eviction_keeps_outputs_right_and_pinned_adapters_resident(setup):
     block, adapters = setup
     adapters = dict(adapters)
     adapters[2] = LoRAAdapter(**{**vars(adapters[2]), "pinned": True})
-    pool = LoRAPool(block, 2, MAX_RANK, CPU, torch.float32)
+    pool = LoRAPool(block, 2, MAX_RANK, CPU, torch.float32, dense=False)
     for step, ids in enumerate([[1, 2], [3, None], [1], [3, 2], [None, 1]]):
         x = block_inputs(block, len(ids) * 3, 10 + step)
         got = run_block(block, pool.prepare(ids, [3] * len(ids), adapters, False), x)

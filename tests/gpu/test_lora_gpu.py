@@ -1,8 +1,8 @@
-"""The LoRA Triton path compiled on the GPU, through the engine: tiny model in float32, three PEFT
+"""The LoRA pool (dense path in normal mode, grouped Triton kernels) on the GPU, through the engine: tiny model in float32, three PEFT
 adapters (two rank 8 on every linear, one rank 4 on q/v only: below the pool's rank, some shards
 empty) and the base, mixed in one batch.
 
-  * the Triton path (CUDA graphs and eager) gives the torch path's greedy tokens, logprobs within
+  * the pool path, dense or grouped (CUDA graphs and eager), gives the torch path's greedy tokens, logprobs within
     float32 tolerance; decode really replays graphs while adapters are in the batch;
   * deterministic mode: the mixed batch equals each adapter run alone, and graphs equal eager,
     bitwise; the base model's outputs are those of an engine without LoRA, bitwise;
@@ -71,11 +71,12 @@ def _graphs_replayed(runner) -> None:
     assert runner.cuda_graph.num_replays >= MAX_NEW - 1
 
 
-def test_triton_path_equals_torch_path_graphs_and_eager(model_a, lora_paths):
+@pytest.mark.parametrize("backend", ["triton", "grouped"])  # triton (CUDA's default): dense in normal mode
+def test_pool_path_equals_torch_path_graphs_and_eager(model_a, lora_paths, backend):
     torch_path = run(model_a, [NAMES], lora_paths=lora_paths, lora_backend="torch_native", disable_cuda_graph=True)[0]
     assert torch_path[0][:3] != torch_path[0][-3:]  # the adapters change the tokens
-    graphs = run(model_a, [NAMES], check=_graphs_replayed, lora_paths=lora_paths)[0]  # triton: CUDA's default
-    eager = run(model_a, [NAMES], lora_paths=lora_paths, disable_cuda_graph=True)[0]
+    graphs = run(model_a, [NAMES], check=_graphs_replayed, lora_paths=lora_paths, lora_backend=backend)[0]
+    eager = run(model_a, [NAMES], lora_paths=lora_paths, lora_backend=backend, disable_cuda_graph=True)[0]
     assert_close(eager, torch_path, 1e-4)
     assert_close(graphs, torch_path, 1e-4)
     assert_close(graphs, eager, 1e-4)
@@ -167,3 +168,44 @@ def test_kernels_at_the_8b_shape_bf16(num_adapters):
     print(f"  {num_adapters} adapter(s), bs {T}: base linears {base_ms * 1e3:.0f} us, "
           f"with LoRA {lora_ms * 1e3:.0f} us (+{(lora_ms - base_ms) * 1e3:.0f} us per layer's 3 linears)")
     assert lora_ms < 3 * base_ms
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("num_adapters", [1, 8])
+def test_normal_mode_dense_and_grouped_at_the_8b_shape_bf16(num_adapters):
+    """Normal mode at decode bs 256 and a 2048-token prefill, rank 16, bf16: the pool's dense path
+    and its grouped kernels both within bf16 rounding of the torch path, base rows bitwise
+    untouched; their times in a graph beside the base linears' (the pool's default is the faster)."""
+    from engine.lora.lora_batch import LoRABatch
+    from engine.lora.lora_pool import LoRAPool
+    from tests.engine.lora_block import ALL_SHARDS, Block, block_inputs, make_adapter, run_block
+
+    torch.manual_seed(0)
+    cuda = torch.device("cuda")
+    block = Block(4096, 14336, 32, 8, 128).to(cuda, torch.bfloat16)
+    adapters = {i: make_adapter(block, f"a{i}", 16, ALL_SHARDS, i, std=0.1) for i in range(1, num_adapters + 1)}
+    for T in (256, 2048):
+        lora_ids = [None if k % 16 == 0 else 1 + k % num_adapters for k in range(T)]
+        x = block_inputs(block, T, 0)
+        base = run_block(block, None, x)
+        want = run_block(block, LoRABatch.build(lora_ids, [1] * T, adapters, cuda, False), x)
+        is_base = torch.tensor([i is None for i in lora_ids], device=cuda)
+        times = {"base": _graph_ms(lambda: run_block(block, None, x))}
+        for dense in (True, False):
+            pool = LoRAPool(block, 8, 16, cuda, torch.bfloat16, dense=dense)
+            batch = pool.prepare(lora_ids, [1] * T, adapters, False)
+            assert batch.dense == dense
+            got = run_block(block, batch, x)
+            for name in got:
+                delta = (want[name] - base[name]).float()[~is_base]
+                assert ((got[name] - want[name]).float().norm() / delta.norm()).item() < 2e-2, (dense, name)
+                assert torch.equal(got[name][is_base], base[name][is_base]), (dense, name)
+
+            def lora_pass(batch=batch, x=x):
+                batch.begin_pass()
+                run_block(block, batch, x)
+
+            times["dense" if dense else "grouped"] = _graph_ms(lora_pass)
+        print(f"  normal mode, {num_adapters} adapter(s), {T} tokens: base linears {times['base'] * 1e3:.0f} us; "
+              f"+LoRA dense +{(times['dense'] - times['base']) * 1e3:.0f} us, "
+              f"grouped +{(times['grouped'] - times['base']) * 1e3:.0f} us (per layer's 3 linears)")

@@ -181,8 +181,21 @@ def test_keep_cuda_graphs_releases_weights_and_kv_only(engine, trainer):
                                 bucket_bytes=64 << 10)
     colocated_step([client], _train_step(trainer, samples), push, keep_cuda_graphs=True)
     memory = [c for c in calls if c[0] in ("release", "resume")]
-    assert memory == [("release", ["weights", "kv_cache"]), ("resume", ("weights", "cuda_graph")),
-                      ("resume", ("kv_cache",))]
+    assert memory == [("release", ["weights", "kv_cache"]), ("resume", ("weights",)), ("resume", ("kv_cache",))]
     info = engine.get_server_info()["internal_states"][0]
     assert info["memory_released"] == [] and not info["paused"] and engine.get_weight_version() == "kept"
     assert all(s.weight_versions == ["kept"] * 6 for s in _rollouts(client))
+
+
+def test_keep_weights_releases_kv_and_graphs_only(engine, trainer):
+    """LoRA RL's step: the frozen base stays resident (a release without a CPU backup would leave
+    it undefined, and an adapter push does not rewrite it)."""
+    calls: list = []
+    client = RecordingClient(engine, calls)
+    colocated_step([client], lambda: None, lambda: None, keep_weights=True)
+    memory = [c for c in calls if c[0] in ("release", "resume")]
+    assert memory == [("release", ["cuda_graph", "kv_cache"]), ("resume", ("cuda_graph",)), ("resume", ("kv_cache",))]
+    calls.clear()
+    colocated_step([client], lambda: None, lambda: None, keep_cuda_graphs=True, keep_weights=True)
+    assert [c for c in calls if c[0] in ("release", "resume")] == [("release", ["kv_cache"]), ("resume", ("kv_cache",))]
+    assert engine.get_server_info()["internal_states"][0]["memory_released"] == []
