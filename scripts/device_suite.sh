@@ -47,7 +47,7 @@ for s in "$@"; do case $s in
       lim=170; extra=(); [[ $s == train4b* ]] && lim=260 && extra=(--engine-args '{"mem_fraction_static": 0.25, "enable_memory_saver": true}')
       [[ $s == *keep* ]] && extra+=(--keep-cuda-graphs true)
       [[ $s == *z2* ]] && extra+=(--zero-stage 2)
-      [[ $s == *lora* ]] && extra+=(--lora-rank 16 --lora-alpha 32 --lora-target-modules all-linear)
+      [[ $s == *lora* ]] && extra+=(--lora-rank 16 --lora-alpha 32 --lora-target-modules all-linear --trainer torch)
       step "$s" $lim python3 -m tandem.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;

@@ -27,6 +27,8 @@ def engine_kwargs(recipe: Recipe, source: ModelSource) -> dict[str, Any]:
     kwargs["cuda_graph_max_bs"] = rollout_graph_max_bs(recipe)
     if recipe.lora_rank:  # LoRA RL: the engines serve the pushed adapter (one per engine)
         kwargs.update(enable_lora=True, max_lora_rank=recipe.lora_rank, lora_target_modules=recipe.lora_targets)
+        if recipe.deterministic:  # the trainer's own LoRA code (the torch path): logprob diff 0 on a GPU too
+            kwargs["lora_backend"] = "torch_native"
     kwargs.update(recipe.engine_args)
     return kwargs
 

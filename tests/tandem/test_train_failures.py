@@ -213,3 +213,21 @@ def test_engines_capture_graphs_up_to_the_rollout_batch_only():
     assert rollout_graph_max_bs(dataclasses.replace(RECIPE, prompts_per_step=64, n_per_prompt=16)) == 512
     own = dataclasses.replace(RECIPE, engine_args={**RECIPE.engine_args, "cuda_graph_max_bs": 8})
     assert engine_kwargs(own, source)["cuda_graph_max_bs"] == 8
+
+
+def test_deterministic_lora_rl_engines_run_the_trainers_lora_code():
+    """Deterministic LoRA RL: the engines add adapter deltas with the torch path, the code the
+    trainer differentiates (the pool's kernels are batch-invariant but not the trainer's bits);
+    normal mode keeps the pool; engine_args still win."""
+    import dataclasses
+
+    from recipes.qwen3_gpu import RECIPE
+    from tandem.rl.engines import engine_kwargs
+    from tandem.rl.model_source import ModelSource
+
+    source = ModelSource("/nowhere", "dummy", "test")
+    lora = dataclasses.replace(RECIPE, lora_rank=16, deterministic=True, trainer="torch")
+    assert engine_kwargs(lora, source)["lora_backend"] == "torch_native"
+    assert "lora_backend" not in engine_kwargs(dataclasses.replace(lora, deterministic=False), source)
+    own = dataclasses.replace(lora, engine_args={**RECIPE.engine_args, "lora_backend": "grouped"})
+    assert engine_kwargs(own, source)["lora_backend"] == "grouped"
