@@ -80,7 +80,7 @@ for s in "$@"; do case $s in
     step moebench 120 python3 scripts/fused_moe_bench.py --json "$OUT/fused-moe.json" ;;
   bench30) step bench30 330 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --compare-hf --hf-num-prompts 32 --hf-runs 1 --stream-mode final --json "$OUT/bench-30b.json" ;;
   bench30q) step bench30q 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-30b-q.json" ;;
-  loragpu) ( kit && step loragpu 150 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py tests/gpu/test_routes_gpu.py tests/gpu/test_cuda_graph.py ) ;;
+  loragpu) ( kit && step loragpu 240 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py tests/gpu/test_routes_gpu.py tests/gpu/test_cuda_graph.py ) ;;
   routesprobe) ( kit && step routesprobe 230 python3 scripts/routes_cost_probe.py --preset qwen3-30b-a3b ) ;;
   bench30det) step bench30det 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/bench-30b-det.json" ;;
   bench30re) step bench30re 200 $B --preset qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-return-routed-experts --json "$OUT/bench-30b-routes.json" ;;
@@ -105,13 +105,14 @@ for s in "$@"; do case $s in
   bench06fi) ( kit && step bench06fi 130 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --attention-backend flashinfer --json "$OUT/bench-qwen3-0.6b-fi.json" ) ;;
   lora8)  # issue 26's H200 points in one call: 256 x (512, 256) on the base, 1 adapter, 8 adapters mixed
     # (rank 16, all linears), then the adapter push by CUDA IPC from a spawned trainer; the ratios last
-    ( kit; for n in 0 1 8; do
+    # LORA_NS="0 1" LORA_PUSH=0: a subset
+    ( kit; for n in ${LORA_NS:-0 1 8}; do
         step "lora8-$n" $(( n == 0 ? 100 : n == 1 ? 110 : 130 )) $B --preset qwen3-8b --num-prompts 256 --input-len 512 \
           --output-len 256 --runs 3 --stream-mode final --lora-adapters $n --lora-rank 16 --json "$OUT/lora8-$n.json"
       done
-      step lora8push 90 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --trainer process \
+      [ "${LORA_PUSH:-1}" = 1 ] && step lora8push 90 python3 -m tandem.main bench-sync --preset qwen3-8b --transport cuda-ipc --trainer process \
         --lora-rank 16 --num-updates 20 --cuda-graph-max-bs 8 --json "$OUT/lora8-push.json"
-      python3 scripts/summarize_lora.py "$OUT"/lora8-0.json "$OUT"/lora8-1.json "$OUT"/lora8-8.json "$OUT"/lora8-push.json \
+      python3 scripts/summarize_lora.py $(ls "$OUT"/lora8-{0,1,8,push}.json 2>/dev/null) \
         | tee -a "$OUT/suite.log" ) ;;
   bench8fi) ( kit && step bench8fi 150 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --attention-backend flashinfer --json "$OUT/bench-qwen3-8b-fi.json" ) ;;
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;

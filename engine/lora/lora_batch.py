@@ -42,6 +42,8 @@ class LoRABatch:
 
     def apply(self, module_name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (the base linear's output for x) plus each token's adapter delta, adapters in slot order."""
+        if out.requires_grad:  # a trainer's pass: the base output may come from a custom autograd
+            out = out.clone()  # Function (the GPU's batch-invariant matmul), whose views can't be written
         for adapter, rows in zip(self.adapters, self.rows):
             module = adapter.modules.get(module_name)
             if module is not None:

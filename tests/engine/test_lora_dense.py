@@ -75,3 +75,32 @@ def test_pool_b_view_is_slot_major_over_row_major_storage(setup):
     assert torch.equal(buf.b[slot, :, :r], b)
     assert torch.equal(buf.b_rows[:, slot * MAX_RANK:slot * MAX_RANK + r], b)
     assert not buf.b_rows[:, slot * MAX_RANK + r:(slot + 1) * MAX_RANK].any()  # padded to the pool's rank
+
+
+def test_torch_path_adds_to_a_custom_functions_output_with_gradients(setup):
+    """A trainer's pass: on the GPU the base linear's output comes from a custom autograd Function
+    (batch-invariant matmul), whose output views can't be written in place; the torch path then adds
+    to a copy, with the same values and gradients reaching the adapter."""
+    block, adapters = setup
+
+    class Identity(torch.autograd.Function):  # returns its input as-is, like such Functions may
+        @staticmethod
+        def forward(ctx, t):
+            return t
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    module = adapters[1].modules["down_proj"]
+    lora_a = module.lora_a.clone().requires_grad_(True)
+    adapter = type(adapters[1])(**{**vars(adapters[1]), "modules": {"down_proj": type(module)(
+        lora_a, module.shards, module.scaling)}})
+    x = block_inputs(block, 6, 3)["down_proj"]
+    base = block.down_proj(x).detach().requires_grad_(True)
+    batch = LoRABatch.build([1, None], [4, 2], {1: adapter}, CPU, False)
+    got = batch.apply("down_proj", x, Identity.apply(base))
+    want = LoRABatch.build([1, None], [4, 2], adapters, CPU, False).apply("down_proj", x, base.detach().clone())
+    assert torch.equal(got.detach(), want)
+    got.sum().backward()
+    assert lora_a.grad is not None and lora_a.grad.abs().sum() > 0
