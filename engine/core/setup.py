@@ -144,10 +144,11 @@ def _lora_pool(args: ServerArgs, model: Any, device: torch.device, dtype: torch.
         return None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"lora_backend {backend!r} needs a CUDA device; use torch_native on {device.type}")
+    from engine.lora.lora_config import LORA_TARGETS, expand_targets
     from engine.lora.lora_pool import LoRAPool, pool_rank
 
     pool = LoRAPool(model, args.max_loras_per_batch, pool_rank(args.max_lora_rank, args.lora_paths), device, dtype,
-                    dense=backend != "grouped")
+                    dense=backend != "grouped", targets=expand_targets(args.lora_target_modules) or LORA_TARGETS)
     logger.info("LoRA pool: %d slots of rank %d, %.2f GB", pool.num_slots, pool.max_rank, pool.nbytes / 2**30)
     return pool
 

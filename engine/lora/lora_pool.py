@@ -1,6 +1,6 @@
 """LoRAPool: the adapters a batch runs, resident in fixed device buffers the Triton path reads.
 
-Per target linear, allocated once at start-up (so CUDA graphs see fixed addresses):
+Per target linear (those --lora-target-modules allows), allocated once at start-up (so CUDA graphs see fixed addresses):
   a [S, shards * R, in]   each shard's lora_A at rows p*R .. p*R + r (p: the shard's place in
                           the module, q/k/v or gate/up), zero-padded to R = the pool's max rank
   b [S, out, R]           each shard's lora_B at its output rows, columns 0 .. r, zeros elsewhere;
@@ -25,13 +25,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from engine.kernels.device_copy import h2d
 from engine.lora.adapter import LoRAAdapter
+from engine.lora.lora_config import LORA_TARGETS
 from engine.lora.lora_paths import parse_lora_path
 from engine.lora.pool_batch import LoRAPoolBatch
 
@@ -53,11 +54,12 @@ class PoolModule:
 
 class LoRAPool:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype, dense: bool = True) -> None:
+                 dtype: torch.dtype, dense: bool = True, targets: Sequence[str] = LORA_TARGETS) -> None:
+        """targets: the HF linears adapters may target (--lora-target-modules); only their modules get buffers."""
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, device
         self.dense = dense  # normal mode's passes use the dense path (pool_batch.py)
         self.modules = {m.lora_name: _allocate(m, num_slots, max_rank, device, dtype)
-                        for m in model.modules() if getattr(m, "lora_name", "")}
+                        for m in model.modules() if getattr(m, "lora_name", "") and _targeted(m.lora_name, targets)}
         self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.slot_of: dict[int, int] = {}  # resident adapter id -> slot
         self._pinned: set[int] = set()
@@ -125,6 +127,15 @@ class LoRAPool:
         if adapter.pinned:
             self._pinned.add(lora_id)
         self.loads += 1
+
+
+_SHARDS_OF = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _targeted(lora_name: str, targets: Sequence[str]) -> bool:
+    """Whether any HF linear stacked in this engine module is among the targets."""
+    short = lora_name.rpartition(".")[2]
+    return any(t in targets for t in _SHARDS_OF.get(short, (short,)))
 
 
 def _allocate(module: nn.Module, num_slots: int, rank: int, device: torch.device, dtype: torch.dtype) -> PoolModule:

@@ -104,3 +104,15 @@ def test_torch_path_adds_to_a_custom_functions_output_with_gradients(setup):
     assert torch.equal(got.detach(), want)
     got.sum().backward()
     assert lora_a.grad is not None and lora_a.grad.abs().sum() > 0
+
+
+def test_pool_allocates_only_the_modules_targets_allow(setup):
+    """--lora-target-modules q_proj v_proj: buffers for the attention's qkv only (o, gate_up and
+    down would be memory no adapter can use)."""
+    block, _ = setup
+    full = LoRAPool(block, 2, MAX_RANK, CPU, torch.float32)
+    qv = LoRAPool(block, 2, MAX_RANK, CPU, torch.float32, targets=["q_proj", "v_proj"])
+    down = LoRAPool(block, 2, MAX_RANK, CPU, torch.float32, targets=["down_proj", "up_proj"])
+    assert set(full.modules) == {"qkv_proj", "gate_up_proj", "down_proj"}
+    assert set(qv.modules) == {"qkv_proj"} and set(down.modules) == {"gate_up_proj", "down_proj"}
+    assert qv.nbytes < full.nbytes
