@@ -31,6 +31,7 @@ class FlattenedBucket:
         if not isinstance(flattened_tensor, torch.Tensor) or flattened_tensor.dtype != torch.uint8 \
                 or flattened_tensor.dim() != 1:
             raise ValueError(f"a flattened bucket is a 1-D uint8 tensor; got {_describe(flattened_tensor)}")
+        size = flattened_tensor.numel()
         for m in metadata:
             if not (isinstance(m, FlattenedTensorMetadata) and isinstance(m.name, str)
                     and isinstance(m.dtype, torch.dtype) and isinstance(m.start_idx, int)
@@ -38,9 +39,9 @@ class FlattenedBucket:
                 raise ValueError(f"bucket metadata entries must be FlattenedTensorMetadata(name: str, shape, "
                                  f"dtype: torch.dtype, start_idx: int, end_idx: int, numel); got {m!r}")
             nbytes = m.dtype.itemsize * _numel(m.shape)
-            if not 0 <= m.start_idx <= m.end_idx <= flattened_tensor.numel() or m.end_idx - m.start_idx != nbytes:
+            if not 0 <= m.start_idx <= m.end_idx <= size or m.end_idx - m.start_idx != nbytes:
                 raise ValueError(f"bucket entry {m.name!r}: bytes [{m.start_idx}, {m.end_idx}) do not hold "
-                                 f"{list(m.shape)} {m.dtype} in a buffer of {flattened_tensor.numel()} bytes")
+                                 f"{list(m.shape)} {m.dtype} in a buffer of {size} bytes")
         self.flattened_tensor = flattened_tensor
         self.metadata = metadata
 

@@ -28,32 +28,32 @@ class _Stack:
     def __init__(self, cols: int, itemsize: int) -> None:
         self.cols = cols
         self.row_step = ALIGN_BYTES // math.gcd(cols * itemsize, ALIGN_BYTES)  # rows between aligned starts
-        self.pieces: list = []  # tensors, and ints: rows of padding
+        self.tensors: list[torch.Tensor] = []
+        self.pads: list[tuple[int, int]] = []  # (index into tensors, rows of zeros to put before it)
         self.sizes: list[int] = []  # rows of each part the buffer splits into (runs and paddings)
         self.rows = 0
 
-    def add(self, run: Sequence[torch.Tensor]) -> int:
+    def add(self, run: Sequence[torch.Tensor], run_rows: int) -> int:
         """-> the index of the run's view among build()'s parts."""
         pad = -self.rows % self.row_step
         if pad:
-            self.pieces.append(pad)
+            self.pads.append((len(self.tensors), pad))
             self.sizes.append(pad)
-        run_rows = sum(t.shape[0] for t in run)
-        self.pieces.extend(run)
+        self.tensors += run
         self.sizes.append(run_rows)
         self.rows += pad + run_rows
         return len(self.sizes) - 1
 
     def build(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        tensors = [p for p in self.pieces if not isinstance(p, int)]
-        if len({t.device for t in tensors}) > 1:  # cat needs one device: each goes to the engine's first
-            tensors = [t.to(device) for t in tensors]
-        src = tensors[0]
-        it = iter(tensors)
-        pieces = [torch.zeros(p, self.cols, dtype=src.dtype, device=src.device) if isinstance(p, int) else next(it)
-                  for p in self.pieces]
-        buffer = torch.cat(pieces).to(device, dtype)  # cat's output is new memory: never the sender's
-        return buffer.split(self.sizes)
+        pieces = self.tensors
+        for at, rows in reversed(self.pads):
+            src = pieces[0]
+            pieces = pieces[:at] + [torch.zeros(rows, self.cols, dtype=src.dtype, device=src.device)] + pieces[at:]
+        try:
+            buffer = torch.cat(pieces)  # new memory: never the sender's
+        except RuntimeError:  # on several devices: each to the engine's first
+            buffer = torch.cat([t.to(device) for t in pieces])
+        return buffer.to(device, dtype).split(self.sizes)
 
 
 def lay_out(modules: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device, dtype: torch.dtype
@@ -66,8 +66,11 @@ def lay_out(modules: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], device:
     where = {}
     for name, shards in modules.items():
         in_features = shards[0][0].shape[1]
-        a_stack = a_stacks.setdefault(in_features, _Stack(in_features, dtype.itemsize))
-        where[name] = (a_stack, a_stack.add([a for a, _ in shards]), [b_stack.add([b]) for _, b in shards])
+        a_stack = a_stacks.get(in_features)
+        if a_stack is None:
+            a_stack = a_stacks[in_features] = _Stack(in_features, dtype.itemsize)
+        a_run = a_stack.add([a for a, _ in shards], len(shards) * r)
+        where[name] = (a_stack, a_run, [b_stack.add((b,), b.shape[0]) for _, b in shards])
     parts = {id(stack): stack.build(device, dtype) for stack in (*a_stacks.values(), b_stack)}
     b_parts = parts[id(b_stack)]
     return {name: (parts[id(a_stack)][a], [b_parts[i] for i in bs]) for name, (a_stack, a, bs) in where.items()}

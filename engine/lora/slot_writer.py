@@ -25,32 +25,39 @@ Views = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]  # (module, fir
 class SlotWriter:
     def __init__(self, modules: dict[str, "PoolModule"], max_rank: int) -> None:
         self.modules, self.max_rank = modules, max_rank
-        self._slot_parts: dict[int, list[torch.Tensor]] = {}  # slot -> its part of every buffer
+        self._slot_parts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # slot -> parts
         self._shard_views: dict[tuple[int, int], Views] = {}  # (slot, rank) -> destination views
 
     @torch.no_grad()
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Zeroes the slot, then copies in the adapter's shards: A at rows p*R .. p*R + r of its
-        module's `a` (p: the shard's place), B at its output rows, columns 0 .. r of `b`."""
+        module's `a` (p: the shard's place), B at its output rows, columns 0 .. r of `b`. A and B
+        go in separate foreach calls: on the GPU a list of dense tensors of equal strides takes
+        the fused path, and the B views (columns 0 .. r of R) may not be."""
         r = adapter.config.rank
-        torch._foreach_zero_(self._parts(slot))
+        for parts in self._parts(slot):
+            torch._foreach_zero_(parts)
         views = self._views(slot, r)
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
+        dst_a, src_a, dst_b, src_b = [], [], [], []
         for name, module in adapter.modules.items():
             if name not in self.modules:
                 continue  # not a linear the pool serves
             for shard in module.shards:
-                dst_a, dst_b = views[name, shard.rows.start]
-                dst += (dst_a, dst_b)
-                src += (module.lora_a[shard.cols], shard.lora_b)
-        if dst:
-            torch._foreach_copy_(dst, src)
+                a, b = views[name, shard.rows.start]
+                dst_a.append(a)
+                src_a.append(module.lora_a[shard.cols])
+                dst_b.append(b)
+                src_b.append(shard.lora_b)
+        if dst_a:
+            torch._foreach_copy_(dst_a, src_a)
+            torch._foreach_copy_(dst_b, src_b)
 
-    def _parts(self, slot: int) -> list[torch.Tensor]:
+    def _parts(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The slot's part of every `a` buffer, and of every `b` buffer."""
         parts = self._slot_parts.get(slot)
         if parts is None:
-            parts = self._slot_parts[slot] = [t[slot] for buf in self.modules.values() for t in (buf.a, buf.b)]
+            bufs = self.modules.values()
+            parts = self._slot_parts[slot] = ([buf.a[slot] for buf in bufs], [buf.b[slot] for buf in bufs])
         return parts
 
     def _views(self, slot: int, r: int) -> Views:
