@@ -1,11 +1,12 @@
-"""SlotWriter: an adapter copied into a LoRAPool slot by two foreach ops instead of ~1000 small ones.
+"""SlotWriter: an adapter copied into a LoRAPool slot by four foreach ops instead of ~1000 small ones.
 
 A slot load zeroes the slot's part of every target linear's buffers, then copies each shard's
 lora_A rows and lora_B columns in (engine/lora/lora_pool.py has the layout). Done op by op that was
 a zero_ per buffer and two copies per shard: ~1000 Python-issued ops (and kernel launches) at
 Qwen3-8B, on the compute stream at the first batch that uses the adapter. The destination views
 of a slot depend only on the slot and the adapter's rank, so they are made once per (slot, rank)
-and each load is one torch._foreach_zero_ and one torch._foreach_copy_.
+(the pool's buffers are allocated once, for CUDA graphs, so views of them stay valid) and a load
+is a few foreach calls: zero the slot's `a` parts and `b` parts, copy the A and the B shards.
 """
 
 from __future__ import annotations

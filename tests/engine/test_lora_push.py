@@ -1,6 +1,6 @@
 """A LoRA push's fast path on the CPU: names resolved once per model (LoRATargets), tensors copied
 once into aligned views of few engine buffers (lay_out: values, alignment, no aliasing of the
-sender, gradients for the trainer), a pool slot written by two foreach ops (equal to the op-by-op
+sender, gradients for the trainer), a pool slot written by foreach ops (equal to the op-by-op
 copy it replaced), and through the engine: a pushed bucket overwritten afterwards leaves outputs
 unchanged, and refusals keep their messages once the names are cached."""
 
