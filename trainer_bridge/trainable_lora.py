@@ -6,9 +6,10 @@ Its parameters are PEFT's tensors, one lora_A [r, in] and lora_B [out, r] per HF
 (A kaiming-uniform, B zeros: version 0 is the base model). Each forward builds, from the live
 parameters, the engine's LoRAAdapter (engine/lora/adapter.py: the same stacking of q/k/v and
 gate/up, checks and scaling) and a LoRABatch putting every token on it, which the model's linears
-call through their `lora` seam: the delta is the same function the engine runs, so in
-deterministic mode trainer logprobs equal the engine's bit for bit. torch.cat / copies keep it
-differentiable; the base weights are frozen by the caller.
+call through their `lora` seam: the delta is the same function the engine runs, on tensors laid
+out by the same code (engine/lora/lora_layout.py), so in deterministic mode trainer logprobs
+equal the engine's bit for bit. torch.cat / split keep it differentiable; the base weights are
+frozen by the caller.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from torch import nn
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.lora_batch import LoRABatch
 from engine.lora.lora_config import LoRALimits, expand_targets
+from engine.lora.lora_targets import lora_targets
 from engine.lora.peft_format import PEFT_PREFIX, peft_config_dict, save_peft_adapter
-from engine.models.hf_names import HFNameMap
 
 ADAPTER_NAME = "policy"  # the name the engines serve the trained adapter under
 
@@ -78,21 +79,4 @@ class TrainableLoRA(nn.Module):
 def _target_shapes(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, int, int]]:
     """(HF module name, its output rows, in_features) of every linear the adapter covers, one per
     stacked shard (q/k/v of qkv_proj, gate/up of gate_up_proj), in model order."""
-    names = HFNameMap(model)
-    out = []
-    for module in model.modules():
-        lora_name = getattr(module, "lora_name", "")
-        if not lora_name:
-            continue
-        shard_ids = getattr(module, "shard_ids", [None])
-        for shard_id in shard_ids:
-            hf_module = names.hf_name(f"{lora_name}.weight", shard_id).removesuffix(".weight")
-            if hf_module.rpartition(".")[2] not in targets:
-                continue
-            rows = module.out_features if shard_id is None else _span(module.shard_slice(shard_id))
-            out.append((hf_module, rows, module.in_features))
-    return out
-
-
-def _span(rows: slice) -> int:
-    return rows.stop - rows.start
+    return [(t.hf_module, t.out_rows, t.in_features) for t in lora_targets(model).by_hf.values() if t.leaf in targets]

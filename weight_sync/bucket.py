@@ -31,6 +31,7 @@ class FlattenedBucket:
         if not isinstance(flattened_tensor, torch.Tensor) or flattened_tensor.dtype != torch.uint8 \
                 or flattened_tensor.dim() != 1:
             raise ValueError(f"a flattened bucket is a 1-D uint8 tensor; got {_describe(flattened_tensor)}")
+        size = flattened_tensor.numel()
         for m in metadata:
             if not (isinstance(m, FlattenedTensorMetadata) and isinstance(m.name, str)
                     and isinstance(m.dtype, torch.dtype) and isinstance(m.start_idx, int)
@@ -38,9 +39,9 @@ class FlattenedBucket:
                 raise ValueError(f"bucket metadata entries must be FlattenedTensorMetadata(name: str, shape, "
                                  f"dtype: torch.dtype, start_idx: int, end_idx: int, numel); got {m!r}")
             nbytes = m.dtype.itemsize * _numel(m.shape)
-            if not 0 <= m.start_idx <= m.end_idx <= flattened_tensor.numel() or m.end_idx - m.start_idx != nbytes:
+            if not 0 <= m.start_idx <= m.end_idx <= size or m.end_idx - m.start_idx != nbytes:
                 raise ValueError(f"bucket entry {m.name!r}: bytes [{m.start_idx}, {m.end_idx}) do not hold "
-                                 f"{list(m.shape)} {m.dtype} in a buffer of {flattened_tensor.numel()} bytes")
+                                 f"{list(m.shape)} {m.dtype} in a buffer of {size} bytes")
         self.flattened_tensor = flattened_tensor
         self.metadata = metadata
 
@@ -76,13 +77,19 @@ class FlattenedBucket:
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) per entry: a view into the buffer, or a copy where the entry's offset is
-        not a multiple of its dtype's size (mixed-dtype buckets pack without padding)."""
+        not a multiple of its dtype's size (mixed-dtype buckets pack without padding). Entries
+        back to back in one dtype are cut from one typed view by one split (hundreds of small
+        LoRA tensors: per-entry slicing was most of the time)."""
         out = []
-        for m in self.metadata:
-            raw = self.flattened_tensor[m.start_idx:m.end_idx]
-            if m.start_idx % m.dtype.itemsize:
+        for run in _runs(self.metadata):
+            first, last = run[0], run[-1]
+            raw = self.flattened_tensor[first.start_idx:last.end_idx]
+            if first.start_idx % first.dtype.itemsize:
                 raw = raw.clone()
-            out.append((m.name, raw.view(m.dtype).view(m.shape)))
+            typed = raw.view(first.dtype)
+            parts = typed.split([(m.end_idx - m.start_idx) // m.dtype.itemsize for m in run])
+            # view(*ints): a torch.Size argument takes a slower parse, twice the time of the view
+            out += [(m.name, part.view(*m.shape) if m.shape else part.view(())) for m, part in zip(run, parts)]
         return out
 
 
@@ -113,6 +120,19 @@ def split_by_bytes(named: Sequence[tuple[str, Any]], bucket_bytes: int,
         size += n
     if bucket or not named:
         yield bucket
+
+
+def _runs(metadata: Sequence[FlattenedTensorMetadata]) -> Iterator[list[FlattenedTensorMetadata]]:
+    """Consecutive entries of one dtype, each starting where the last ended, at offsets that are
+    multiples of the dtype's size (a misaligned entry is a run alone: unpack copies it)."""
+    run: list[FlattenedTensorMetadata] = []
+    for m in metadata:
+        if run and (m.dtype != run[-1].dtype or m.start_idx != run[-1].end_idx or m.start_idx % m.dtype.itemsize):
+            yield run
+            run = []
+        run.append(m)
+    if run:
+        yield run
 
 
 def _numel(shape: Any) -> int:

@@ -3,8 +3,10 @@
 PEFT names a tensor `base_model.model.<HF module>.lora_A.weight` ([r, in]) or `.lora_B.weight`
 ([out, r]). The HF module maps to an engine module and shard through the one HF-name map
 (engine/models/hf_names.py): q_proj is shard "q" of qkv_proj, gate_proj shard 0 of gate_up_proj.
+Names resolve through the model's LoRATargets (engine/lora/lora_targets.py, found once per model).
 A stacked module keeps its shards' A matrices concatenated ([shards * r, in]: one product for
-all of them) and each shard's B with the output rows it adds to. Every name and shape is checked
+all of them) and each shard's B with the output rows it adds to; all are views of few buffers
+the tensors are copied into at once (engine/lora/lora_layout.py). Every name and shape is checked
 before the adapter exists, so a bad adapter is a ValueError and nothing half-loaded.
 """
 
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -22,9 +23,8 @@ from torch import nn
 
 from engine.kernels import batch_invariant as bi
 from engine.lora.lora_config import LoRAConfig, LoRALimits
-from engine.models.hf_names import HFNameMap
-
-_PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
+from engine.lora.lora_layout import lay_out
+from engine.lora.lora_targets import LoRATarget, lora_targets
 
 
 @dataclass
@@ -90,58 +90,40 @@ class LoRAAdapter:
 
 
 def _build_modules(cfg: LoRAConfig, tensors: Iterable[tuple[str, Any]], model: nn.Module) -> dict[str, LoRAModule]:
-    names = HFNameMap(model)
-    param = next(model.parameters())
-    found: dict[tuple[str, Any], dict[str, torch.Tensor]] = {}
+    targets = lora_targets(model)
+    found: dict[str, dict[Any, tuple[LoRATarget, dict[str, torch.Tensor]]]] = {}  # module -> shard id -> pair
     for tensor_name, tensor in tensors:
-        module_name, shard_id, kind = _locate(tensor_name, tensor, cfg, names, model)
-        found.setdefault((module_name, shard_id), {})[kind] = tensor
+        if not isinstance(tensor, torch.Tensor) or not torch.is_floating_point(tensor) or tensor.dim() != 2:
+            raise ValueError(f"tensor {tensor_name!r} must be a 2-D floating tensor")
+        target, kind = targets.resolve(tensor_name, cfg.target_modules)
+        found.setdefault(target.module_name, {}).setdefault(target.shard_id, (target, {}))[1][kind] = tensor
     if not found:
         raise ValueError("it holds no lora_A / lora_B tensors")
-    by_module: dict[str, list[tuple[Any, dict[str, torch.Tensor]]]] = {}
-    for (module_name, shard_id), pair in found.items():
-        by_module.setdefault(module_name, []).append((shard_id, pair))
-    return {m: _module(m, parts, cfg, model, param) for m, parts in by_module.items()}
+    checked = {m: _checked_shards(m, shards, cfg.rank) for m, shards in found.items()}
+    param = next(model.parameters())
+    placed = lay_out({m: [(a, b) for _, a, b in shards] for m, shards in checked.items()}, param.device, param.dtype)
+    return {m: _module(shards, *placed[m], cfg) for m, shards in checked.items()}
 
 
-def _locate(tensor_name: str, tensor: Any, cfg: LoRAConfig, names: HFNameMap, model: nn.Module
-            ) -> tuple[str, Any, str]:
-    """PEFT tensor name -> (engine module name, shard id, "A" | "B"); refuses anything else."""
-    if not isinstance(tensor, torch.Tensor) or not torch.is_floating_point(tensor) or tensor.dim() != 2:
-        raise ValueError(f"tensor {tensor_name!r} must be a 2-D floating tensor")
-    match = _PEFT_NAME.match(tensor_name)
-    if match is None:
-        raise ValueError(f"unknown tensor {tensor_name!r}: not a PEFT lora_A / lora_B weight")
-    hf_module, kind = match.groups()
-    if hf_module.rpartition(".")[2] not in cfg.target_modules:
-        raise ValueError(f"tensor {tensor_name!r} is for a module outside target_modules "
-                         f"({', '.join(cfg.target_modules)})")
-    param_name, shard_id = names.engine_key(hf_module + ".weight")
-    module_name = param_name.removesuffix(".weight")
-    try:
-        module = model.get_submodule(module_name)
-    except AttributeError:
-        module = None
-    if not getattr(module, "lora_name", None):
-        raise ValueError(f"unknown module {hf_module!r} (tensor {tensor_name!r}): the model has no such linear")
-    return module_name, shard_id, kind
+def _module(shards: list[tuple[LoRATarget, torch.Tensor, torch.Tensor]], lora_a: torch.Tensor,
+            lora_b: list[torch.Tensor], cfg: LoRAConfig) -> LoRAModule:
+    r = cfg.rank
+    return LoRAModule(lora_a, [LoRAShard(target.rows, slice(k * r, (k + 1) * r), b)
+                               for k, ((target, _, _), b) in enumerate(zip(shards, lora_b))], cfg.scaling)
 
 
-def _module(module_name: str, parts: list, cfg: LoRAConfig, model: nn.Module, param: torch.Tensor) -> LoRAModule:
-    module = model.get_submodule(module_name)
-    r, a_list, shards = cfg.rank, [], []
-    for shard_id, pair in sorted(parts, key=lambda p: str(p[0])):
+def _checked_shards(module_name: str, shards: dict[Any, tuple[LoRATarget, dict[str, torch.Tensor]]], r: int
+                    ) -> list[tuple[LoRATarget, torch.Tensor, torch.Tensor]]:
+    """(target, lora_A, lora_B) per shard, in the order its A matrices stack (shard ids as strings)."""
+    out = []
+    for shard_id, (target, pair) in sorted(shards.items(), key=lambda s: str(s[0])):
         label = module_name if shard_id is None else f"{module_name} shard {shard_id!r}"
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{label} has lora_{''.join(pair)} but no lora_{'B' if 'A' in pair else 'A'}")
-        rows = slice(0, module.out_features) if shard_id is None else module.shard_slice(shard_id)
-        _check_shape(label, "lora_A", pair["A"], (r, module.in_features))
-        _check_shape(label, "lora_B", pair["B"], (rows.stop - rows.start, r))
-        cols = slice(len(a_list) * r, (len(a_list) + 1) * r)
-        a_list.append(pair["A"])
-        shards.append(LoRAShard(rows, cols, pair["B"].to(param.device, param.dtype, copy=True).contiguous()))
-    lora_a = torch.cat(a_list).to(param.device, param.dtype).contiguous()
-    return LoRAModule(lora_a, shards, cfg.scaling)
+        _check_shape(label, "lora_A", pair["A"], (r, target.in_features))
+        _check_shape(label, "lora_B", pair["B"], (target.out_rows, r))
+        out.append((target, pair["A"], pair["B"]))
+    return out
 
 
 def _check_shape(label: str, kind: str, tensor: torch.Tensor, expected: tuple[int, int]) -> None:

@@ -33,10 +33,7 @@ class LoRABatch:
         used = sorted({i for i in lora_ids if i is not None})
         if not used:
             return None
-        slot_of = {lora_id: slot for slot, lora_id in enumerate(used)}
-        slots = torch.repeat_interleave(
-            torch.tensor([-1 if i is None else slot_of[i] for i in lora_ids], dtype=torch.int64),
-            torch.tensor(tokens_per_req, dtype=torch.int64))
+        slots = token_slots(lora_ids, {lora_id: slot for slot, lora_id in enumerate(used)}, tokens_per_req, torch.int64)
         rows = [h2d(torch.nonzero(slots == s).flatten(), device) for s in range(len(used))]
         return cls(h2d(slots, device), [by_id[i] for i in used], rows, deterministic)
 
@@ -49,3 +46,10 @@ class LoRABatch:
             if module is not None:
                 out = module.delta_into(x, out, rows, self.deterministic)
         return out
+
+
+def token_slots(lora_ids: list[Optional[int]], slot_of: dict[int, int], tokens_per_req: list[int],
+                dtype: torch.dtype) -> torch.Tensor:
+    """[T] on the host: each token's slot (slot_of[its request's adapter]; -1 for the base model)."""
+    return torch.repeat_interleave(torch.tensor([-1 if i is None else slot_of[i] for i in lora_ids], dtype=dtype),
+                                   torch.tensor(tokens_per_req, dtype=torch.int64))

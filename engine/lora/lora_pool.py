@@ -32,9 +32,11 @@ from torch import nn
 
 from engine.kernels.device_copy import h2d
 from engine.lora.adapter import LoRAAdapter
+from engine.lora.lora_batch import token_slots
 from engine.lora.lora_config import LORA_TARGETS
 from engine.lora.lora_paths import parse_lora_path
 from engine.lora.pool_batch import LoRAPoolBatch
+from engine.lora.slot_writer import SlotWriter
 
 logger = logging.getLogger(__name__)
 DEFAULT_POOL_RANK = 64  # without --max-lora-rank or --lora-paths to infer it from
@@ -66,6 +68,7 @@ class LoRAPool:
         self._last_use: dict[int, int] = {}  # adapter id -> tick of its last batch
         self._tick = itertools.count()
         self.loads = 0  # adapters copied in (tests read it)
+        self._writer = SlotWriter(self.modules, max_rank)
 
     @property
     def nbytes(self) -> int:
@@ -78,9 +81,7 @@ class LoRAPool:
         if not used:
             return None
         self.make_resident(used, adapters)
-        slots = torch.repeat_interleave(
-            torch.tensor([-1 if i is None else self.slot_of[i] for i in lora_ids], dtype=torch.int32),
-            torch.tensor(tokens_per_req, dtype=torch.int64))
+        slots = token_slots(lora_ids, self.slot_of, tokens_per_req, torch.int32)
         return LoRAPoolBatch(self, h2d(slots, self.device), deterministic)
 
     def make_resident(self, used: list[int], adapters: dict[int, LoRAAdapter]) -> None:
@@ -109,19 +110,10 @@ class LoRAPool:
         del self._last_use[victim]
         return self.slot_of.pop(victim)
 
-    @torch.no_grad()
     def _load(self, slot: int, lora_id: int, adapter: LoRAAdapter) -> None:
         if adapter.config.rank > self.max_rank:  # LoRAControl refuses these at load; a guard
             raise ValueError(f"LoRA adapter {adapter.name!r}: rank {adapter.config.rank} > the pool's {self.max_rank}")
-        r, R = adapter.config.rank, self.max_rank
-        for name, buf in self.modules.items():
-            buf.a[slot].zero_()
-            buf.b[slot].zero_()
-            module = adapter.modules.get(name)
-            for shard in module.shards if module is not None else ():
-                p = next(k for k, rows in enumerate(buf.shard_rows) if rows.start == shard.rows.start)
-                buf.a[slot, p * R:p * R + r].copy_(module.lora_a[shard.cols])
-                buf.b[slot, shard.rows, :r].copy_(shard.lora_b)
+        self._writer.write(slot, adapter)
         self.scaling[slot] = adapter.config.scaling
         self.slot_of[lora_id] = slot
         if adapter.pinned:
