@@ -12,9 +12,9 @@ Memory: the trainer keeps its ZeRO-3 states (fp32 master weights and Adam moment
 parameter) while the engine generates, so the engine's share must leave room for them: on one
 H200 the Qwen3-4B shape ran with `--engine-args '{"mem_fraction_static": 0.25,
 "enable_memory_saver": true}'` (106.6 GiB peak; docs/benchmarks.md).
-Each step re-captures the engine's CUDA graphs on resume, up to the rollout batch only (KV +
-graphs 1.7-2.0 s on the H200); `--keep-cuda-graphs true` releases weights and KV only and keeps
-them (resume 0.01 s).
+The engine's CUDA graphs survive each release (their memory pool is unmapped and mapped back at
+the same addresses), so no step re-captures them; `--keep-cuda-graphs true` keeps the pool
+mapped through the step.
 """
 
 from recipes.recipe import Recipe

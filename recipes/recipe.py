@@ -65,7 +65,7 @@ class Recipe:
     trainer: str = "torch"  # torch: AdamW here; deepspeed: ZeRO (GPU)
     zero_stage: int = 2
     colocate: bool = False  # engines release their GPU memory while the trainer steps
-    keep_cuda_graphs: bool = False  # colocated: release weights + KV only; no graph re-capture per step
+    keep_cuda_graphs: bool = False  # colocated: the graphs' memory pool stays mapped (they replay either way)
     transport: str = "tensor"  # trainer_bridge.sync.TRANSPORTS
     bucket_bytes: int = 512 << 20
     # MoE: "measure": the engines return each sample's routed experts and the trainer reports

@@ -54,9 +54,9 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
                    keep_cuda_graphs: bool = False, keep_weights: bool = False) -> tuple[T, ColocatePhases]:
     """-> (train_step's result, the phase times). push runs once, after the train step, while the
     engines hold their weights but not their KV (trainer_bridge.sync.push_to_engines, say).
-    keep_cuda_graphs: the graphs keep their memory pool (small next to weights + KV) and replay on
-    weights and KV restored at the same addresses, so resuming skips their re-capture (seconds a
-    step on the H200: most of resume_kv in docs/benchmarks.md). keep_weights (LoRA RL: the push
+    keep_cuda_graphs: the graphs' memory pool stays mapped through the step (a released pool is
+    unmapped and mapped back at the same addresses; the graphs replay either way, never
+    re-captured). keep_weights (LoRA RL: the push
     is an adapter, the base never changes): the weights stay resident, since a release without a
     CPU backup would leave them undefined with nothing to rewrite them."""
     if not engines:

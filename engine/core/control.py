@@ -22,6 +22,7 @@ from engine.core.messages import (ContinueReq, DestroyWeightsGroupReq, InitWeigh
                                   check_memory_tags, check_pause_mode)
 from engine.core.weight_groups import WeightGroups
 from engine.models.weight_cast import WeightsPartlyWritten
+from engine.phase_clock import PhaseClock
 
 if TYPE_CHECKING:
     from engine.runner.model_runner import ModelRunner
@@ -83,19 +84,23 @@ class GenerationControl:
     def _release(self, tags: list[str]) -> Reply:
         """Generation stops while anything is released (requests wait in the queue); the KV it
         held is stale afterwards, so running requests are retracted and the cache flushed."""
-        core = self.core
-        outputs = core.drain()
+        core, clock = self.core, PhaseClock()
+        with clock.phase("drain"):
+            outputs = core.drain()
         if "kv_cache" in tags:
-            core.scheduler.retract_all()
-            core.scheduler.flush_cache()
-        core.runner.release_memory(tags)
+            with clock.phase("retract"):
+                core.scheduler.retract_all()
+                core.scheduler.flush_cache()
+        core.runner.release_memory(tags, clock)
         core.memory_released.update(tags)
+        logger.info("released %s in %.3f s (%s)", ",".join(tags), clock.elapsed(), clock.breakdown(3))
         return Reply((True, f"released {', '.join(tags)}"), outputs)
 
     def _resume(self, tags: list[str]) -> Reply:
-        core = self.core
-        core.runner.resume_memory(tags)
+        core, clock = self.core, PhaseClock()
+        core.runner.resume_memory(tags, clock)
         core.memory_released.difference_update(tags)
+        logger.info("resumed %s in %.3f s (%s)", ",".join(tags), clock.elapsed(), clock.breakdown(3))
         return Reply((True, f"resumed {', '.join(tags)}"))
 
     def _pause(self, mode: str) -> Reply:

@@ -9,30 +9,21 @@ engine began: Linux's process start time, else unknown.
 from __future__ import annotations
 
 import os
-import time
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
+
+from engine.phase_clock import PhaseClock
 
 
-class StartupClock:
+class StartupClock(PhaseClock):
     def __init__(self) -> None:
-        self.started = time.perf_counter()
+        super().__init__()
         self.before_engine_s = process_age_s()
-        self.phases: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
     def summary(self) -> str:
         """e.g. "startup=12.3s (before engine 4.1, weights 3.0, kv_pool 0.2, tokenizer 0.4, runner 4.5)"."""
         parts = [] if self.before_engine_s is None else [f"before engine {self.before_engine_s:.1f}"]
-        parts += [f"{name} {seconds:.1f}" for name, seconds in self.phases.items()]
-        return f"startup={time.perf_counter() - self.started:.1f}s ({', '.join(parts)})"
+        parts += [self.breakdown()] if self.phases else []
+        return f"startup={self.elapsed():.1f}s ({', '.join(parts)})"
 
 
 def process_age_s() -> Optional[float]:

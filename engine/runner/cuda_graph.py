@@ -17,12 +17,14 @@ what is resident at capture does not matter. The torch path's passes run eagerly
 Memory: every graph writes its float32 logits into one shared [max_bs, vocab] buffer (a graph per
 size keeping its own output would hold ~6 GB at max_bs 512 and a 152k vocabulary). Sharing is
 safe because everything runs on one stream: a step's sampling reads the buffer before the next
-replay, enqueued after it, writes it.
+replay, enqueued after it, writes it. The shared pool can be the memory saver's "cuda_graph"
+region (MemorySaver.graph_pool): a colocated release unmaps it and the graphs replay after resume.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 
@@ -46,8 +48,9 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, kv_pool, req_to_token: torch.Tensor,
                  device: torch.device, max_bs: int, stream: torch.cuda.Stream | None = None,
-                 lora_pool=None, deterministic: bool = False) -> None:
+                 lora_pool=None, deterministic: bool = False, graph_pool=None) -> None:
         self.model = model
+        self.graph_pool = graph_pool  # (pool id, capture context): MemorySaver.graph_pool(), pauseable
         self.lora_pool = lora_pool
         self.deterministic = deterministic
         # a re-capture (after release_memory_occupation) reuses its runner's stream: cuBLAS keeps a
@@ -122,18 +125,18 @@ class CudaGraphRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         stream = self.stream
-        pool = torch.cuda.graph_pool_handle()
+        pool, capture_context = self.graph_pool or (torch.cuda.graph_pool_handle(), contextlib.nullcontext)
         bar = tqdm(list(reversed(self.capture_bs)), desc="Capturing CUDA graphs", unit="graph")
         with torch.inference_mode():
             for bs in bar:
                 bar.set_postfix(bs=bs)
-                self.graphs[bs] = self._capture(bs, stream, pool)
+                self.graphs[bs] = self._capture(bs, stream, pool, capture_context)
         used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
         logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s, %.2f GB",
                     len(self.graphs), self.capture_bs[0], self.max_bs,
                     time.perf_counter() - start, used)
 
-    def _capture(self, bs: int, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
+    def _capture(self, bs: int, stream: torch.cuda.Stream, pool, capture_context) -> torch.cuda.CUDAGraph:
         fb = self._static_batch(bs)
         self.attn_backend.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
         torch.cuda.synchronize(self.device)
@@ -142,7 +145,7 @@ class CudaGraphRunner:
                 self._forward(fb)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with capture_context(), torch.cuda.graph(graph, pool=pool, stream=stream):
             self._forward(fb)
         torch.cuda.synchronize(self.device)
         return graph

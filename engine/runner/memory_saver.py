@@ -6,13 +6,15 @@ inside `region(tag)` get virtual addresses whose physical memory `pause(tag)` un
 `resume(tag)` maps again at the same addresses, in milliseconds.
 
 Tags (SGLang's): "weights" (the model, loaded inside the region), "kv_cache" (the KV pool),
-"cuda_graph". The weights' contents are lost on release unless `weights_cpu_backup` (SGLang's
-enable_weights_cpu_backup) keeps a host copy; by default the next weight update rewrites them
-(the colocated flow: release -> train -> resume weights -> push -> resume kv_cache). The KV
-pool's contents are always lost (the core flushes the cache first). CUDA graphs cannot be
-captured into a torch-mode region, so "cuda_graph" is released by dropping the graphs (their
-memory pool, static inputs and logits buffer) and resumed by capturing them again: their weights
-and KV addresses are unchanged, so the new graphs are the old ones.
+"cuda_graph" (the memory pool the CUDA graphs are captured into). The weights' contents are lost
+on release unless `weights_cpu_backup` (SGLang's enable_weights_cpu_backup) keeps a host copy; by
+default the next weight update rewrites them (the colocated flow: release -> train -> resume
+weights -> push -> resume kv_cache). The KV pool's contents are always lost (the core flushes the
+cache first). The graphs' pool holds only what a replay writes before it reads (activations), so
+its contents need no backup either: the graphs survive a release and replay on memory mapped back
+at the same addresses, with no re-capture (SGLang gets the same from torch-memory-saver's
+LD_PRELOAD mode; in torch mode the pool is a MemPool on the saver's allocator, the capture
+running under the region's tag).
 
 Off the GPU, or with the saver off (SGLang's default), regions are plain allocations and
 pause/resume free nothing: the engine still stops and resumes generation around them.
@@ -24,12 +26,13 @@ import atexit
 import contextlib
 import itertools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
-REGION_TAGS = ("weights", "kv_cache")  # allocated in torch-memory-saver regions
+REGION_TAGS = ("weights", "kv_cache", "cuda_graph")  # torch-memory-saver regions
+ALLOCATION_TAGS = ("weights", "kv_cache")  # region(): the graphs' pool is made by graph_pool()
 _ENGINE_IDS = itertools.count()
 
 
@@ -41,6 +44,7 @@ class MemorySaver:
         self._tms: Any = None
         # the allocator's tags are process-wide: two engines in one process keep theirs apart
         self._suffix = f"@tandem{next(_ENGINE_IDS)}"
+        self._graph_pool: Any = None  # the "cuda_graph" region's MemPool, made at the first capture
         if enabled and device.type != "cuda":
             logger.info("enable_memory_saver has no effect on %s: nothing is allocated on a GPU", device.type)
         if self.enabled:
@@ -61,10 +65,24 @@ class MemorySaver:
         if not self.enabled:
             return contextlib.nullcontext()
         self.allow_frees()
-        if tag not in REGION_TAGS:
-            raise ValueError(f"no memory region for tag {tag!r}; regions are {', '.join(REGION_TAGS)}")
+        if tag not in ALLOCATION_TAGS:
+            raise ValueError(f"no memory region for tag {tag!r}; regions are {', '.join(ALLOCATION_TAGS)}")
         backup = tag == "weights" and self.weights_cpu_backup
         return self._tms.region(tag=tag + self._suffix, enable_cpu_backup=backup)
+
+    def graph_pool(self) -> tuple[Any, Callable[[], contextlib.AbstractContextManager]]:
+        """-> (the pool id CUDA graphs are captured into, the context each capture runs in). With
+        the saver on, the pool is the "cuda_graph" region: pause("cuda_graph") unmaps it and
+        resume maps it back at the same addresses. Off: a private graph pool, never freed."""
+        if not self.enabled:
+            return torch.cuda.graph_pool_handle(), contextlib.nullcontext
+        self.allow_frees()
+        impl = self._tms._impl  # noqa: SLF001 (torch mode has no public pauseable-graph API)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.MemPool(allocator=impl._hook_util.get_allocator())  # noqa: SLF001
+        tag = "cuda_graph" + self._suffix
+        return self._graph_pool.id, lambda: impl._with_region_config(  # noqa: SLF001
+            tag=tag, enable_cpu_backup=False, cpu_backup_backend=None)
 
     def pause(self, tag: str) -> None:
         self.allow_frees()

@@ -24,6 +24,7 @@ from engine.kernels.device_copy import h2d
 from engine.forward_batch import ForwardBatch
 from engine.lora.lora_batch import LoRABatch
 from engine.runner.logits_plan import LogitsPlan
+from engine.phase_clock import PhaseClock
 from engine.runner.memory_saver import MemorySaver
 from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs, top_k_of
 from engine.sampling.sampler import Sampler
@@ -74,7 +75,6 @@ class ModelRunner:
         with self.memory_saver.region("kv_cache"):  # stale with the KV: rows are rewritten at each prefill
             self.req_to_token = host_table if host_table.device == self.device else torch.zeros_like(host_table, device=self.device)
         self._buffers_backup: dict[str, torch.Tensor] = {}  # model buffers while the weights are released
-        self._capture_stream = None  # kept across re-captures (engine/runner/cuda_graph.py)
         self.lora_adapters: Optional[dict] = None  # id -> engine.lora.LoRAAdapter, with --enable-lora
         self.lora_pool = lora_pool  # the Triton path's adapter slots (None: the torch path), graphs read it
         self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
@@ -265,52 +265,50 @@ class ModelRunner:
         )
 
     # ---- colocated memory (engine/runner/memory_saver.py) --------------------------------------
-    def release_memory(self, tags: list[str]) -> None:
+    def release_memory(self, tags: list[str], clock: Optional[PhaseClock] = None) -> None:
         """Free the GPU memory of `tags`. The core has drained the launched batch (and, for
         kv_cache, retracted every request and flushed the cache) and runs nothing until resumed."""
-        saver = self.memory_saver
+        saver, clock = self.memory_saver, clock or PhaseClock()
         if not saver.enabled:
             logger.info("release_memory_occupation(%s): nothing freed (%s)", ",".join(tags), self._why_no_op())
             saver.paused.update(tags)
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if "cuda_graph" in tags and self.cuda_graph is not None:
-            self._capture_stream = self.cuda_graph.stream  # the next capture's (see CudaGraphRunner)
-            self.cuda_graph.release()
-            self.cuda_graph = None  # the graphs, their memory pool and static buffers
-            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # captured in the pool; allocated again on use
-                torch._C._cuda_clearCublasWorkspaces()
+        with clock.phase("sync"):
+            if self.device.type == "cuda":  # (a test's saver fakes the GPU)
+                torch.cuda.synchronize(self.device)
         if "weights" in tags and "weights" not in saver.paused:
-            # buffers (rotary inv_freq) live in the weights region but no weight update rewrites them
-            self._buffers_backup = {name: buf.to("cpu", copy=True) for name, buf in self.model.named_buffers()}
-        gc.collect()
-        torch.cuda.empty_cache()  # graph pools and cached activations back to the driver, before any pause
-        for tag in tags:
-            saver.pause(tag)
+            with clock.phase("buffers"):  # rotary inv_freq: in the weights region, but no update rewrites it
+                self._buffers_backup = {name: buf.to("cpu", copy=True) for name, buf in self.model.named_buffers()}
+        with clock.phase("gc"):
+            gc.collect()  # tensors held only by reference cycles, before their blocks can be returned
+        with clock.phase("empty_cache"):
+            torch.cuda.empty_cache()  # cached activations back to the driver, before any pause
+        with clock.phase("unmap"):
+            for tag in tags:
+                saver.pause(tag)
 
-    def resume_memory(self, tags: list[str]) -> None:
-        """Bring `tags` back (weights and KV at their old addresses). Graphs are captured again
-        once weights and KV are both resident (capture runs the model)."""
-        saver = self.memory_saver
+    def resume_memory(self, tags: list[str], clock: Optional[PhaseClock] = None) -> None:
+        """Bring `tags` back (weights, KV and the graphs' pool at their old addresses: the graphs
+        captured at start-up replay as they are)."""
+        saver, clock = self.memory_saver, clock or PhaseClock()
         if not saver.enabled:
             logger.info("resume_memory_occupation(%s): nothing to restore (%s)", ",".join(tags), self._why_no_op())
             saver.paused.difference_update(tags)
             return
         back = [tag for tag in ("weights", "kv_cache", "cuda_graph") if tag in tags and tag in saver.paused]
-        for tag in back:  # weights first, KV last (SGLang's order)
-            saver.resume(tag)
-        if "kv_cache" in back and self.req_to_token is not self.req_to_token_pool.req_to_token:
-            self.req_to_token.zero_()  # graph padding rows read row 0: valid slot indices again
-        if "kv_cache" in back and self.kv_pool.routed_experts is not None:
-            self.kv_pool.routed_experts.fill_(-1)  # the region returns undefined; dense layers read -1
-        if "weights" in back:
-            self._restore_buffers()
+        with clock.phase("map"):
+            for tag in back:  # weights first, KV last (SGLang's order)
+                saver.resume(tag)
+        with clock.phase("reset"):
+            if "kv_cache" in back and self.req_to_token is not self.req_to_token_pool.req_to_token:
+                self.req_to_token.zero_()  # graph padding rows read row 0: valid slot indices again
+            if "kv_cache" in back and self.kv_pool.routed_experts is not None:
+                self.kv_pool.routed_experts.fill_(-1)  # the region returns undefined; dense layers read -1
+            if "weights" in back:
+                self._restore_buffers()
         if "weights" in back and not saver.weights_cpu_backup:
             logger.info("weights resumed without a CPU backup: their values are undefined until the next "
                         "weight update (update_weights_from_tensor / _disk / _distributed)")
-        if self._graphs_wanted() and self.cuda_graph is None and not saver.paused:
-            self.cuda_graph = self._capture_graphs()
 
     def _restore_buffers(self) -> None:
         buffers = dict(self.model.named_buffers())
@@ -326,8 +324,8 @@ class ModelRunner:
         from engine.runner.cuda_graph import CudaGraphRunner
 
         return CudaGraphRunner(self.model, self.attn_backend, self.kv_pool, self.req_to_token, self.device,
-                               self.config.cuda_graph_max_bs, self._capture_stream, self.lora_pool,
-                               self.config.deterministic)
+                               self.config.cuda_graph_max_bs, None, self.lora_pool,
+                               self.config.deterministic, self.memory_saver.graph_pool())
 
     def _why_no_op(self) -> str:
         if self.device.type != "cuda":

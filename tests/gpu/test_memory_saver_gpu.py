@@ -93,6 +93,8 @@ def test_release_frees_the_engine_and_resume_brings_it_back(checkpoints, expecte
         assert _ids(eng) == expected["a"]
         held = _used()
         engine_bytes = held - baseline
+        graphs = eng.local_core.parts.runner.cuda_graph
+        replays = graphs.num_replays
         start = time.perf_counter()
         assert eng.release_memory_occupation()[0]
         released = time.perf_counter() - start
@@ -112,8 +114,27 @@ def test_release_frees_the_engine_and_resume_brings_it_back(checkpoints, expecte
         taken_back = _used() - after_release  # against the level just before, for the same reason
         assert abs(taken_back - freed) <= 0.05 * engine_bytes, (taken_back, freed)
         assert _ids(eng) == expected["b"]
-        assert eng.local_core.parts.runner.cuda_graph.num_replays > 0
+        runner = eng.local_core.parts.runner  # the start-up graphs replay: their pool came back in place
+        assert runner.cuda_graph is graphs and graphs.num_replays > replays
         eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_graph_pool_is_freed_and_its_graphs_replay_after_resume(checkpoints, expected):
+    eng = _engine(checkpoints[0], enable_memory_saver=True, max_total_tokens=65536)
+    try:
+        assert _ids(eng) == expected["a"]
+        graphs = eng.local_core.parts.runner.cuda_graph
+        replays, held = graphs.num_replays, _used()
+        start = time.perf_counter()
+        assert eng.release_memory_occupation(["cuda_graph"])[0]
+        freed = held - _used()
+        assert eng.resume_memory_occupation(["cuda_graph"])[0]
+        print(f"  graph pool: {freed / 2**20:.1f} MB freed; release + resume {(time.perf_counter() - start) * 1e3:.0f} ms")
+        assert freed >= 2 << 20  # at least one of the pool's segments was unmapped
+        assert _ids(eng) == expected["a"]
+        assert eng.local_core.parts.runner.cuda_graph is graphs and graphs.num_replays > replays
     finally:
         eng.shutdown()
 
