@@ -84,6 +84,14 @@ class MemorySaver:
         return self._graph_pool.id, lambda: impl._with_region_config(  # noqa: SLF001
             tag=tag, enable_cpu_backup=False, cpu_backup_backend=None)
 
+    def drop_graph_pool(self) -> None:
+        """Frees the graphs' pool (their graphs gone first) on the calling thread, which then may
+        free into the region: torch mode ends the process on a free from any other thread."""
+        if self._graph_pool is not None:
+            self.allow_frees()
+            self._graph_pool = None
+            torch.cuda.empty_cache()
+
     def pause(self, tag: str) -> None:
         self.allow_frees()
         if self.enabled and tag in REGION_TAGS and tag not in self.paused:

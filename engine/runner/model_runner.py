@@ -6,7 +6,6 @@ ForwardBatch, runs the model, samples, and computes the logprobs the requests as
 
 from __future__ import annotations
 
-import gc
 import logging
 import weakref
 from dataclasses import dataclass
@@ -115,10 +114,15 @@ class ModelRunner:
         return self._sample(forward.batch, forward.plan, forward.logits)
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        """Stops the other tensor-parallel ranks' processes, then frees the CUDA graphs and their pool."""
         self.grammar_masks.shutdown()
         if self.tp is not None:
             self.tp.stop()
+        self.memory_saver.resume_all()  # a region freed while unmapped would be unmapped twice
+        if self.cuda_graph is not None:
+            self.cuda_graph.release()
+            self.cuda_graph = None
+        self.memory_saver.drop_graph_pool()  # on this thread, which may free into the saver's regions
 
     # ---- inputs --------------------------------------------------------------------------------
     def _forward_batch(self, batch: ScheduleBatch, inflight: Optional[PendingResult]) -> ForwardBatch:
@@ -269,6 +273,7 @@ class ModelRunner:
         """Free the GPU memory of `tags`. The core has drained the launched batch (and, for
         kv_cache, retracted every request and flushed the cache) and runs nothing until resumed."""
         saver, clock = self.memory_saver, clock or PhaseClock()
+        saver.allow_frees()  # empty_cache below may return the saver's blocks from this thread
         if not saver.enabled:
             logger.info("release_memory_occupation(%s): nothing freed (%s)", ",".join(tags), self._why_no_op())
             saver.paused.update(tags)
@@ -279,12 +284,10 @@ class ModelRunner:
         if "weights" in tags and "weights" not in saver.paused:
             with clock.phase("buffers"):  # rotary inv_freq: in the weights region, but no update rewrites it
                 self._buffers_backup = {name: buf.to("cpu", copy=True) for name, buf in self.model.named_buffers()}
-        with clock.phase("gc"):
-            gc.collect()  # tensors held only by reference cycles, before their blocks can be returned
         with clock.phase("empty_cache"):
             torch.cuda.empty_cache()  # cached activations back to the driver, before any pause
-        with clock.phase("unmap"):
-            for tag in tags:
+        for tag in tags:
+            with clock.phase(f"unmap {tag}"):
                 saver.pause(tag)
 
     def resume_memory(self, tags: list[str], clock: Optional[PhaseClock] = None) -> None:
@@ -296,8 +299,8 @@ class ModelRunner:
             saver.paused.difference_update(tags)
             return
         back = [tag for tag in ("weights", "kv_cache", "cuda_graph") if tag in tags and tag in saver.paused]
-        with clock.phase("map"):
-            for tag in back:  # weights first, KV last (SGLang's order)
+        for tag in back:  # weights first, KV last (SGLang's order)
+            with clock.phase(f"map {tag}"):
                 saver.resume(tag)
         with clock.phase("reset"):
             if "kv_cache" in back and self.req_to_token is not self.req_to_token_pool.req_to_token:
