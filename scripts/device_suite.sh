@@ -51,6 +51,11 @@ for s in "$@"; do case $s in
       step "$s" $lim python3 -m tandem.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
+  trainprof)  # the recipe's train phase: ZeRO 3 profiled, then ZeRO 2 and cuBLAS linears
+    ( kit && step trainprof-z3 130 python3 scripts/train_step_profile.py --zero-stage 3 --profile
+      step trainprof-z2fast 100 python3 scripts/train_step_profile.py --zero-stage 2 --fast-linears
+      step trainprof-z2 100 python3 scripts/train_step_profile.py --zero-stage 2
+      step trainprof-z3fast 100 python3 scripts/train_step_profile.py --zero-stage 3 --fast-linears ) ;;
   phaseprobe) ( kit && step phaseprobe 150 python3 scripts/colocate_phase_probe.py --cycles 5 ) ;;  # release / resume phases, graphs kept
   cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;
   restgpu) ( kit && step restgpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;
