@@ -8,7 +8,7 @@ check, not learning); point it at a real HF checkpoint, a real task and its rewa
     tandem train --recipe qwen3_gpu --model /path/to/Qwen3-0.6B --steps 200 --task my_pkg.tasks:gsm8k \\
         --reward my_pkg.rewards:gsm8k_correct --max-new-tokens 1024
 
-Memory: the trainer keeps its ZeRO-3 states (fp32 master weights and Adam moments, ~16 bytes a
+Memory: the trainer keeps its ZeRO states (fp32 master weights and Adam moments, ~16 bytes a
 parameter) while the engine generates, so the engine's share must leave room for them: on one
 H200 the Qwen3-4B shape ran with `--engine-args '{"mem_fraction_static": 0.25,
 "enable_memory_saver": true}'` (106.6 GiB peak; docs/benchmarks.md).
@@ -38,7 +38,7 @@ RECIPE = Recipe(
     engine_backend="ray",
     engine_args={"mem_fraction_static": 0.35, "enable_memory_saver": True},  # released memory is really freed
     trainer="deepspeed",
-    zero_stage=3,
+    zero_stage=2,  # one GPU: ZeRO-3 partitions nothing, and its gathers cost time and 0.9 GiB
     colocate=True,
     transport="tensor",  # CUDA IPC from the trainer into the engine actor
     bucket_bytes=1 << 30,

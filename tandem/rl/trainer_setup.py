@@ -2,7 +2,8 @@
 
 With lora_rank > 0 the Policy's base is frozen and a PEFT adapter is what trains.
 The Policy matches the engines' numerics (same checkpoint, dtype, device kind, attention backend
-and distribution), so in deterministic mode its logprobs equal the rollout logprobs bit for bit.
+and distribution), so in deterministic mode its logprobs equal the rollout logprobs bit for bit;
+in normal mode its linears run on cuBLAS, as the engines' do.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def build_trainer(recipe: Recipe, source: ModelSource) -> Trainer:
         trainer: Trainer = DeepSpeedTrainer.from_pretrained(
             source.path, loss_config(recipe), zero_stage=recipe.zero_stage, dtype=dtype, device=recipe.device,
             load_format=source.load_format, micro_batch_size=recipe.micro_batch_size,
-            temperature=policy_temperature(recipe), max_grad_norm=recipe.max_grad_norm, attention_backend=backend)
+            temperature=policy_temperature(recipe), max_grad_norm=recipe.max_grad_norm, attention_backend=backend,
+            batch_invariant_linears=recipe.deterministic)
     else:
         trainer = _torch_trainer(recipe, source, dtype, backend)
     trainer.replay_routes = recipe.routed_experts == "replay"
@@ -48,7 +50,8 @@ def _torch_trainer(recipe: Recipe, source: ModelSource, dtype: torch.dtype, back
     from trainer_bridge.policy import Policy
     from trainer_bridge.trainer import TorchTrainer
 
-    policy = Policy.from_pretrained(source.path, dtype, recipe.device, source.load_format, attention_backend=backend)
+    policy = Policy.from_pretrained(source.path, dtype, recipe.device, source.load_format, attention_backend=backend,
+                                    batch_invariant_linears=recipe.deterministic)
     if recipe.lora_rank:  # before the optimizer: it holds the adapter's parameters only
         policy.add_lora(recipe.lora_rank, recipe.lora_alpha, recipe.lora_targets, source.path)
     return TorchTrainer(policy, loss_config(recipe), recipe.micro_batch_size, policy_temperature(recipe),

@@ -38,6 +38,7 @@ def test_zero3_gathers_what_fused_kernels_read_themselves(monkeypatch, tmp_path)
     """ZeRO-3 gathers a module's own parameters for its forward; the MoE block reads its stacked
     experts' and attention its q/k norms' weights itself, so those are registered as theirs (on
     the H200 the 30B-A3B recipe otherwise met the experts' partitioned 1-D shards)."""
+    import importlib.machinery
     import sys
     import types
 
@@ -47,7 +48,9 @@ def test_zero3_gathers_what_fused_kernels_read_themselves(monkeypatch, tmp_path)
 
     registered: list[tuple[str, int]] = []
     zero = types.SimpleNamespace(register_external_parameter=lambda m, p: registered.append((type(m).__name__, id(p))))
-    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(zero=zero))
+    fake = types.ModuleType("deepspeed")  # with a __spec__: transformers' import looks deepspeed up
+    fake.__spec__, fake.zero = importlib.machinery.ModuleSpec("deepspeed", None), zero
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
     policy = Policy.from_pretrained(str(build_tiny_model(tmp_path / "moe", preset="tiny-moe")))
     _register_borrowed_parameters(policy)
     moe = [m for m in policy.modules() if type(m).__name__ == "SparseMoE"]

@@ -1,0 +1,51 @@
+"""A normal-mode trainer's Policy runs its linears on cuBLAS (F.linear): the same function as the
+batch-invariant ones, so logprobs and gradients agree to float32 rounding; deterministic mode keeps
+the batch-invariant linears (the engine's bits)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.models.layers import Linear
+from engine.testing.tiny_model import tiny_model_path
+from trainer_bridge.policy import Policy
+
+PROMPTS = [[5, 6, 7, 8], [9, 10]]
+RESPONSES = [[11, 12, 13], [14, 15, 16, 17, 18]]
+
+
+def _logprobs_and_grads(policy: Policy) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    logprobs = torch.cat(policy.rollout_logprobs(PROMPTS, RESPONSES))
+    logprobs.sum().backward()
+    return logprobs.detach(), {n: p.grad for n, p in policy.named_parameters()}
+
+
+def test_cublas_linears_agree_with_the_batch_invariant_ones():
+    path = str(tiny_model_path())
+    exact = Policy.from_pretrained(path)
+    fast = Policy.from_pretrained(path, batch_invariant_linears=False)
+    linears = [m for m in fast.modules() if isinstance(m, Linear)]
+    assert linears and not any(m.deterministic for m in linears)
+    assert all(m.deterministic for m in exact.modules() if isinstance(m, Linear))
+    want, want_grads = _logprobs_and_grads(exact)
+    got, got_grads = _logprobs_and_grads(fast)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert want_grads.keys() == got_grads.keys()
+    for name, grad in want_grads.items():
+        assert grad is not None and got_grads[name] is not None, name
+        assert torch.allclose(got_grads[name], grad, atol=1e-4, rtol=1e-3), name
+
+
+def test_the_recipe_picks_batch_invariant_linears_in_deterministic_mode_only():
+    from recipes.recipe import Recipe
+    from tandem.rl.model_source import ModelSource
+    from tandem.rl.trainer_setup import build_trainer
+
+    source = ModelSource.resolve("tiny")
+    base = Recipe(name="t", model="tiny", dtype="float32", device="cpu", trainer="torch")
+    for deterministic in (True, False):
+        trainer = build_trainer(dataclasses.replace(base, deterministic=deterministic), source)
+        flags = {m.deterministic for m in trainer.policy.modules() if isinstance(m, Linear)}
+        assert flags == {deterministic}
