@@ -11,20 +11,27 @@ is a few foreach calls: zero the slot's `a` parts and `b` parts, copy the A and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
 from engine.lora.adapter import LoRAAdapter
 
-if TYPE_CHECKING:
-    from engine.lora.lora_pool import PoolModule
+
+class SlotBuffers(Protocol):
+    """What the writer reads of a pool module (engine/lora/lora_pool.py's PoolModule, which
+    imports this file): its [slots, ...] `a` and `b` buffers and its shards' output rows."""
+    a: torch.Tensor
+    shard_rows: Sequence[slice]
+
+    @property
+    def b(self) -> torch.Tensor: ...
 
 Views = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]  # (module, first row of shard) -> (a, b) views
 
 
 class SlotWriter:
-    def __init__(self, modules: dict[str, "PoolModule"], max_rank: int) -> None:
+    def __init__(self, modules: Mapping[str, SlotBuffers], max_rank: int) -> None:
         self.modules, self.max_rank = modules, max_rank
         self._slot_parts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # slot -> parts
         self._shard_views: dict[tuple[int, int], Views] = {}  # (slot, rank) -> destination views
