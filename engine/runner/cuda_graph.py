@@ -53,8 +53,7 @@ class CudaGraphRunner:
         self.graph_pool = graph_pool  # (pool id, capture context): MemorySaver.graph_pool(), pauseable
         self.lora_pool = lora_pool
         self.deterministic = deterministic
-        # a re-capture (after release_memory_occupation) reuses its runner's stream: cuBLAS keeps a
-        # workspace per stream it has seen, so a fresh stream per capture is memory never returned
+        # one stream for every capture: cuBLAS keeps a workspace per stream it has seen
         self.stream = stream or (torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None)
         self.attn_backend = attn_backend
         self.kv_pool = kv_pool
@@ -79,7 +78,7 @@ class CudaGraphRunner:
 
     def release(self) -> None:
         """Destroy the graphs now (their executables and their pool's hold), not whenever the
-        last reference happens to go: a re-capture after this must not stack on top of them."""
+        last reference happens to go (at shutdown, before the pool is freed on the core thread)."""
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()

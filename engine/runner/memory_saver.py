@@ -54,7 +54,7 @@ class MemorySaver:
     def allow_frees(self) -> None:
         """torch-memory-saver's torch-mode free ends the process ("only support interesting
         region") unless the calling thread is inside a region, yet its pools are freed outside
-        regions too: a re-captured graph's empty_cache, an engine's tensors dying, the pools'
+        regions too: an empty_cache, an engine's tensors dying, the pools'
         teardown at exit. In torch mode nothing else reads that per-thread flag (allocations go
         to a pool only inside region()), so threads that may free keep it set."""
         if self.enabled:

@@ -66,7 +66,7 @@ PRESETS.update({
                           max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
                           torch_dtype="bfloat16"),
 })
-# 30B-A3B at 4 of its 48 layers: trainer (ZeRO-3 states, ~16 B a parameter) and engine on one GPU
+# 30B-A3B at 4 of its 48 layers: trainer (ZeRO states, ~16 B a parameter) and engine on one GPU
 PRESETS["qwen3-30b-a3b-4l"] = dict(PRESETS["qwen3-30b-a3b"], num_hidden_layers=4)
 # Weight init of the tiny preset, measured (see tests): a larger std than HF's 0.02 so random
 # logits are peaked (median top-1 vs top-2 gap ~0.5, <0.1% of gaps under 1e-3) and greedy

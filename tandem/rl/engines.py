@@ -35,9 +35,9 @@ def engine_kwargs(recipe: Recipe, source: ModelSource) -> dict[str, Any]:
 
 def rollout_graph_max_bs(recipe: Recipe) -> int:
     """CUDA graphs up to the decode batch a rollout can reach (its samples; an engine gets at most
-    all of them), not the engine's default 512: a colocated step re-captures them on every resume,
-    and 51 graphs took ~4.4 s of the 0.6B recipe's step where its 128 samples need 19. A larger
-    batch (never, in this loop) would decode eagerly, not wrongly."""
+    all of them), not the engine's default 512: 19 graphs for the 0.6B recipe's 128 samples instead
+    of 51 (seconds of start-up, and graph memory the trainer can use). A larger batch (never, in
+    this loop) would decode eagerly, not wrongly."""
     samples = recipe.prompts_per_step * recipe.n_per_prompt
     return min(8 * -(-samples // 8), 512)
 
