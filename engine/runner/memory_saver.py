@@ -94,15 +94,19 @@ class MemorySaver:
 
     def pause(self, tag: str) -> None:
         self.allow_frees()
-        if self.enabled and tag in REGION_TAGS and tag not in self.paused:
+        if self.enabled and self._has_region(tag) and tag not in self.paused:
             self._tms.pause(tag + self._suffix)
         self.paused.add(tag)
 
     def resume(self, tag: str) -> None:
         self.allow_frees()
-        if self.enabled and tag in REGION_TAGS and tag in self.paused:
+        if self.enabled and self._has_region(tag) and tag in self.paused:
             self._tms.resume(tag + self._suffix)
         self.paused.discard(tag)
+
+    def _has_region(self, tag: str) -> bool:
+        """An eager engine (no CUDA graphs) has no graphs' pool to unmap."""
+        return tag in REGION_TAGS and (tag != "cuda_graph" or self._graph_pool is not None)
 
     def resume_all(self) -> None:
         for tag in list(self.paused):
