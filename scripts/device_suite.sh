@@ -52,7 +52,8 @@ for s in "$@"; do case $s in
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
   trainprof)  # the recipe's train phase: ZeRO 3 profiled, then ZeRO 2 and cuBLAS linears
-    ( kit && step trainprof-z3 130 python3 scripts/train_step_profile.py --zero-stage 3 --profile
+    ( kit && step trainprof-z2prof 200 python3 scripts/train_step_profile.py --zero-stage 2 --fast-linears --steps 1 --profile  # timed out at 130 s with 3 steps
+      step trainprof-z3 100 python3 scripts/train_step_profile.py --zero-stage 3
       step trainprof-z2fast 100 python3 scripts/train_step_profile.py --zero-stage 2 --fast-linears
       step trainprof-z2 100 python3 scripts/train_step_profile.py --zero-stage 2
       step trainprof-z3fast 100 python3 scripts/train_step_profile.py --zero-stage 3 --fast-linears ) ;;
