@@ -51,7 +51,7 @@ for s in "$@"; do case $s in
       step "$s" $lim python3 -m tandem.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
-  trainprof)  # the recipe's train phase: ZeRO 3 profiled, then ZeRO 2 and cuBLAS linears
+  trainprof)  # the recipe's train phase: normal mode's trainer profiled, then ZeRO 2 / 3 with and without cuBLAS linears
     ( kit && step trainprof-z2prof 200 python3 scripts/train_step_profile.py --zero-stage 2 --fast-linears --steps 1 --profile  # timed out at 130 s with 3 steps
       step trainprof-z3 100 python3 scripts/train_step_profile.py --zero-stage 3
       step trainprof-z2fast 100 python3 scripts/train_step_profile.py --zero-stage 2 --fast-linears

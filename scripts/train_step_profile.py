@@ -34,7 +34,7 @@ def synthetic_batch(samples: int, prompt_len: int, response_len: int, vocab: int
 
 def train_flops(model: torch.nn.Module, batch) -> float:
     cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the full count
     lens = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) * sum(n * n for n in lens) / 2
     return 6 * params * sum(lens) + attn
