@@ -51,7 +51,6 @@ def main() -> None:
     parser.add_argument("--trainer", choices=("deepspeed", "torch"), default="deepspeed")  # torch: a CPU smoke run
     parser.add_argument("--response-len", type=int, default=256)
     args = parser.parse_args()
-    from engine.models.layers import Linear
     from tandem.rl.model_source import ModelSource
     from trainer_bridge.deepspeed import DeepSpeedTrainer
     from trainer_bridge.losses import LossConfig
@@ -60,18 +59,16 @@ def main() -> None:
     if args.trainer == "deepspeed":
         trainer = DeepSpeedTrainer.from_pretrained(source.path, LossConfig(), zero_stage=args.zero_stage,
                                                    load_format=source.load_format,
-                                                   micro_batch_size=args.micro_batch_size)
+                                                   micro_batch_size=args.micro_batch_size,
+                                                   batch_invariant_linears=not args.fast_linears)
     else:
         from trainer_bridge.policy import Policy
         from trainer_bridge.trainer import TorchTrainer
 
-        trainer = TorchTrainer(Policy.from_pretrained(source.path, torch.float32, "cpu", source.load_format),
-                               LossConfig(), args.micro_batch_size)
+        policy = Policy.from_pretrained(source.path, torch.float32, "cpu", source.load_format,
+                                        batch_invariant_linears=not args.fast_linears)
+        trainer = TorchTrainer(policy, LossConfig(), args.micro_batch_size)
     model = trainer.policy.model
-    if args.fast_linears:
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.deterministic = False
     batch = synthetic_batch(128, 24, args.response_len, model.config.vocab_size)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     flops = train_flops(model, batch)

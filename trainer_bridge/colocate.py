@@ -14,11 +14,10 @@ the error is raised.
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
+from engine.phase_clock import PhaseClock
 from trainer_bridge.sync import on_all_engines
 
 T = TypeVar("T")
@@ -56,35 +55,35 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
     engines hold their weights but not their KV (trainer_bridge.sync.push_to_engines, say).
     keep_cuda_graphs: the graphs' memory pool stays mapped through the step (a released pool is
     unmapped and mapped back at the same addresses; the graphs replay either way, never
-    re-captured). keep_weights (LoRA RL: the push
-    is an adapter, the base never changes): the weights stay resident, since a release without a
-    CPU backup would leave them undefined with nothing to rewrite them."""
+    re-captured). keep_weights (LoRA RL: the push is an adapter, the base never changes): the
+    weights stay resident, since a release without a CPU backup would leave them undefined with
+    nothing to rewrite them."""
     if not engines:
         raise ValueError("colocated_step needs at least one engine")
     kept = (["cuda_graph"] if keep_cuda_graphs else []) + (["weights"] if keep_weights else [])
     released = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in kept]
-    clock = _Clock()
+    clock = PhaseClock()
     resumed: list[str] = []
     try:
-        with clock("release"):
+        with clock.phase("release"):
             tags = released if kept else None  # None: every tag
             on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, tags, "release"))
-        with clock("train"):
+        with clock.phase("train"):
             result = train_step()
             _return_cached_memory()
-        with clock("resume_weights"):
+        with clock.phase("resume_weights"):
             early = [tag for tag in WEIGHT_TAGS if tag in released]
             if early:
                 on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, early, "resume"))
             resumed += early
-        with clock("push"):
+        with clock.phase("push"):
             push()
             _return_cached_memory()
     finally:
         missing = [tag for tag in released if tag not in resumed]
-        with clock("resume_kv"):
+        with clock.phase("resume_kv"):
             on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
-    return result, ColocatePhases(**clock.seconds)
+    return result, ColocatePhases(**clock.phases)
 
 
 def _return_cached_memory() -> None:
@@ -101,16 +100,3 @@ def _memory(verb: Callable, tags: Any, what: str) -> None:
     ok, message = verb(tags)
     if not ok:
         raise ColocateError(f"engine refused to {what} memory {tags or 'all'}: {message}")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.seconds = {"release": 0.0, "train": 0.0, "resume_weights": 0.0, "push": 0.0, "resume_kv": 0.0}
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start

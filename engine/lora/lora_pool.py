@@ -37,6 +37,7 @@ from engine.lora.lora_config import LORA_TARGETS
 from engine.lora.lora_paths import parse_lora_path
 from engine.lora.pool_batch import LoRAPoolBatch
 from engine.lora.slot_writer import SlotWriter
+from engine.models.hf_names import DENSE_STACKING
 
 logger = logging.getLogger(__name__)
 DEFAULT_POOL_RANK = 64  # without --max-lora-rank or --lora-paths to infer it from
@@ -121,13 +122,11 @@ class LoRAPool:
         self.loads += 1
 
 
-_SHARDS_OF = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def _targeted(lora_name: str, targets: Sequence[str]) -> bool:
-    """Whether any HF linear stacked in this engine module is among the targets."""
+    """Whether any HF linear stacked in this engine module (the one name map's rules) is among the targets."""
     short = lora_name.rpartition(".")[2]
-    return any(t in targets for t in _SHARDS_OF.get(short, (short,)))
+    stacked = [rule.hf for rule in DENSE_STACKING if rule.engine == short]
+    return any(t in targets for t in stacked or [short])
 
 
 def _allocate(module: nn.Module, num_slots: int, rank: int, device: torch.device, dtype: torch.dtype) -> PoolModule:

@@ -26,7 +26,7 @@ import atexit
 import contextlib
 import itertools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -70,12 +70,12 @@ class MemorySaver:
         backup = tag == "weights" and self.weights_cpu_backup
         return self._tms.region(tag=tag + self._suffix, enable_cpu_backup=backup)
 
-    def graph_pool(self) -> tuple[Any, Callable[[], contextlib.AbstractContextManager]]:
-        """-> (the pool id CUDA graphs are captured into, the context each capture runs in). With
-        the saver on, the pool is the "cuda_graph" region: pause("cuda_graph") unmaps it and
-        resume maps it back at the same addresses. Off: a private graph pool, never freed."""
+    def graph_pool(self) -> Optional[tuple[Any, Callable[[], contextlib.AbstractContextManager]]]:
+        """-> (the pool id CUDA graphs are captured into, the context each capture runs in): the
+        "cuda_graph" region, which pause("cuda_graph") unmaps and resume maps back at the same
+        addresses. None with the saver off: the graph runner's own private pool."""
         if not self.enabled:
-            return torch.cuda.graph_pool_handle(), contextlib.nullcontext
+            return None
         self.allow_frees()
         impl = self._tms._impl  # noqa: SLF001 (torch mode has no public pauseable-graph API)
         if self._graph_pool is None:

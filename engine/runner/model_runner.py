@@ -327,8 +327,8 @@ class ModelRunner:
         from engine.runner.cuda_graph import CudaGraphRunner
 
         return CudaGraphRunner(self.model, self.attn_backend, self.kv_pool, self.req_to_token, self.device,
-                               self.config.cuda_graph_max_bs, None, self.lora_pool,
-                               self.config.deterministic, self.memory_saver.graph_pool())
+                               self.config.cuda_graph_max_bs, lora_pool=self.lora_pool,
+                               deterministic=self.config.deterministic, graph_pool=self.memory_saver.graph_pool())
 
     def _why_no_op(self) -> str:
         if self.device.type != "cuda":
