@@ -73,6 +73,10 @@ class ServerArgs:
     # numerics / kernels
     attention_backend: Optional[str] = None
     disable_cuda_graph: bool = False
+    disable_cascade_attn: bool = field(default=False, metadata={"help": (
+        "decode without shared-prefix (cascade) attention: by default, in normal mode, rows whose "
+        "cached prompt is the same KV (GRPO's n samples) read it once per tile of rows, not once "
+        "each (triton backend)")})
     disable_overlap_schedule: bool = False
     enable_mixed_chunk: bool = False
     cuda_graph_max_bs: Optional[int] = None

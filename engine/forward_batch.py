@@ -43,6 +43,9 @@ class ForwardBatch:
     # engine.lora.LoRABatch (torch path) or LoRAPoolBatch (Triton path): each token's adapter and the
     # adapters' weights; None when no request of the pass uses one
     lora: Any = None
+    # engine.attention.shared_prefix.SharedPrefixPlan: decode rows whose cached prefix is the same
+    # KV (backends with wants_shared_prefix read it once per layer); None: nothing shared
+    shared_prefix: Any = None
 
     @property
     def batch_size(self) -> int:

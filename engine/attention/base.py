@@ -7,7 +7,7 @@ is where a new one is registered and how the runner creates one by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 class AttentionBackend(ABC):
     """Writes the new K/V into the pool first, then attends each new query over its sequence."""
+
+    wants_shared_prefix = False  # True: decode batches carry a SharedPrefixPlan (cascade decode)
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Called once per batch before the model runs; plans shared by all layers go here."""
@@ -50,7 +52,9 @@ class AttentionBackend(ABC):
 
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor,
                                      seq_lens: torch.Tensor,
-                                     seq_lens_cpu: Optional[list[int]] = None) -> None:
+                                     seq_lens_cpu: Optional[list[int]] = None,
+                                     shared_prefix: Any = None) -> None:
         """Before each replay: seq_lens [bs] on the device (padding rows included); seq_lens_cpu,
-        their host copy, for backends that plan on the host."""
+        their host copy, for backends that plan on the host; shared_prefix, the batch's
+        SharedPrefixPlan (for backends whose wants_shared_prefix is True; others ignore it)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -198,7 +198,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor,
                                      seq_lens: torch.Tensor,
-                                     seq_lens_cpu: Optional[list[int]] = None) -> None:
+                                     seq_lens_cpu: Optional[list[int]] = None,
+                                     shared_prefix: Any = None) -> None:
         """seq_lens [bs] on the device (padding rows included); seq_lens_cpu, their host copy,
         spares a device sync (without it they are read back: fine at capture, not per step)."""
         g = self.graph

@@ -23,6 +23,7 @@ class BackendSpec:
     dtypes: Optional[tuple[str, ...]] = None  # KV/query dtypes it runs; None: any
     devices: tuple[str, ...] = ("cuda",)  # where it runs
     head_dims: Optional[tuple[int, ...]] = None  # head sizes it has kernels for; None: any
+    supports_cascade: bool = False  # accepts cascade= (shared-prefix decode, engine/attention/cascade.py)
 
     def load(self) -> type:
         if callable(self.loader):
@@ -52,7 +53,8 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 supports_cuda_graph=False, supports_deterministic=True, devices=("cpu", "cuda")),
     # split-KV Triton kernels; on the CPU only under TRITON_INTERPRET=1 (tests)
     BackendSpec("triton", "engine.attention.triton:TritonAttentionBackend",
-                supports_cuda_graph=True, supports_deterministic=True, devices=("cuda", "cpu")),
+                supports_cuda_graph=True, supports_deterministic=True, devices=("cuda", "cpu"),
+                supports_cascade=True),
     BackendSpec("flashinfer", "engine.attention.flashinfer:FlashInferAttentionBackend",
                 supports_cuda_graph=True, supports_deterministic=False, dtypes=("float16", "bfloat16"),
                 head_dims=(64, 128, 256)),

@@ -117,10 +117,12 @@ class SplitKvPlan:
         return self._tables[key]
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, scaling: float) -> torch.Tensor:
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, scaling: float,
+               prefix: Optional[tuple] = None) -> torch.Tensor:
         """Run the split-KV kernel for this plan: q [T, H, D] over the keys that req_to_token
         maps into k_buf / v_buf [slots, Hkv, D]. The one launch the engine backend and the
-        trainer's PackedAttention share, so both compile and run the same kernel."""
+        trainer's PackedAttention share, so both compile and run the same kernel. prefix:
+        shared-prefix decode's partials (engine/attention/cascade.py)."""
         from engine.kernels.split_kv_attention import split_kv_attention
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -128,7 +130,7 @@ class SplitKvPlan:
         blocks, num_blocks = self.block_table(tile.block_t, q.device)
         part_acc, part_ml = self.partials(q.shape[1], q.shape[2], q.device)
         split_kv_attention(q, k_buf, v_buf, out, req_to_token, req_pool_indices, blocks, num_blocks,
-                           scaling, tile, self.lanes, part_acc, part_ml)
+                           scaling, tile, self.lanes, part_acc, part_ml, prefix)
         return out
 
     def block_table(self, block_t: int, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.attention.cascade import CascadeDecode, CascadeTables
+from engine.attention.shared_prefix import SharedPrefixPlan
 from engine.attention.split_kv_plan import (
     DEFAULT_CONFIGS,
     SINGLE_SPLIT,
@@ -56,7 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, deterministic: bool = False, split_size: int = DEFAULT_SPLIT_SIZE,
                  num_sms: Optional[int] = None,
-                 configs: Optional[dict[str, KernelConfig]] = None) -> None:
+                 configs: Optional[dict[str, KernelConfig]] = None, cascade: bool = True) -> None:
+        """cascade: shared-prefix decode (engine/attention/cascade.py) in normal mode."""
         if split_size < 16 or split_size & (split_size - 1):
             raise ValueError(f"split_size must be a power of two >= 16, got {split_size}")
         self.deterministic = deterministic
@@ -68,14 +71,24 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_sms = num_sms
         self.plan: Optional[SplitKvPlan] = None
         self.graph: Optional[_GraphState] = None
+        self.cascade = CascadeDecode() if cascade and not deterministic else None
+        self.cascade_tables: Optional[CascadeTables] = None  # this batch's, when rows share a prefix
+
+    @property
+    def wants_shared_prefix(self) -> bool:
+        """The runner gives decode batches a SharedPrefixPlan (ForwardBatch.shared_prefix)."""
+        return self.cascade is not None
 
     # ---- per batch -----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         fb = forward_batch
+        self.cascade_tables = None
         if fb.forward_mode.is_decode:
             max_len = max(fb.seq_lens_cpu, default=1)
+            if self.cascade is not None:
+                self.cascade_tables = self.cascade.tables(fb.shared_prefix, fb.seq_lens.device)
             self.plan = self._decode_plan(fb.batch_size, fb.seq_lens, fb.kv_pool.num_kv_heads,
-                                          max_len, fb.seq_lens.device)
+                                          max_len, fb.seq_lens.device, self.cascade_tables)
         else:
             split = self.split_size if self.deterministic else SINGLE_SPLIT
             self.plan = SplitKvPlan(self.extend_config, split,
@@ -83,7 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
                                     extend_lens=list(fb.extend_seq_lens_cpu))
 
     def _decode_plan(self, bs: int, seq_lens: torch.Tensor, num_kv_heads: int, max_len: int,
-                     device: torch.device) -> SplitKvPlan:
+                     device: torch.device, cascade: Optional[CascadeTables] = None) -> SplitKvPlan:
         lanes = decode_lanes(bs, num_kv_heads, self.num_sms(device))
         if self.deterministic:
             # lanes only change which program computes a split, never its bits
@@ -91,9 +104,15 @@ class TritonAttentionBackend(AttentionBackend):
             lanes = min(lanes, max_splits)
             blocks = decode_block_table(seq_lens, self.split_size)
             return SplitKvPlan(self.decode_config, self.split_size, lanes, max_splits, blocks, bs)
-        splits = decode_split_lens(seq_lens, lanes, self.decode_config.block_n, MIN_DECODE_SPLIT)
-        blocks = decode_block_table(seq_lens, splits)
+        blocks = decode_block_table(seq_lens, self._split_lens(seq_lens, lanes, cascade))
         return SplitKvPlan(self.decode_config, SINGLE_SPLIT, lanes, lanes, blocks, bs)
+
+    def _split_lens(self, seq_lens: torch.Tensor, lanes: int,
+                    cascade: Optional[CascadeTables]) -> torch.Tensor:
+        """Normal mode: each row's keys cut into `lanes` splits; with cascade, only the keys past
+        its shared prefix (phase A read the rest)."""
+        own = seq_lens if cascade is None else seq_lens - cascade.prefix_lens
+        return decode_split_lens(own, lanes, self.decode_config.block_n, MIN_DECODE_SPLIT)
 
     def num_sms(self, device: torch.device) -> int:
         if self._num_sms is None:
@@ -111,7 +130,14 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
         store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)  # KV first: new keys read like cached ones
-        return self.plan.attend(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, scaling)
+        prefix = None
+        if self.cascade is not None:
+            self.cascade.group = q.shape[1] // k_buf.shape[1]
+            tables = self.cascade_tables if fb.forward_mode.is_decode else None
+            if tables is not None:
+                prefix = self.cascade.attend_prefix(q, k_buf, v_buf, tables, fb.req_to_token,
+                                                    fb.req_pool_indices, scaling)
+        return self.plan.attend(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, scaling, prefix)
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int, num_heads: int,
@@ -131,6 +157,8 @@ class TritonAttentionBackend(AttentionBackend):
             part_ml = torch.empty((rows, num_heads, max_splits, 2), dtype=torch.float32, device=device)
         blocks = torch.zeros((5, max_bs), dtype=torch.int32, device=device)
         self.graph = _GraphState(blocks, part_acc, part_ml, max_splits, num_kv_heads, {})
+        if self.cascade is not None:
+            self.cascade.init_graph_state(max_bs, num_heads, num_kv_heads, head_dim, device)
 
     def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor,
                                       seq_lens: torch.Tensor) -> None:
@@ -145,18 +173,23 @@ class TritonAttentionBackend(AttentionBackend):
             plan.part_acc, plan.part_ml = g.part_acc[:bs], g.part_ml[:bs]
         g.plans[bs] = plan
         self.init_forward_metadata_replay(bs, req_pool_indices, seq_lens)
+        self.cascade_tables = self.cascade.graph_view(bs) if self.cascade is not None else None
 
     def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor,
                                      seq_lens: torch.Tensor,
-                                     seq_lens_cpu: Optional[list[int]] = None) -> None:
+                                     seq_lens_cpu: Optional[list[int]] = None,
+                                     shared_prefix: Optional[SharedPrefixPlan] = None) -> None:
         """seq_lens [bs] on the device (padding rows included); no host sync. seq_lens_cpu (their
-        host copy, for backends that plan on the host) is not needed here."""
+        host copy, for backends that plan on the host) is not needed here. shared_prefix: the
+        batch's plan, for graphs captured with phase A (CascadeDecode.graph_view)."""
         plan = self.graph.plans[bs]
         if self.deterministic:
             table = decode_block_table(seq_lens[:bs], self.split_size)
         else:
-            splits = decode_split_lens(seq_lens[:bs], plan.lanes, self.decode_config.block_n,
-                                       MIN_DECODE_SPLIT)
-            table = decode_block_table(seq_lens[:bs], splits)
+            view = None
+            if self.cascade is not None:
+                self.cascade.refill(bs, shared_prefix)
+                view = self.cascade.graph_view(bs)
+            table = decode_block_table(seq_lens[:bs], self._split_lens(seq_lens[:bs], plan.lanes, view))
         plan.blocks.copy_(table)
         self.plan = plan

@@ -123,7 +123,7 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
     vocab_size = int(hf_config.vocab_size)
     runner_cfg = RunnerConfig(device, dtype, backend.name, eos, vocab_size,
                               cuda_graph_max_bs=0 if tp is not None else _cuda_graph_max_bs(args, device, backend, memory),
-                              deterministic=deterministic)
+                              deterministic=deterministic, cascade_attn=not args.disable_cascade_attn)
     with clock.phase("runner"):  # CUDA graphs, sampler warm-up
         runner = ModelRunner(runner_cfg, model, kv_pool, req_pool, memory_saver=saver, tp=tp, lora_pool=lora_pool)
     logger.info(

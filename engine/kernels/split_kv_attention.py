@@ -49,10 +49,14 @@ def split_kv_attention(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, blocks: torch.Tensor,
     num_blocks: int, scaling: float, tile: Tile, lanes: int,
     part_acc: Optional[torch.Tensor] = None, part_ml: Optional[torch.Tensor] = None,
+    prefix: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """out[t] = softmax(q[t] K^T * scaling, causal) V for every token of the block table.
     part_acc None: one program per (q block, kv head) merges its splits; else `lanes` programs
-    store per-split partials and stage 2 merges them (one-token blocks only)."""
+    store per-split partials and stage 2 merges them (one-token blocks only).
+    prefix (decode only): (prefix_lens int32 [bs], ml [bs, H, 2], acc [bs, H, D]) from
+    shared-prefix phase A; row t then reduces keys [prefix_lens[t], len) only, starting from that
+    partial (prefix_lens[t] == 0: from nothing, as without prefix)."""
     if num_blocks == 0:
         return
     if min(q.stride(-1), k_buf.stride(-1), v_buf.stride(-1), out.stride(-1)) != 1:
@@ -66,8 +70,11 @@ def split_kv_attention(
     max_splits = 0 if merge else part_acc.shape[2]
     part_acc = out if merge else part_acc  # unused pointer when merging in the program
     part_ml = out if merge else part_ml
+    prefix_lens, prefix_ml, prefix_acc = prefix if prefix is not None else (blocks, out, out)
+    common["PREFIX"] = prefix is not None
     split_kv_stage1[(num_blocks, num_kv_heads, 1 if merge else lanes)](
         q, k_buf, v_buf, out, part_acc, part_ml, req_to_token, req_pool_indices, blocks,
+        prefix_lens, prefix_ml, prefix_acc,
         blocks.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
         num_heads, max_splits, scaling * _LOG2E,
@@ -78,7 +85,8 @@ def split_kv_attention(
     )
     if not merge:
         split_kv_stage2[(num_blocks, num_kv_heads)](
-            out, part_acc, part_ml, blocks, blocks.stride(0), out.stride(0), out.stride(1),
+            out, part_acc, part_ml, blocks, prefix_lens, prefix_ml, prefix_acc,
+            blocks.stride(0), out.stride(0), out.stride(1),
             num_heads, max_splits, num_warps=4, enable_fp_fusion=cfg.fp_fusion, **common,
         )
 
@@ -103,10 +111,26 @@ def _merge(M, L, ACC, m, l, acc):
 
 
 @triton.jit
+def _prefix_partial(PrefixML, PrefixAcc, part, row_ok, key0, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """A row's shared-prefix partial as the running (M, L, ACC); a row without one (key0 == 0)
+    starts empty (M = -inf, L = 0, ACC = 0), which _merge folds away exactly."""
+    ok = row_ok & ((part * 0 + key0) > 0)  # key0 broadcast first: the interpreter wants a tensor mask
+    M = tl.load(PrefixML + part * 2, mask=ok, other=float("-inf"))
+    L = tl.load(PrefixML + part * 2 + 1, mask=ok, other=0.0)
+    ACC = tl.load(PrefixAcc + part[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=ok[:, None] & d_ok[None, :], other=0.0)
+    return M, L, ACC
+
+
+@triton.jit
 def _split_partial(q, K, V, slots_row, kvh, pos, lo, hi, stride_kt, stride_kh, stride_vt,
                    stride_vh, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax over keys [lo, hi) for rows at positions pos (causal: key <= pos)."""
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   MASK_HI: tl.constexpr = False):
+    """Online softmax over keys [lo, hi) for rows at positions pos (causal: key <= pos).
+    Keys of the last block past hi are left to the causal mask, which holds them out when
+    splits start on key-block boundaries; MASK_HI masks them too (cascade decode's rows start
+    their own keys anywhere)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -119,7 +143,10 @@ def _split_partial(q, K, V, slots_row, kvh, pos, lo, hi, stride_kt, stride_kh, s
         k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(offs_n[None, :] <= pos[:, None], qk, float("-inf"))
+        if MASK_HI:
+            qk = tl.where((offs_n[None, :] <= pos[:, None]) & n_ok[None, :], qk, float("-inf"))
+        else:
+            qk = tl.where(offs_n[None, :] <= pos[:, None], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -134,12 +161,12 @@ def _split_partial(q, K, V, slots_row, kvh, pos, lo, hi, stride_kt, stride_kh, s
 
 @triton.jit(do_not_specialize=["blk_stride", "num_heads", "max_splits"])
 def split_kv_stage1(
-    Q, K, V, Out, PartAcc, PartML, ReqToToken, ReqPoolIdx, Blocks,
+    Q, K, V, Out, PartAcc, PartML, ReqToToken, ReqPoolIdx, Blocks, PrefixLens, PrefixML, PrefixAcc,
     blk_stride, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_r2t, num_heads, max_splits, qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr,
 ):
     """grid (q blocks, kv heads, lanes); lane l reduces splits l, l + lanes, ..."""
     blk = tl.program_id(0)
@@ -169,16 +196,22 @@ def split_kv_stage1(
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    L = tl.zeros([BLOCK_M], tl.float32)
-    ACC = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    num_splits = pos_last // split + 1
+    if PREFIX:  # decode after shared-prefix phase A: this row's own keys, from its partial
+        key0 = tl.load(PrefixLens + tok_start)
+        M, L, ACC = _prefix_partial(PrefixML, PrefixAcc, tok * num_heads + head, row_ok, key0,
+                                    offs_d, d_ok, HEAD_DIM)
+    else:
+        key0 = 0
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        ACC = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    num_splits = (pos_last - key0) // split + 1
     for j in range(lane, num_splits, lanes):
-        lo = j * split
+        lo = key0 + j * split
         hi = tl.minimum(lo + split, pos_last + 1)
         m, l, acc = _split_partial(q, K, V, slots_row, kvh, pos, lo, hi, stride_kt, stride_kh,
                                    stride_vt, stride_vh, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
-                                   HEAD_DIM, DOT_PRECISION)
+                                   HEAD_DIM, DOT_PRECISION, PREFIX)
         if MERGE:
             M, L, ACC = _merge(M, L, ACC, m, l, acc)
         else:
@@ -195,8 +228,10 @@ def split_kv_stage1(
 
 @triton.jit(do_not_specialize=["blk_stride", "num_heads", "max_splits"])
 def split_kv_stage2(
-    Out, PartAcc, PartML, Blocks, blk_stride, stride_ot, stride_oh, num_heads, max_splits,
+    Out, PartAcc, PartML, Blocks, PrefixLens, PrefixML, PrefixAcc, blk_stride, stride_ot,
+    stride_oh, num_heads, max_splits,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PREFIX: tl.constexpr,
 ):
     """grid (q blocks of one token each, kv heads): merge the row's splits in order."""
     blk = tl.program_id(0)
@@ -209,10 +244,16 @@ def split_kv_stage2(
     head = kvh * GROUP + g
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    M = tl.full([G_PAD], float("-inf"), tl.float32)
-    L = tl.zeros([G_PAD], tl.float32)
-    ACC = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    for j in range(0, pos // split + 1):
+    if PREFIX:
+        key0 = tl.load(PrefixLens + tok)
+        M, L, ACC = _prefix_partial(PrefixML, PrefixAcc, tok * num_heads + head, ok, key0,
+                                    offs_d, d_ok, HEAD_DIM)
+    else:
+        key0 = 0
+        M = tl.full([G_PAD], float("-inf"), tl.float32)
+        L = tl.zeros([G_PAD], tl.float32)
+        ACC = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for j in range(0, (pos - key0) // split + 1):
         part = (tok * num_heads + head) * max_splits + j
         m = tl.load(PartML + part * 2, mask=ok, other=0.0)
         l = tl.load(PartML + part * 2 + 1, mask=ok, other=1.0)  # padding heads: no 0/0

@@ -112,7 +112,7 @@ class CudaGraphRunner:
         # host lengths too: a backend that plans on the host (flashinfer) needs no device sync
         self.attn_backend.init_forward_metadata_replay(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
-            fb.seq_lens_cpu + [1] * (padded - bs))
+            fb.seq_lens_cpu + [1] * (padded - bs), shared_prefix=fb.shared_prefix)
         self.graphs[padded].replay()
         self.num_replays += 1
         return self.logits[:bs]

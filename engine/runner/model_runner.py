@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from engine.attention.registry import create_attention_backend
+from engine.attention.registry import create_attention_backend, get_backend_spec
+from engine.attention.shared_prefix import SharedPrefixFinder
 from engine.kernels import batch_invariant as bi
 from engine.grammar.mask_prefetch import MaskPrefetch
 from engine.grammar.bitmask_ring import BitmaskRing
@@ -47,6 +48,15 @@ class RunnerConfig:
     vocab_size: int
     cuda_graph_max_bs: int = 0  # 0: decode runs eagerly (CPU, torch backend, --disable-cuda-graph)
     deterministic: bool = False  # batch-invariant attention and log_softmax (the model is built so too)
+    cascade_attn: bool = True  # shared-prefix decode where the backend has it (normal mode only)
+
+
+def backend_options(config: RunnerConfig) -> dict:
+    """The attention backend's settings: deterministic, and cascade where it has one."""
+    options: dict[str, Any] = {"deterministic": config.deterministic}
+    if get_backend_spec(config.attention_backend).supports_cascade:
+        options["cascade"] = config.cascade_attn
+    return options
 
 
 class ModelRunner:
@@ -59,7 +69,10 @@ class ModelRunner:
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
-        self.attn_backend = create_attention_backend(config.attention_backend, deterministic=config.deterministic)
+        self.attn_backend = create_attention_backend(config.attention_backend, **backend_options(config))
+        # cascade decode: rows sharing a cached prefix read its KV once (rank 0 alone plans, so not with TP)
+        self.shared_prefix = (SharedPrefixFinder()
+                              if self.attn_backend.wants_shared_prefix and tp is None else None)
         self.log_softmax = bi.log_softmax if config.deterministic else None
         self.sampler = Sampler(log_softmax=self.log_softmax)
         # the lookahead step's bitmask, filled during the commit; on CUDA the device waits for it
@@ -152,6 +165,9 @@ class ModelRunner:
         )
         if self.lora_adapters is not None:
             fb.lora = self._lora_batch([r.lora_id for r in batch.reqs], list(batch.extend_lens))
+        if self.shared_prefix is not None and batch.forward_mode.is_decode:
+            fb.shared_prefix = self.shared_prefix.find(batch.reqs, self.req_to_token_pool.req_to_token,
+                                                       req_pool_indices, seq_lens)
         self._sync_req_to_token(fb, batch)
         return fb
 

@@ -41,6 +41,15 @@ class AttentionScene:
             self.k.append(rand(n, kv_heads, head_dim))
             self.v.append(rand(n, kv_heads, head_dim))
 
+    def share_prefix(self, leader: int, members: Sequence[int], length: int) -> None:
+        """Sequences `members` take the leader's first `length` slots and K/V, as samples of one
+        prompt do from the radix cache (their own slots for those positions go unused)."""
+        for s in members:
+            self.slots[s] = torch.cat([self.slots[leader][:length], self.slots[s][length:]])
+            self.k[s][:length] = self.k[leader][:length]
+            self.v[s][:length] = self.v[leader][:length]
+            self.r2t.write(s + 1, 0, self.slots[s])
+
     def batch(self, backend, items: Sequence[Item], decode: bool = False) -> ForwardBatch:
         """The batch for items; the cached part [0, start) of each is written to the pool first."""
         for s, start, _ in items:
