@@ -106,6 +106,8 @@ for s in "$@"; do case $s in
   bench8) step bench8 200 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --compare-hf --hf-runs 1 --roofline --stream-mode final --json "$OUT/bench-qwen3-8b.json" ;;
   grpo8) step grpo8 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
   grpo8nc) step grpo8nc 180 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
+  grpo8nocasc) step grpo8nocasc 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-cascade-attn --json "$OUT/grpo-8b-nocascade.json" ;;
+  cascadegpu) step cascadegpu 150 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_cascade_gpu.py ;;
   grpo8once) step grpo8once 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --json "$OUT/grpo-8b-once.json" ;;
   grpo8nconce) step grpo8nconce 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache-once.json" ;;
   fitests) ( kit && step fitests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer_attention_gpu.py ) ;;

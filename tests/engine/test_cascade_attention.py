@@ -118,3 +118,42 @@ def test_graph_tables_with_padding_rows(num_sms):
         fb.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(pad, dtype=torch.int64)])
         got = scene.forward(backend, items + [(0, 0, 1)] * pad, fb)[: len(items)]
         assert_matches_torch(scene, got, items)
+
+
+def _grpo_outputs(eng, prompts, samples):
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, "n": samples}
+    outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    return ([o["output_ids"] for o in outs],
+            [[lp for lp, *_ in o["meta_info"]["output_token_logprobs"]] for o in outs])
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_engine_grpo_batch_equals_plain_decode(engine_factory, graphs):
+    """2 prompts x 8 samples through the engine (tiny model, float32): cascade decode's tokens
+    and logprobs are plain decode's; the runner planned shared prefixes for the batch."""
+    from engine.attention.shared_prefix import SharedPrefixFinder
+    from tests.engine.conftest import random_prompts
+    from tests.engine.test_cuda_graph_runner_cpu import EagerGraphRunner
+
+    plain = engine_factory(attention_backend="triton", disable_cascade_attn=True)
+    eng = engine_factory(attention_backend="triton")
+    runner = eng.local_core.parts.runner
+    assert plain.local_core.parts.runner.shared_prefix is None and runner.attn_backend.cascade is not None
+    plans = []
+    finder = SharedPrefixFinder(min_shared_len=8, min_saved_keys=1)  # the tiny batch's sharing counts
+    find = finder.find
+    runner.shared_prefix = finder
+    finder.find = lambda *a: plans.append(find(*a)) or plans[-1]
+    if graphs:
+        runner.cuda_graph = EagerGraphRunner(runner.model, runner.attn_backend, runner.kv_pool,
+                                             runner.req_to_token, runner.device, max_bs=16)
+    prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(40, 70), seed=5)
+    want = _grpo_outputs(plain, prompts, 8)
+    got = _grpo_outputs(eng, prompts, 8)
+    assert got[0] == want[0]
+    assert max(abs(x - y) for g, w in zip(got[1], want[1]) for x, y in zip(g, w)) <= 1e-5
+    shared = [p for p in plans if p is not None]
+    assert shared and max(len(p.rows) for p in shared) == 16  # every sample decoded in a group
+    if graphs:
+        assert runner.cuda_graph.num_replays > 0
+    eng.check_integrity()
