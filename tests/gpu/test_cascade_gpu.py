@@ -109,16 +109,32 @@ def test_engine_grpo_graphs_equal_plain_decode(tmp_path):
             vocab = eng.local_core.parts.vocab_size
             prompts = [[random.Random(i).randrange(3, vocab) for _ in range(rng.randint(200, 400))] for i in range(4)]
             params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True, "n": 16}
-            result = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-            outs[cascade] = ([o["output_ids"] for o in result],
-                             [[lp for lp, *_ in o["meta_info"]["output_token_logprobs"]] for o in result])
+            result = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                  top_logprobs_num=2)
+            outs[cascade] = result
             assert runner.cuda_graph is not None and runner.cuda_graph.num_replays > 0
             if cascade:
                 assert any(p is not None and len(p.rows) == 64 for p in plans)
             eng.check_integrity()
         finally:
             eng.shutdown()
-    assert outs[True][0] == outs[False][0]
-    worst = max(abs(a - b) for x, y in zip(outs[True][1], outs[False][1]) for a, b in zip(x, y))
-    print(f"  engine, 4 x 16 samples: tokens equal, worst logprob diff {worst:.2e}")
-    assert worst <= 1e-4
+    compare_greedy(outs[True], outs[False])
+
+
+def compare_greedy(got: list[dict], want: list[dict]) -> None:
+    """Float32 rounding differs between the two attention orders, so a near-tie of the tiny
+    random model may flip: each sample's tokens agree up to a first divergence that sits at a
+    near-tie of plain decode (top-2 gap <= 1e-3), with logprobs within 1e-4 before it."""
+    same, worst = 0, 0.0
+    for g, w in zip(got, want):
+        g_ids, w_ids = g["output_ids"], w["output_ids"]
+        d = next((i for i, (a, b) in enumerate(zip(g_ids, w_ids)) if a != b), len(w_ids))
+        same += d == len(w_ids)
+        g_lp = [lp for lp, *_ in g["meta_info"]["output_token_logprobs"][:d]]
+        w_lp = [lp for lp, *_ in w["meta_info"]["output_token_logprobs"][:d]]
+        worst = max([worst] + [abs(a - b) for a, b in zip(g_lp, w_lp)])
+        if d < len(w_ids):
+            top = w["meta_info"]["output_top_logprobs"][d]
+            assert top[0][0] - top[1][0] <= 1e-3, (d, top)
+    print(f"  engine, {len(want)} samples: {same} identical, worst logprob diff before a near-tie {worst:.2e}")
+    assert worst <= 1e-4 and same >= len(want) * 3 // 4
