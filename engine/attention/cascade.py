@@ -29,7 +29,7 @@ GRAPH_MIN_BS = 16  # smaller graphs decode without phase A (few rows: little to 
 class CascadeTables:
     """One batch's device tables: prefix_lens int32 [bs] (the key each row's own part starts
     at), blocks int32 [4, >= num_blocks] (SharedPrefixPlan.packed's), rows int32 [bs], and the
-    partials phase A writes for phase B, float32 ml [bs, H, lanes, 2] and acc [bs, H, lanes, D]."""
+    partials phase A writes for phase B, float32 ml [bs, H, 2] and acc [bs, H, D]."""
 
     prefix_lens: torch.Tensor
     blocks: torch.Tensor
@@ -44,6 +44,7 @@ class CascadeDecode:
         self.group: Optional[int] = None  # query heads per kv head, known from the first forward
         self.graph_tables: Optional[CascadeTables] = None  # static, max_bs rows
         self._graph_has_plan = False
+        self._tiles: dict = {}
 
     def members(self) -> int:
         """Rows per phase-A block: the tile's rows over the padded query heads of a kv head."""
@@ -52,10 +53,13 @@ class CascadeDecode:
     def tile(self, k_buf: torch.Tensor) -> Tile:
         """Phase A's launch shape (no alignment to keep: every shared key is visible to every
         row); K/V stages shrunk to the device's shared memory as the split-KV tiles are."""
-        cfg, limit = SHARED_PREFIX_CONFIG, shared_memory_limit(k_buf.device)
-        if limit is not None:  # None: the interpreter, no limit
-            cfg = fit_shared_memory(cfg, k_buf.shape[2] * k_buf.element_size(), limit)
-        return Tile(self.group, next_pow2(self.group), self.members(), cfg.block_n, cfg)
+        key = (self.group, k_buf.shape[2] * k_buf.element_size(), k_buf.device)
+        if key not in self._tiles:  # once per model: not a device query per layer
+            cfg, limit = SHARED_PREFIX_CONFIG, shared_memory_limit(k_buf.device)
+            if limit is not None:  # None: the interpreter, no limit
+                cfg = fit_shared_memory(cfg, key[1], limit)
+            self._tiles[key] = Tile(self.group, next_pow2(self.group), self.members(), cfg.block_n, cfg)
+        return self._tiles[key]
 
     def attend_prefix(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                       tables: CascadeTables, req_to_token: torch.Tensor,
@@ -64,7 +68,9 @@ class CascadeDecode:
         from engine.kernels.shared_prefix_attention import shared_prefix_partials
 
         if tables.ml is None:  # eager: sized for this batch, reused by every layer
-            tables.ml, tables.acc = _partials(*q.shape, q.device)
+            bs, heads, dim = q.shape
+            tables.ml = torch.empty((bs, heads, 2), dtype=torch.float32, device=q.device)
+            tables.acc = torch.empty((bs, heads, dim), dtype=torch.float32, device=q.device)
         shared_prefix_partials(q, k_buf, v_buf, req_to_token, req_pool_indices, tables.blocks,
                                tables.num_blocks, tables.rows, tables.ml, tables.acc, scaling,
                                self.tile(k_buf))
@@ -89,7 +95,8 @@ class CascadeDecode:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
         self.graph_tables = CascadeTables(
             zeros(max_bs), zeros(4, max_bs), max_bs, zeros(max_bs),
-            *_partials(max_bs, num_heads, head_dim, device))
+            torch.zeros((max_bs, num_heads, 2), dtype=torch.float32, device=device),
+            torch.zeros((max_bs, num_heads, head_dim), dtype=torch.float32, device=device))
 
     def graph_view(self, bs: int) -> Optional[CascadeTables]:
         """The static tables of a graph of bs rows (None: that graph has no phase A)."""
@@ -117,11 +124,3 @@ class CascadeDecode:
         view.rows.copy_(rows)
         self._graph_has_plan = True
 
-
-def _partials(rows: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase A's partials: float32 (max, sum-exp) [rows, H, lanes, 2] and acc [rows, H, lanes, D]."""
-    from engine.kernels.split_kv_attention import PREFIX_LANES
-
-    lanes = PREFIX_LANES.value
-    return (torch.zeros((rows, heads, lanes, 2), dtype=torch.float32, device=device),
-            torch.zeros((rows, heads, lanes, head_dim), dtype=torch.float32, device=device))

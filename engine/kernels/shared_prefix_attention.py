@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.split_kv_attention import PREFIX_LANES, _LOG2E, _next_pow2, _split_partial
+from engine.kernels.split_kv_attention import _LOG2E, _next_pow2, _split_partial
 from engine.kernels.split_kv_tile import Tile
 
 # rows of the int32 block table [4, stride] (SharedPrefixPlan.packed)
@@ -31,18 +31,18 @@ def shared_prefix_partials(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
                            blocks: torch.Tensor, num_blocks: int, rows: torch.Tensor,
                            part_ml: torch.Tensor, part_acc: torch.Tensor, scaling: float,
                            tile: Tile) -> None:
-    """part_ml [bs, H, PREFIX_LANES, 2] / part_acc [bs, H, PREFIX_LANES, D] (float32) of every
-    member row, over its group's shared keys. q [bs, H, D]: one decode token per batch row."""
+    """part_ml [bs, H, 2] / part_acc [bs, H, D] (float32) of every member row, over its group's
+    shared keys. q [bs, H, D]: one decode token per batch row."""
     if num_blocks == 0:
         return
     _, num_heads, head_dim = q.shape
     cfg = tile.config
-    shared_prefix_kernel[(num_blocks, k_buf.shape[1], PREFIX_LANES.value)](
+    shared_prefix_kernel[(num_blocks, k_buf.shape[1])](
         q, k_buf, v_buf, part_ml, part_acc, req_to_token, req_pool_indices, blocks, rows,
         blocks.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0), num_heads, scaling * _LOG2E,
         GROUP=tile.group, G_PAD=tile.g_pad, BLOCK_T=tile.block_t, BLOCK_N=tile.block_n,
-        BLOCK_D=_next_pow2(max(head_dim, 16)), HEAD_DIM=head_dim, LANES=PREFIX_LANES,
+        BLOCK_D=_next_pow2(max(head_dim, 16)), HEAD_DIM=head_dim,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -54,14 +54,11 @@ def shared_prefix_kernel(
     blk_stride, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     num_heads, qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, LANES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """grid (blocks, kv heads, LANES); a block of 0 members (CUDA-graph padding) returns at once.
-    Lane j reduces keys [j * chunk, (j + 1) * chunk) of the shared ones (chunk: whole key blocks);
-    a lane past the end stores the empty partial (-inf, 0, 0), which merges away exactly."""
+    """grid (blocks, kv heads); a block of 0 members (CUDA-graph padding) returns at once."""
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
-    lane = tl.program_id(2)
     count = tl.load(Blocks + PB_COUNT * blk_stride + blk)
     if count == 0:
         return
@@ -82,13 +79,10 @@ def shared_prefix_kernel(
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     pos = tl.zeros([BLOCK_M], tl.int32) + (length - 1)  # every shared key is visible to every row
-    chunk = tl.cdiv(tl.cdiv(length, LANES), BLOCK_N) * BLOCK_N
-    lo = tl.minimum(lane * chunk, length)
-    hi = tl.minimum(lo + chunk, length)
-    m, l, acc = _split_partial(q, K, V, slots_row, kvh, pos, lo, hi, stride_kt, stride_kh,
+    m, l, acc = _split_partial(q, K, V, slots_row, kvh, pos, 0, length, stride_kt, stride_kh,
                                stride_vt, stride_vh, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D,
                                HEAD_DIM, DOT_PRECISION)
-    part = (tok * num_heads + head) * LANES + lane
+    part = tok * num_heads + head
     tl.store(PartML + part * 2, m, mask=row_ok)
     tl.store(PartML + part * 2 + 1, l, mask=row_ok)
     tl.store(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], acc,

@@ -42,10 +42,6 @@ BLK_TOK = tl.constexpr(1)  # first q row of the block
 BLK_POS = tl.constexpr(2)  # absolute position of that row
 BLK_NTOK = tl.constexpr(3)  # valid tokens in the block
 BLK_SPLIT = tl.constexpr(4)  # split size in keys
-# Shared-prefix phase A's programs per (block of rows, kv head), each over a contiguous quarter of
-# the shared keys (engine/kernels/shared_prefix_attention.py): a few groups with long prefixes
-# are otherwise a few dozen programs streaming 1000+ keys each. _prefix_partial folds the lanes.
-PREFIX_LANES = tl.constexpr(4)
 
 
 def split_kv_attention(
@@ -115,24 +111,14 @@ def _merge(M, L, ACC, m, l, acc):
 
 
 @triton.jit
-def _prefix_partial(PrefixML, PrefixAcc, row, row_ok, key0, offs_d, d_ok, HEAD_DIM: tl.constexpr,
-                    LANES: tl.constexpr):
-    """A row's shared-prefix partials (phase A's lanes, folded in lane order) as the running
-    (M, L, ACC); a row without one (key0 == 0) starts empty (M = -inf, L = 0, ACC = 0), which
-    _merge folds away exactly. Lane 0 always has keys, so later empty lanes merge exactly too."""
-    ok = row_ok & ((row * 0 + key0) > 0)  # key0 broadcast first: the interpreter wants a tensor mask
-    part = row * LANES
+def _prefix_partial(PrefixML, PrefixAcc, part, row_ok, key0, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """A row's shared-prefix partial as the running (M, L, ACC); a row without one (key0 == 0)
+    starts empty (M = -inf, L = 0, ACC = 0), which _merge folds away exactly."""
+    ok = row_ok & ((part * 0 + key0) > 0)  # key0 broadcast first: the interpreter wants a tensor mask
     M = tl.load(PrefixML + part * 2, mask=ok, other=float("-inf"))
     L = tl.load(PrefixML + part * 2 + 1, mask=ok, other=0.0)
     ACC = tl.load(PrefixAcc + part[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=ok[:, None] & d_ok[None, :], other=0.0)
-    if key0 > 0:
-        for j in tl.static_range(1, LANES):
-            m = tl.load(PrefixML + (part + j) * 2, mask=ok, other=0.0)
-            l = tl.load(PrefixML + (part + j) * 2 + 1, mask=ok, other=0.0)
-            acc = tl.load(PrefixAcc + (part + j)[:, None] * HEAD_DIM + offs_d[None, :],
-                          mask=ok[:, None] & d_ok[None, :], other=0.0)
-            M, L, ACC = _merge(M, L, ACC, m, l, acc)
     return M, L, ACC
 
 
@@ -213,7 +199,7 @@ def split_kv_stage1(
     if PREFIX:  # decode after shared-prefix phase A: this row's own keys, from its partial
         key0 = tl.load(PrefixLens + tok_start)
         M, L, ACC = _prefix_partial(PrefixML, PrefixAcc, tok * num_heads + head, row_ok, key0,
-                                    offs_d, d_ok, HEAD_DIM, PREFIX_LANES)
+                                    offs_d, d_ok, HEAD_DIM)
     else:
         key0 = 0
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -261,7 +247,7 @@ def split_kv_stage2(
     if PREFIX:
         key0 = tl.load(PrefixLens + tok)
         M, L, ACC = _prefix_partial(PrefixML, PrefixAcc, tok * num_heads + head, ok, key0,
-                                    offs_d, d_ok, HEAD_DIM, PREFIX_LANES)
+                                    offs_d, d_ok, HEAD_DIM)
     else:
         key0 = 0
         M = tl.full([G_PAD], float("-inf"), tl.float32)

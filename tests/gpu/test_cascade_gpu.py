@@ -94,6 +94,7 @@ def test_engine_grpo_graphs_equal_plain_decode(tmp_path):
 
     path = str(build_tiny_model(tmp_path / "tiny", preset="tiny"))
     rng = random.Random(1)
+    prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(200, 400))] for _ in range(4)]
     outs = {}
     for cascade in (False, True):
         eng = Engine(model_path=path, device="cuda", dtype="float32", attention_backend="triton",
@@ -106,8 +107,6 @@ def test_engine_grpo_graphs_equal_plain_decode(tmp_path):
                 find = finder.find
                 finder.find = lambda *a: plans.append(find(*a)) or plans[-1]
                 runner.shared_prefix = finder
-            vocab = eng.local_core.parts.vocab_size
-            prompts = [[random.Random(i).randrange(3, vocab) for _ in range(rng.randint(200, 400))] for i in range(4)]
             params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True, "n": 16}
             result = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
                                   top_logprobs_num=2)
