@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 set -uo pipefail
 export PYTHONPATH=.
@@ -107,6 +107,10 @@ for s in "$@"; do case $s in
   grpo8) step grpo8 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/grpo-8b.json" ;;
   grpo8nc) step grpo8nc 180 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache.json" ;;
   grpo8nocasc) step grpo8nocasc 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --disable-cascade-attn --json "$OUT/grpo-8b-nocascade.json" ;;
+  gpufirst) ( kit && step gpufirst ${LIMIT:-480} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu/test_batch_invariant_gpu.py \
+      tests/gpu/test_cascade_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_core_process_gpu.py tests/gpu/test_fused_kernels_gpu.py \
+      tests/gpu/test_fused_moe_gpu.py tests/gpu/test_grammar_gpu.py tests/weight_sync/test_nccl_gpu.py tests/engine_client/test_engine_actor.py \
+      tests/gpu/test_flashinfer_attention_gpu.py ) ;;  # gpufirst + gpurest = gpuall + cascade, in two calls
   gpurest) ( kit && step gpurest ${LIMIT:-360} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu/test_cuda_graph.py \
       tests/gpu/test_triton_attention_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_memory_saver_gpu.py \
       tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_policy_parity_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py \
