@@ -282,7 +282,8 @@ class Bench:
         model, memory = engine.local_core.runner.model, engine.local_core.parts.memory
         shape = model_shape(model, model.config, memory.bytes_per_token)
         batch = max_decode_batch(workload, memory.max_running_requests, memory.max_total_num_tokens)
-        result["roofline"] = floor(workload, shape, rates, batch)
+        cascade = engine.local_core.runner.shared_prefix is not None and not engine.server_args.disable_radix_cache
+        result["roofline"] = floor(workload, shape, rates, batch, shared_prefix=cascade)
 
 
 def _check_http_flags(args: argparse.Namespace) -> None:

@@ -3,7 +3,9 @@
 Decode is bandwidth bound: every step reads all weights used in a forward (the embedding table
 is a lookup and is skipped; lm_head is read) plus the live KV of the running batch at its mean
 context (prompt + output / 2). Attention reads each request's own KV, shared grpo prefixes
-included, as the kernels do. A step costs max(bytes / bandwidth, FLOPs / matmul rate).
+included, unless the engine decodes with shared-prefix (cascade) attention: then a grpo prompt's
+KV is read once per group of n samples a step. A step costs max(bytes / bandwidth, FLOPs /
+matmul rate).
 Prefill is compute bound: 2 * matmul params per computed token, plus causal attention
 (QK^T and PV: 4 * layers * heads * head_dim * L^2 / 2 per prompt), at the matmul rate; a
 grpo prompt is computed once per group.
@@ -118,8 +120,10 @@ def model_shape(model: nn.Module, hf_config: Any, kv_bytes_per_token: int) -> Mo
                       top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0)
 
 
-def floor(workload: Workload, shape: ModelShape, rates: DeviceRates, max_batch: int) -> dict[str, Any]:
-    """Lower bound on the workload's time, and the output tok/s it allows."""
+def floor(workload: Workload, shape: ModelShape, rates: DeviceRates, max_batch: int,
+          shared_prefix: bool = False) -> dict[str, Any]:
+    """Lower bound on the workload's time, and the output tok/s it allows. shared_prefix: the
+    engine reads a grpo prompt's KV once per group (cascade decode), not once per sample."""
     attn_unit = 4 * shape.num_layers * shape.num_heads * shape.head_dim  # FLOPs per (query, key) pair
     # prefill: layers for every computed token, lm_head only for each request's last token
     layer_params = shape.active_matmul_params() - shape.lm_head_params
@@ -129,7 +133,10 @@ def floor(workload: Workload, shape: ModelShape, rates: DeviceRates, max_batch: 
     prefill_s = prefill_flops / rates.matmul_flops_s
     batch = min(workload.num_requests, max_batch)
     mean_ctx = (workload.total_input_tokens + workload.total_output_tokens / 2) / workload.num_requests
-    step_bytes = shape.step_weight_bytes(batch) + batch * mean_ctx * shape.kv_bytes_per_token
+    kv_tokens = batch * mean_ctx
+    if shared_prefix and workload.n > 1:  # each sample's prompt copy beyond the first is not read
+        kv_tokens -= batch * (1 - 1 / workload.n) * workload.total_input_tokens / workload.num_requests
+    step_bytes = shape.step_weight_bytes(batch) + kv_tokens * shape.kv_bytes_per_token
     step_flops = 2 * shape.active_matmul_params() * batch + attn_unit * batch * mean_ctx
     step_s = max(step_bytes / rates.copy_bandwidth_bytes_s, step_flops / rates.matmul_flops_s)
     steps = math.ceil(workload.total_output_tokens / batch)  # perfect packing of decode rows
@@ -138,6 +145,7 @@ def floor(workload: Workload, shape: ModelShape, rates: DeviceRates, max_batch: 
     return {
         **asdict(rates), **asdict(shape),
         "decode_batch": batch, "decode_steps": steps, "mean_context": mean_ctx,
+        "shared_prefix_reads": bool(shared_prefix and workload.n > 1),
         "decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
         "decode_step_floor_ms": step_s * 1e3,
         "decode_bound": "memory" if memory_bound else "compute",

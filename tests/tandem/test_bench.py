@@ -135,6 +135,12 @@ def test_roofline_floor_arithmetic():
     assert roof["decode_bound"] == "memory"
     assert roof["decode_floor_s"] == pytest.approx(50 * step_bytes / 1e12)
     assert roof["output_tok_s"] == pytest.approx(500 / (roof["prefill_floor_s"] + roof["decode_floor_s"]))
+    assert floor(w, shape, rates, max_batch=10, shared_prefix=True) == {**roof, "shared_prefix_reads": False}
+    # grpo, 2 prompts x 5 samples: with cascade decode a prompt's KV is read once per group
+    g = build_workload("grpo", 2, 100, 50, vocab_size=50, n=5)
+    plain, shared = (floor(g, shape, rates, max_batch=10, shared_prefix=on) for on in (False, True))
+    assert plain["decode_step_bytes"] == step_bytes and not plain["shared_prefix_reads"]
+    assert shared["decode_step_bytes"] == 10**9 + (2 * 100 + 10 * 25) * 10**5 and shared["shared_prefix_reads"]
 
 
 def test_profile_report_on_cpu_and_format():
