@@ -102,7 +102,8 @@ class RequestBuilder:
             if not isinstance(input_ids, (list, tuple)):  # a dict or a str would iterate as if it were ids
                 raise ValueError(f"input_ids must be a list of ints (or a list of such lists), "
                                  f"got {type(input_ids).__name__}")
-            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+            # one prompt unless the first entry is a list (each entry is checked by _check_ids)
+            single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
             lists = [list(input_ids)] if single else [list(x) if isinstance(x, (list, tuple)) else x for x in input_ids]
         if not lists:
             raise ValueError("prompt or input_ids is empty: give at least one token")

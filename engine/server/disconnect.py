@@ -1,7 +1,7 @@
 """A client that goes away cancels its requests: their KV is freed at the next step instead of
 decoding for nobody.
 
-Non-streaming: the result is awaited while `request.is_disconnected()` is polled. Streaming: the
+Non-streaming: the result is awaited beside the client's http.disconnect. Streaming: the
 response aborts whatever it had not finished when it ends for any reason (client gone, send
 failed, cancelled, or the client stopped reading: engine/server/stream_watch.py).
 """
@@ -19,9 +19,6 @@ from engine.server.stream_watch import CHECK_S, StreamLimits, StreamWatch
 
 logger = logging.getLogger("tandem")
 
-POLL_S = 0.2
-
-
 class ClientGone(Exception):
     """The client disconnected before its result was ready; its requests were aborted."""
 
@@ -32,20 +29,31 @@ def abort_unfinished(engine: Any, stream: Any) -> None:
         engine.abort_request(rid)
 
 
-async def await_or_abort(request: Request, stream: Any, engine: Any, poll_s: float = POLL_S) -> Any:
-    """`await stream`, aborting its requests (and raising ClientGone) if the client leaves first."""
+async def await_or_abort(request: Request, stream: Any, engine: Any) -> Any:
+    """`await stream`, aborting its requests (and raising ClientGone) if the client leaves first.
+    The leaving is the ASGI receive channel's http.disconnect, awaited beside the result: one
+    wake-up per request, where polling `request.is_disconnected()` cost the event loop ~40 us
+    five times a second per request in flight."""
     task = asyncio.ensure_future(stream)
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone()
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
     except BaseException:  # ClientGone, or this handler cancelled (server shutting down)
         task.cancel()
         abort_unfinished(engine, stream)
         raise
+    finally:
+        gone.cancel()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects: after the body (read by the route), the next message
+    an ASGI server delivers is http.disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class AbortingStream(StreamingResponse):
