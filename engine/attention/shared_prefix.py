@@ -115,26 +115,44 @@ def shared_prefix_plan(req_to_token: torch.Tensor, req_pool_indices: Sequence[in
     idx = torch.tensor(list(req_pool_indices), dtype=torch.int64)
     lens = torch.tensor(list(seq_lens), dtype=torch.int64)
     candidates: dict[int, list[int]] = {}
-    first_slots = req_to_token[idx, 0].tolist()
-    for row, (slot, n) in enumerate(zip(first_slots, seq_lens)):
+    for row, (slot, n) in enumerate(zip(req_to_token[idx, 0].tolist(), seq_lens)):
         if n > min_shared_len:  # the decoded token is never shared: n - 1 keys at most
             candidates.setdefault(slot, []).append(row)
-    rows, starts, sizes, shared = [], [], [], []
+    groups: list[tuple[list[int], int]] = []
     for members in candidates.values():
-        if len(members) < 2:
-            continue
-        member_t = torch.tensor(members)
-        width = int(lens[member_t].min()) - 1
-        table = req_to_token[idx[member_t], :width]
-        differs = (table != table[0]).any(0)
-        length = int(differs.int().argmax()) if bool(differs.any()) else width
-        if length < min_shared_len:
-            continue
+        if len(members) > 1:
+            _split(req_to_token, idx, lens, members, min_shared_len, groups)
+    saved = sum((len(m) - 1) * length for m, length in groups)
+    if saved < min_saved_keys:
+        return None
+    rows, starts, sizes, shared = [], [], [], []
+    for members, length in groups:
         starts.append(len(rows))
         rows.extend(members)
         sizes.append(len(members))
         shared.append(length)
-    saved = sum((n - 1) * length for n, length in zip(sizes, shared))
-    if saved < min_saved_keys:
-        return None
     return SharedPrefixPlan(bs, rows, starts, sizes, shared)
+
+
+def _split(req_to_token: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor, members: list[int],
+           min_shared_len: int, out: list[tuple[list[int], int]]) -> None:
+    """Appends (rows, shared length) groups of `members` (rows whose slot rows start alike), as a
+    radix tree would: rows that go on sharing past the first column where the group differs form
+    their own groups (GRPO's n samples of each prompt behind one chat template), rows left alone
+    there share the group's common prefix with each other."""
+    member_t = torch.tensor(members)
+    width = int(lens[member_t].min()) - 1  # every member's own decoded token excluded
+    table = req_to_token[idx[member_t], :width]
+    differs = (table != table[0]).any(0)
+    length = int(differs.int().argmax()) if bool(differs.any()) else width
+    if length < width:  # split where the rows part ways
+        parts: dict[int, list[int]] = {}
+        for row, slot in zip(members, table[:, length].tolist()):
+            parts.setdefault(slot, []).append(row)
+        alone = [p[0] for p in parts.values() if len(p) == 1]
+        for part in parts.values():
+            if len(part) > 1:
+                _split(req_to_token, idx, lens, part, min_shared_len, out)
+        members = alone
+    if len(members) > 1 and length >= min_shared_len:
+        out.append((members, length))

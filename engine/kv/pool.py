@@ -71,6 +71,21 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self._free = deque(range(self.size))
         self._is_free = [True] * self.size
+        self._written: list[tuple[int, int, int]] = []  # (row, start, end) since take_written
+
+    def take_written(self, skip_rows: "set[int] | frozenset[int]" = frozenset()) -> torch.Tensor | None:
+        """[3, n] (row, column, slot) of the entries `write` changed since the last call, with the
+        slots the table holds now; rows in skip_rows left out. Device copies of the table (the
+        runner's mirror, tensor-parallel ranks' tables) apply these before the next pass: a
+        prefill's commit rewrites its row to the radix tree's slots (freeing its duplicates),
+        and a copy left at the freed slots reads whatever reuses them."""
+        ranges = [(r, a, b) for r, a, b in self._written if r not in skip_rows and b > a]
+        self._written = []
+        if not ranges:
+            return None
+        rows = torch.cat([torch.full((b - a,), r, dtype=torch.int64) for r, a, b in ranges])
+        cols = torch.cat([torch.arange(a, b, dtype=torch.int64) for _, a, b in ranges])
+        return torch.stack([rows, cols, self.req_to_token[rows.to(self.device), cols.to(self.device)].cpu()])
 
     def available_size(self) -> int:
         return len(self._free)
@@ -102,3 +117,4 @@ class ReqToTokenPool:
         if start < 0 or end > self.max_context_len:
             raise ValueError(f"positions [{start}, {end}) outside context of {self.max_context_len}")
         self.req_to_token[idx, start:end] = slots.to(device=self.device, dtype=torch.int64)
+        self._written.append((idx, start, end))

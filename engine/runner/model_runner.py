@@ -102,11 +102,12 @@ class ModelRunner:
     def forward(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> "ForwardOutput":
         """The forward pass alone (queued on the device): sampling can be launched later, once the
         host has what it reads (a grammar's mask after the previous step is committed)."""
-        fb = self._forward_batch(batch, inflight)
+        fb, written = self._forward_batch(batch, inflight)
         plan = LogitsPlan.build(batch)
         if self.tp is None:
             return ForwardOutput(batch, plan, self._logits(fb, plan))
-        self.tp.send_forward(batch, fb, plan.rows, self.req_to_token_pool.req_to_token)  # the ranks join the pass
+        # the ranks join the pass, their tables brought up to date first
+        self.tp.send_forward(batch, fb, plan.rows, self.req_to_token_pool.req_to_token, written)
         try:
             return ForwardOutput(batch, plan, self._logits(fb, plan))
         except Exception as exc:  # the other ranks are left inside this pass's collectives
@@ -138,7 +139,10 @@ class ModelRunner:
         self.memory_saver.drop_graph_pool()  # on this thread, which may free into the saver's regions
 
     # ---- inputs --------------------------------------------------------------------------------
-    def _forward_batch(self, batch: ScheduleBatch, inflight: Optional[PendingResult]) -> ForwardBatch:
+    def _forward_batch(self, batch: ScheduleBatch,
+                       inflight: Optional[PendingResult]) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
+        """-> the pass's ForwardBatch, and the table entries rewritten since the last pass (outside
+        this batch's prefill rows, which are copied whole), for tensor-parallel ranks."""
         seq_lens = batch.seq_lens()
         req_pool_indices = [r.req_pool_idx for r in batch.reqs]
         lookahead = batch.lookahead and inflight is not None
@@ -168,8 +172,8 @@ class ModelRunner:
         if self.shared_prefix is not None and batch.forward_mode.is_decode:
             fb.shared_prefix = self.shared_prefix.find(batch.reqs, self.req_to_token_pool.req_to_token,
                                                        req_pool_indices, seq_lens)
-        self._sync_req_to_token(fb, batch)
-        return fb
+        written = self._sync_req_to_token(fb, batch)
+        return fb, written
 
     def _lora_batch(self, lora_ids: list[Optional[int]], tokens_per_req: list[int]) -> Any:
         """The pass's LoRA: the pool's (Triton, its adapters made resident) or the torch path's."""
@@ -178,19 +182,26 @@ class ModelRunner:
             return self.lora_pool.prepare(lora_ids, tokens_per_req, self.lora_adapters, det)
         return LoRABatch.build(lora_ids, tokens_per_req, self.lora_adapters, self.device, det)
 
-    def _sync_req_to_token(self, fb: ForwardBatch, batch: ScheduleBatch) -> None:
+    def _sync_req_to_token(self, fb: ForwardBatch, batch: ScheduleBatch) -> Optional[torch.Tensor]:
+        """Brings the device's table up to date for this pass; -> the rewritten entries applied."""
+        whole_rows = set() if batch.forward_mode.is_decode else {r.req_pool_idx for r in batch.reqs}
+        written = self.req_to_token_pool.take_written(whole_rows)
         host = self.req_to_token_pool.req_to_token
         if host is self.req_to_token:
-            return
+            return written
+        if written is not None:  # rows a commit pointed at the radix tree's slots, say
+            rows, cols, slots = h2d(written, self.device)
+            self.req_to_token[rows, cols] = slots
         if batch.forward_mode.is_decode:  # one new entry per request, at its position
             self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
-            return
+            return written
         # prefill: whole rows (the prefix came from the cache), snapshotted into one copy so
         # later host edits of the table cannot race the transfer
         rows = torch.cat([torch.full((n,), r.req_pool_idx, dtype=torch.int64) for r, n in zip(batch.reqs, fb.seq_lens_cpu)])
         cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in fb.seq_lens_cpu])
         snapshot = h2d(torch.stack([rows, cols, host[rows, cols]]), self.device)
         self.req_to_token[snapshot[0], snapshot[1]] = snapshot[2]
+        return written
 
     # ---- outputs -------------------------------------------------------------------------------
     def _sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor) -> PendingResult:

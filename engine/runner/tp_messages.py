@@ -39,9 +39,13 @@ class ForwardStep:
     # [3, n] (row, column, slot) entries of req_to_token to write before the step; None for a
     # decode step, whose one new entry per request is (req_pool_indices, positions, out_cache_loc)
     table_entries: Optional[torch.Tensor]
+    # [3, n] entries rewritten since the last step (a commit pointing a row at the radix tree's
+    # slots), written first; None when there are none
+    rewritten: Optional[torch.Tensor] = None
 
     @classmethod
-    def of(cls, batch: Any, fb: Any, logit_rows: torch.Tensor, host_table: torch.Tensor) -> "ForwardStep":
+    def of(cls, batch: Any, fb: Any, logit_rows: torch.Tensor, host_table: torch.Tensor,
+           rewritten: Optional[torch.Tensor] = None) -> "ForwardStep":
         """From rank 0's ScheduleBatch and ForwardBatch, in host form without reading the device
         back (that would stall overlap scheduling): a tensor already on the CPU is sent as is,
         others are rebuilt from the batch. Input ids that only the device holds (a lookahead step
@@ -58,7 +62,8 @@ class ForwardStep:
             entries = torch.stack([table_rows, cols, host_table[table_rows, cols]])
         return cls(fb.forward_mode, input_ids, host(fb.positions, lambda: longs(batch.positions())),
                    batch.out_cache_loc, rows, longs(fb.seq_lens_cpu), list(fb.seq_lens_cpu),
-                   list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu), logit_rows.cpu(), entries)
+                   list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu), logit_rows.cpu(), entries,
+                   rewritten)
 
 
 @dataclass(frozen=True)

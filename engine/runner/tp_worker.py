@@ -85,6 +85,9 @@ class TPWorker:
             seq_lens=dev(step.seq_lens), seq_lens_cpu=step.seq_lens_cpu,
             extend_prefix_lens_cpu=step.extend_prefix_lens_cpu, extend_seq_lens_cpu=step.extend_seq_lens_cpu,
             req_to_token=self.req_to_token, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+        if step.rewritten is not None:  # before this step's own entries, which are newer
+            rows, cols, slots = dev(step.rewritten)
+            self.req_to_token[rows, cols] = slots
         if step.table_entries is None:
             self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
         else:

@@ -81,3 +81,26 @@ def test_finder_keeps_the_plan_while_the_batch_holds_the_same_requests():
     assert first is not None and finder.find(list(reqs), table, [1, 2], [51, 51]) is first
     table[2, :40] = torch.arange(500, 540)  # a new request in the row: a new batch, a new plan
     assert finder.find([reqs[0], object()], table, [1, 2], [50, 50]) is None
+
+
+def test_prompts_behind_one_template_group_per_prompt():
+    """Two prompts of 40 tokens behind a 6-token chat template, 3 samples each, and one more
+    sample that shares only the template: each prompt's samples share 46 keys; the template alone
+    is too short to be worth sharing."""
+    table = torch.zeros((9, 64), dtype=torch.int64)
+    slot = iter(range(1, 10_000))
+    template = [next(slot) for _ in range(6)]
+    prompts = [[next(slot) for _ in range(40)] for _ in range(3)]
+    for row in range(1, 8):
+        prompt = prompts[0] if row <= 3 else prompts[1] if row <= 6 else prompts[2]
+        table[row, :46] = torch.tensor(template + prompt)
+        table[row, 46:] = torch.tensor([next(slot) for _ in range(18)])
+    plan = shared_prefix_plan(table, list(range(1, 8)), [60] * 7, min_shared_len=8, min_saved_keys=1)
+    groups = {tuple(plan.rows[a:a + n]): length for a, n, length in zip(plan.starts, plan.sizes, plan.lens)}
+    assert groups == {(0, 1, 2): 46, (3, 4, 5): 46}
+    # with a template long enough to share, rows left alone past it share it with each other
+    table[8] = table[7]
+    table[8, 20:] = torch.arange(500, 544)
+    plan = shared_prefix_plan(table, list(range(1, 9)), [60] * 8, min_shared_len=4, min_saved_keys=1)
+    groups = {tuple(plan.rows[a:a + n]): length for a, n, length in zip(plan.starts, plan.sizes, plan.lens)}
+    assert groups == {(0, 1, 2): 46, (3, 4, 5): 46, (6, 7): 20}
