@@ -79,8 +79,8 @@ class CascadeDecode:
     # ---- eager ---------------------------------------------------------------------------------
     def tables(self, plan: Optional[SharedPrefixPlan], device: torch.device) -> Optional[CascadeTables]:
         """The batch's tables, or None: no plan, or the model's heads not yet seen."""
-        if plan is None or self.group is None:
-            return None
+        if plan is None or self.group is None or next_pow2(self.group) > SHARED_PREFIX_CONFIG.block_m:
+            return None  # (a kv head with more query heads than phase A's tile has rows: plain decode)
         members = self.members()
         nb = len(plan.blocks(members))
         bs = plan.batch_size
@@ -92,6 +92,8 @@ class CascadeDecode:
     def init_graph_state(self, max_bs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          device: torch.device) -> None:
         self.group = num_heads // num_kv_heads
+        if next_pow2(self.group) > SHARED_PREFIX_CONFIG.block_m:
+            return  # no phase A for such a model (tables() says the same)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
         self.graph_tables = CascadeTables(
             zeros(max_bs), zeros(4, max_bs), max_bs, zeros(max_bs),

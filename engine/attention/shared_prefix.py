@@ -85,19 +85,23 @@ class SharedPrefixFinder:
     """Finds a decode batch's shared prefixes from the host slot table. Rows whose first slot is
     the same are candidates; a group's shared length is the longest common prefix of their slot
     rows, below every member's current position. The last plan is kept while the batch holds the
-    same requests in the same order (their cached slots cannot change while they run)."""
+    same requests in the same rows, and no row changed hands since (`generation`, the table's
+    count of row allocations and frees): a retracted request comes back with other slots."""
 
     def __init__(self, min_shared_len: int = MIN_SHARED_LEN, min_saved_keys: int = MIN_SAVED_KEYS) -> None:
         self.min_shared_len = min_shared_len
         self.min_saved_keys = min_saved_keys
         self._last_reqs: list = []
+        self._last_key: tuple = ()
         self._last_plan: Optional[SharedPrefixPlan] = None
 
     def find(self, reqs: Sequence, req_to_token: torch.Tensor, req_pool_indices: Sequence[int],
-             seq_lens: Sequence[int]) -> Optional[SharedPrefixPlan]:
-        if len(reqs) == len(self._last_reqs) and all(a is b for a, b in zip(reqs, self._last_reqs)):
+             seq_lens: Sequence[int], generation: int = 0) -> Optional[SharedPrefixPlan]:
+        key = (generation, tuple(req_pool_indices))
+        if (key == self._last_key and len(reqs) == len(self._last_reqs)
+                and all(a is b for a, b in zip(reqs, self._last_reqs))):
             return self._last_plan
-        self._last_reqs = list(reqs)
+        self._last_reqs, self._last_key = list(reqs), key
         self._last_plan = shared_prefix_plan(req_to_token, req_pool_indices, seq_lens,
                                              self.min_shared_len, self.min_saved_keys)
         return self._last_plan

@@ -71,6 +71,7 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self._free = deque(range(self.size))
         self._is_free = [True] * self.size
+        self.generation = getattr(self, "generation", 0) + 1  # rows changed hands (SharedPrefixFinder)
         self._written: list[tuple[int, int, int]] = []  # (row, start, end) since take_written
 
     def take_written(self, skip_rows: "set[int] | frozenset[int]" = frozenset()) -> torch.Tensor | None:
@@ -95,6 +96,7 @@ class ReqToTokenPool:
             return None
         idx = self._free.popleft()
         self._is_free[idx] = False
+        self.generation += 1
         return idx
 
     def free(self, idx: int) -> None:
@@ -104,6 +106,7 @@ class ReqToTokenPool:
             raise RuntimeError(f"double free of req_to_token row {idx}")
         self._is_free[idx] = True
         self._free.append(idx)
+        self.generation += 1
 
     def write_decode(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """One slot per request (a decode step): req_to_token[rows[i], positions[i]] = slots[i]."""

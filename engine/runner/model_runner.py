@@ -170,8 +170,9 @@ class ModelRunner:
         if self.lora_adapters is not None:
             fb.lora = self._lora_batch([r.lora_id for r in batch.reqs], list(batch.extend_lens))
         if self.shared_prefix is not None and batch.forward_mode.is_decode:
-            fb.shared_prefix = self.shared_prefix.find(batch.reqs, self.req_to_token_pool.req_to_token,
-                                                       req_pool_indices, seq_lens)
+            pool = self.req_to_token_pool
+            fb.shared_prefix = self.shared_prefix.find(batch.reqs, pool.req_to_token, req_pool_indices,
+                                                       seq_lens, pool.generation)
         written = self._sync_req_to_token(fb, batch)
         return fb, written
 

@@ -77,8 +77,9 @@ def test_finder_keeps_the_plan_while_the_batch_holds_the_same_requests():
     table = table_with_groups()
     finder = SharedPrefixFinder(min_shared_len=4, min_saved_keys=1)
     reqs = [object(), object()]
-    first = finder.find(reqs, table, [1, 2], [50, 50])
-    assert first is not None and finder.find(list(reqs), table, [1, 2], [51, 51]) is first
+    first = finder.find(reqs, table, [1, 2], [50, 50], generation=3)
+    assert first is not None and finder.find(list(reqs), table, [1, 2], [51, 51], generation=3) is first
+    assert finder.find(reqs, table, [1, 2], [52, 52], generation=4) is not first  # rows changed hands
     table[2, :40] = torch.arange(500, 540)  # a new request in the row: a new batch, a new plan
     assert finder.find([reqs[0], object()], table, [1, 2], [50, 50]) is None
 
