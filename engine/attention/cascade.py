@@ -68,9 +68,7 @@ class CascadeDecode:
         from engine.kernels.shared_prefix_attention import shared_prefix_partials
 
         if tables.ml is None:  # eager: sized for this batch, reused by every layer
-            bs, heads, dim = q.shape
-            tables.ml = torch.empty((bs, heads, 2), dtype=torch.float32, device=q.device)
-            tables.acc = torch.empty((bs, heads, dim), dtype=torch.float32, device=q.device)
+            tables.ml, tables.acc = _partials(*q.shape, q.device)
         shared_prefix_partials(q, k_buf, v_buf, req_to_token, req_pool_indices, tables.blocks,
                                tables.num_blocks, tables.rows, tables.ml, tables.acc, scaling,
                                self.tile(k_buf))
@@ -81,10 +79,9 @@ class CascadeDecode:
         """The batch's tables, or None: no plan, or the model's heads not yet seen."""
         if plan is None or self.group is None or next_pow2(self.group) > SHARED_PREFIX_CONFIG.block_m:
             return None  # (a kv head with more query heads than phase A's tile has rows: plain decode)
-        members = self.members()
-        nb = len(plan.blocks(members))
         bs = plan.batch_size
-        packed = h2d(plan.packed(members), device)
+        packed = h2d(plan.packed(self.members()), device)
+        nb = (packed.numel() - 2 * bs) // 4  # prefix_lens, 4 x blocks, rows
         lens, blocks, rows = torch.split(packed, [bs, 4 * nb, bs])
         return CascadeTables(lens, blocks.view(4, nb), nb, rows)
 
@@ -97,8 +94,7 @@ class CascadeDecode:
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
         self.graph_tables = CascadeTables(
             zeros(max_bs), zeros(4, max_bs), max_bs, zeros(max_bs),
-            torch.zeros((max_bs, num_heads, 2), dtype=torch.float32, device=device),
-            torch.zeros((max_bs, num_heads, head_dim), dtype=torch.float32, device=device))
+            *_partials(max_bs, num_heads, head_dim, device))
 
     def graph_view(self, bs: int) -> Optional[CascadeTables]:
         """The static tables of a graph of bs rows (None: that graph has no phase A)."""
@@ -126,3 +122,8 @@ class CascadeDecode:
         view.rows.copy_(rows)
         self._graph_has_plan = True
 
+
+def _partials(rows: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase A's float32 partials of each row and head: (max, sum-exp) [rows, H, 2], acc [rows, H, D]."""
+    return (torch.zeros((rows, heads, 2), dtype=torch.float32, device=device),
+            torch.zeros((rows, heads, head_dim), dtype=torch.float32, device=device))

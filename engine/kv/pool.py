@@ -66,12 +66,13 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+        self.generation = 0  # bumped whenever rows change hands (SharedPrefixFinder's plan key)
         self.clear()
 
     def clear(self) -> None:
         self._free = deque(range(self.size))
         self._is_free = [True] * self.size
-        self.generation = getattr(self, "generation", 0) + 1  # rows changed hands (SharedPrefixFinder)
+        self.generation += 1
         self._written: list[tuple[int, int, int]] = []  # (row, start, end) since take_written
 
     def take_written(self, skip_rows: "set[int] | frozenset[int]" = frozenset()) -> torch.Tensor | None:

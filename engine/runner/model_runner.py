@@ -102,12 +102,11 @@ class ModelRunner:
     def forward(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> "ForwardOutput":
         """The forward pass alone (queued on the device): sampling can be launched later, once the
         host has what it reads (a grammar's mask after the previous step is committed)."""
-        fb, written = self._forward_batch(batch, inflight)
+        fb, table_entries = self._forward_batch(batch, inflight)
         plan = LogitsPlan.build(batch)
         if self.tp is None:
             return ForwardOutput(batch, plan, self._logits(fb, plan))
-        # the ranks join the pass, their tables brought up to date first
-        self.tp.send_forward(batch, fb, plan.rows, self.req_to_token_pool.req_to_token, written)
+        self.tp.send_forward(batch, fb, plan.rows, table_entries)  # the ranks join the pass
         try:
             return ForwardOutput(batch, plan, self._logits(fb, plan))
         except Exception as exc:  # the other ranks are left inside this pass's collectives
@@ -141,8 +140,8 @@ class ModelRunner:
     # ---- inputs --------------------------------------------------------------------------------
     def _forward_batch(self, batch: ScheduleBatch,
                        inflight: Optional[PendingResult]) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
-        """-> the pass's ForwardBatch, and the table entries rewritten since the last pass (outside
-        this batch's prefill rows, which are copied whole), for tensor-parallel ranks."""
+        """-> the pass's ForwardBatch, and the req_to_token entries device copies of the table need
+        before it (`_table_entries`), for tensor-parallel ranks."""
         seq_lens = batch.seq_lens()
         req_pool_indices = [r.req_pool_idx for r in batch.reqs]
         lookahead = batch.lookahead and inflight is not None
@@ -173,8 +172,7 @@ class ModelRunner:
             pool = self.req_to_token_pool
             fb.shared_prefix = self.shared_prefix.find(batch.reqs, pool.req_to_token, req_pool_indices,
                                                        seq_lens, pool.generation)
-        written = self._sync_req_to_token(fb, batch)
-        return fb, written
+        return fb, self._sync_req_to_token(fb, batch)
 
     def _lora_batch(self, lora_ids: list[Optional[int]], tokens_per_req: list[int]) -> Any:
         """The pass's LoRA: the pool's (Triton, its adapters made resident) or the torch path's."""
@@ -184,25 +182,35 @@ class ModelRunner:
         return LoRABatch.build(lora_ids, tokens_per_req, self.lora_adapters, self.device, det)
 
     def _sync_req_to_token(self, fb: ForwardBatch, batch: ScheduleBatch) -> Optional[torch.Tensor]:
-        """Brings the device's table up to date for this pass; -> the rewritten entries applied."""
-        whole_rows = set() if batch.forward_mode.is_decode else {r.req_pool_idx for r in batch.reqs}
-        written = self.req_to_token_pool.take_written(whole_rows)
-        host = self.req_to_token_pool.req_to_token
-        if host is self.req_to_token:
-            return written
-        if written is not None:  # rows a commit pointed at the radix tree's slots, say
-            rows, cols, slots = h2d(written, self.device)
-            self.req_to_token[rows, cols] = slots
-        if batch.forward_mode.is_decode:  # one new entry per request, at its position
-            self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
-            return written
-        # prefill: whole rows (the prefix came from the cache), snapshotted into one copy so
-        # later host edits of the table cannot race the transfer
-        rows = torch.cat([torch.full((n,), r.req_pool_idx, dtype=torch.int64) for r, n in zip(batch.reqs, fb.seq_lens_cpu)])
-        cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in fb.seq_lens_cpu])
-        snapshot = h2d(torch.stack([rows, cols, host[rows, cols]]), self.device)
-        self.req_to_token[snapshot[0], snapshot[1]] = snapshot[2]
-        return written
+        """Brings the device's copy of the table up to date for this pass; -> the entries it took
+        (None without any copy to keep: the table on the CPU, no tensor-parallel ranks)."""
+        pool = self.req_to_token_pool
+        mirrored = pool.req_to_token is not self.req_to_token
+        if not mirrored and self.tp is None:
+            pool.take_written()  # nothing copies the host table
+            return None
+        entries = self._table_entries(batch, fb.seq_lens_cpu)
+        if mirrored:
+            if entries is not None:
+                rows, cols, slots = h2d(entries, self.device)
+                self.req_to_token[rows, cols] = slots
+            if batch.forward_mode.is_decode:  # one new entry per request, at its position
+                self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
+        return entries
+
+    def _table_entries(self, batch: ScheduleBatch, seq_lens: list[int]) -> Optional[torch.Tensor]:
+        """[3, n] host (row, column, slot) entries a copy of req_to_token needs before this pass,
+        besides a decode step's one new entry per request: the rows a commit pointed at the radix
+        tree's slots since the last pass, and a prefill's whole rows (their prefix came from the
+        cache), snapshotted so later host edits of the table cannot race the transfer."""
+        pool = self.req_to_token_pool
+        if batch.forward_mode.is_decode:
+            return pool.take_written()
+        written = pool.take_written({r.req_pool_idx for r in batch.reqs})
+        rows = torch.cat([torch.full((n,), r.req_pool_idx, dtype=torch.int64) for r, n in zip(batch.reqs, seq_lens)])
+        cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in seq_lens])
+        whole = torch.stack([rows, cols, pool.req_to_token[rows, cols]])
+        return whole if written is None else torch.cat([written, whole], 1)
 
     # ---- outputs -------------------------------------------------------------------------------
     def _sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor) -> PendingResult:

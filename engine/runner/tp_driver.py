@@ -55,13 +55,12 @@ class TPDriver:
     def send_plan(self, plan: KVPlan) -> None:
         self.group.broadcast_object(plan)
 
-    def send_forward(self, batch: Any, fb: Any, logit_rows: torch.Tensor, host_table: torch.Tensor,
-                     written: Optional[torch.Tensor] = None) -> None:
+    def send_forward(self, batch: Any, fb: Any, logit_rows: torch.Tensor,
+                     table_entries: Optional[torch.Tensor]) -> None:
         """Before rank 0 runs the same pass: the workers enter its collectives with it.
-        host_table: the scheduler's req_to_token (the workers copy the entries the pass reads);
-        written: entries rewritten since the last pass (ReqToTokenPool.take_written)."""
+        table_entries: the req_to_token entries their tables need first (ModelRunner._table_entries)."""
         self._check_ranks_alive()  # a waitpid each: cheap, and clearer than gloo's "Connection closed by peer"
-        step = ForwardStep.of(batch, fb, logit_rows, host_table, written)
+        step = ForwardStep.of(batch, fb, logit_rows, table_entries)
         self.group.broadcast_object(step)
         if step.input_ids is None:  # the previous step's samples, still on the device
             self.group.broadcast_tensor(fb.input_ids.contiguous())

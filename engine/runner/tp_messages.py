@@ -36,16 +36,14 @@ class ForwardStep:
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
     logit_rows: torch.Tensor  # rows of the hidden states projected to logits (the LM head is collective)
-    # [3, n] (row, column, slot) entries of req_to_token to write before the step; None for a
-    # decode step, whose one new entry per request is (req_pool_indices, positions, out_cache_loc)
+    # [3, n] (row, column, slot) entries of req_to_token to write before the step (a prefill's
+    # whole rows, rows rewritten since the last step); None: none. A decode step's one new entry
+    # per request follows from (req_pool_indices, positions, out_cache_loc).
     table_entries: Optional[torch.Tensor]
-    # [3, n] entries rewritten since the last step (a commit pointing a row at the radix tree's
-    # slots), written first; None when there are none
-    rewritten: Optional[torch.Tensor] = None
 
     @classmethod
-    def of(cls, batch: Any, fb: Any, logit_rows: torch.Tensor, host_table: torch.Tensor,
-           rewritten: Optional[torch.Tensor] = None) -> "ForwardStep":
+    def of(cls, batch: Any, fb: Any, logit_rows: torch.Tensor,
+           table_entries: Optional[torch.Tensor]) -> "ForwardStep":
         """From rank 0's ScheduleBatch and ForwardBatch, in host form without reading the device
         back (that would stall overlap scheduling): a tensor already on the CPU is sent as is,
         others are rebuilt from the batch. Input ids that only the device holds (a lookahead step
@@ -55,15 +53,10 @@ class ForwardStep:
         longs = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         input_ids = None if batch.lookahead and not on_host else host(fb.input_ids, lambda: longs(batch.input_ids()))
         rows = host(fb.req_pool_indices, lambda: longs([r.req_pool_idx for r in batch.reqs]))
-        entries = None
-        if not fb.forward_mode.is_decode:  # whole rows: the prefix came from rank 0's cache
-            table_rows = torch.repeat_interleave(rows, torch.tensor(fb.seq_lens_cpu, dtype=torch.int64))
-            cols = torch.cat([torch.arange(n, dtype=torch.int64) for n in fb.seq_lens_cpu])
-            entries = torch.stack([table_rows, cols, host_table[table_rows, cols]])
         return cls(fb.forward_mode, input_ids, host(fb.positions, lambda: longs(batch.positions())),
                    batch.out_cache_loc, rows, longs(fb.seq_lens_cpu), list(fb.seq_lens_cpu),
-                   list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu), logit_rows.cpu(), entries,
-                   rewritten)
+                   list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu), logit_rows.cpu(),
+                   table_entries)
 
 
 @dataclass(frozen=True)

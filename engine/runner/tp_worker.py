@@ -85,14 +85,11 @@ class TPWorker:
             seq_lens=dev(step.seq_lens), seq_lens_cpu=step.seq_lens_cpu,
             extend_prefix_lens_cpu=step.extend_prefix_lens_cpu, extend_seq_lens_cpu=step.extend_seq_lens_cpu,
             req_to_token=self.req_to_token, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
-        if step.rewritten is not None:  # before this step's own entries, which are newer
-            rows, cols, slots = dev(step.rewritten)
-            self.req_to_token[rows, cols] = slots
-        if step.table_entries is None:
-            self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
-        else:
+        if step.table_entries is not None:
             rows, cols, slots = dev(step.table_entries)
             self.req_to_token[rows, cols] = slots
+        if step.forward_mode.is_decode:
+            self.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         self.model.compute_logits(hidden[dev(step.logit_rows)])  # the LM head's all-gather; rank 0 samples
