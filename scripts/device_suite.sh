@@ -53,11 +53,16 @@ for s in "$@"; do case $s in
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
       kill $smi; echo "peak device MiB: $(sort -n "$OUT/smi-$s.csv" | tail -1)" >> "$OUT/suite.log" ) ;;
   trainprof)  # the recipe's train phase: normal mode's trainer profiled, then ZeRO 2 / 3 with and without cuBLAS linears
-    ( kit && step trainprof-z2prof 200 python3 scripts/train_step_profile.py --zero-stage 2 --fast-linears --steps 1 --profile  # timed out at 130 s with 3 steps
+    ( kit && step trainprof-z2prof 200 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --steps 1 --profile  # timed out at 130 s with 3 steps
       step trainprof-z3 100 python3 scripts/train_step_profile.py --zero-stage 3
-      step trainprof-z2fast 100 python3 scripts/train_step_profile.py --zero-stage 2 --fast-linears
+      step trainprof-z2fast 100 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode
       step trainprof-z2 100 python3 scripts/train_step_profile.py --zero-stage 2
-      step trainprof-z3fast 100 python3 scripts/train_step_profile.py --zero-stage 3 --fast-linears ) ;;
+      step trainprof-z3fast 100 python3 scripts/train_step_profile.py --zero-stage 3 --normal-mode ) ;;
+  trainfast)  # the normal-mode trainer (flash varlen, torch ops under autograd): its tests, one profiled step, micro batch sizes, det mode
+    ( kit && step trainattn 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_trainer_attention_gpu.py tests/gpu/test_policy_parity_gpu.py
+      step trainfast-prof 120 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --steps 1 --profile
+      for m in 16 32 64; do step trainfast-m$m 90 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size $m; done
+      step traindet-m16 120 python3 scripts/train_step_profile.py --zero-stage 2 --micro-batch-size 16 ) ;;
   phaseprobe) ( kit && step phaseprobe 150 python3 scripts/colocate_phase_probe.py --cycles 5 ) ;;  # release / resume phases, graphs kept
   cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;
   restgpu) ( kit && step restgpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;

@@ -3,11 +3,11 @@
 Builds the recipe's trainer (DeepSpeed, bf16, Qwen3-0.6B shape, random weights) on a synthetic
 rollout batch of the recipe's size (16 prompts x 8 samples, 24-token prompts, 256-token responses),
 times train steps and prints the top CUDA kernels of one profiled step. Variants: ZeRO stage, and
-`--fast-linears` (cuBLAS linears instead of the batch-invariant ones: what a normal-mode trainer
-could run, since only deterministic mode needs the engine's bits).
+`--normal-mode` (the normal-mode trainer's Policy: cuBLAS linears, torch ops under autograd, flash
+attention; without it deterministic mode's batch-invariant kernels, the engine's bits).
 FLOPs counted: 6 x parameters x tokens (matmuls, forward + backward) + attention's 12 x layers x
 hidden x sum(len^2) / 2 (causal), against 790 TFLOP/s.
-Usage: python scripts/train_step_profile.py [--zero-stage 3] [--fast-linears] [--steps 3] [--profile]
+Usage: python scripts/train_step_profile.py [--zero-stage 3] [--normal-mode] [--steps 3] [--profile]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--zero-stage", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=16)
-    parser.add_argument("--fast-linears", action="store_true")
+    parser.add_argument("--normal-mode", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--trainer", choices=("deepspeed", "torch"), default="deepspeed")  # torch: a CPU smoke run
@@ -60,13 +60,13 @@ def main() -> None:
         trainer = DeepSpeedTrainer.from_pretrained(source.path, LossConfig(), zero_stage=args.zero_stage,
                                                    load_format=source.load_format,
                                                    micro_batch_size=args.micro_batch_size,
-                                                   batch_invariant_linears=not args.fast_linears)
+                                                   batch_invariant=not args.normal_mode)
     else:
         from trainer_bridge.policy import Policy
         from trainer_bridge.trainer import TorchTrainer
 
         policy = Policy.from_pretrained(source.path, torch.float32, "cpu", source.load_format,
-                                        batch_invariant_linears=not args.fast_linears)
+                                        batch_invariant=not args.normal_mode)
         trainer = TorchTrainer(policy, LossConfig(), args.micro_batch_size)
     model = trainer.policy.model
     batch = synthetic_batch(128, 24, args.response_len, model.config.vocab_size)
@@ -81,7 +81,7 @@ def main() -> None:
         sync()
         times.append(time.perf_counter() - start)
     med = sorted(times)[len(times) // 2]
-    print(f"zero {args.zero_stage} fast_linears {args.fast_linears} micro {args.micro_batch_size}: train step "
+    print(f"zero {args.zero_stage} normal_mode {args.normal_mode} micro {args.micro_batch_size}: train step "
           f"median {med:.2f} s ({', '.join(f'{t:.2f}' for t in times)}); {flops / 1e12:.0f} TFLOP -> "
           f"{flops / med / 1e12:.0f} TFLOP/s = {100 * flops / med / 1e12 / PEAK_TFLOPS:.1f}% of {PEAK_TFLOPS:.0f}; "
           f"peak mem {torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0:.1f} GiB", flush=True)

@@ -61,12 +61,12 @@ class DeepSpeedTrainer(Trainer):
     @classmethod
     def from_pretrained(cls, model_path: str, loss: LossConfig, zero_stage: int = 2,
                         dtype: torch.dtype = torch.bfloat16, device: str = "cuda", load_format: str = "auto",
-                        attention_backend: Optional[str] = None, batch_invariant_linears: bool = True,
+                        attention_backend: Optional[str] = None, batch_invariant: bool = True,
                         **kwargs) -> "DeepSpeedTrainer":
         if not str(device).startswith("cuda"):
             raise ValueError("the DeepSpeed trainer runs on CUDA; on the CPU use trainer 'torch'")
         policy = Policy.from_pretrained(model_path, dtype, device, load_format, attention_backend=attention_backend,
-                                        batch_invariant_linears=batch_invariant_linears)
+                                        batch_invariant=batch_invariant)
         return cls(policy, loss, zero_stage, **kwargs)
 
     # ---- accumulation: the boundary is the last micro batch of a step ----

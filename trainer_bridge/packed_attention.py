@@ -18,6 +18,7 @@ deterministic mode, same attention backend and split size) prefilled or decoded 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -102,7 +103,7 @@ class PackedBatch:
     """What the model reads from a forward batch when sequences are whole and packed back to back."""
 
     seq_lens_cpu: list[int]
-    attn_backend: PackedAttention
+    attn_backend: AttentionBackend  # PackedAttention (the engine's bits) or VarlenAttention
     # MoE (engine/models/moe.py): routes to use instead of the router's top-k (R3 replay), and a
     # buffer the MoE layers write their routes into; both [T, layers, top_k] int32, packed rows
     replay_routes: Optional[torch.Tensor] = None
@@ -113,6 +114,14 @@ class PackedBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def cumulative_lens(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(int32 [B + 1] start of each sequence and the total, longest length): flash varlen's."""
+        key = ("cu_lens", device)
+        if key not in self._metadata:
+            lens = torch.tensor([0] + list(self.seq_lens_cpu), dtype=torch.int32)
+            self._metadata[key] = (lens.cumsum(0, dtype=torch.int32).to(device), max(self.seq_lens_cpu, default=0))
+        return self._metadata[key]
 
     def triton_metadata(self, split_size: int, device: torch.device) -> _TritonMetadata:
         key = (split_size, device)
@@ -152,19 +161,57 @@ class _TritonAttention(torch.autograd.Function):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
-                     scaling: float) -> torch.Tensor:
-    """Plain causal GQA attention of each packed sequence in float32, cast to q's dtype (the
-    Triton path's backward; not bitwise anything). q [T, H, D]; k, v [T, Hkv, D]."""
-    group = q.shape[1] // k.shape[1]
-    outs = []
-    for qs, ks, vs in zip(q.split(list(seq_lens)), k.split(list(seq_lens)), v.split(list(seq_lens))):
-        # [heads, n, D]; query head h reads kv head h // group, as the kernel does
-        qh = qs.float().transpose(0, 1)
-        kh = ks.float().transpose(0, 1).repeat_interleave(group, dim=0)
-        vh = vs.float().transpose(0, 1).repeat_interleave(group, dim=0)
-        outs.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scaling).transpose(0, 1))
+                     scaling: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Plain causal GQA attention of each packed sequence computed in `dtype`, cast to q's dtype
+    (the Triton path's float32 backward; VarlenAttention's fallback; not bitwise anything).
+    q [T, H, D]; k, v [T, Hkv, D]. Runs of sequences are right-padded into one batched SDPA each
+    (a python loop per sequence cost the recipe's train step seconds of host time); the causal
+    mask keeps every real row off the padding, so padding neither changes a row nor gets a
+    gradient. Float32 takes SDPA's math backend, which is deterministic run to run."""
+    lens = list(seq_lens)
+    mask = (torch.arange(max(lens, default=0))[None, :] < torch.tensor(lens)[:, None]).to(q.device)  # real rows
+    outs, start = [], 0
+    for first, last in _runs(lens, q.shape[1]):
+        end = start + sum(lens[first:last])
+        padded = [_pad(t[start:end], lens[first:last], dtype) for t in (q, k, v)]
+        with _backend_for(dtype):
+            out = F.scaled_dot_product_attention(*padded, is_causal=True, scale=scaling, enable_gqa=True)
+        outs.append(out.transpose(1, 2)[mask[first:last, :out.shape[2]]])
+        start = end
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
+
+
+MAX_SCORES = 1 << 27  # score entries (batch x heads x len^2) of one batched SDPA: 512 MiB in float32
+
+
+def _runs(lens: list[int], heads: int) -> list[tuple[int, int]]:
+    """[first, last) runs of consecutive sequences whose padded scores stay under MAX_SCORES (a
+    sequence longer than that gets a run of its own)."""
+    runs, first, longest = [], 0, 0
+    for i, n in enumerate(lens):
+        longest_with = max(longest, n)
+        if i > first and (i - first + 1) * heads * longest_with**2 > MAX_SCORES:
+            runs.append((first, i))
+            first, longest_with = i, n
+        longest = longest_with
+    if lens:
+        runs.append((first, len(lens)))
+    return runs
+
+
+def _pad(rows: torch.Tensor, lens: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Packed [T, heads, D] -> [B, heads, max(lens), D] in dtype, zeros past each sequence."""
+    padded = torch.nn.utils.rnn.pad_sequence(rows.to(dtype).split(lens), batch_first=True)
+    return padded.transpose(1, 2)
+
+
+def _backend_for(dtype: torch.dtype):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if dtype == torch.float32:  # reproducible gradients for deterministic mode's trainer
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 
 
 # engine backend -> the trainer's packed forward with the same bits (see KERNELS)

@@ -19,10 +19,12 @@ and `rollout_logprobs(..., routed_experts=...)` replays a rollout's routes inste
 `policy.model.named_parameters()` uses engine parameter names (stacked qkv_proj / gate_up_proj),
 which the engine's `load_weights` accepts for weight sync.
 
-Normal mode (`batch_invariant_linears=False`): only deterministic mode needs the engine's bits, so
-the linears (most of the FLOPs) run on cuBLAS, as the engine's normal mode runs them; norms,
-activation and attention keep their kernels. The recipe's train step took 3.6 s instead of 5.7 s
-on the H200 (scripts/train_step_profile.py).
+Normal mode (`batch_invariant=False`): only deterministic mode needs the engine's bits, so the
+policy runs as a trainer would: cuBLAS linears, torch norms / rope / activation under autograd
+(engine.models.layers.use_autograd_ops), flash attention forward and backward (VarlenAttention),
+torch's log_softmax. The fused kernels' backwards recompute their torch code, and the engine's
+attention kernel had a float32 backward; on the H200 the recipe's train step spent most of its
+host time there (scripts/train_step_profile.py).
 
 LoRA RL: `add_lora` freezes the model and adds a TrainableLoRA (trainer_bridge/trainable_lora.py),
 whose delta every forward adds through the linears' `lora` seam with the engine's own LoRA code.
@@ -37,23 +39,30 @@ from torch import nn
 from transformers import AutoConfig
 
 from engine.kernels import batch_invariant as bi
-from engine.models.layers import Linear
+from engine.models.layers import use_autograd_ops
 from engine.models.loader import load_model
 from trainer_bridge.packed_attention import PackedAttention, PackedBatch
 from trainer_bridge.trainable_lora import TrainableLoRA
+from trainer_bridge.varlen_attention import VarlenAttention
 
 
 class Policy(nn.Module):
     """attention_backend / split_size: those of the engine to match; None = the engine's defaults
-    (triton with 256-key splits on CUDA, torch with 64 elsewhere), see PackedAttention."""
+    (triton with 256-key splits on CUDA, torch with 64 elsewhere), see PackedAttention.
+    batch_invariant=False: normal mode (see the module doc); the model's layers switch to torch code."""
 
     def __init__(self, model: nn.Module, attention_backend: Optional[str] = None,
-                 split_size: Optional[int] = None) -> None:
+                 split_size: Optional[int] = None, batch_invariant: bool = True) -> None:
         super().__init__()
         if not getattr(model, "deterministic", False):
             raise ValueError("Policy needs a model built with deterministic=True (batch-invariant kernels)")
         self.model = model
-        self.attention = PackedAttention(attention_backend, split_size)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self.attention = PackedAttention(attention_backend, split_size)
+        else:
+            use_autograd_ops(model)
+            self.attention = VarlenAttention()
         self.lora: Optional[TrainableLoRA] = None
 
     def add_lora(self, rank: int, alpha: float, target_modules: Sequence[str],
@@ -67,15 +76,11 @@ class Policy(nn.Module):
     def from_pretrained(cls, model_path: str, dtype: torch.dtype = torch.float32,
                         device: Union[str, torch.device] = "cpu", load_format: str = "auto",
                         attention_backend: Optional[str] = None,
-                        split_size: Optional[int] = None, batch_invariant_linears: bool = True) -> "Policy":
+                        split_size: Optional[int] = None, batch_invariant: bool = True) -> "Policy":
         hf_config = AutoConfig.from_pretrained(model_path)
         model = load_model(model_path, hf_config, dtype, device, load_format, deterministic=True)
         model.requires_grad_(True)  # the loader freezes it for serving
-        if not batch_invariant_linears:
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.deterministic = False  # F.linear (cuBLAS); read at each forward
-        return cls(model, attention_backend, split_size)
+        return cls(model, attention_backend, split_size, batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, seq_lens: Sequence[int], replay_routes: Optional[torch.Tensor] = None,
                 route_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -83,7 +88,8 @@ class Policy(nn.Module):
         MoE: replay_routes [T, layers, top_k] replaces the routers' choices; route_sink of that
         shape receives them."""
         device = input_ids.device
-        positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
+        starts = torch.tensor([0] + list(seq_lens[:-1])).cumsum(0).repeat_interleave(torch.tensor(list(seq_lens)))
+        positions = (torch.arange(len(starts)) - starts).to(device)  # each token's place in its sequence
         lora = None if self.lora is None else self.lora.lora_batch(len(input_ids), device)
         batch = PackedBatch(list(seq_lens), self.attention, replay_routes=replay_routes, route_sink=route_sink,
                             lora=lora)
@@ -164,6 +170,6 @@ class Policy(nn.Module):
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         if temperature is not None:
             logits = logits / torch.tensor(temperature, dtype=torch.float32, device=device)
-        logprobs = bi.log_softmax(logits)
+        logprobs = bi.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits, -1)
         picked = logprobs.gather(1, torch.tensor(targets, dtype=torch.int64, device=device)[:, None])[:, 0]
         return list(picked.split([len(r) for r in responses]))

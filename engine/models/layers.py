@@ -10,6 +10,10 @@ engine.kernels.batch_invariant, whose per-row bits do not depend on the batch.
 On CUDA the q/k norm + rotary and the activation run fused Triton kernels (engine/kernels/
 qk_norm_rope.py, silu_and_mul.py) in both modes: one launch each, the same bits as the torch code
 they replace, row-local hence batch-invariant. The CPU keeps the torch code.
+
+`use_autograd_ops(model)` turns both off for a trainer that needs no engine bits (normal mode):
+cuBLAS linears and the torch code everywhere, so autograd records its own backward instead of
+each fused kernel recomputing its torch formulation in backward (engine/kernels/torch_backward.py).
 """
 
 from __future__ import annotations
@@ -49,8 +53,20 @@ def _import_kernel(name: str) -> Optional[ModuleType]:
         return None
 
 
+def use_autograd_ops(model: nn.Module) -> None:
+    """Every linear, norm, activation and q/k norm + rope of `model` runs torch code (cuBLAS
+    linears) from its next forward: a normal-mode trainer's choice; the engine keeps its kernels."""
+    for module in model.modules():
+        if isinstance(module, (Linear, RMSNorm, SiluAndMul)):
+            module.deterministic = False
+        if hasattr(module, "fused"):
+            module.fused = False
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (SGLang/vLLM calling convention)."""
+
+    fused = True  # False: the torch code on CUDA too (see `use_autograd_ops`)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, deterministic: bool = False) -> None:
         super().__init__()
@@ -61,7 +77,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if self.deterministic or x.is_cuda:
+        if self.deterministic or (x.is_cuda and self.fused):
             # on CUDA the one-kernel Triton norm (fused residual add) replaces ~6 torch kernels
             # per call, same rounding order as below; standalone it took 0.5-1.15x torch's time
             # at M = 1..4096 (H200, scripts/bi_matmul_bench.py); end to end not measured yet
@@ -156,12 +172,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_pos: Optional[int
 class SiluAndMul(nn.Module):
     """[..., 2*d] (gate | up) -> silu(gate) * up."""
 
+    fused = True  # False: the torch code on CUDA too (see `use_autograd_ops`)
+
     def __init__(self, deterministic: bool = False) -> None:
         super().__init__()
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_kernel("silu_and_mul", x)
+        fused = fused_kernel("silu_and_mul", x) if self.fused else None
         if fused is not None:  # one launch, the bits of this mode's torch code below
             return fused.silu_and_mul(x, stepwise=self.deterministic)
         if self.deterministic:

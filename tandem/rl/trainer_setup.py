@@ -39,7 +39,7 @@ def build_trainer(recipe: Recipe, source: ModelSource) -> Trainer:
             source.path, loss_config(recipe), zero_stage=recipe.zero_stage, dtype=dtype, device=recipe.device,
             load_format=source.load_format, micro_batch_size=recipe.micro_batch_size,
             temperature=policy_temperature(recipe), max_grad_norm=recipe.max_grad_norm, attention_backend=backend,
-            batch_invariant_linears=recipe.deterministic)
+            batch_invariant=recipe.deterministic)
     else:
         trainer = _torch_trainer(recipe, source, dtype, backend)
     trainer.replay_routes = recipe.routed_experts == "replay"
@@ -51,7 +51,7 @@ def _torch_trainer(recipe: Recipe, source: ModelSource, dtype: torch.dtype, back
     from trainer_bridge.trainer import TorchTrainer
 
     policy = Policy.from_pretrained(source.path, dtype, recipe.device, source.load_format, attention_backend=backend,
-                                    batch_invariant_linears=recipe.deterministic)
+                                    batch_invariant=recipe.deterministic)
     if recipe.lora_rank:  # before the optimizer: it holds the adapter's parameters only
         policy.add_lora(recipe.lora_rank, recipe.lora_alpha, recipe.lora_targets, source.path)
     return TorchTrainer(policy, loss_config(recipe), recipe.micro_batch_size, policy_temperature(recipe),

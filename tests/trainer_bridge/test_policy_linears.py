@@ -1,6 +1,7 @@
-"""A normal-mode trainer's Policy runs its linears on cuBLAS (F.linear): the same function as the
-batch-invariant ones, so logprobs and gradients agree to float32 rounding; deterministic mode keeps
-the batch-invariant linears (the engine's bits)."""
+"""A normal-mode trainer's Policy runs torch code under autograd (cuBLAS linears, torch norms and
+activation, VarlenAttention, torch's log_softmax): the same functions as the batch-invariant
+kernels, so logprobs and gradients agree to float32 rounding; deterministic mode keeps the
+batch-invariant kernels (the engine's bits)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import dataclasses
 
 import torch
 
-from engine.models.layers import Linear
+from engine.models.decoder import Attention
+from engine.models.layers import Linear, RMSNorm, SiluAndMul
 from engine.testing.tiny_model import tiny_model_path
 from trainer_bridge.policy import Policy
 
@@ -22,13 +24,19 @@ def _logprobs_and_grads(policy: Policy) -> tuple[torch.Tensor, dict[str, torch.T
     return logprobs.detach(), {n: p.grad for n, p in policy.named_parameters()}
 
 
-def test_cublas_linears_agree_with_the_batch_invariant_ones():
+def test_normal_mode_agrees_with_the_batch_invariant_kernels():
+    from trainer_bridge.packed_attention import PackedAttention
+    from trainer_bridge.varlen_attention import VarlenAttention
+
     path = str(tiny_model_path())
     exact = Policy.from_pretrained(path)
-    fast = Policy.from_pretrained(path, batch_invariant_linears=False)
-    linears = [m for m in fast.modules() if isinstance(m, Linear)]
-    assert linears and not any(m.deterministic for m in linears)
-    assert all(m.deterministic for m in exact.modules() if isinstance(m, Linear))
+    fast = Policy.from_pretrained(path, batch_invariant=False)
+    layers = [m for m in fast.modules() if isinstance(m, (Linear, RMSNorm, SiluAndMul))]
+    assert layers and not any(m.deterministic for m in layers)
+    assert not any(m.fused for m in fast.modules() if isinstance(m, (RMSNorm, SiluAndMul, Attention)))
+    assert all(m.deterministic for m in exact.modules() if isinstance(m, (Linear, RMSNorm, SiluAndMul)))
+    assert all(m.fused for m in exact.modules() if isinstance(m, (RMSNorm, SiluAndMul, Attention)))
+    assert isinstance(fast.attention, VarlenAttention) and isinstance(exact.attention, PackedAttention)
     want, want_grads = _logprobs_and_grads(exact)
     got, got_grads = _logprobs_and_grads(fast)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -38,7 +46,7 @@ def test_cublas_linears_agree_with_the_batch_invariant_ones():
         assert torch.allclose(got_grads[name], grad, atol=1e-4, rtol=1e-3), name
 
 
-def test_the_recipe_picks_batch_invariant_linears_in_deterministic_mode_only():
+def test_the_recipe_picks_batch_invariant_kernels_in_deterministic_mode_only():
     from recipes.recipe import Recipe
     from tandem.rl.model_source import ModelSource
     from tandem.rl.trainer_setup import build_trainer
