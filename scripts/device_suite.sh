@@ -48,6 +48,7 @@ for s in "$@"; do case $s in
       lim=170; extra=(); [[ $s == train4b* ]] && lim=260 && extra=(--engine-args '{"mem_fraction_static": 0.25, "enable_memory_saver": true}')
       [[ $s == *keep* ]] && extra+=(--keep-cuda-graphs true)
       [[ $s == *z2* ]] && extra+=(--zero-stage 2)
+      [[ -n ${MICRO:-} ]] && extra+=(--micro-batch-size $MICRO)
       [[ $s == *lora* ]] && extra+=(--lora-rank 16 --lora-alpha 32 --lora-target-modules all-linear --trainer torch)
       step "$s" $lim python3 -m tandem.main train --recipe qwen3_gpu --model $model --steps 5 --deterministic $det \
         --save-checkpoint false --wandb false --quiet --output-dir "$OUT/$s" "${extra[@]}"
@@ -59,10 +60,10 @@ for s in "$@"; do case $s in
       step trainprof-z2 100 python3 scripts/train_step_profile.py --zero-stage 2
       step trainprof-z3fast 100 python3 scripts/train_step_profile.py --zero-stage 3 --normal-mode ) ;;
   trainfast)  # the normal-mode trainer (flash varlen, torch ops under autograd): its tests, one profiled step, micro batch sizes, det mode
-    ( kit && step trainattn 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_trainer_attention_gpu.py tests/gpu/test_policy_parity_gpu.py
-      step trainfast-prof 120 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --steps 1 --profile
-      for m in 16 32 64; do step trainfast-m$m 90 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size $m; done
-      step traindet-m16 120 python3 scripts/train_step_profile.py --zero-stage 2 --micro-batch-size 16 ) ;;
+    ( kit && step trainattn 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_trainer_kernels_gpu.py tests/gpu/test_policy_parity_gpu.py
+      step trainfast-prof 120 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size 32 --steps 1 --profile
+      for m in ${MICROS:-16 32}; do step trainfast-m$m 90 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size $m; done
+      [[ -n ${DET:-} ]] && step traindet-m16 120 python3 scripts/train_step_profile.py --zero-stage 2 --micro-batch-size 16 ) ;;
   phaseprobe) ( kit && step phaseprobe 150 python3 scripts/colocate_phase_probe.py --cycles 5 ) ;;  # release / resume phases, graphs kept
   cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;
   restgpu) ( kit && step restgpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;

@@ -20,8 +20,9 @@ and `rollout_logprobs(..., routed_experts=...)` replays a rollout's routes inste
 which the engine's `load_weights` accepts for weight sync.
 
 Normal mode (`batch_invariant=False`): only deterministic mode needs the engine's bits, so the
-policy runs as a trainer would: cuBLAS linears, torch norms / rope / activation under autograd
-(engine.models.layers.use_autograd_ops), flash attention forward and backward (VarlenAttention),
+policy runs as a trainer would: cuBLAS linears, norms / rope / activation with real backwards
+(engine.models.layers.use_autograd_ops: Liger Kernel's on CUDA, trainer_bridge/liger_ops.py; the
+torch code elsewhere), flash attention forward and backward (VarlenAttention),
 torch's log_softmax. The fused kernels' backwards recompute their torch code, and the engine's
 attention kernel had a float32 backward; on the H200 the recipe's train step spent most of its
 host time there (scripts/train_step_profile.py).
@@ -41,6 +42,7 @@ from transformers import AutoConfig
 from engine.kernels import batch_invariant as bi
 from engine.models.layers import use_autograd_ops
 from engine.models.loader import load_model
+from trainer_bridge.liger_ops import autograd_ops
 from trainer_bridge.packed_attention import PackedAttention, PackedBatch
 from trainer_bridge.trainable_lora import TrainableLoRA
 from trainer_bridge.varlen_attention import VarlenAttention
@@ -61,7 +63,7 @@ class Policy(nn.Module):
         if batch_invariant:
             self.attention = PackedAttention(attention_backend, split_size)
         else:
-            use_autograd_ops(model)
+            use_autograd_ops(model, autograd_ops(next(model.parameters()).device))
             self.attention = VarlenAttention()
         self.lora: Optional[TrainableLoRA] = None
 

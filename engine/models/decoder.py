@@ -24,6 +24,7 @@ from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
+    TorchOps,
     apply_rotary,
     fused_kernel,
 )
@@ -50,7 +51,7 @@ def head_dim_of(config: Any) -> int:
 
 
 class Attention(nn.Module):
-    fused = True  # False: q/k norm and rope in torch code on CUDA too (see layers.use_autograd_ops)
+    autograd_ops: Optional[TorchOps] = None  # a trainer's q/k norm + rope (see layers.use_autograd_ops)
 
     def __init__(self, config: Any, layer_id: int, opts: LayerOptions) -> None:
         super().__init__()
@@ -92,8 +93,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        fused = fused_kernel("qk_norm_rope", q) if self.fused else None
-        if fused is not None and (not self.qk_norm or self.q_norm.weight.dtype == q.dtype):
+        fused = fused_kernel("qk_norm_rope", q) if self.autograd_ops is None else None
+        if self.autograd_ops is not None:
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            q, k = self.autograd_ops.qk_norm_rope(q, k, *cos_sin, norm)
+        elif fused is not None and (not self.qk_norm or self.q_norm.weight.dtype == q.dtype):
             # one launch for norm + rope of q and k, in place in the qkv output; same bits
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             q, k = fused.qk_norm_rope(q, k, *cos_sin, *norm)

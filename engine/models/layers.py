@@ -11,9 +11,10 @@ On CUDA the q/k norm + rotary and the activation run fused Triton kernels (engin
 qk_norm_rope.py, silu_and_mul.py) in both modes: one launch each, the same bits as the torch code
 they replace, row-local hence batch-invariant. The CPU keeps the torch code.
 
-`use_autograd_ops(model)` turns both off for a trainer that needs no engine bits (normal mode):
-cuBLAS linears and the torch code everywhere, so autograd records its own backward instead of
-each fused kernel recomputing its torch formulation in backward (engine/kernels/torch_backward.py).
+`use_autograd_ops(model, ops)` turns both off for a trainer that needs no engine bits (normal
+mode): cuBLAS linears, and norms, activation and q/k norm + rope through `ops` (TorchOps: the
+torch code here; trainer_bridge/liger_ops.py: kernels with their own backwards), instead of
+fused kernels whose backward recomputes their torch code (engine/kernels/torch_backward.py).
 """
 
 from __future__ import annotations
@@ -53,20 +54,52 @@ def _import_kernel(name: str) -> Optional[ModuleType]:
         return None
 
 
-def use_autograd_ops(model: nn.Module) -> None:
-    """Every linear, norm, activation and q/k norm + rope of `model` runs torch code (cuBLAS
-    linears) from its next forward: a normal-mode trainer's choice; the engine keeps its kernels."""
+def use_autograd_ops(model: nn.Module, ops: Optional["TorchOps"] = None) -> None:
+    """From its next forward every linear of `model` runs cuBLAS and every norm, activation and
+    q/k norm + rope runs `ops` (default TorchOps): a normal-mode trainer's choice; the engine
+    keeps its kernels."""
+    ops = ops or TorchOps()
     for module in model.modules():
-        if isinstance(module, (Linear, RMSNorm, SiluAndMul)):
+        if isinstance(module, Linear):
             module.deterministic = False
-        if hasattr(module, "fused"):
-            module.fused = False
+        if hasattr(module, "autograd_ops"):
+            module.autograd_ops = ops
+
+
+class TorchOps:
+    """The layers' torch code, differentiable as it is (HF's numerics)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if residual is None:
+            return _rms_norm(x, weight, eps)
+        x = x + residual  # the sum becomes the next residual, as in HF's `residual + hidden_states`
+        return _rms_norm(x, weight, eps), x
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     norm: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm: (q weight, k weight, eps) for Qwen3's RMSNorm over head_dim before rope, or ()."""
+        if norm:
+            q, k = self.rms_norm(q, norm[0], norm[2]), self.rms_norm(k, norm[1], norm[2])
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (SGLang/vLLM calling convention)."""
 
-    fused = True  # False: the torch code on CUDA too (see `use_autograd_ops`)
+    autograd_ops: Optional[TorchOps] = None  # a trainer's (see `use_autograd_ops`)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, deterministic: bool = False) -> None:
         super().__init__()
@@ -77,21 +110,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if self.deterministic or (x.is_cuda and self.fused):
+        if self.autograd_ops is not None:
+            return self.autograd_ops.rms_norm(x, self.weight, self.eps, residual)
+        if self.deterministic or x.is_cuda:
             # on CUDA the one-kernel Triton norm (fused residual add) replaces ~6 torch kernels
             # per call, same rounding order as below; standalone it took 0.5-1.15x torch's time
             # at M = 1..4096 (H200, scripts/bi_matmul_bench.py); end to end not measured yet
             return bi.rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        # the sum becomes the next residual, as in HF's `residual + hidden_states`
-        x = x + residual
-        return self._norm(x), x
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return TorchOps.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -172,20 +198,21 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_pos: Optional[int
 class SiluAndMul(nn.Module):
     """[..., 2*d] (gate | up) -> silu(gate) * up."""
 
-    fused = True  # False: the torch code on CUDA too (see `use_autograd_ops`)
+    autograd_ops: Optional[TorchOps] = None  # a trainer's (see `use_autograd_ops`)
 
     def __init__(self, deterministic: bool = False) -> None:
         super().__init__()
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_kernel("silu_and_mul", x) if self.fused else None
+        if self.autograd_ops is not None:
+            return self.autograd_ops.silu_and_mul(x)
+        fused = fused_kernel("silu_and_mul", x)
         if fused is not None:  # one launch, the bits of this mode's torch code below
             return fused.silu_and_mul(x, stepwise=self.deterministic)
         if self.deterministic:
             return bi.silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return TorchOps.silu_and_mul(x)
 
 
 class Linear(nn.Linear):

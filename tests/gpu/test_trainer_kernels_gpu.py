@@ -1,5 +1,6 @@
-"""The trainer's attention on the GPU: VarlenAttention (normal mode) is flash varlen in bf16 and
-agrees with a float64 reference, forward and backward; deterministic mode's float32 backward
+"""The trainer's kernels on the GPU: VarlenAttention (normal mode) is flash varlen in bf16 and
+agrees with a float64 reference, forward and backward; LigerOps' norms, SwiGLU and q/k norm + rope
+agree with the torch code (TorchOps) in float32, forward and backward; deterministic mode's float32 backward
 (batched, padded SDPA) gives the same gradients run after run; a normal-mode Policy's logprobs and
 gradients agree with deterministic mode's to bf16 rounding."""
 
@@ -52,6 +53,77 @@ def test_varlen_attention_is_flash_and_matches_float64(monkeypatch):
     assert (out.double() - want).abs().max() / want.abs().max() < 2e-2
     for got, ref in zip(grads, want_grads):
         assert (got.double() - ref).abs().max() / ref.abs().max() < 3e-2
+
+
+def _check_op(op_name: str, make_inputs, tol: float = 2e-2):
+    """LigerOps.op on bf16 inputs vs TorchOps.op on their float32 copies: outputs and gradients."""
+    from engine.models.layers import TorchOps
+    from trainer_bridge.liger_ops import LigerOps
+
+    inputs = make_inputs()
+    ours = [t.bfloat16().requires_grad_(True) if t.is_floating_point() else t for t in inputs]
+    ref = [t.float().requires_grad_(True) if t.is_floating_point() else t for t in inputs]
+    got = getattr(LigerOps(), op_name)(*ours)
+    want = getattr(TorchOps(), op_name)(*ref)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    weights = [torch.randn(w.shape, device="cuda", generator=gen) for w in want]
+    grads = torch.autograd.grad(sum((g.float() * w).sum() for g, w in zip(got, weights)), ours)
+    want_grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(want, weights)), ref)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape
+        assert (g.float() - w).abs().max() / w.abs().max() < tol, op_name
+    for g, w in zip(grads, want_grads):
+        assert (g.float() - w).abs().max() / w.abs().max() < tol, op_name
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+
+
+def test_liger_rms_norm_with_and_without_the_residual():
+    _check_op("rms_norm", lambda: (_randn(300, 1024), 1 + 0.1 * _randn(1024, seed=1), 1e-6))
+    _check_op("rms_norm", lambda: (_randn(300, 1024), 1 + 0.1 * _randn(1024, seed=1), 1e-6, _randn(300, 1024, seed=2)))
+
+
+def test_liger_silu_and_mul_on_the_fused_gate_up_output():
+    _check_op("silu_and_mul", lambda: (_randn(300, 2 * 3072),))
+
+
+def test_liger_qk_norm_rope_on_views_of_the_qkv_output():
+    from engine.models.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(128, 1e6).to("cuda")
+    cos, sin = rope(torch.arange(300, device="cuda") % 97)
+
+    def inputs():  # q and k as strided views of one qkv row, as the attention layer makes them
+        qkv = _randn(300, (16 + 8 + 8) * 128)
+        q, k = qkv[:, :2048].view(300, 16, 128), qkv[:, 2048:3072].view(300, 8, 128)
+        return q, k, cos, sin
+
+    _check_op("qk_norm_rope", inputs)
+
+    def with_norm():
+        q, k, c, s = inputs()
+        return q, k, c, s, (1 + 0.1 * _randn(128, seed=3), 1 + 0.1 * _randn(128, seed=4), 1e-6)
+
+    from engine.models.layers import TorchOps
+    from trainer_bridge.liger_ops import LigerOps
+    q, k, c, s, norm = with_norm()
+    got = LigerOps().qk_norm_rope(q.bfloat16(), k.bfloat16(), c, s, tuple(t.bfloat16() if torch.is_tensor(t) else t for t in norm))
+    want = TorchOps().qk_norm_rope(q, k, c, s, norm)
+    for g, w in zip(got, want):
+        assert (g.float() - w).abs().max() / w.abs().max() < 2e-2
+
+
+def test_a_normal_mode_policy_on_cuda_takes_liger():
+    from engine.testing.tiny_model import tiny_model_path
+    from trainer_bridge.liger_ops import LigerOps
+    from trainer_bridge.policy import Policy
+
+    policy = Policy.from_pretrained(str(tiny_model_path()), dtype=torch.bfloat16, device="cuda", batch_invariant=False)
+    norms = [m for m in policy.modules() if type(m).__name__ == "RMSNorm"]
+    assert norms and all(isinstance(m.autograd_ops, LigerOps) for m in norms)
 
 
 @pytest.fixture(scope="module")
