@@ -61,7 +61,7 @@ for s in "$@"; do case $s in
       step trainprof-z3fast 100 python3 scripts/train_step_profile.py --zero-stage 3 --normal-mode ) ;;
   trainfast)  # the normal-mode trainer (flash varlen, torch ops under autograd): its tests, one profiled step, micro batch sizes, det mode
     ( kit && step trainattn 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_trainer_kernels_gpu.py tests/gpu/test_policy_parity_gpu.py
-      step trainfast-prof 120 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size 32 --steps 1 --profile
+      [[ -z ${NOPROF:-} ]] && step trainfast-prof 120 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size 32 --steps 1 --profile
       for m in ${MICROS:-16 32}; do step trainfast-m$m 90 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size $m; done
       [[ -n ${DET:-} ]] && step traindet-m16 120 python3 scripts/train_step_profile.py --zero-stage 2 --micro-batch-size 16 ) ;;
   phaseprobe) ( kit && step phaseprobe 150 python3 scripts/colocate_phase_probe.py --cycles 5 ) ;;  # release / resume phases, graphs kept

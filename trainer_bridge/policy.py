@@ -22,10 +22,10 @@ which the engine's `load_weights` accepts for weight sync.
 Normal mode (`batch_invariant=False`): only deterministic mode needs the engine's bits, so the
 policy runs as a trainer would: cuBLAS linears, norms / rope / activation with real backwards
 (engine.models.layers.use_autograd_ops: Liger Kernel's on CUDA, trainer_bridge/liger_ops.py; the
-torch code elsewhere), flash attention forward and backward (VarlenAttention),
-torch's log_softmax. The fused kernels' backwards recompute their torch code, and the engine's
-attention kernel had a float32 backward; on the H200 the recipe's train step spent most of its
-host time there (scripts/train_step_profile.py).
+torch code elsewhere), flash attention forward and backward (VarlenAttention), and the LM head's
+logprobs in chunks of rows without the full logits (token_logprobs). The fused kernels' backwards
+recompute their torch code, and the engine's attention kernel had a float32 backward: on the H200
+the recipe's train step spent most of its host time there (scripts/train_step_profile.py).
 
 LoRA RL: `add_lora` freezes the model and adds a TrainableLoRA (trainer_bridge/trainable_lora.py),
 whose delta every forward adds through the linears' `lora` seam with the engine's own LoRA code.
@@ -40,10 +40,11 @@ from torch import nn
 from transformers import AutoConfig
 
 from engine.kernels import batch_invariant as bi
-from engine.models.layers import use_autograd_ops
+from engine.models.layers import Linear, use_autograd_ops
 from engine.models.loader import load_model
 from trainer_bridge.liger_ops import autograd_ops
 from trainer_bridge.packed_attention import PackedAttention, PackedBatch
+from trainer_bridge.token_logprobs import token_logprobs
 from trainer_bridge.trainable_lora import TrainableLoRA
 from trainer_bridge.varlen_attention import VarlenAttention
 
@@ -169,9 +170,15 @@ class Policy(nn.Module):
             rows.extend(range(offset + len(p) - 1, offset + len(s) - 1))
             targets.extend(r)
             offset += len(s)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
-        if temperature is not None:
-            logits = logits / torch.tensor(temperature, dtype=torch.float32, device=device)
-        logprobs = bi.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits, -1)
-        picked = logprobs.gather(1, torch.tensor(targets, dtype=torch.int64, device=device)[:, None])[:, 0]
+        hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=device)]
+        targets = torch.tensor(targets, dtype=torch.int64, device=device)
+        head = self.model.lm_head
+        if not self.batch_invariant and type(head) is Linear and head.bias is None:
+            picked = token_logprobs(hidden, head.weight, targets, temperature)  # no [rows, vocab] logits kept
+        else:
+            logits = self.model.compute_logits(hidden)
+            if temperature is not None:
+                logits = logits / torch.tensor(temperature, dtype=torch.float32, device=device)
+            logprobs = bi.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits, -1)
+            picked = logprobs.gather(1, targets[:, None])[:, 0]
         return list(picked.split([len(r) for r in responses]))

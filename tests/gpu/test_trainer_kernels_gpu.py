@@ -55,21 +55,25 @@ def test_varlen_attention_is_flash_and_matches_float64(monkeypatch):
         assert (got.double() - ref).abs().max() / ref.abs().max() < 3e-2
 
 
-def _check_op(op_name: str, make_inputs, tol: float = 2e-2):
-    """LigerOps.op on bf16 inputs vs TorchOps.op on their float32 copies: outputs and gradients."""
+def _check_op(op_name: str, make_inputs, tol: float = 2e-2, differentiated: int = 99):
+    """LigerOps.op on bf16 inputs vs TorchOps.op on their float32 copies: outputs and the
+    gradients of the first `differentiated` tensor inputs."""
     from engine.models.layers import TorchOps
     from trainer_bridge.liger_ops import LigerOps
 
     inputs = make_inputs()
-    ours = [t.bfloat16().requires_grad_(True) if t.is_floating_point() else t for t in inputs]
-    ref = [t.float().requires_grad_(True) if t.is_floating_point() else t for t in inputs]
+    grad = [torch.is_tensor(t) and t.is_floating_point() and i < differentiated for i, t in enumerate(inputs)]
+    ours = [t.bfloat16().requires_grad_(True) if g else t for t, g in zip(inputs, grad)]
+    ref = [t.float().requires_grad_(True) if g else t for t, g in zip(inputs, grad)]
     got = getattr(LigerOps(), op_name)(*ours)
     want = getattr(TorchOps(), op_name)(*ref)
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     gen = torch.Generator(device="cuda").manual_seed(9)
     weights = [torch.randn(w.shape, device="cuda", generator=gen) for w in want]
-    grads = torch.autograd.grad(sum((g.float() * w).sum() for g, w in zip(got, weights)), ours)
-    want_grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(want, weights)), ref)
+    grads = torch.autograd.grad(sum((g.float() * w).sum() for g, w in zip(got, weights)),
+                                [t for t, g in zip(ours, grad) if g])
+    want_grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(want, weights)),
+                                     [t for t, g in zip(ref, grad) if g])
     for g, w in zip(got, want):
         assert g.dtype == torch.bfloat16 and g.shape == w.shape
         assert (g.float() - w).abs().max() / w.abs().max() < tol, op_name
@@ -101,7 +105,7 @@ def test_liger_qk_norm_rope_on_views_of_the_qkv_output():
         q, k = qkv[:, :2048].view(300, 16, 128), qkv[:, 2048:3072].view(300, 8, 128)
         return q, k, cos, sin
 
-    _check_op("qk_norm_rope", inputs)
+    _check_op("qk_norm_rope", inputs, differentiated=2)  # rope's cos / sin are constants
 
     def with_norm():
         q, k, c, s = inputs()
@@ -168,7 +172,8 @@ def test_normal_mode_agrees_with_deterministic_mode(batch):
     normal = Policy.from_pretrained(path, dtype=torch.bfloat16, device="cuda", batch_invariant=False)
     want, want_grads = _logprobs_and_grads(exact, prompts, responses)
     got, got_grads = _logprobs_and_grads(normal, prompts, responses)
-    assert (got - want).abs().max() < 0.1  # bf16 activations, other kernels
+    # bf16 activations and other kernels: a bf16 ulp at these |logprob| ~ 8-16 is 0.0625
+    assert (got - want).abs().max() < 0.25 and (got - want).abs().mean() < 0.05
     for name, ref in want_grads.items():
         cos = torch.nn.functional.cosine_similarity(got_grads[name].flatten(), ref.flatten(), dim=0)
         assert cos > 0.99, (name, float(cos))
