@@ -5,8 +5,10 @@ rollout batch of the recipe's size (16 prompts x 8 samples, 24-token prompts, 25
 times train steps and prints the top CUDA kernels of one profiled step. Variants: ZeRO stage, and
 `--normal-mode` (the normal-mode trainer's Policy: cuBLAS linears, torch ops under autograd, flash
 attention; without it deterministic mode's batch-invariant kernels, the engine's bits).
-FLOPs counted: 6 x parameters x tokens (matmuls, forward + backward) + attention's 12 x layers x
-hidden x sum(len^2) / 2 (causal), against 790 TFLOP/s.
+FLOPs counted as `tandem train` counts them (trainer_bridge/train_flops.py: 6 per weight per token
+but the embedding's, the LM head's over the response rows, causal attention), against 790 TFLOP/s.
+Until 2026-12-04 (4f49991) this script counted 6 x all parameters x all tokens: 132 TFLOP for
+the recipe's batch, 2.2% more than the 128.8 counted now.
 Usage: python scripts/train_step_profile.py [--zero-stage 3] [--normal-mode] [--steps 3] [--profile]
 """
 
@@ -30,14 +32,6 @@ def synthetic_batch(samples: int, prompt_len: int, response_len: int, vocab: int
     return RolloutBatch(prompts, responses, [[1] * response_len for _ in range(samples)],
                         [[-2.0] * response_len for _ in range(samples)],
                         [rng.choice((-1.0, 1.0)) for _ in range(samples)])
-
-
-def train_flops(model: torch.nn.Module, batch) -> float:
-    cfg = model.config
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the full count
-    lens = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) * sum(n * n for n in lens) / 2
-    return 6 * params * sum(lens) + attn
 
 
 def main() -> None:
@@ -71,7 +65,7 @@ def main() -> None:
     model = trainer.policy.model
     batch = synthetic_batch(128, 24, args.response_len, model.config.vocab_size)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    flops = train_flops(model, batch)
+    flops = trainer.step_flops(batch)
     trainer.train_step(batch, 1e-6)  # warm-up: compiles, allocator
     sync()
     times = []

@@ -21,6 +21,7 @@ import torch
 from trainer_bridge.losses import LossConfig, rl_objective
 from trainer_bridge.policy import Policy
 from trainer_bridge.rollout_batch import RolloutBatch
+from trainer_bridge.train_flops import train_flops
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -90,7 +91,14 @@ class Trainer(ABC):
         if routes_total:  # the share of (token, layer, slot) routes the policy picks as the rollout did
             totals["route_agreement"] = routes_same / routes_total
         totals["grad_norm"] = self.optimizer_step(lr)
+        totals["train_tflop"] = self.step_flops(batch) / 1e12
         return totals
+
+    def step_flops(self, batch: RolloutBatch) -> float:
+        """Matmul FLOPs of this batch's forward + backward (trainer_bridge/train_flops.py)."""
+        lens = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+        return train_flops(self.policy.model, lens, sum(len(r) for r in batch.responses),
+                           weight_grads=self.policy.lora is None)
 
     def supervised_step(self, prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
                         lr: float) -> dict[str, float]:

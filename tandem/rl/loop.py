@@ -214,7 +214,8 @@ def _train_and_push(recipe: Recipe, trainer: Any, pusher: WeightPusher, result: 
         "accuracy": sum(1 for s in samples if s.reward >= 1.0) / max(len(samples), 1),
         "rollout_s": result.seconds, "rollout_wait_s": waited,
         "rollout_tok_s": result.generated_tokens / max(result.seconds, 1e-9),
-        "train_s": train_s, "sync_s": sync_s, "response_len_mean": result.generated_tokens / max(len(samples), 1),
+        "train_s": train_s, "train_tflops": train.get("train_tflop", 0.0) / max(train_s, 1e-9),
+        "sync_s": sync_s, "response_len_mean": result.generated_tokens / max(len(samples), 1),
         "truncated": sum(1 for s in samples if s.status == "truncated") / max(len(samples), 1),
         "push_bytes": pusher.last_push_bytes,  # per engine: the adapter alone in LoRA RL
         "rollout_weight_versions": versions, **phases, **train, **_trainer_memory(),

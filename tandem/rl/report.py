@@ -17,8 +17,14 @@ from typing import Any, Optional
 COLUMNS = (  # (metric, header, format spec); a column is as wide as its header
     ("step", "step", "d"), ("reward_mean", "reward", ".3f"), ("accuracy", "accuracy", ".3f"),
     ("rollout_tok_s", "rollout tok/s", ".0f"), ("rollout_s", "rollout s", ".2f"),
-    ("train_s", "train s", ".2f"), ("sync_s", "sync s", ".2f"), ("logprob_abs_diff_max", "logprob diff", ".3g"),
+    ("train_s", "train s", ".2f"), ("train_tflops", "train TFLOP/s", ".1f"), ("sync_s", "sync s", ".2f"),
+    ("logprob_abs_diff_max", "logprob diff", ".3g"),
 )
+# (metric, label, unit) of the closing line: each phase's median over the steps after the first
+# (the first compiles kernels and warms allocators)
+PHASES = (("rollout_s", "rollout", "s"), ("train_s", "train", "s"), ("train_tflops", "train", "TFLOP/s"),
+          ("sync_s", "push", "s"), ("release_s", "release", "s"), ("resume_weights_s", "resume weights", "s"),
+          ("resume_kv_s", "resume KV + graphs", "s"))
 
 
 class RunReport:
@@ -58,6 +64,8 @@ class RunReport:
         """-> the reward curve's path, when matplotlib could draw it."""
         if self._bar is not None:
             self._bar.close()
+        if self.rows:
+            self._print(phase_medians_line(self.rows))
         self._metrics.close()
         if self._wandb is not None:
             self._wandb.finish()
@@ -115,6 +123,21 @@ class RunReport:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def phase_medians_line(rows: list[dict]) -> str:
+    """'medians over steps 2-5: rollout 1.19 s, train 0.73 s, ...' (step 1 alone when it is all)."""
+    import statistics
+
+    steps = rows[1:] or rows
+    parts = []
+    for key, label, unit in PHASES:
+        values = [r[key] for r in steps if isinstance(r.get(key), (int, float))]
+        if values:
+            value = statistics.median(values)
+            parts.append(f"{label} {value:.3g} {unit}" if unit != "s" else f"{label} {value:.3f} s")
+    span = f"step {steps[0]['step']}" if len(steps) == 1 else f"steps {steps[0]['step']}-{steps[-1]['step']}"
+    return f"medians over {span}: " + ", ".join(parts)
 
 
 def _read(path: Path) -> str:
