@@ -64,6 +64,7 @@ for s in "$@"; do case $s in
       [[ -z ${NOPROF:-} ]] && step trainfast-prof 120 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size 32 --steps 1 --profile
       for m in ${MICROS:-16 32}; do step trainfast-m$m 90 python3 scripts/train_step_profile.py --zero-stage 2 --normal-mode --micro-batch-size $m; done
       [[ -n ${DET:-} ]] && step traindet-m16 120 python3 scripts/train_step_profile.py --zero-stage 2 --micro-batch-size 16 ) ;;
+  serveready) ( kit && step serveready 300 python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 2 ) ;;  # first on a fresh machine: cold, then warm
   phaseprobe) ( kit && step phaseprobe 150 python3 scripts/colocate_phase_probe.py --cycles 5 ) ;;  # release / resume phases, graphs kept
   cycles) ( kit && step cycles 150 python3 -m pytest -q -s -x -rfE -p no:cacheprovider tests/gpu/test_memory_saver_gpu.py -k cycles ) ;;
   restgpu) ( kit && step restgpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_core_process_gpu.py tests/gpu/test_colocate_gpu.py tests/gpu/test_server_gpu.py tests/engine/test_sampling.py tests/engine/test_atomic_updates.py ) ;;

@@ -1,0 +1,68 @@
+"""How long `tandem serve` takes to be ready, and where the time goes (issue 25's start-up row).
+
+Starts `python -m tandem.main serve` on a model folder (a preset's random-weight folder made with
+`tandem tiny-model`, weights `--load-format dummy`), polls /health until it answers 200, and prints
+the wall time from the command to ready beside the server's start-up line (its phases: before
+engine = imports and argument checks, weights, kv_pool, tokenizer, runner = CUDA graphs, warm-up
+and kernel compiles). Run it first on a fresh machine for the cold figure, then again for a warm
+one. Usage: python scripts/serve_ready_probe.py --preset qwen3-8b [--runs 2] [-- extra serve flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def time_to_ready(model_dir: str, port: int, extra: list[str], limit_s: float) -> tuple[float, str]:
+    cmd = [sys.executable, "-m", "tandem.main", "serve", "--model-path", model_dir, "--load-format", "dummy",
+           "--skip-tokenizer-init", "--port", str(port), *extra]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    start = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while time.perf_counter() - start < limit_s:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited ({server.returncode}) before it was ready:\n"
+                                 + Path(log.name).read_text()[-3000:])
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        ready = time.perf_counter() - start
+                        lines = Path(log.name).read_text().splitlines()
+                        return ready, next((line for line in lines if " ready: " in line), "(no start-up line)")
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit(f"not ready after {limit_s:.0f} s")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--port", type=int, default=30002)
+    parser.add_argument("--limit-s", type=float, default=240.0)
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    model_dir = tempfile.mkdtemp(prefix=f"ready-{args.preset}-")
+    subprocess.run([sys.executable, "-m", "tandem.main", "tiny-model", "--out", model_dir, "--preset", args.preset],
+                   check=True, stdout=subprocess.DEVNULL)
+    for run in range(args.runs):
+        ready, line = time_to_ready(model_dir, args.port, extra, args.limit_s)
+        print(f"run {run + 1} ({'cold' if run == 0 else 'warm'}): ready in {ready:.1f} s | {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
