@@ -34,6 +34,7 @@ class ColocatePhases:
     """Seconds spent in each phase of one colocated step (slowest engine where several)."""
     release: float
     train: float
+    return_cache: float  # the train step's cached activations handed back to the driver (for the engines)
     resume_weights: float
     push: float
     resume_kv: float
@@ -70,6 +71,7 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
             on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, tags, "release"))
         with clock.phase("train"):
             result = train_step()
+        with clock.phase("return_cache"):  # timed apart: the next step allocates them again
             _return_cached_memory()
         with clock.phase("resume_weights"):
             early = [tag for tag in WEIGHT_TAGS if tag in released]

@@ -23,7 +23,7 @@ COLUMNS = (  # (metric, header, format spec); a column is as wide as its header
 # (metric, label, unit) of the closing line: each phase's median over the steps after the first
 # (the first compiles kernels and warms allocators)
 PHASES = (("rollout_s", "rollout", "s"), ("train_s", "train", "s"), ("train_tflops", "train", "TFLOP/s"),
-          ("sync_s", "push", "s"), ("release_s", "release", "s"), ("resume_weights_s", "resume weights", "s"),
+          ("return_cache_s", "trainer cache freed", "s"), ("sync_s", "push", "s"), ("release_s", "release", "s"), ("resume_weights_s", "resume weights", "s"),
           ("resume_kv_s", "resume KV + graphs", "s"))
 
 

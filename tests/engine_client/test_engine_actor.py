@@ -204,7 +204,7 @@ def test_colocated_step_across_actors_keeps_rollouts_on_policy(engine_actor, tra
         advantages = [1.0 if s.index == 0 else -1.0 for s in samples]
         metrics, phases = ray_cluster.get(trainer_b.colocated_step.remote(
             [engine_actor], samples, advantages, 1e-2, "step-1", PushConfig(bucket_bytes=64 << 10), "ray"))
-        assert metrics["grad_norm"] > 0 and set(phases) == {"release", "train", "resume_weights", "push", "resume_kv"}
+        assert metrics["grad_norm"] > 0 and set(phases) == {"release", "train", "return_cache", "resume_weights", "push", "resume_kv"}
         info = client.get_server_info()["internal_states"][0]
         assert info["memory_released"] == [] and not info["paused"]
         after = [s for g in RolloutManager([client]).generate(PROMPTS, sampled, n=2) for s in g]
