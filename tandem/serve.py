@@ -44,6 +44,18 @@ def default_core_process(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "core_process": on_gpu}
 
 
+def _spawn_core_early(kwargs: dict[str, Any]) -> Any:
+    """The core's process, started now when the core runs in one, so that its imports, weight load
+    and CUDA graphs overlap this process's imports (the engine, transformers, fastapi) instead of
+    following them; None for a core on a thread here."""
+    if not kwargs.get("core_process"):
+        return None
+    from engine.api.core_spawn import spawn_core
+    from engine.config import ServerArgs
+
+    return spawn_core(ServerArgs.from_kwargs(**kwargs))
+
+
 def exposure_warning(host: str, api_key: Any, admin_api_key: Any) -> str:
     """The warning to log for this bind, or '' when the server is local or fully keyed."""
     if host in LOCAL_HOSTS or host.startswith("127."):
@@ -60,11 +72,19 @@ def exposure_warning(host: str, api_key: Any, admin_api_key: Any) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from engine import Engine
     from tandem.server_args import server_args_from_namespace
-    from engine.server.http import create_app
 
-    engine = Engine(**default_core_process(with_env_keys(server_args_from_namespace(args))))
+    kwargs = default_core_process(with_env_keys(server_args_from_namespace(args)))
+    spawned = _spawn_core_early(kwargs)
+    try:
+        from engine import Engine
+        from engine.server.http import create_app
+
+        engine = Engine(spawned_core=spawned, **kwargs)
+    except BaseException:
+        if spawned is not None:
+            spawned.kill()
+        raise
     sa = engine.server_args
     warning = exposure_warning(sa.host, sa.api_key, sa.admin_api_key)
     if warning:

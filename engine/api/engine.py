@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
@@ -29,6 +29,9 @@ from engine.api.engine_weights import EngineWeights
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, FlushCacheReq, PauseReq,
                                   ReqInput, ReqOutput, StatsReq, StatsSnapshot, check_pause_mode)
 
+if TYPE_CHECKING:
+    from engine.api.core_spawn import SpawnedCore
+
 logger = logging.getLogger("tandem")
 
 Sink = Callable[[ReqOutput], None]
@@ -39,7 +42,10 @@ class Engine(EngineWeights, EngineLoRA):
     """Generation, pause, state and lifetime here; weights and colocated memory in EngineWeights,
     LoRA adapters in EngineLoRA."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, spawned_core: Optional["SpawnedCore"] = None, **kwargs: Any) -> None:
+        """kwargs: ServerArgs fields. spawned_core: the core process, already started for these
+        arguments (engine/api/core_spawn.py; `tandem serve` starts it before its own imports)."""
+        self._spawned_core = spawned_core
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         configure_logging(self.server_args.log_level)
         self._sinks: dict[str, Sink] = {}
@@ -65,7 +71,11 @@ class Engine(EngineWeights, EngineLoRA):
         if self.server_args.core_process:
             from engine.api.process_client import ProcessCoreClient
 
-            return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self._core_died)
+            return ProcessCoreClient(self.server_args, self._dispatch, on_core_death=self._core_died,
+                                     spawned=self._spawned_core)
+        if self._spawned_core is not None:
+            self._spawned_core.kill()
+            raise ValueError("a spawned core process needs core_process=True")
         return ThreadCoreClient(self.server_args, self._dispatch, on_core_death=self._core_died)
 
     def _load_tokenizer(self) -> Any:

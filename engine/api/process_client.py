@@ -1,8 +1,8 @@
 """ProcessCoreClient: the EngineCore in its own process, so HTTP, tokenization and
 detokenization never share an interpreter (or its GIL) with the scheduler and the model.
 
-The child is started with the 'spawn' context (safe with CUDA) and runs
-engine/core/process_main.py. Messages are pickled with torch's ForkingPickler in the caller's
+The child is started with the 'spawn' context (safe with CUDA, engine/api/core_spawn.py; `tandem
+serve` starts it before its own imports and hands it over) and runs engine/core/process_main.py. Messages are pickled with torch's ForkingPickler in the caller's
 thread (a message that cannot cross fails there, at once), so tensors inside a weight update
 travel by reference (CPU shared memory, CUDA IPC handles) and reach the core unchanged. A sender
 thread writes queued messages to the pipe in batches, so the caller never blocks on a full pipe;
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing as mp
 import queue
 import signal
 import threading
@@ -28,9 +27,9 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions on 
 from multiprocessing.reduction import ForkingPickler
 
 from engine.api.core_client import CallTable, CoreClient, CoreDead, OnOutputs
+from engine.api.core_spawn import SpawnedCore, spawn_core
 from engine.config import ServerArgs
 from engine.core.messages import CoreInfo, StatsSnapshot
-from engine.core.process_main import run_core_process
 from engine.core.worker import STOP
 
 logger = logging.getLogger("tandem")
@@ -46,19 +45,19 @@ class CoreStartupError(RuntimeError):
 
 class ProcessCoreClient(CoreClient):
     def __init__(self, server_args: ServerArgs, on_outputs: OnOutputs,
-                 on_core_death: Optional[OnDeath] = None) -> None:
+                 on_core_death: Optional[OnDeath] = None, spawned: Optional[SpawnedCore] = None) -> None:
+        """spawned: a core process already started for these server_args (engine/api/core_spawn.py)."""
         self._on_outputs = on_outputs
         self._on_core_death = on_core_death
         self._calls = CallTable()
         self._outbox: "queue.Queue[Optional[tuple[bytes, Optional[int]]]]" = queue.Queue()
         self._dead: Optional[str] = None  # why the core is gone, once it is
         self._stopping = False
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=run_core_process, args=(server_args, child_conn),
-                                   name="tandem-core", daemon=False)  # daemons may not start compile workers
-        self.process.start()
-        child_conn.close()  # only the child holds its end now: its exit reads as EOF here
+        if spawned is not None and spawned.server_args != server_args:
+            spawned.kill()
+            raise ValueError("the core process was spawned for other server arguments than this engine's")
+        spawned = spawned or spawn_core(server_args)
+        self.process, self._conn = spawned.process, spawned.conn
         try:
             self.info: CoreInfo = self._wait_for_info()
         except BaseException:

@@ -278,3 +278,44 @@ def test_errors_that_do_not_rebuild_cross_as_runtime_errors():
     assert _portable_error(plain) is plain
     crossed = _portable_error(_NeedsTwoArgs("x", "y"))
     assert type(crossed) is RuntimeError and str(crossed) == "_NeedsTwoArgs: x y"
+
+
+def test_an_engine_adopts_a_core_spawned_before_it(engine_factory, tiny_model_dir):
+    """`tandem serve` spawns the core before its own imports (engine/api/core_spawn.py)."""
+    from engine.api.core_spawn import spawn_core
+    from engine.config import ServerArgs
+
+    kwargs = {"model_path": tiny_model_dir, "dtype": "float32", "device": "cpu", "core_process": True}
+    spawned = spawn_core(ServerArgs.from_kwargs(**kwargs))
+    eng = engine_factory(spawned_core=spawned, **{k: v for k, v in kwargs.items() if k != "model_path"})
+    assert eng.client.process is spawned.process and spawned.process.is_alive()
+    out = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert len(out["output_ids"]) == 8
+
+
+@pytest.mark.parametrize("core_process", [True, False])
+def test_a_spawned_core_that_does_not_fit_is_stopped(tiny_model_dir, core_process):
+    """Other server arguments, or a core on a thread: a clear error, and the spawned process ends."""
+    from engine import Engine
+    from engine.api.core_spawn import spawn_core
+    from engine.config import ServerArgs
+
+    spawned = spawn_core(ServerArgs.from_kwargs(model_path=tiny_model_dir, dtype="float32", device="cpu",
+                                                core_process=True, max_running_requests=7))
+    with pytest.raises(ValueError, match="spawned"):
+        Engine(spawned_core=spawned, model_path=tiny_model_dir, dtype="float32", device="cpu",
+               core_process=core_process)
+    spawned.process.join(20)
+    assert not spawned.process.is_alive()
+
+
+def test_serve_spawns_the_core_early_only_for_a_core_process(tiny_model_dir):
+    from tandem.serve import _spawn_core_early
+
+    assert _spawn_core_early({"model_path": tiny_model_dir, "core_process": False}) is None
+    spawned = _spawn_core_early({"model_path": tiny_model_dir, "device": "cpu", "core_process": True})
+    try:
+        assert spawned.process.is_alive() and spawned.server_args.model_path == tiny_model_dir
+    finally:
+        spawned.kill()
+    assert not spawned.process.is_alive()
