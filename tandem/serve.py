@@ -9,10 +9,11 @@ an answer, and the process exits within a few seconds even if the core is stuck.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import uvicorn
 
@@ -38,10 +39,37 @@ def default_core_process(kwargs: dict[str, Any]) -> dict[str, Any]:
     process (docs/benchmarks.md)."""
     if kwargs.get("core_process") is not None:
         return kwargs
+    on_gpu = kwargs.get("device", "auto") in ("auto", "cuda") and cuda_available()
+    return {**kwargs, "core_process": on_gpu}
+
+
+def cuda_available() -> bool:
+    """Whether a GPU is visible, asked of NVML first (as torch's PYTORCH_NVML_BASED_CUDA_CHECK does):
+    importing torch to ask takes seconds on a fresh machine, and the core process (spawned early,
+    see _spawn_core_early) should not wait for it; torch answers where NVML is not there."""
+    count = nvml_gpu_count()
+    if count is not None:
+        return count > 0
     import torch
 
-    on_gpu = kwargs.get("device", "auto") in ("auto", "cuda") and torch.cuda.is_available()
-    return {**kwargs, "core_process": on_gpu}
+    return torch.cuda.is_available()
+
+
+def nvml_gpu_count(environ: Any = os.environ, library: str = "libnvidia-ml.so.1") -> Optional[int]:
+    """GPUs NVML sees (0 when CUDA_VISIBLE_DEVICES hides them all); None without NVML."""
+    if environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return 0
+    try:
+        nvml = ctypes.CDLL(library)
+    except OSError:
+        return None
+    count = ctypes.c_uint(0)
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else None
+    finally:
+        nvml.nvmlShutdown()
 
 
 def _spawn_core_early(kwargs: dict[str, Any]) -> Any:

@@ -106,7 +106,10 @@ def test_missing_handler_module_is_a_clear_error(monkeypatch):
 def test_serve_runs_the_core_in_a_process_on_a_gpu_unless_told(monkeypatch):
     import torch
 
+    from tandem import serve
     from tandem.serve import default_core_process
+
+    monkeypatch.setattr(serve, "nvml_gpu_count", lambda: None)  # no NVML: torch decides
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_core_process({"device": "auto"})["core_process"] is True
@@ -115,6 +118,49 @@ def test_serve_runs_the_core_in_a_process_on_a_gpu_unless_told(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_core_process({})["core_process"] is False
     assert default_core_process({"core_process": True})["core_process"] is True
+
+
+class FakeNvml:
+    """libnvidia-ml's three calls the serve command makes, for a machine with `gpus` GPUs."""
+
+    def __init__(self, gpus: int, init_status: int = 0) -> None:
+        self.gpus, self.init_status, self.shut = gpus, init_status, False
+
+    def nvmlInit_v2(self) -> int:
+        return self.init_status
+
+    def nvmlDeviceGetCount_v2(self, count_ref) -> int:
+        count_ref._obj.value = self.gpus
+        return 0
+
+    def nvmlShutdown(self) -> int:
+        self.shut = True
+        return 0
+
+
+def test_serve_asks_nvml_before_importing_torch(monkeypatch):
+    """The GPU check that decides the core's process runs before the core is spawned: NVML, not torch."""
+    import ctypes
+
+    from tandem import serve
+
+    fake = FakeNvml(2)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
+    assert serve.nvml_gpu_count({}) == 2 and fake.shut
+    assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": "-1"}) == 0
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeNvml(2, init_status=9))
+    assert serve.nvml_gpu_count({}) is None  # NVML would not start: torch decides
+
+    def no_library(name):
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert serve.nvml_gpu_count({}) is None
+    monkeypatch.setattr(serve, "nvml_gpu_count", lambda: 1)
+    assert serve.default_core_process({"device": "auto"})["core_process"] is True
+    monkeypatch.setattr(serve, "nvml_gpu_count", lambda: 0)
+    assert serve.default_core_process({"device": "auto"})["core_process"] is False
 
 
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
