@@ -173,7 +173,9 @@ class Policy(nn.Module):
         hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=device)]
         targets = torch.tensor(targets, dtype=torch.int64, device=device)
         head = self.model.lm_head
-        if not self.batch_invariant and type(head) is Linear and head.bias is None:
+        # ZeRO-3 partitions the head's weight (ds_numel) and gathers it only for the head's own forward
+        whole_head = type(head) is Linear and head.bias is None and not hasattr(head.weight, "ds_numel")
+        if not self.batch_invariant and whole_head:
             picked = token_logprobs(hidden, head.weight, targets, temperature)  # no [rows, vocab] logits kept
         else:
             logits = self.model.compute_logits(hidden)

@@ -50,3 +50,17 @@ def test_a_normal_mode_policy_takes_it_and_agrees_with_the_full_head():
     exact = Policy.from_pretrained(str(tiny_model_path()))
     want = torch.cat(exact.rollout_logprobs(prompts, responses, temperature=0.9))
     assert (got - want).abs().max() < 1e-4
+
+
+def test_a_zero3_partitioned_head_goes_through_its_own_forward():
+    """ZeRO-3 marks its partitioned parameters (ds_numel) and gathers them only in the module's forward."""
+    from engine.testing.tiny_model import tiny_model_path
+    from trainer_bridge.policy import Policy
+
+    policy = Policy.from_pretrained(str(tiny_model_path()), batch_invariant=False)
+    policy.model.lm_head.weight.ds_numel = policy.model.lm_head.weight.numel()
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tl._LinearLogprob, "apply", lambda *a: calls.append(1))
+        lps = policy.rollout_logprobs([[5, 6]], [[7, 8]])
+    assert not calls and lps[0].shape == (2,)
