@@ -57,8 +57,11 @@ def cuda_available() -> bool:
 
 def nvml_gpu_count(environ: Any = os.environ, library: str = "libnvidia-ml.so.1") -> Optional[int]:
     """GPUs NVML sees (0 when CUDA_VISIBLE_DEVICES hides them all); None without NVML."""
-    if environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
-        return 0
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # CUDA reads the list up to its first invalid entry: none valid, no GPU
+        first = visible.split(",")[0].strip()
+        if not (first.isdigit() or first.startswith(("GPU-", "MIG-"))):
+            return 0
     try:
         nvml = ctypes.CDLL(library)
     except OSError:

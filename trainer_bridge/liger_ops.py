@@ -13,11 +13,14 @@ bits: normal mode needs none.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Union
 
 import torch
 
 from engine.models.layers import TorchOps
+
+logger = logging.getLogger("tandem")
 
 
 class LigerOps(TorchOps):
@@ -57,6 +60,8 @@ def autograd_ops(device: torch.device) -> TorchOps:
     if torch.device(device).type == "cuda":
         try:
             return LigerOps()
-        except ImportError:
-            pass
+        except ImportError as exc:
+            logger.warning("the trainer's norms, SwiGLU and rope run torch code (%s); pip install "
+                           "'liger-kernel>=0.8.5' for its fused kernels (the recipe's train step at micro batch 32 on an H200: 0.74 s "
+                           "and 35 GiB with them, 0.88 s and 41 GiB without)", exc)
     return TorchOps()

@@ -27,7 +27,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: Optional[float]) -> torch.Tensor:
     logits = (hidden @ weight.T).float()  # as the model's compute_logits: the head's dtype, then float32
-    return logits if temperature is None else logits / temperature
+    return logits if temperature is None else logits.div_(temperature)  # a fresh tensor either way
 
 
 class _LinearLogprob(torch.autograd.Function):
@@ -53,10 +53,9 @@ class _LinearLogprob(torch.autograd.Function):
         scale = 1.0 if ctx.temperature is None else 1.0 / ctx.temperature
         for start in range(0, len(hidden), CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            g = grad[rows, None].float()
+            g = grad[rows, None].float() * scale  # d logit / d (hidden @ weight.T) = 1 / temperature
             d_logits = _logits(hidden[rows], weight, ctx.temperature).sub_(lse[rows, None]).exp_().mul_(-g)
-            d_logits.scatter_add_(1, targets[rows, None], g)  # d logprob / d logit = onehot - softmax
-            d_logits = (d_logits * scale).to(hidden.dtype)
+            d_logits = d_logits.scatter_add_(1, targets[rows, None], g).to(hidden.dtype)  # onehot - softmax
             if want_hidden:
                 d_hidden[rows] = d_logits @ weight
             if want_weight:

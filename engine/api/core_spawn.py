@@ -27,6 +27,9 @@ class SpawnedCore:
         self.conn.close()  # EOF: a core that started stops by itself
         self.process.terminate()
         self.process.join(10)
+        if self.process.is_alive():  # stuck in a driver call: a live non-daemon child blocks our exit
+            self.process.kill()
+            self.process.join(5)
 
 
 def spawn_core(server_args: ServerArgs) -> SpawnedCore:

@@ -149,6 +149,10 @@ def test_serve_asks_nvml_before_importing_torch(monkeypatch):
     assert serve.nvml_gpu_count({}) == 2 and fake.shut
     assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
     assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": "-1"}) == 0
+    assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": "-1,0"}) == 0  # CUDA stops at the first invalid entry
+    assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": "none"}) == 0
+    assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": "1,0"}) == 2
+    assert serve.nvml_gpu_count({"CUDA_VISIBLE_DEVICES": "GPU-5e1c"}) == 2
     monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeNvml(2, init_status=9))
     assert serve.nvml_gpu_count({}) is None  # NVML would not start: torch decides
 
@@ -161,6 +165,29 @@ def test_serve_asks_nvml_before_importing_torch(monkeypatch):
     assert serve.default_core_process({"device": "auto"})["core_process"] is True
     monkeypatch.setattr(serve, "nvml_gpu_count", lambda: 0)
     assert serve.default_core_process({"device": "auto"})["core_process"] is False
+
+
+def test_serve_stops_the_early_core_when_the_engine_fails(monkeypatch):
+    import engine.api.engine
+    import tandem.server_args
+    from tandem import serve
+
+    class Spawned:
+        killed = False
+
+        def kill(self):
+            Spawned.killed = True
+
+    class Broken:
+        def __init__(self, **kwargs):
+            raise RuntimeError("no engine today")
+
+    monkeypatch.setattr(tandem.server_args, "server_args_from_namespace", lambda args: {"core_process": True})
+    monkeypatch.setattr(serve, "_spawn_core_early", lambda kwargs: Spawned())
+    monkeypatch.setattr(engine.api.engine, "Engine", Broken)
+    with pytest.raises(RuntimeError, match="no engine today"):
+        serve.run_serve(None)
+    assert Spawned.killed
 
 
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
