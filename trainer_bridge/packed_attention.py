@@ -30,7 +30,6 @@ from engine.attention.base import AttentionBackend
 from engine.attention.deterministic import split_kv_attention
 from engine.attention.registry import default_backend, deterministic_backends, get_backend_spec
 from engine.attention.split_kv_plan import DEFAULT_CONFIGS, SplitKvPlan
-from engine.kernels.torch_backward import reference_grads
 
 # The engine backends whose deterministic bits the trainer reproduces: every backend with a
 # deterministic mode (engine/attention/registry.py) needs a packed twin in PACKED_FORWARDS below.
@@ -155,8 +154,9 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grads = reference_grads(lambda q, k, v: causal_attention(q, k, v, ctx.seq_lens, ctx.scaling),
-                                ctx.saved_tensors, ctx.needs_input_grad[:3], (grad,))
+        from trainer_bridge.attention_grads import causal_attention_grads  # (it imports this module)
+
+        grads = causal_attention_grads(*ctx.saved_tensors, ctx.seq_lens, ctx.scaling, grad, ctx.needs_input_grad[:3])
         return (*grads, None, None)
 
 

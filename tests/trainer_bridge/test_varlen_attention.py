@@ -78,3 +78,20 @@ def test_cumulative_lens_are_flash_varlens_offsets():
     batch = PackedBatch([3, 1, 4], VarlenAttention())
     cu, longest = batch.cumulative_lens(torch.device("cpu"))
     assert cu.tolist() == [0, 3, 4, 8] and cu.dtype == torch.int32 and longest == 4
+
+
+@pytest.mark.parametrize("max_scores", [packed_attention.MAX_SCORES, 300, 4 * 12 * 5])
+def test_the_deterministic_backward_in_bounded_runs_and_blocks(monkeypatch, max_scores):
+    """causal_attention_grads (the Triton path's backward): whole runs, runs of one sequence, and
+    sequences split into query blocks (4 heads x 12 rows x 5 keys: the 12-long one in 3 blocks)."""
+    from trainer_bridge.attention_grads import causal_attention_grads
+
+    monkeypatch.setattr(packed_attention, "MAX_SCORES", max_scores)
+    inputs = _inputs(4)
+    grad_out = torch.randn(sum(LENS), HEADS, DIM, generator=torch.Generator().manual_seed(5))
+    want_grads = torch.autograd.grad((reference(*inputs, LENS) * grad_out.double()).sum(), inputs)
+    got = causal_attention_grads(*(t.detach() for t in inputs), LENS, SCALE, grad_out, (True, True, True))
+    for g, w in zip(got, want_grads):
+        assert g.shape == w.shape and (g.double() - w).abs().max() < 1e-5
+    only_q = causal_attention_grads(*(t.detach() for t in inputs), LENS, SCALE, grad_out, (True, False, False))
+    assert only_q[1] is None and only_q[2] is None and torch.equal(only_q[0], got[0])
