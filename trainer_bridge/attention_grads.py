@@ -62,11 +62,9 @@ def _blocked_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
 
 def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scaling: float) -> torch.Tensor:
     """Rows offset.. of one sequence's causal attention in float32; q [b, H, D], k / v [offset + b, Hkv, D]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     rows = torch.arange(offset, offset + q.shape[0], device=q.device)
     visible = torch.arange(k.shape[0], device=q.device)[None, :] <= rows[:, None]  # [b, keys]
-    with sdpa_kernel(SDPBackend.MATH):  # as causal_attention's float32: reproducible
+    with packed_attention._backend_for(torch.float32):  # as causal_attention's float32: reproducible
         out = F.scaled_dot_product_attention(*(t.float().transpose(0, 1)[None] for t in (q, k, v)), attn_mask=visible,
                                              scale=scaling, enable_gqa=True)
     return out[0].transpose(0, 1).to(q.dtype)

@@ -44,10 +44,8 @@ class LigerOps(TorchOps):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._swiglu.apply(x)
 
-    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     norm: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        if norm:
-            q, k = self.rms_norm(q, norm[0], norm[2]), self.rms_norm(k, norm[1], norm[2])
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         # Liger's layout is [batch, heads, seq, dim]: the packed tokens are one sequence whose
         # cos/sin rows are each token's own (cast to the activations' dtype first, as HF does)
         q4, k4 = self._rope.apply(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),

@@ -33,10 +33,10 @@ class VarlenAttention(AttentionBackend):
         if varlen is None or not q.is_cuda or q.dtype not in FLASH_DTYPES:
             return causal_attention(q, k, v, forward_batch.seq_lens_cpu, scaling, dtype=q.dtype)
         cu_lens, max_len = forward_batch.cumulative_lens(q.device)
-        if not _takes_gqa():  # torch < 2.13: every query head gets its own K/V rows
+        gqa = {"enable_gqa": True} if _takes_gqa() else {}
+        if not gqa:  # torch < 2.13: every query head gets its own K/V rows
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        gqa = {"enable_gqa": True} if _takes_gqa() else {}
         return varlen(q, k, v, cu_lens, cu_lens, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
 
 

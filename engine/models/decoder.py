@@ -93,13 +93,12 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
         fused = fused_kernel("qk_norm_rope", q) if self.autograd_ops is None else None
         if self.autograd_ops is not None:
-            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             q, k = self.autograd_ops.qk_norm_rope(q, k, *cos_sin, norm)
         elif fused is not None and (not self.qk_norm or self.q_norm.weight.dtype == q.dtype):
             # one launch for norm + rope of q and k, in place in the qkv output; same bits
-            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             q, k = fused.qk_norm_rope(q, k, *cos_sin, *norm)
         else:
             if self.qk_norm:

@@ -87,6 +87,10 @@ class TorchOps:
         """norm: (q weight, k weight, eps) for Qwen3's RMSNorm over head_dim before rope, or ()."""
         if norm:
             q, k = self.rms_norm(q, norm[0], norm[2]), self.rms_norm(k, norm[1], norm[2])
+        return self.rope(q, k, cos, sin)
+
+    @staticmethod
+    def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
