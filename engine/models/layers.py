@@ -62,6 +62,7 @@ def use_autograd_ops(model: nn.Module, ops: Optional["TorchOps"] = None) -> None
     for module in model.modules():
         if isinstance(module, Linear):
             module.deterministic = False
+            module.small_m_kernel = False
         if hasattr(module, "autograd_ops"):
             module.autograd_ops = ops
 
@@ -226,6 +227,7 @@ class Linear(nn.Linear):
     adapter delta to this layer's output, found by `lora_name` (the module's name in the model,
     set by the model once built; empty for layers no adapter may target)."""
     lora_name: str = ""
+    small_m_kernel: bool = True  # normal mode, 1..8 rows on CUDA: engine.kernels.small_m_linear
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  deterministic: bool = False) -> None:
@@ -233,7 +235,14 @@ class Linear(nn.Linear):
         self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
-        out = bi.linear(x, self.weight, self.bias) if self.deterministic else F.linear(x, self.weight, self.bias)
+        if self.deterministic:
+            out = bi.linear(x, self.weight, self.bias)
+        else:
+            small_m = fused_kernel("small_m_linear", x) if self.small_m_kernel else None
+            if small_m is not None and small_m.applies(x, self.weight):
+                out = small_m.small_m_linear(x, self.weight, self.bias)
+            else:
+                out = F.linear(x, self.weight, self.bias)
         return out if lora is None else lora.apply(self.lora_name, x, out)
 
 

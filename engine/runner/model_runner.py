@@ -26,7 +26,8 @@ from engine.lora.lora_batch import LoRABatch
 from engine.runner.logits_plan import LogitsPlan
 from engine.phase_clock import PhaseClock
 from engine.runner.memory_saver import MemorySaver
-from engine.sampling.logprobs import gather_token_logprobs, original_logprobs, top_logprobs, top_k_of
+from engine.sampling.logprobs import (gather_token_logprobs, greedy_with_logprobs, original_logprobs, top_k_of,
+                                      top_logprobs)
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
 from engine.runner.pending_result import PendingResult
@@ -217,12 +218,15 @@ class ModelRunner:
         last = logits if plan.rows_are_last else logits[h2d(plan.last_rows, self.device)]
         wants_ids = any(r.token_ids_logprob for r in batch.reqs)  # token_ids_logprob: rare, off by default
         if all(_plain_greedy(r) for r in batch.reqs):  # the common rollout/bench case: no setup
+            if not wants_ids:
+                next_ids, chosen = greedy_with_logprobs(last, self.log_softmax)
+                return self._finish_sample(batch, plan, logits, last, next_ids, chosen)
             next_ids = torch.argmax(last, dim=-1)
             original = original_logprobs(last, self.log_softmax)
-            chosen = gather_token_logprobs(original, next_ids)
-            pending = self._finish_sample(batch, plan, logits, last, next_ids, chosen)
-            if wants_ids:  # plain greedy: the processed distribution is the original one
-                pending.token_ids = self._token_ids_logprobs(batch, original, None)
+            pending = self._finish_sample(batch, plan, logits, last, next_ids,
+                                          gather_token_logprobs(original, next_ids))
+            # plain greedy: the processed distribution is the original one
+            pending.token_ids = self._token_ids_logprobs(batch, original, None)
             return pending
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]

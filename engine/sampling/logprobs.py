@@ -8,6 +8,9 @@ top-k/top-p/min-p and any masks. Everything that reports original logprobs goes 
 
 from __future__ import annotations
 
+import functools
+import os
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
@@ -20,6 +23,30 @@ def original_logprobs(logits: torch.Tensor, log_softmax: Optional[LogSoftmax] = 
     if log_softmax is not None:
         return log_softmax(logits.float())
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def greedy_with_logprobs(logits: torch.Tensor, log_softmax: Optional[LogSoftmax] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, V] logits -> (argmax ids [N] int64, their original logprobs [N] float32). On CUDA in
+    normal mode one fused read of the logits (engine/kernels/greedy_logprob.py); elsewhere, and
+    with a batch-invariant log_softmax (deterministic mode), argmax + log_softmax + gather."""
+    if log_softmax is None and logits.is_cuda and logits.dim() == 2:
+        kernel = _greedy_kernel()
+        if kernel is not None:
+            return kernel.greedy_logprob(logits)
+    ids = torch.argmax(logits, dim=-1)
+    return ids, gather_token_logprobs(original_logprobs(logits, log_softmax), ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _greedy_kernel() -> Optional[ModuleType]:
+    if os.environ.get("TANDEM_DISABLE_FUSED_GREEDY"):  # A/B benchmarks
+        return None
+    try:
+        from engine.kernels import greedy_logprob
+    except ImportError:  # no Triton
+        return None
+    return greedy_logprob
 
 
 def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

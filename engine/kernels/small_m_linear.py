@@ -1,0 +1,142 @@
+"""small_m_linear: y = x @ W^T (+ bias) for the few rows of a small decode batch (M <= MAX_M).
+
+At batch 1 a decode step is a string of weight reads: on the H200, cuBLAS spends 5.2 us on a
+0.6B-shape qkv projection (8 MB: 2 us of bandwidth) and 12.4 us on its gate_up (12.6 MB: 3 us),
+where its heuristics pick an 8x64 tile that leaves most SMs idle (`tandem bench --profile`,
+batch 1). This kernel streams W once, in [BLOCK_N, BLOCK_K] tiles spread over enough programs to
+keep every SM reading: N is cut into BLOCK_N rows per program and, when that leaves too few
+programs, K into SPLIT_K ranges whose float32 partials a second launch adds in a fixed order (no
+atomics: the same inputs give the same bits run to run). x's rows are padded to 16 inside the
+tile for tl.dot; they cost registers, not bandwidth.
+
+Normal mode only: its sums differ from cuBLAS's in the last bits, and a row's result depends on
+M (as cuBLAS's does on its tile choice); deterministic mode keeps its batch-invariant matmul.
+Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
+MAX_WEIGHT_ELEMENTS = 1 << 27  # 256 MiB of bf16: an LM head is already at bandwidth in cuBLAS
+DISABLED = bool(os.environ.get("TANDEM_DISABLE_SMALL_M_LINEAR"))  # A/B benchmarks: cuBLAS at every M
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def choose_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """Tiles of 64 x 128 (16 KiB of bf16 per stage); K split until about 2 programs per SM, in
+    whole BLOCK_K steps."""
+    block_n, block_k = 64, 128
+    n_programs = triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    split = max(1, min(k_steps, triton.cdiv(2 * num_sms, n_programs)))
+    while k_steps % split:  # every split the same number of K steps
+        split -= 1
+    return GemvConfig(block_n, block_k, split)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear of x by weight takes this kernel: a CUDA, half-precision, gradient-free
+    call with 1..MAX_M rows and a weight under MAX_WEIGHT_ELEMENTS."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.numel() <= MAX_WEIGHT_ELEMENTS and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and not DISABLED)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    k0 = pid_k * K_PER_SPLIT
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        offs_k = k0 + kk + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    mask = m_mask[:, None] & n_mask[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over splits in order (+ bias), cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                   config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_M, last dim contiguous), weight [N, K] contiguous, bias [N] or None ->
+    [M, N] in x's dtype, accumulated in float32."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or M > MAX_M or x.stride(-1) != 1:
+        raise ValueError(f"small_m_linear: x {tuple(x.shape)} by weight {tuple(weight.shape)}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    cfg = config or choose_config(N, K, _num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    direct = cfg.split_k == 1
+    part = out if direct else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else weight
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
+        x, weight, b, out, part, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, DIRECT=direct,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not direct:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, block),)](
+            part, b, out, M, N, out.stride(0), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
+    return out
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: plan as the H200 does
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]

@@ -1,0 +1,88 @@
+"""small_m_linear and greedy_logprob under Triton's CPU interpreter, small sizes, against a
+float64 reference (the GPU runs them in tests/gpu/test_decode_kernels_gpu.py).
+Skipped where triton is absent and on CUDA machines."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # the interpreter flag would leak into the GPU tests' kernels
+    pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+triton = pytest.importorskip("triton")
+if type(triton.language.standard.cdiv).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from engine.kernels import greedy_logprob as gl  # noqa: E402
+from engine.kernels.small_m_linear import GemvConfig, choose_config, small_m_linear  # noqa: E402
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("config", [None, GemvConfig(32, 32, 1), GemvConfig(16, 32, 4)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_m_linear_matches_float64(m, config, bias):
+    g = torch.Generator().manual_seed(m)
+    n, k = 80, 128  # n not a multiple of the tile: the masked edge
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    out = small_m_linear(x, w, b, config)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=0.08, rtol=0.01)  # bf16 output rounding
+    assert torch.equal(out, small_m_linear(x, w, b, config))  # the same bits run to run
+
+
+def test_small_m_linear_strided_rows_and_refusals():
+    x = torch.randn(2, 96).to(torch.float16)[:, :64]  # rows 96 apart, last dim contiguous
+    w = torch.randn(48, 64).to(torch.float16)
+    torch.testing.assert_close(small_m_linear(x, w).double(), x.double() @ w.double().T, atol=0.02, rtol=0.01)
+    with pytest.raises(ValueError, match="small_m_linear"):
+        small_m_linear(torch.randn(9, 64).half(), w)
+    with pytest.raises(ValueError, match="small_m_linear"):
+        small_m_linear(torch.randn(1, 32).half(), w)
+
+
+def test_choose_config_splits_k_evenly_for_few_programs():
+    cfg = choose_config(1024, 3072)  # 16 column programs: K split up to ~2 programs per SM
+    assert cfg.split_k > 1 and (3072 // cfg.block_k) % cfg.split_k == 0
+    assert choose_config(151936 // 8, 1024).split_k == 1  # enough column programs already
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_logprob_matches_torch(dtype, monkeypatch):
+    monkeypatch.setattr(gl, "CHUNK", 64)  # several chunks per row at a small vocab
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 300, generator=g) * 4).to(dtype)
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie across chunks: the first wins
+    logits[2, :] = 0.0  # all equal: index 0
+    ids, lp = gl.greedy_logprob(logits)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.equal(ids, torch.argmax(logits.float(), dim=-1)) and ids[1] == 7 and ids[2] == 0
+    torch.testing.assert_close(lp.double(), ref.gather(1, ids[:, None]).squeeze(1), atol=1e-5, rtol=1e-5)
+    assert ids.dtype == torch.int64 and lp.dtype == torch.float32
+
+
+def test_engine_linear_takes_small_m_kernel_and_trainer_keeps_cublas(monkeypatch):
+    from engine.models import layers
+    from engine.kernels import small_m_linear as sml
+
+    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)  # the interpreter stands in for CUDA
+    calls = []
+    real = sml.small_m_linear
+    monkeypatch.setattr(sml, "small_m_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    lin = layers.Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        out = lin(x)
+        torch.testing.assert_close(out.double(), torch.nn.functional.linear(x, lin.weight, lin.bias).double(),
+                                   atol=0.05, rtol=0.01)
+        assert calls == [(2, 64)]
+        lin(torch.randn(9, 64).to(torch.bfloat16))  # over MAX_M: cuBLAS
+        assert len(calls) == 1
+        layers.use_autograd_ops(lin)  # a normal-mode trainer: cuBLAS whatever the rows
+        lin(x)
+        assert len(calls) == 1
