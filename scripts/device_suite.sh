@@ -157,6 +157,7 @@ for s in "$@"; do case $s in
   attnsweep) step attnsweep 200 python3 scripts/gpu_attention_bench.py --sweep ;;
   prof8det) step prof8det 120 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --enable-deterministic-inference --profile 30 ;;
   prof06) step prof06 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
+  profitlold) step profitlold 60 env TANDEM_DISABLE_SMALL_M_LINEAR=1 TANDEM_DISABLE_FUSED_GREEDY=1 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
   profitl) step profitl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
   prof8) step prof8 100 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
   detcost*)  # detcost[-quick|-det]: det vs normal (-det: det runs only), Qwen3-8B shape, random 512/256, at bs 1, 32, 256
