@@ -49,7 +49,8 @@ def test_small_m_linear_strided_rows_and_refusals():
 def test_choose_config_splits_k_evenly_for_few_programs():
     cfg = choose_config(1024, 3072)  # 16 column programs: K split up to ~2 programs per SM
     assert cfg.split_k > 1 and (3072 // cfg.block_k) % cfg.split_k == 0
-    assert choose_config(151936 // 8, 1024).split_k == 1  # enough column programs already
+    assert choose_config(4096, 4096).split_k == 2  # 64 column programs: 2 splits of 16 K steps
+    assert choose_config(1024, 128).split_k == 1  # one K step: nothing to split
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,6 +83,7 @@ def test_engine_linear_takes_small_m_kernel_and_trainer_keeps_cublas(monkeypatch
                                    atol=0.05, rtol=0.01)
         assert calls == [(2, 64)]
         lin(torch.randn(9, 64).to(torch.bfloat16))  # over MAX_M: cuBLAS
+        layers.Linear(48, 64).to(torch.bfloat16)(torch.randn(2, 48).to(torch.bfloat16))  # wider out: cuBLAS
         assert len(calls) == 1
         layers.use_autograd_ops(lin)  # a normal-mode trainer: cuBLAS whatever the rows
         lin(x)
