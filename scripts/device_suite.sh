@@ -149,6 +149,7 @@ for s in "$@"; do case $s in
   decodegpu) step decodegpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_overlap_gpu.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_sampler_warmup_gpu.py ;;  # the tests the decode kernels touch
   stepprobe) step stepprobe 120 python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256
     step stepprobeold 120 env TANDEM_DISABLE_SMALL_M_LINEAR=1 TANDEM_DISABLE_FUSED_GREEDY=1 python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256 ;;  # host vs device per decode step
+  graphgpu) step graphgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_decode_kernels_gpu.py ;;  # graphs, their plans and the decode kernels
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   ladder) step ladder 240 python3 scripts/bi_matmul_bench.py --base-split0 --configs --no-norms --reps 15 ;;
   tiles) step tiles 240 python3 scripts/bi_matmul_bench.py --configs n64s6,k128s4,s6,m128w8nest4,m128w8nest3,m128n256w8nest,m256w8nest,m128n256w8s4,m256n128w8s3 --no-norms --reps 10 ;;
