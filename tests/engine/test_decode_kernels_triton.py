@@ -84,6 +84,7 @@ def test_engine_linear_takes_small_m_kernel_and_trainer_keeps_cublas(monkeypatch
         assert calls == [(2, 64)]
         lin(torch.randn(9, 64).to(torch.bfloat16))  # over MAX_M: cuBLAS
         layers.Linear(48, 64).to(torch.bfloat16)(torch.randn(2, 48).to(torch.bfloat16))  # wider out: cuBLAS
+        lin(torch.randn(64, 2).to(torch.bfloat16).T)  # a transposed view: cuBLAS takes any strides
         assert len(calls) == 1
         layers.use_autograd_ops(lin)  # a normal-mode trainer: cuBLAS whatever the rows
         lin(x)
