@@ -55,7 +55,8 @@ def _merge_kernel(max_ptr, idx_ptr, sum_ptr, ids_ptr, logprob_ptr, NUM_CHUNKS, B
     best = tl.min(tl.where(tl.where(nan, m != m, m == top), idx, 2147483647), axis=0)
     total = tl.sum(tl.where(valid & (m > float("-inf")), s * tl.exp(m - top), 0.0), axis=0)
     tl.store(ids_ptr + row, best.to(tl.int64))
-    tl.store(logprob_ptr + row, -tl.log(total))
+    # no finite logit in the row (all NaN or -inf): NaN, as torch's log_softmax gives
+    tl.store(logprob_ptr + row, tl.where(nan | (top == float("-inf")), float("nan"), -tl.log(total)))
 
 
 def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -218,7 +218,9 @@ class ModelRunner:
         last = logits if plan.rows_are_last else logits[h2d(plan.last_rows, self.device)]
         wants_ids = any(r.token_ids_logprob for r in batch.reqs)  # token_ids_logprob: rare, off by default
         if all(_plain_greedy(r) for r in batch.reqs):  # the common rollout/bench case: no setup
-            if not wants_ids:
+            # the fused kernel's sum order differs from log_softmax's: with top logprobs asked for,
+            # the chosen token's value must stay the top-1 entry bit for bit (SGLang's check)
+            if not wants_ids and not any(r.top_logprobs_num for r in batch.reqs):
                 next_ids, chosen = greedy_with_logprobs(last, self.log_softmax)
                 return self._finish_sample(batch, plan, logits, last, next_ids, chosen)
             next_ids = torch.argmax(last, dim=-1)

@@ -89,3 +89,24 @@ def test_engine_linear_takes_small_m_kernel_and_trainer_keeps_cublas(monkeypatch
         layers.use_autograd_ops(lin)  # a normal-mode trainer: cuBLAS whatever the rows
         lin(x)
         assert len(calls) == 1
+
+
+def test_greedy_logprob_rows_without_a_finite_logit(monkeypatch):
+    """All NaN, all -inf, a NaN in a one-chunk row: torch's argmax id and a NaN logprob (never +inf)."""
+    monkeypatch.setattr(gl, "CHUNK", 64)
+    logits = torch.randn(4, 100)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 30] = float("nan")
+    ids, lp = gl.greedy_logprob(logits)
+    assert torch.equal(ids[:3], torch.argmax(logits[:3], dim=-1))
+    assert torch.isnan(lp[:3]).all() and torch.isfinite(lp[3])
+
+
+def test_small_m_linear_not_under_grad_mode(monkeypatch):
+    from engine.kernels import small_m_linear as sml
+
+    x, w = torch.randn(2, 64).to(torch.bfloat16), torch.randn(48, 64).to(torch.bfloat16)
+    assert not sml.applies(x, w)  # grad mode on: a trainable bias would lose its gradient
+    with torch.no_grad():
+        assert sml.applies(x, w)

@@ -66,22 +66,22 @@ def test_engine_batch_one_bf16_greedy_agrees_with_cublas_engine(tmp_path, monkey
 
     path = str(build_tiny_model(tmp_path / "m"))
 
-    def run():
+    def run(top: int):  # top logprobs keep the torch greedy path (top-1 == chosen bit for bit)
         eng = Engine(model_path=path, device="cuda", dtype="bfloat16", attention_backend="triton",
                      cuda_graph_max_bs=8, max_total_tokens=4096)
         try:
             assert eng.local_core.parts.runner.cuda_graph is not None
-            return eng.generate(input_ids=[list(range(3, 40))], return_logprob=True, top_logprobs_num=2,
+            return eng.generate(input_ids=[list(range(3, 40))], return_logprob=True, top_logprobs_num=top,
                                 sampling_params={"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True})[0]
         finally:
             eng.shutdown()
 
-    new = run()
+    new = run(0)
     monkeypatch.setattr(sml, "DISABLED", True)
     monkeypatch.setenv("TANDEM_DISABLE_FUSED_GREEDY", "1")
     lp_mod._greedy_kernel.cache_clear()
     try:
-        old = run()
+        old = run(2)
     finally:
         lp_mod._greedy_kernel.cache_clear()
     a, b = new["output_ids"], old["output_ids"]
