@@ -227,8 +227,8 @@ class ModelRunner:
             original = original_logprobs(last, self.log_softmax)
             pending = self._finish_sample(batch, plan, logits, last, next_ids,
                                           gather_token_logprobs(original, next_ids))
-            # plain greedy: the processed distribution is the original one
-            pending.token_ids = self._token_ids_logprobs(batch, original, None)
+            if wants_ids:  # plain greedy: the processed distribution is the original one
+                pending.token_ids = self._token_ids_logprobs(batch, original, None)
             return pending
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
