@@ -57,20 +57,10 @@ def graph_time_us(fns, reps: int) -> float:
     return statistics.median(times)
 
 
-def config_for(n: int, k: int, block_n: int, block_k: int, per_sm: int, warps: int, stages: int,
-               sms: int) -> sml.GemvConfig:
-    n_prog = -(-n // block_n)
-    k_steps = -(-k // block_k)
-    split = max(1, min(k_steps, -(-per_sm * sms // n_prog)))
-    while k_steps % split:
-        split -= 1
-    return sml.GemvConfig(block_n, block_k, split, warps, stages)
-
-
 def bench_linear(args, sms: int) -> list[dict]:
     rows = []
-    sweep = [(bn, bk, ps, w, s) for bn in (32, 64, 128) for bk in (128, 256) for ps in (1, 2, 4)
-             for w, s in ((4, 4),)] if not args.quick else [(64, 128, 2, 4, 4)]
+    sweep = [(bn, bk, ps) for bn in (32, 64, 128) for bk in (128, 256) for ps in (1, 2, 4)
+             ] if not args.quick else [(64, 128, 1)]
     for name, (n, k) in SHAPES.items():
         copies = max(4, -(-3 * L2_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -82,8 +72,8 @@ def bench_linear(args, sms: int) -> list[dict]:
             return graph_time_us([lambda w=w: sml.small_m_linear(x, w, None, cfg) for w in ws], args.reps)
 
         best, best_us = None, float("inf")
-        for bn, bk, ps, w, s in sweep:
-            cfg = config_for(n, k, bn, bk, ps, w, s, sms)
+        for bn, bk, ps in sweep:  # the engine's rule (choose_config) around its defaults
+            cfg = sml.choose_config(n, k, sms, bn, bk, programs_per_sm=ps, min_k_steps=1)
             try:
                 us = timed(1, cfg)
             except Exception as exc:  # a tile that does not compile here

@@ -18,6 +18,7 @@ step() {  # name, seconds, command...
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 25 "/tmp/$name.log"
 }
 B="python3 -m tandem.main bench --skip-tokenizer-init"
+OFF="env TANDEM_DISABLE_SMALL_M_LINEAR=1 TANDEM_DISABLE_FUSED_GREEDY=1"  # A/B: cuBLAS + torch greedy sampling
 kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
   source .devkit/install.sh || return 1
   local mark=/tmp/devkit-site/.extra-$(ls .devkit/extra 2>/dev/null | wc -l)  # a wheel added: installed again
@@ -142,13 +143,13 @@ for s in "$@"; do case $s in
   bench8fi) ( kit && step bench8fi 150 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --attention-backend flashinfer --json "$OUT/bench-qwen3-8b-fi.json" ) ;;
   decodek) step decodek 260 python3 scripts/decode_kernels_bench.py
     step decodektests 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py ;;  # small_m_linear, greedy_logprob
-  itlold) step itlold 45 env TANDEM_DISABLE_SMALL_M_LINEAR=1 TANDEM_DISABLE_FUSED_GREEDY=1 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1-old.json" ;;  # A/B: cuBLAS + torch greedy
+  itlold) step itlold 45 $OFF $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1-old.json" ;;
   bench06qold) step bench06qold 70 env TANDEM_DISABLE_FUSED_GREEDY=1 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/bench-qwen3-0.6b-old.json" ;;
   bs1final) step bs1final 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bs1-final.json" ;;  # the step time without per-token messages
-  bs1finalold) step bs1finalold 45 env TANDEM_DISABLE_SMALL_M_LINEAR=1 TANDEM_DISABLE_FUSED_GREEDY=1 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bs1-final-old.json" ;;
+  bs1finalold) step bs1finalold 45 $OFF $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bs1-final-old.json" ;;
   decodegpu) step decodegpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_overlap_gpu.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_sampler_warmup_gpu.py ;;  # the tests the decode kernels touch
   stepprobe) step stepprobe 120 python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256
-    step stepprobeold 120 env TANDEM_DISABLE_SMALL_M_LINEAR=1 TANDEM_DISABLE_FUSED_GREEDY=1 python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256 ;;  # host vs device per decode step
+    step stepprobeold 120 $OFF python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256 ;;  # host vs device per decode step
   graphgpu) step graphgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_decode_kernels_gpu.py ;;  # graphs, their plans and the decode kernels
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   ladder) step ladder 240 python3 scripts/bi_matmul_bench.py --base-split0 --configs --no-norms --reps 15 ;;
@@ -163,7 +164,7 @@ for s in "$@"; do case $s in
   attnsweep) step attnsweep 200 python3 scripts/gpu_attention_bench.py --sweep ;;
   prof8det) step prof8det 120 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --enable-deterministic-inference --profile 30 ;;
   prof06) step prof06 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
-  profitlold) step profitlold 60 env TANDEM_DISABLE_SMALL_M_LINEAR=1 TANDEM_DISABLE_FUSED_GREEDY=1 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
+  profitlold) step profitlold 60 $OFF $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
   profitl) step profitl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
   prof8) step prof8 100 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
   detcost*)  # detcost[-quick|-det]: det vs normal (-det: det runs only), Qwen3-8B shape, random 512/256, at bs 1, 32, 256

@@ -37,14 +37,15 @@ class GemvConfig:
     num_stages: int = 4
 
 
-def choose_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """Tiles of 64 x 128 (16 KiB of bf16 per stage); K split until about one program per SM, each
-    split at least 2 BLOCK_K steps and all splits equal (the H200 sweep's best, within noise, on
-    the Qwen3-0.6B / 8B o_proj and down_proj: scripts/decode_kernels_bench.py)."""
-    block_n, block_k = 64, 128
+def choose_config(n: int, k: int, num_sms: int = 132, block_n: int = 64, block_k: int = 128,
+                  programs_per_sm: int = 1, min_k_steps: int = 2) -> GemvConfig:
+    """Tiles of block_n x block_k; K split until about programs_per_sm programs per SM, each split
+    at least min_k_steps BLOCK_K steps and all splits equal. The defaults (64 x 128, one program per
+    SM, >= 2 steps) were the H200 sweep's best, within noise, on the Qwen3-0.6B / 8B o_proj and
+    down_proj (scripts/decode_kernels_bench.py sweeps the other arguments)."""
     n_programs = triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
-    split = max(1, min(k_steps // 2, triton.cdiv(num_sms, n_programs)))
+    split = max(1, min(k_steps // min_k_steps, triton.cdiv(programs_per_sm * num_sms, n_programs)))
     while k_steps % split:
         split -= 1
     return GemvConfig(block_n, block_k, split)
@@ -52,8 +53,8 @@ def choose_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear of x by weight takes this kernel: a CUDA, half-precision call with grad
-    mode off (the engine runs under inference mode; the kernel records no autograd graph), with 1..MAX_M rows, a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj,
-    down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
+    mode off (the engine runs under inference mode; the kernel records no autograd graph), 1..MAX_M
+    rows, a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj, down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
     fast or faster there (0.6B gate_up 6.4 vs 6.4 us, qkv 5.5 vs 6.1), and 1.5-2.4x slower on
     o_proj (12.8 vs 5.3 us) and down_proj (7.5 vs 6.1)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
