@@ -150,8 +150,15 @@ for s in "$@"; do case $s in
   decodegpu) step decodegpu 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_overlap_gpu.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_sampler_warmup_gpu.py ;;  # the tests the decode kernels touch
   stepprobe) step stepprobe 120 python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256
     step stepprobeold 120 $OFF python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256 ;;  # host vs device per decode step
+  hostprof) step hostprof 150 python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 64 --host-profile 30 ;;  # where a host-bound step's time goes
   graphgpu) step graphgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_decode_kernels_gpu.py ;;  # graphs, their plans and the decode kernels
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
+  gumbelgpu) step gumbelgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k gumbel
+    step gumbelwarm 120 env TANDEM_TRITON_GUMBEL=1 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_sampler_warmup_gpu.py ;;  # the Triton noise kernel: tokens, warm-up
+  readyab) for v in 0 1; do  # serve ready, 8B, torch.compile's sampler (0) vs the Triton kernel (1), both with empty compile caches
+    step readyab-$v 280 env TANDEM_TRITON_GUMBEL=$v TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ;;
+  t1ab) for v in 0 1; do  # sampled decoding (T = 1), 0.6B, 256 x (512, 256): torch.compile's noise kernel (0) vs Triton's (1)
+    step t1ab-$v 90 env TANDEM_TRITON_GUMBEL=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/t1-06-$v.json"; done ;;
   ladder) step ladder 240 python3 scripts/bi_matmul_bench.py --base-split0 --configs --no-norms --reps 15 ;;
   tiles) step tiles 240 python3 scripts/bi_matmul_bench.py --configs n64s6,k128s4,s6,m128w8nest4,m128w8nest3,m128n256w8nest,m256w8nest,m128n256w8s4,m256n128w8s3 --no-norms --reps 10 ;;
   smallm) step smallm 250 python3 scripts/bi_matmul_bench.py --configs m16,m16n64s6,sk512,sk512n64s6,sk512k128s4,sk512m16,sk256,sk1024 --shapes qkv,o,gate_up,down --ms 1,8,64 --no-norms --reps 10 ;;

@@ -25,6 +25,7 @@ from engine.models.layers import (
     RotaryEmbedding,
     SiluAndMul,
     TorchOps,
+    embedding_weight,
     apply_rotary,
     fused_kernel,
 )
@@ -164,7 +165,8 @@ class DecoderModel(nn.Module):
         if opts.tp is not None:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, opts.tp)
         else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=embedding_weight(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, opts, make_mlp) for i in range(config.num_hidden_layers)
         )

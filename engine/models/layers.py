@@ -220,6 +220,13 @@ class SiluAndMul(nn.Module):
         return TorchOps.silu_and_mul(x)
 
 
+def embedding_weight(num_embeddings: int, embedding_dim: int) -> torch.Tensor:
+    """An embedding table left unfilled, for nn.Embedding's `_weight`: the loader fills every
+    weight, and nn.Embedding's own normal_ init on the meta device (how models are built) goes
+    through torch._refs, whose import of torch._dynamo took 1.6 s of a CPU engine's start-up."""
+    return torch.empty(num_embeddings, embedding_dim)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose kernel is fixed at construction.
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.models.parallel_state import TPGroup, kv_heads_per_rank
 from engine.kernels import batch_invariant as bi
-from engine.models.layers import Linear, MergedGateUp, QKVLinear
+from engine.models.layers import Linear, MergedGateUp, QKVLinear, embedding_weight
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], deterministic: bool) -> torch.Tensor:
@@ -148,7 +148,7 @@ class VocabSlice(TPSharded):
 class VocabParallelEmbedding(VocabSlice, nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
         per_rank = -(-vocab_size // tp.size)
-        nn.Embedding.__init__(self, per_rank, hidden_size)
+        nn.Embedding.__init__(self, per_rank, hidden_size, _weight=embedding_weight(per_rank, hidden_size))
         self._set_slice(vocab_size, tp)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ token depends only on its own logits, seed and position, never on the batch.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -36,7 +37,9 @@ class SampleOutput(NamedTuple):
 class Sampler:
     """`compile=True` fuses the noise hash into one kernel on CUDA (about 25x faster than eager
     at B=256, V=152k on an H200; identical tokens); the first call per shape class compiles
-    (~6 s), so warm it up. CPU always runs eager.
+    (~6 s), so warm it up. CPU always runs eager. TANDEM_TRITON_GUMBEL=1 takes the hand-written
+    Triton kernel instead (engine/kernels/gumbel_argmax.py: the same tokens, no torch.compile at
+    start-up; opt-in until measured on the GPU).
 
     `log_softmax`: the kernel for both logprob distributions; deterministic mode passes the
     batch-invariant one (engine.kernels.batch_invariant.log_softmax)."""
@@ -96,8 +99,19 @@ class Sampler:
         if not self._compile or device.type != "cuda":
             return gumbel_argmax
         if self._compiled is None:
-            self._compiled = torch.compile(gumbel_argmax, dynamic=True)
+            self._compiled = _triton_gumbel_argmax() or torch.compile(gumbel_argmax, dynamic=True)
         return self._compiled
+
+
+def _triton_gumbel_argmax() -> Optional[Callable]:
+    """engine.kernels.gumbel_argmax's kernel when TANDEM_TRITON_GUMBEL=1 and Triton imports."""
+    if os.environ.get("TANDEM_TRITON_GUMBEL") != "1":
+        return None
+    try:
+        from engine.kernels.gumbel_argmax import gumbel_argmax as kernel
+    except ImportError:  # no Triton: torch.compile's kernel
+        return None
+    return kernel
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

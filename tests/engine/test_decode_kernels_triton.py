@@ -1,5 +1,6 @@
-"""small_m_linear and greedy_logprob under Triton's CPU interpreter, small sizes, against a
-float64 reference (the GPU runs them in tests/gpu/test_decode_kernels_gpu.py).
+"""small_m_linear, greedy_logprob and gumbel_argmax under Triton's CPU interpreter, small sizes,
+against a float64 reference or the eager torch function they replace (the GPU runs them in
+tests/gpu/test_decode_kernels_gpu.py).
 Skipped where triton is absent and on CUDA machines."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ if type(triton.language.standard.cdiv).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 from engine.kernels import greedy_logprob as gl  # noqa: E402
+from engine.kernels import gumbel_argmax as ga  # noqa: E402
 from engine.kernels.small_m_linear import GemvConfig, choose_config, small_m_linear  # noqa: E402
 
 
@@ -110,3 +112,63 @@ def test_small_m_linear_not_under_grad_mode(monkeypatch):
     assert not sml.applies(x, w)  # grad mode on: a trainable bias would lose its gradient
     with torch.no_grad():
         assert sml.applies(x, w)
+
+
+SEEDS = [0, -1, 2**62 + 12345, -(2**63), 7]  # both 32-bit halves, negative int64 patterns
+POSITIONS = [0, 5, 2**40 + 3, 17, 2**31]
+
+
+@pytest.mark.parametrize("vocab", [100, 300, 257])
+def test_gumbel_argmax_takes_the_eager_references_tokens(vocab, monkeypatch):
+    """The same int64 hash and float64 noise as engine.sampling.seeds: the same token per row,
+    several chunks per row (a vocab not a multiple of CHUNK), extreme seeds and positions."""
+    from engine.sampling.seeds import gumbel_argmax as eager
+
+    monkeypatch.setattr(ga, "CHUNK", 64)
+    g = torch.Generator().manual_seed(vocab)
+    logprobs = torch.log_softmax(torch.randn(5, vocab, generator=g) * 2, dim=-1)
+    seeds, positions = torch.tensor(SEEDS), torch.tensor(POSITIONS)
+    ids = ga.gumbel_argmax(logprobs, seeds, positions)
+    assert ids.dtype == torch.int64 and torch.equal(ids, eager(logprobs, seeds, positions))
+    for row in range(5):  # a row's token does not depend on its batch
+        assert ga.gumbel_argmax(logprobs[row:row + 1], seeds[row:row + 1], positions[row:row + 1]) == ids[row]
+
+
+def test_gumbel_argmax_noise_order_is_the_references(monkeypatch):
+    """Flat logprobs: the token is the noise's argmax; banning it in turn walks the noise's order,
+    so the noise itself (not just its maximum) is the reference's."""
+    from engine.sampling.seeds import gumbel_noise
+
+    monkeypatch.setattr(ga, "CHUNK", 64)
+    seeds, positions = torch.tensor([11, -99]), torch.tensor([1, 2**33])
+    order = gumbel_noise(seeds, positions, 200).argsort(dim=-1, descending=True)
+    logprobs = torch.zeros(2, 200)
+    for k in range(8):
+        ids = ga.gumbel_argmax(logprobs, seeds, positions)
+        assert torch.equal(ids, order[:, k])
+        logprobs[torch.arange(2), ids] = float("-inf")
+
+
+def test_gumbel_argmax_nan_masked_and_empty_rows(monkeypatch):
+    from engine.sampling.seeds import gumbel_argmax as eager
+
+    monkeypatch.setattr(ga, "CHUNK", 64)
+    logprobs = torch.zeros(3, 150)
+    logprobs[0, 120] = float("nan")  # torch.argmax: a NaN wins
+    logprobs[1] = float("-inf")  # nothing allowed: index 0, as torch
+    logprobs[2, :140] = float("-inf")  # only the last chunk's tail allowed
+    seeds, positions = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
+    ids = ga.gumbel_argmax(logprobs, seeds, positions)
+    assert torch.equal(ids, eager(logprobs, seeds, positions)) and ids[0] == 120 and ids[1] == 0 and ids[2] >= 140
+    assert ga.gumbel_argmax(torch.zeros(0, 150), seeds[:0], positions[:0]).shape == (0,)
+    with pytest.raises(ValueError, match="contiguous"):
+        ga.gumbel_argmax(torch.zeros(150, 3).T, seeds, positions)
+
+
+def test_sampler_takes_the_triton_gumbel_kernel_only_when_asked(monkeypatch):
+    from engine.sampling import sampler as sampler_mod
+
+    monkeypatch.delenv("TANDEM_TRITON_GUMBEL", raising=False)
+    assert sampler_mod._triton_gumbel_argmax() is None  # opt-in until measured on the GPU
+    monkeypatch.setenv("TANDEM_TRITON_GUMBEL", "1")
+    assert sampler_mod._triton_gumbel_argmax() is ga.gumbel_argmax

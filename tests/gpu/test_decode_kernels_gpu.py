@@ -1,7 +1,7 @@
 """The small-batch decode kernels on the GPU: small_m_linear against a float32 reference and
 cuBLAS at the Qwen3-0.6B / 8B layer shapes, greedy_logprob against argmax + log_softmax, and an
-engine at batch 1 that takes them (normal mode) giving HF's greedy tokens. Speed:
-scripts/decode_kernels_bench.py."""
+engine at batch 1 that takes them (normal mode) giving HF's greedy tokens; gumbel_argmax against
+the eager noise reference and in an engine. Speed: scripts/decode_kernels_bench.py."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
                 allow_module_level=True)
 
 from engine.kernels.greedy_logprob import greedy_logprob  # noqa: E402
+from engine.kernels.gumbel_argmax import gumbel_argmax  # noqa: E402
 from engine.kernels.small_m_linear import small_m_linear  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)]
@@ -91,3 +92,40 @@ def test_engine_batch_one_bf16_greedy_agrees_with_cublas_engine(tmp_path, monkey
     if n < len(a):
         top = old["meta_info"]["output_top_logprobs"][n]
         assert top[0][0] - top[1][0] <= 0.05, f"tokens part at step {n}, not a near-tie"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64, 256])
+def test_gumbel_argmax_takes_the_eager_references_tokens(batch):
+    """Element for element the eager noise (int64 hash, float64 -log(-log(u))): the same tokens
+    at Qwen3's vocabulary, with a temperature-like spread and banned ids."""
+    from engine.sampling.seeds import gumbel_argmax as eager
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    logprobs = torch.log_softmax(torch.randn(batch, 151936, device="cuda", generator=g) * 3, dim=-1)
+    logprobs[:, 5000:6000] = float("-inf")
+    seeds = torch.randint(-2**63, 2**63 - 1, (batch,), device="cuda", generator=g)
+    positions = torch.randint(0, 2**40, (batch,), device="cuda", generator=g)
+    ids = gumbel_argmax(logprobs, seeds, positions)
+    assert torch.equal(ids, eager(logprobs, seeds, positions))
+    assert torch.equal(ids[-1:], gumbel_argmax(logprobs[-1:], seeds[-1:], positions[-1:]))  # batch-invariant
+
+
+def test_engine_sampled_tokens_with_the_triton_gumbel_kernel(tmp_path, monkeypatch):
+    """TANDEM_TRITON_GUMBEL=1: an engine's seeded T=1 samples equal torch.compile's, batch 1 and 3."""
+    from engine import Engine
+    from engine.testing.tiny_model import build_tiny_model
+
+    path = str(build_tiny_model(tmp_path / "m"))
+    params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
+
+    def run():
+        eng = Engine(model_path=path, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096)
+        try:
+            return [[o["output_ids"] for o in eng.generate(input_ids=[list(range(3, 20 + i)) for i in range(bs)],
+                                                          sampling_params=params)] for bs in (1, 3)]
+        finally:
+            eng.shutdown()
+
+    compiled = run()
+    monkeypatch.setenv("TANDEM_TRITON_GUMBEL", "1")
+    assert run() == compiled
