@@ -39,7 +39,9 @@ def carries_grammar(raw_params: Any) -> bool:
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    # None: as many as the context length (and the KV pool) leave room for, SGLang's null; the
+    # RequestBuilder turns it into that number per prompt, so the core always sees an int
+    max_new_tokens: Optional[int] = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -113,11 +115,14 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 (whole vocab) or >= 1", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(self.max_new_tokens >= 0, "max_new_tokens", ">= 0", self.max_new_tokens)
-        _check(
-            0 <= self.min_new_tokens <= self.max_new_tokens,
-            "min_new_tokens", f"in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens,
-        )
+        if self.max_new_tokens is None:
+            _check(self.min_new_tokens >= 0, "min_new_tokens", ">= 0", self.min_new_tokens)
+        else:
+            _check(self.max_new_tokens >= 0, "max_new_tokens", ">= 0", self.max_new_tokens)
+            _check(
+                0 <= self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens", f"in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens,
+            )
         _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
         for name in ("frequency_penalty", "presence_penalty"):
             _check(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
@@ -151,7 +156,8 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         for name in _INT_FIELDS:
-            _require_int(name, getattr(self, name))
+            if name != "max_new_tokens" or self.max_new_tokens is not None:
+                _require_int(name, getattr(self, name))
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -6,6 +6,8 @@ raises a ValueError naming the problem and never reaches the core.
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import uuid
 from typing import Any, Optional
@@ -61,6 +63,7 @@ class RequestBuilder:
         for ids, p, base_rid, wanted, lp, start, top, route, adapter in zip(prompts, params, rids, id_lists, want,
                                                                             starts, tops, routes, adapters):
             self._check_logprob_start(start, len(ids))
+            p = self._bounded(p, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
             for i in range(p.n):
@@ -160,6 +163,17 @@ class RequestBuilder:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len} "
                              f"(shorten the prompt, or raise context_length: `--context-length` for serve, "
                              f"`--engine-args '{{\"context_length\": N}}'` for train)")
+
+    def _bounded(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """max_new_tokens None (SGLang's null: no limit of its own) -> the room the prompt leaves
+        in the context length and the KV pool, which the request then may fill."""
+        if params.max_new_tokens is not None:
+            return params
+        room = max(min(self.context_len, self.max_total_num_tokens or self.context_len) - prompt_len, 0)
+        if params.min_new_tokens > room:
+            raise ValueError(f"min_new_tokens {params.min_new_tokens} does not fit: the {prompt_len}-token prompt "
+                             f"leaves room for {room} new tokens")
+        return dataclasses.replace(params, max_new_tokens=room)
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """A request the engine could never finish is refused now rather than queued forever:

@@ -19,17 +19,13 @@ from engine.api.core_client import CoreDead
 from engine.api.generate_request import GenerateRequest
 from engine.server.disconnect import await_or_abort, streaming_response
 from engine.server.openai import OpenAIServing
-from engine.server.openai_logprobs import token_decoder
+from engine.server.openai_logprobs import logprob_texts, token_decoder
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.protocol import GenerateBody, UnknownFields
 from engine.server.stream_delta import StreamDelta
 from engine.server.stream_spacing import StreamSpacing
 
 OFF_LOOP_TEXT_CHARS = 16 << 10  # ~10 ms to tokenize: more is tokenized on a thread
-LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
-# per position, a list of [logprob, id, text] (or null): top_logprobs_num's and token_ids_logprob's
-TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
-                     "output_token_ids_logprobs")
 
 
 @dataclass(frozen=True)
@@ -130,17 +126,5 @@ async def _generate_events(decode: Any, incremental: bool, body: GenerateBody,
 
 
 def _shape(body: GenerateBody, decode: Any) -> Callable[[dict], dict]:
-    return (lambda out: _logprob_texts(out, decode)) if body.return_text_in_logprobs else (lambda out: out)
+    return (lambda out: logprob_texts(out, decode)) if body.return_text_in_logprobs else (lambda out: out)
 
-
-def _logprob_texts(out: dict, decode: Any) -> dict:
-    """return_text_in_logprobs: each [logprob, id, null] entry gets its token's text."""
-    meta = out["meta_info"]
-    for key in LOGPROB_LISTS:
-        if key in meta:
-            meta[key] = [[lp, tok, decode(tok)] for lp, tok, *_ in meta[key]]
-    for key in TOP_LOGPROB_LISTS:
-        if key in meta:
-            meta[key] = [None if pos is None else [[lp, tok, decode(tok)] for lp, tok, *_ in pos]
-                         for pos in meta[key]]
-    return out

@@ -3,13 +3,18 @@
 Replies are SGLang's {"success", "error_message", "loaded_adapters"}, 400 on failure. The tensors
 route's `serialized_tensors` is a serialized payload (base64 text) that the core opens through
 the weight payloads' allowlist unpickler: a payload naming anything but tensors is refused
-unrun. These routes change what the server serves, so they take the admin key.
+unrun. SGLang 0.5.18's form, `serialized_named_tensors` (one payload per tensor-parallel rank,
+Miles sends it), is taken too: its first entry is loaded (the engine shards for its own ranks).
+`upsert` replaces an adapter of that name. These routes change what the server serves, so they
+take the admin key.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Optional
+
+from pydantic import model_validator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -33,10 +38,30 @@ class UnloadLoRAAdapterRequest(_Lenient):
 class LoadLoRAAdapterFromTensorsRequest(_Lenient):
     lora_name: str
     config_dict: dict[str, Any]
-    serialized_tensors: str
+    serialized_tensors: Optional[str] = None
+    serialized_named_tensors: Optional[list[Optional[str]]] = None  # SGLang 0.5.18: one per TP rank
     load_format: Optional[str] = None
     pinned: bool = False
+    upsert: bool = False
     added_tokens_config: Optional[dict[str, Any]] = None
+    expected_checksums: Any = None
+
+    @model_validator(mode="after")
+    def _one_payload(self) -> "LoadLoRAAdapterFromTensorsRequest":
+        if (self.serialized_tensors is None) == (self.serialized_named_tensors is None):
+            raise ValueError("send the adapter's tensors in exactly one of serialized_tensors (one payload) or "
+                             "serialized_named_tensors (a list, one payload per tensor-parallel rank)")
+        if self.serialized_named_tensors is not None and not (self.serialized_named_tensors
+                                                              and isinstance(self.serialized_named_tensors[0], str)):
+            raise ValueError("serialized_named_tensors must be a non-empty list whose first entry is a payload")
+        if self.expected_checksums:
+            raise ValueError("expected_checksums is not supported: tandem does not verify adapter checksums "
+                             "(leave it null; /weights_checker checksums the loaded weights)")
+        return self
+
+    @property
+    def payload(self) -> str:
+        return self.serialized_tensors if self.serialized_tensors is not None else self.serialized_named_tensors[0]
 
 
 def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
@@ -58,9 +83,12 @@ def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
                                                               "cannot add tokens", "loaded_adapters": None})
 
         def load() -> dict:
+            if req.upsert and req.lora_name in (engine.unload_lora_adapter(req.lora_name).get("loaded_adapters") or {}):
+                return {"success": False, "error_message": f"upsert: adapter {req.lora_name!r} could not be unloaded",
+                        "loaded_adapters": None}
             try:
                 return engine.load_lora_adapter_from_tensors(
-                    req.lora_name, config_dict=req.config_dict, serialized_tensors=req.serialized_tensors,
+                    req.lora_name, config_dict=req.config_dict, serialized_tensors=req.payload,
                     load_format=req.load_format, pinned=req.pinned)
             except PAYLOAD_ERRORS as exc:  # refused while being carried to a core process
                 return {"success": False, "error_message": str(exc), "loaded_adapters": None}

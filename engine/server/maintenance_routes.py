@@ -4,7 +4,9 @@ with GET), /abort_request, /start_profile, /stop_profile. Replies follow SGLang'
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+from functools import partial
+from typing import Any, Callable, Coroutine, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
@@ -12,6 +14,7 @@ from fastapi.responses import PlainTextResponse, Response
 from engine.server.profiler import Profiler
 from engine.server.protocol import AbortRequest, StartProfileRequest, UnknownFields
 
+logger = logging.getLogger("tandem")
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
            "requests, the operation will not be performed.)\n")
 
@@ -38,17 +41,44 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
     @app.post("/start_profile")
     async def start_profile(req: StartProfileRequest) -> Response:
         unknown.note("/start_profile", req)
-        if req.num_steps is not None and req.num_steps <= 0:
-            raise ValueError(f"num_steps must be positive, got {req.num_steps}")
-        start = (await asyncio.to_thread(engine.get_stats)).num_steps
-        await profiler.on_thread(profiler.start, req.output_dir, req.activities, req.with_stack, req.record_shapes)
-        if req.num_steps:
-            task = asyncio.create_task(profiler.stop_after_steps(engine, start, req.num_steps))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        for name in ("start_step", "num_steps"):
+            value = getattr(req, name)
+            if value is not None and value < (0 if name == "start_step" else 1):
+                raise ValueError(f"{name} must be {'>= 0' if name == 'start_step' else 'positive'}, got {value}")
+        if req.profile_by_stage:
+            raise ValueError("profile_by_stage is not supported: tandem traces prefill and decode steps together "
+                             "(leave it false)")
+        profiler.check_idle()
+        Profiler.check_activities(req.activities)
+        steps = (await asyncio.to_thread(engine.get_stats)).num_steps
+        start = partial(profiler.start, req.output_dir, req.activities, req.with_stack, req.record_shapes)
+        if not req.start_step:
+            await profiler.on_thread(start)
+        _in_background(tasks, _profile_steps(profiler, engine, steps, req.start_step or 0, req.num_steps, start))
         return PlainTextResponse("Start profiling.\n")
 
     @app.post("/stop_profile")
     async def stop_profile() -> Response:
         path = await profiler.on_thread(profiler.stop)
         return PlainTextResponse(f"Stop profiling. This will take some time.\nTrace: {path}\n")
+
+
+async def _profile_steps(profiler: Profiler, engine: Any, steps: int, start_step: int, num_steps: Optional[int],
+                         start: Callable[[], None]) -> None:
+    """SGLang's step-bounded profile: the start waits for start_step more forward passes (it was
+    made already when 0), the stop comes num_steps passes after it (never, when None)."""
+    try:
+        if start_step:
+            if not await profiler.start_after_steps(engine, steps + start_step, start):
+                return  # /stop_profile came first
+            steps = (await asyncio.to_thread(engine.get_stats)).num_steps
+        if num_steps:
+            await profiler.stop_after_steps(engine, steps, num_steps)
+    except Exception:  # nobody waits for this task: say why the trace is missing
+        logger.exception("the step-bounded profile failed")
+
+
+def _in_background(tasks: set[asyncio.Task], work: Coroutine) -> None:
+    task = asyncio.create_task(work)
+    tasks.add(task)  # held until done: the loop keeps only weak references
+    task.add_done_callback(tasks.discard)

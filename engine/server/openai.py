@@ -14,8 +14,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from engine.api.generate_request import GenerateRequest
 from engine.server.chat_messages import check_nesting
-from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, output_entries,
-                                           token_decoder)
+from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, logprob_texts,
+                                           output_entries, token_decoder)
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
 
 
@@ -117,7 +117,11 @@ class OpenAIServing:
         tools = req.template_tools()
         if tools:  # SGLang keeps special tokens when tools are offered: tool-call markers stay in the text
             params["skip_special_tokens"] = False
-        ids = _chat_prompt_ids(tok, req, tools, self.engine.builder.prompt_size.check)
+        if req.input_ids is not None:  # the client's own rendering: no template
+            ids = list(req.input_ids)
+        else:
+            ids = _chat_prompt_ids(tok, req, tools, self.engine.builder.prompt_size.check)
+        req._prompt_ids = ids
         return GenerateRequest(
             input_ids=ids, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
@@ -131,13 +135,24 @@ class OpenAIServing:
             logprobs = chat_logprobs(*output_entries(meta), self.decode) if req.logprobs else None
             # SGLang's ChatMessage always has these keys (null here: no reasoning or tool-call parser)
             message = {"role": "assistant", "content": o["text"], "reasoning_content": None, "tool_calls": None}
-            choices.append({"index": i, "message": message,
-                            "logprobs": logprobs, "finish_reason": _finish_reason(meta),
-                            "matched_stop": _matched_stop(meta)})
+            choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(meta),
+                      "matched_stop": _matched_stop(meta)}
+            choices.append(self._token_outputs(req, o, choice))
         metas = [o["meta_info"] for o in outs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
                 "metadata": _metadata(metas[0], self.metadata_format)}
+
+    def _token_outputs(self, req: ChatCompletionRequest, out: dict, choice: dict) -> dict:
+        """SGLang's extra choice fields, when asked: prompt_token_ids, token_ids (the output's ids)
+        and meta_info (the engine's, logprob entries with their texts, as SGLang's chat sends them)."""
+        if req.return_prompt_token_ids or req.return_token_ids:
+            choice["prompt_token_ids"] = req._prompt_ids
+        if req.return_token_ids:
+            choice["token_ids"] = out["output_ids"]
+        if req.return_meta_info:
+            choice["meta_info"] = logprob_texts(out, self.decode)["meta_info"]
+        return choice
 
     def chat_events(self, req: ChatCompletionRequest, stream: Any) -> AsyncIterator[str]:
         def delta(index: int, text: str, meta: dict, sent_tokens: int, first: bool) -> dict:
@@ -176,8 +191,10 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-def _chat_max_tokens(req: ChatCompletionRequest) -> int:
-    return next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), 128)  # 0 is 0
+def _chat_max_tokens(req: ChatCompletionRequest) -> Optional[int]:
+    """None when neither is set: SGLang's chat then generates up to the context length (an agent's
+    long turn is not cut at a default)."""
+    return next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)  # 0 is 0
 
 
 def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[dict]],

@@ -9,6 +9,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 Decode = Callable[[int], str]
+LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
+# per position, a list of [logprob, id, text] (or null): top_logprobs_num's and token_ids_logprob's
+TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
+                     "output_token_ids_logprobs")
 
 
 def token_decoder(tokenizer: Any) -> Decode:
@@ -64,3 +68,17 @@ def echo_entries(meta: dict) -> tuple[list, list]:
     prompt_tops = meta.get("input_top_logprobs") or [None] * len(prompt)
     out, out_tops = output_entries(meta)
     return prompt + out, list(prompt_tops) + list(out_tops)
+
+
+def logprob_texts(out: dict, decode: Decode) -> dict:
+    """SGLang's return_text_in_logprobs: each [logprob, id, null] entry of an output's meta_info
+    gets its token's text (in place)."""
+    meta = out["meta_info"]
+    for key in LOGPROB_LISTS:
+        if key in meta:
+            meta[key] = [[lp, tok, decode(tok)] for lp, tok, *_ in meta[key]]
+    for key in TOP_LOGPROB_LISTS:
+        if key in meta:
+            meta[key] = [None if pos is None else [[lp, tok, decode(tok)] for lp, tok, *_ in pos]
+                         for pos in meta[key]]
+    return out

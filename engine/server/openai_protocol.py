@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from engine.server.chat_messages import ChatMessage, ChatTool, template_tools
 from engine.server.protocol import _Lenient, _NullsAsDefaults, refuse_unsupported
@@ -117,6 +117,21 @@ class ChatCompletionRequest(_OpenAISampling):
     reasoning_effort: Optional[str] = None  # handed to the chat template (gpt-oss templates read it)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # SGLang's, e.g. {"enable_thinking": false}
     chat_template: Optional[str] = None  # vLLM's: the client's own template (--trust-request-chat-template)
+    # SGLang's: the prompt's token ids as the client rendered them (the chat template is skipped;
+    # Miles' sessions send them), and what else each choice carries: the engine's meta_info,
+    # the prompt's ids, the output's ids (with the prompt's)
+    input_ids: Optional[list[int]] = None
+    return_meta_info: bool = False
+    return_prompt_token_ids: bool = False
+    return_token_ids: bool = False
+    _prompt_ids: list[int] = PrivateAttr(default_factory=list)  # the rendered (or given) prompt
+
+    @model_validator(mode="after")
+    def _token_outputs_not_streamed(self) -> "ChatCompletionRequest":
+        for name in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
+            if self.stream and getattr(self, name):
+                raise ValueError(f"{name} is not supported with streaming; set stream=false to use {name}=true")
+        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod

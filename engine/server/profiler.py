@@ -21,6 +21,7 @@ ACTIVITIES = {"CPU": torch.profiler.ProfilerActivity.CPU, "GPU": torch.profiler.
 class Profiler:
     def __init__(self) -> None:
         self.profile: Optional[torch.profiler.profile] = None
+        self.waiting = False  # a start deferred by start_step is pending
         self.output_dir = ""
         self.last_trace: Optional[str] = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-profiler")
@@ -32,10 +33,15 @@ class Profiler:
     def running(self) -> bool:
         return self.profile is not None
 
+    def check_idle(self) -> None:
+        if self.running or self.waiting:
+            raise ValueError("a profile is already running or scheduled: POST /stop_profile first")
+
     def start(self, output_dir: Optional[str] = None, activities: Optional[list[str]] = None,
               with_stack: Optional[bool] = None, record_shapes: Optional[bool] = None) -> None:
         if self.running:
             raise ValueError("a profile is already running: POST /stop_profile first")
+        self.check_activities(activities)  # an unknown name fails here, before anything starts
         output_dir = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
         try:
             os.makedirs(output_dir, exist_ok=True)
@@ -50,6 +56,9 @@ class Profiler:
     def stop(self) -> str:
         """Stops and writes the trace; returns its path."""
         if not self.running:
+            if self.waiting:  # the scheduled start is called off
+                self.waiting = False
+                return "(none: the profile had not started)"
             raise ValueError("no profile is running: POST /start_profile first")
         profile, self.profile = self.profile, None
         profile.stop()
@@ -61,12 +70,30 @@ class Profiler:
         self.last_trace = path
         return path
 
+    async def start_after_steps(self, engine: Any, until: int, start: Any, poll_s: float = 0.05) -> bool:
+        """SGLang's start_step: `start` (on this profiler's thread) once the core has run `until`
+        forward passes; False when /stop_profile called it off first."""
+        self.waiting = True
+        try:
+            while self.waiting and (await asyncio.to_thread(engine.get_stats)).num_steps < until:
+                await asyncio.sleep(poll_s)
+            if not self.waiting:
+                return False
+            await self.on_thread(start)
+            return True
+        finally:
+            self.waiting = False
+
     async def stop_after_steps(self, engine: Any, start: int, num_steps: int, poll_s: float = 0.05) -> None:
         """Stop once the core has run `num_steps` forward passes after step `start` (SGLang's num_steps)."""
         while self.running and (await asyncio.to_thread(engine.get_stats)).num_steps < start + num_steps:
             await asyncio.sleep(poll_s)
         if self.running:
             await self.on_thread(self.stop)
+
+    @staticmethod
+    def check_activities(names: Optional[list[str]]) -> None:
+        Profiler._activities(names)
 
     @staticmethod
     def _activities(names: Optional[list[str]]) -> list:

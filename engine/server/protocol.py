@@ -98,9 +98,11 @@ def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:
 
 
 def _nulls_dropped(params: Any) -> Any:
-    """SGLang 0.5.23: an explicit null sampling field means its default (slime sends "stop": null)."""
+    """SGLang 0.5.23: an explicit null sampling field means its default (slime sends "stop": null);
+    but a null max_new_tokens is no limit of its own (up to the context length), where a missing
+    one is the default 128, as SGLang's scheduler reads them."""
     if isinstance(params, dict):
-        return {k: v for k, v in params.items() if v is not None}
+        return {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
     if isinstance(params, list):
         return [_nulls_dropped(p) for p in params]
     return params
@@ -204,7 +206,9 @@ class GetWeightsByNameRequest(_Lenient):
 
 class StartProfileRequest(_Lenient):
     output_dir: Optional[str] = None
+    start_step: Optional[int] = None  # SGLang's: begin after this many more forward passes
     num_steps: Optional[int] = None
+    profile_by_stage: bool = False
     activities: Optional[list[str]] = None
     with_stack: Optional[bool] = None
     record_shapes: Optional[bool] = None

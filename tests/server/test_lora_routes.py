@@ -114,6 +114,35 @@ def test_load_unload_and_from_tensors_flattened_bucket(lora_client, adapter_dir)
     assert r.status_code == 400 and "'pushed' is not loaded" in r.json()["error_message"]
 
 
+def test_from_tensors_sglang_0518_body_and_upsert(lora_client, adapter_dir):
+    """Miles' body (SGLang 0.5.18): serialized_named_tensors, one payload per TP rank, upsert, pinned
+    and a null expected_checksums; an upsert of a loaded name replaces it."""
+    from safetensors.torch import load_file
+
+    from weight_sync.bucket import FlattenedBucket
+    from weight_sync.cuda_ipc import serialize
+
+    client, eng = lora_client
+    want = eng.generate(input_ids=IDS, sampling_params=ONE, lora_path="a")["output_ids"]
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    bucket = FlattenedBucket.pack(list(load_file(adapter_dir / "adapter_model.safetensors").items())).to_payload()
+    payload = serialize(bucket, as_text=True)  # shared memory: the bucket stays alive while it is read
+    body = {"lora_name": "miles", "config_dict": config, "serialized_named_tensors": [payload, payload],
+            "load_format": "flattened_bucket", "pinned": False, "upsert": True, "expected_checksums": None}
+    for _ in range(2):  # the second replaces the first
+        r = client.post("/load_lora_adapter_from_tensors", json=body)
+        assert r.status_code == 200 and r.json()["success"] and "miles" in r.json()["loaded_adapters"], r.text
+        assert _ids(client, lora_path="miles") == want
+    again = client.post("/load_lora_adapter_from_tensors", json={**body, "upsert": False})
+    assert again.status_code == 400 and "miles" in again.json()["error_message"]
+    for bad, words in (({"serialized_tensors": payload}, "exactly one"), ({"serialized_named_tensors": []}, "non-empty"),
+                       ({"serialized_named_tensors": None}, "exactly one"),
+                       ({"expected_checksums": {"x": "abc"}}, "expected_checksums")):
+        r = client.post("/load_lora_adapter_from_tensors", json={**body, **bad})
+        assert r.status_code == 400 and words in r.text, (bad, r.text)
+    assert client.post("/unload_lora_adapter", json={"lora_name": "miles"}).status_code == 200
+
+
 class _Hostile:
     def __init__(self, marker: str) -> None:
         self.marker = marker

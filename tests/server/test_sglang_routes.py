@@ -205,6 +205,30 @@ def test_profile_writes_a_trace_with_the_core_ops(tmp_path, engine_factory):
         assert c.post("/stop_profile").status_code == 400  # already stopped
 
 
+def test_profile_start_step_waits_for_forward_passes(tmp_path, engine_factory):
+    """slime's / Miles' body: start_step (begin after that many more passes), num_steps, profile_by_stage."""
+    eng = engine_factory()
+    out = tmp_path / "later"
+    with TestClient(create_app(eng)) as c:
+        body = {"output_dir": str(out), "start_step": 3, "num_steps": 2, "profile_by_stage": False,
+                "record_shapes": False, "with_stack": False}
+        assert c.post("/start_profile", json=body).text == "Start profiling.\n"
+        assert c.post("/start_profile", json=body).status_code == 400  # one scheduled at a time
+        time.sleep(0.3)
+        assert not out.exists()  # no pass yet: not started
+        deadline = time.monotonic() + 20
+        while not list(out.glob("*.json")) and time.monotonic() < deadline:  # traffic, as in a training run
+            c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
+            time.sleep(0.02)
+        assert len(list(out.glob("*.json"))) == 1  # started after 3 passes, stopped 2 later
+        c.post("/start_profile", json={**body, "start_step": 1000})
+        assert "had not started" in c.post("/stop_profile").text  # a scheduled start is called off
+        for bad, word in (({"start_step": -1}, "start_step"), ({"num_steps": 0}, "num_steps"),
+                          ({"profile_by_stage": True}, "profile_by_stage"), ({"activities": ["TPU"]}, "TPU")):
+            resp = c.post("/start_profile", json={**body, **bad})
+            assert resp.status_code == 400 and word in resp.text, resp.text
+
+
 @pytest.mark.parametrize("path", ["/health", "/get_model_info", "/v1/models", "/v1/loads", "/get_server_info"])
 def test_read_routes_answer_200(client, path):
     assert client.get(path).status_code == 200
