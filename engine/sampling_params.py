@@ -28,6 +28,9 @@ _TOKEN_ID = re.compile(r"-?[0-9]+")  # a negative id parses, so its error names 
 # SGLang takes any bias (clients ban a token with -1e4, say); bounded only so that logits + bias
 # stays finite in float32. OpenAI's own API stops at +-100, which forces or bans a token already.
 LOGIT_BIAS_RANGE = 1e30
+# stop_regex patterns are searched on the core loop at every step of the request: a bound on their
+# number (SGLang has none; 20,000 patterns slowed every request of the engine 100x)
+MAX_STOP_REGEX = 64
 
 
 def carries_grammar(raw_params: Any) -> bool:
@@ -106,6 +109,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: Optional[int] = None) -> SamplingParams:
         """Raise ValueError naming the field and its allowed range; return self."""
+        _check(len(self.stop_regex or ()) <= MAX_STOP_REGEX, "stop_regex", f"at most {MAX_STOP_REGEX} patterns",
+               f"{len(self.stop_regex or ())} patterns")
         for pattern in self.stop_regex or ():
             _check_stop_regex(pattern)
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]

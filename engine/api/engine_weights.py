@@ -15,6 +15,7 @@ from engine.core.messages import (DestroyWeightsGroupReq, GetWeightsByNameReq, G
                                   InitWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, SetWeightVersionReq,
                                   UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq, WeightsGroupStatusReq,
                                   check_memory_tags)
+from engine.tokenizer import check_text
 
 GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
 
@@ -33,6 +34,8 @@ class EngineWeights:
 
         if not isinstance(source, WeightSource):
             raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
+        if weight_version is not None:
+            _check_version(weight_version, "weight_version")
         try:
             return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
         except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
@@ -103,7 +106,7 @@ class EngineWeights:
         return self._call(GetWeightVersionReq())
 
     def update_weight_version(self, new_version: str) -> str:
-        return self._call(SetWeightVersionReq(str(new_version)))
+        return self._call(SetWeightVersionReq(_check_version(str(new_version), "new_version")))
 
     # ---- colocated memory ----------------------------------------------------------------------
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> tuple[bool, str]:
@@ -131,3 +134,12 @@ class EngineWeights:
         "reset_tensors", then after a sync "compare" (success only if every tensor was rewritten to
         its snapshot); "checksum" hashes each tensor. {"success", "message"[, "checksums"]}."""
         return self._call(WeightsCheckerReq(str(action), tuple(skip_tensor_list or ()), bool(allow_quant_error)))
+
+
+def _check_version(version: Any, what: str) -> str:
+    """A version every reply carries (meta_info, /get_server_info, /metrics): text that encodes, or
+    one bad version would break every JSON reply after it."""
+    if not isinstance(version, str):
+        raise ValueError(f"{what} must be a string, got {type(version).__name__}")
+    check_text(version, what)
+    return version

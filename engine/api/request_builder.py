@@ -22,7 +22,8 @@ from engine.grammar.grammar_check import GrammarCheck, make_grammar_check
 from engine.api.lora_names import LoRANames
 from engine.grammar.grammar_limits import GrammarLimits
 from engine.sampling.seeds import derive_seed
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GRAMMAR_FIELDS, SamplingParams
+from engine.tokenizer import check_text
 
 
 class RequestBuilder:
@@ -201,6 +202,7 @@ class RequestBuilder:
         for item in items:
             params = item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item)
             params.validate(self.vocab_size)
+            _check_texts(params)
             self._check_grammar(params)
             out.append(params)
         return out
@@ -229,6 +231,8 @@ class RequestBuilder:
             raise ValueError(f"rid must be a string or a list of strings (one per prompt), got {rid!r}")
         if len(rids) != n:
             raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
+        for r in rids:  # every reply carries it: text that encodes
+            check_text(r, "rid")
         return rids
 
     def _check_counts(self, params: list[SamplingParams]) -> None:
@@ -281,3 +285,12 @@ def _per_prompt(name: str, value: Any, n_prompts: int, check: Any) -> list:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_texts(params: SamplingParams) -> None:
+    """Stop strings, stop regexes and grammars are text the core matches and compiles: a lone
+    surrogate is refused here, naming its field (later it fails without one)."""
+    for name in ("stop", "stop_regex", *GRAMMAR_FIELDS):
+        value = getattr(params, name)
+        for text in [value] if isinstance(value, str) else value or ():
+            check_text(text, name)

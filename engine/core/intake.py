@@ -62,7 +62,7 @@ class RequestIntake:
     def abort(self, rid: Optional[str], message: str) -> list[ReqOutput]:
         """Abort one request, or every one when rid is None; answers those that ended now."""
         outputs: list[ReqOutput] = []
-        for rid in [rid] if rid is not None else self._all_rids():
+        for rid in self._rids_named(rid) if rid is not None else self._all_rids():
             req = self.grammars.remove(rid)
             if req is not None:  # still compiling its grammar: it never reached the scheduler
                 req.finished_reason = {"type": "abort", "message": message}
@@ -71,6 +71,15 @@ class RequestIntake:
             if req is not None and req.finished:  # it was waiting: finished right away
                 outputs.append(self.results.finish(req))
         return outputs
+
+    def _rids_named(self, rid: str) -> list[str]:
+        """rid itself; or, when no request has it, the requests it was expanded into: the n
+        samples (rid-0, rid-1, ...) or the batch's prompts (rid_0, ...), as a client knows only
+        the rid it sent (SGLang's abort matches rid prefixes)."""
+        rids = self._all_rids()
+        if rid in rids:
+            return [rid]
+        return [r for r in rids if r.startswith((rid + "-", rid + "_"))]
 
     def _all_rids(self) -> list[str]:
         s = self.scheduler

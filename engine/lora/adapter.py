@@ -74,9 +74,14 @@ class LoRAAdapter:
                 config = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"LoRA adapter {name!r}: {config_file} is not JSON: {exc}") from exc
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return cls.from_tensors(name, config, load_file(weights_file).items(), model, limits, path, pinned)
+        try:
+            tensors = load_file(weights_file)
+        except (SafetensorError, OSError) as exc:  # truncated, corrupt, unreadable
+            raise ValueError(f"LoRA adapter {name!r}: {weights_file} cannot be read as safetensors: {exc}") from exc
+        return cls.from_tensors(name, config, tensors.items(), model, limits, path, pinned)
 
     @classmethod
     def from_tensors(cls, name: str, config: Any, tensors: Iterable[tuple[str, Any]], model: nn.Module,

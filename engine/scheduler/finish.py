@@ -3,10 +3,11 @@ regexes, then EOS and stop tokens."""
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from engine.scheduler.request import Req
-from engine.scheduler.stop_regex import StopRegexTooSlow, new_match
+from engine.scheduler.stop_regex import SEARCH_TIMEOUT_S, StopRegexTooSlow, new_match
 
 
 def check_finished(req: Req, eos_token_ids: tuple[int, ...], context_len: int) -> Optional[dict]:
@@ -58,9 +59,10 @@ def _match_stop_regex(req: Req) -> Optional[dict]:
     if not patterns or not req.text:
         return None
     checked, req.stop_regex_checked = req.stop_regex_checked, len(req.text)
+    deadline = time.perf_counter() + SEARCH_TIMEOUT_S  # one budget for all of the request's patterns
     for pattern in patterns:
         try:
-            if new_match(pattern, req.text, checked):
+            if new_match(pattern, req.text, checked, deadline):
                 return {"type": "stop", "matched": pattern}
         except StopRegexTooSlow as exc:
             return {"type": "abort", "message": str(exc)}

@@ -12,6 +12,8 @@ instead of a stalled engine.
 from __future__ import annotations
 
 import functools
+import time
+from typing import Optional
 
 import regex
 
@@ -28,19 +30,23 @@ class StopRegexTooSlow(Exception):
     pass
 
 
-def new_match(pattern: str, text: str, checked: int) -> bool:
+def new_match(pattern: str, text: str, checked: int, deadline: Optional[float] = None) -> bool:
     """Whether `pattern` matches `text` somewhere a match could not have been before the text
-    grew past `checked` characters; StopRegexTooSlow past SEARCH_TIMEOUT_S."""
+    grew past `checked` characters; StopRegexTooSlow past SEARCH_TIMEOUT_S, or past `deadline`
+    (time.perf_counter's): a request's patterns share one budget per step."""
     compiled, width = _compiled(pattern)
     start = max(0, checked - (width if width is not None else LOOKBACK))
+    timeout = SEARCH_TIMEOUT_S if deadline is None else deadline - time.perf_counter()
     try:
-        return compiled.search(text, start, timeout=SEARCH_TIMEOUT_S) is not None
+        if timeout <= 0:
+            raise TimeoutError
+        return compiled.search(text, start, timeout=timeout) is not None
     except TimeoutError:
-        raise StopRegexTooSlow(f"stop_regex {pattern!r} took over {SEARCH_TIMEOUT_S * 1e3:.0f} ms on this "
-                               "output; simplify the pattern") from None
+        raise StopRegexTooSlow(f"stop_regex searches took over {SEARCH_TIMEOUT_S * 1e3:.0f} ms on this output "
+                               f"(at {pattern!r}); use fewer or simpler patterns") from None
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)  # 64 patterns a request (MAX_STOP_REGEX) x many requests
 def _compiled(pattern: str) -> tuple[regex.Pattern, int | None]:
     """The pattern compiled for the `regex` module (which takes re's syntax) and its maximum
     width in characters, None when unbounded."""

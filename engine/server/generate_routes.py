@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from pydantic import TypeAdapter
 
 from engine.api.core_client import CoreDead
 from engine.api.generate_request import GenerateRequest
@@ -26,6 +27,7 @@ from engine.server.stream_delta import StreamDelta
 from engine.server.stream_spacing import StreamSpacing
 
 OFF_LOOP_TEXT_CHARS = 16 << 10  # ~10 ms to tokenize: more is tokenized on a thread
+_ANY = TypeAdapter(Any)
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,17 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
             return streaming_response(route.events(body, stream), stream, engine)
         outs = await await_or_abort(request, stream, engine)
         _raise_if_core_died(outs)
-        return route.response(body, outs)
+        return await asyncio.to_thread(_json_reply, route.response, body, outs)
 
     handle.__annotations__ = {"body": route.body, "request": Request, "return": Any}  # FastAPI parses by these
     app.api_route(route.path, methods=list(route.methods))(handle)
+
+
+def _json_reply(response: Callable[[Any, Any], Any], body: Any, outs: Any) -> Response:
+    """A final reply, shaped and serialized on a worker thread: with prompt or top logprobs it can
+    be 100 MB of JSON (seconds of work the event loop, and so /health and every stream, would wait
+    for). Serialized as FastAPI serializes a route's return value (non-finite floats as null)."""
+    return Response(_ANY.dump_json(response(body, outs)), media_type="application/json")
 
 
 def _raise_if_core_died(outs: Any) -> None:

@@ -162,7 +162,9 @@ class ChatCompletionRequest(_OpenAISampling):
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                                        "return_tensors", "tools", "documents", "continue_final_message", "padding",
                                        "truncation", "max_length", "tokenizer_kwargs",
-                                       "return_assistant_tokens_mask"})
+                                       "return_assistant_tokens_mask",
+                                       # engine.tokenizer.apply_chat_template's own arguments
+                                       "tokenizer", "check", "assistant_prefix"})
 
 
 def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,

@@ -4,7 +4,8 @@ Bodies and replies are SGLang's (entrypoints/openai/serving_tokenize.py): a prom
 a list) -> {"tokens", "count", "max_model_len"}, each a list when the prompt was; tokens (one list
 of ids or a list of lists) -> {"text"}, a list when the tokens were. max_model_len is the context
 length this server enforces. The work scales with the body, so it runs off the event loop; an id
-outside the vocabulary is a 400 naming it.
+outside the vocabulary, text that is no Unicode (a lone surrogate) or a prompt over the size a
+generation route takes is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def add_tokenize_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> No
         _need(tokenizer)
 
         def encode(text: str) -> list[int]:
+            engine.builder.prompt_size.check(text, "prompt")  # the limit /generate applies, and valid text
             return list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
 
         if isinstance(req.prompt, str):

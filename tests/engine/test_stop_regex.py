@@ -49,7 +49,32 @@ def test_catastrophic_pattern_aborts_its_request_instead_of_stalling_the_loop():
     req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=[r"(a|aa)+$"]), text="a" * 40 + "b",
                           stop_regex_checked=0)
     reason = finish._match_stop_regex(req)
-    assert reason["type"] == "abort" and "(a|aa)+$" in reason["message"] and "simplify" in reason["message"]
+    assert reason["type"] == "abort" and "(a|aa)+$" in reason["message"] and "simpler patterns" in reason["message"]
+
+
+def test_a_requests_patterns_share_one_search_budget(monkeypatch):
+    """All of a request's patterns search against one deadline a step; a search that starts past
+    it ends the request, whatever its pattern."""
+    import time
+
+    from engine.scheduler.stop_regex import StopRegexTooSlow
+
+    deadlines = []
+    monkeypatch.setattr(finish, "new_match", lambda p, t, c, deadline: deadlines.append(deadline) or False)
+    req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=["x1y", "x2y", "x3y"]), text="abc",
+                          stop_regex_checked=0)
+    assert finish._match_stop_regex(req) is None
+    assert len(deadlines) == 3 and len(set(deadlines)) == 1
+    with pytest.raises(StopRegexTooSlow, match="fewer or simpler"):
+        new_match("x1y", "abc", 0, deadline=time.perf_counter() - 1)
+
+
+def test_stop_regex_patterns_are_bounded_in_number():
+    from engine.sampling_params import MAX_STOP_REGEX
+
+    SamplingParams.from_dict({"stop_regex": [f"x{i}y" for i in range(MAX_STOP_REGEX)]}).validate()
+    with pytest.raises(ValueError, match=f"stop_regex must be at most {MAX_STOP_REGEX} patterns"):
+        SamplingParams.from_dict({"stop_regex": [f"x{i}y" for i in range(MAX_STOP_REGEX + 1)]}).validate()
 
 
 def test_patterns_that_match_nothing_or_everything_are_refused():
