@@ -58,6 +58,19 @@ def engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def raw(engine):
+    """Under TestClient that answers a 500 rather than raising it, so a test sees what a client
+    sees; `raw.post_bytes(path, body)` posts a body as given (JSON escapes, non-finite literals)."""
+    from fastapi.testclient import TestClient
+
+    from engine.server.http import create_app
+
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        c.post_bytes = lambda path, body: c.post(path, content=body, headers={"content-type": "application/json"})
+        yield c
+
+
+@pytest.fixture(scope="module")
 def client(engine):
     from fastapi.testclient import TestClient
 

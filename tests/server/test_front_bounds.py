@@ -36,12 +36,6 @@ def _nested(depth: int) -> dict:
     return value
 
 
-@pytest.fixture(scope="module")
-def raw(engine):
-    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
-        yield c
-
-
 def _idle(engine) -> None:
     stats = engine.get_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)

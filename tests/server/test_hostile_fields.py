@@ -18,16 +18,6 @@ GEN = {"max_new_tokens": 2, "temperature": 0.0}
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def raw(engine):
-    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
-        yield c
-
-
-def _post_raw(client, path: str, body: bytes):
-    return client.post(path, content=body, headers={"content-type": "application/json"})
-
-
 def _serving(client) -> None:
     resp = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": GEN})
     assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 2
@@ -44,7 +34,7 @@ def _serving(client) -> None:
 ])
 def test_text_that_is_no_unicode_is_refused_naming_its_field(raw, path, body, field):
     version = raw.get("/get_weight_version").json()
-    resp = _post_raw(raw, path, body)
+    resp = raw.post_bytes(path, body)
     assert resp.status_code == 400 and f"{field} is not valid Unicode text" in resp.json()["message"], resp.text
     assert raw.get("/get_weight_version").json() == version  # nothing changed
     _serving(raw)
@@ -52,7 +42,7 @@ def test_text_that_is_no_unicode_is_refused_naming_its_field(raw, path, body, fi
 
 def test_disk_update_with_a_bad_version_changes_nothing(raw, tiny_model_dir):
     version = raw.get("/get_weight_version").json()
-    resp = _post_raw(raw, "/update_weights_from_disk",
+    resp = raw.post_bytes("/update_weights_from_disk",
                      f'{{"model_path": "{tiny_model_dir}", "weight_version": "\\udfff"}}'.encode())
     assert resp.status_code == 400 and "weight_version is not valid Unicode text" in resp.text
     assert raw.get("/get_weight_version").json() == version

@@ -6,23 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-
-from engine.server.http import create_app
 
 GEN = {"max_new_tokens": 2, "temperature": 0.0}
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def raw(engine):
-    """Under TestClient that answers a 500 rather than raising it, so the test sees what a client sees."""
-    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
-        yield c
-
-
-def _post_raw(client, path: str, body: bytes):
-    return client.post(path, content=body, headers={"content-type": "application/json"})
 
 
 def _serving(client, engine) -> None:
@@ -47,14 +33,14 @@ def _serving(client, engine) -> None:
      "repetition_penalty must be a finite number, got -inf"),
 ])
 def test_bad_text_and_non_finite_floats_are_400(raw, engine, path, body, message):
-    resp = _post_raw(raw, path, body)
+    resp = raw.post_bytes(path, body)
     assert resp.status_code == 400, resp.text
     assert message in resp.json()["message"]
     _serving(raw, engine)
 
 
 def test_a_valid_surrogate_pair_is_text(raw, engine):
-    resp = _post_raw(raw, "/generate", b'{"text": "\\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}')
+    resp = raw.post_bytes("/generate", b'{"text": "\\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}')
     assert resp.status_code == 200, resp.text
 
 
@@ -166,7 +152,7 @@ def _bodies(draw):
 def test_fuzzed_field_types_never_500(raw, engine, case):
     path, body = case
     text = json.dumps(body, allow_nan=True)  # NaN / Infinity as Python's json writes them
-    resp = _post_raw(raw, path, text.encode("utf-8", "surrogatepass"))
+    resp = raw.post_bytes(path, text.encode("utf-8", "surrogatepass"))
     assert resp.status_code < 500, (path, body, resp.status_code, resp.text)
     if resp.status_code == 400:
         assert resp.json()["message"], (path, body)
