@@ -54,8 +54,10 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                 rollout_logprobs: Optional[torch.Tensor] = None, tis_cap: Optional[float] = 2.0,
-                aggregation: str = "token_mean") -> tuple[torch.Tensor, dict[str, float]]:
-    """-> (scalar loss to minimise, metrics). advantages: [B] (one per sequence) or [B, T]."""
+                aggregation: str = "token_mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """-> (scalar loss to minimise, metrics as detached 0-dim tensors: read with .item() once the
+    step is queued, not per micro batch, so the host never waits for the device mid-step).
+    advantages: [B] (one per sequence) or [B, T]."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
     if not logprobs.shape == old_logprobs.shape == mask.shape:
@@ -66,16 +68,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ratio = torch.exp(logprobs - old_logprobs.detach())
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(-adv * ratio, -adv * clipped)
-    metrics: dict[str, float] = {
-        "clip_fraction": _masked_mean(((-adv * clipped) > (-adv * ratio)).to(mask.dtype), mask).item(),
-        "approx_kl": _masked_mean(0.5 * (logprobs - old_logprobs).detach() ** 2, mask).item(),
+    metrics: dict[str, torch.Tensor] = {
+        "clip_fraction": _masked_mean(((-adv * clipped) > (-adv * ratio)).to(mask.dtype), mask).detach(),
+        "approx_kl": _masked_mean(0.5 * (logprobs - old_logprobs).detach() ** 2, mask),
     }
     if rollout_logprobs is not None:
         gap = (old_logprobs - rollout_logprobs).detach()
         weight = torch.exp(gap) if tis_cap is None else torch.exp(gap).clamp(max=tis_cap)
         per_token = per_token * weight
-        metrics["train_rollout_logprob_abs_diff"] = _masked_mean(gap.abs(), mask).item()
-        metrics["tis_weight_mean"] = _masked_mean(weight, mask).item()
+        metrics["train_rollout_logprob_abs_diff"] = _masked_mean(gap.abs(), mask)
+        metrics["tis_weight_mean"] = _masked_mean(weight, mask)
     return _aggregate(per_token, mask, aggregation), metrics
 
 
@@ -101,13 +103,14 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) ->
 
 
 def rl_objective(logprobs: Sequence[torch.Tensor], batch, config: LossConfig,
-                 ref_logprobs: Optional[Sequence[torch.Tensor]] = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 ref_logprobs: Optional[Sequence[torch.Tensor]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one (micro) batch with one update per rollout batch: old = current logprobs,
     detached (ratio 1), TIS against the engine's rollout logprobs, plus kl_coef * KL to the
     reference. batch: a trainer_bridge.rollout_batch.RolloutBatch; logprobs: the trainer's, one
     tensor per response. The loss is scaled by the batch's share of its parent so micro-batch
     losses add up to the whole batch's. Metrics include the trainer/rollout logprob gap on the
-    policy's own tokens (loss mask 1): logprob_abs_diff_max / _mean."""
+    policy's own tokens (loss mask 1): logprob_abs_diff_max / _mean. Metrics are 0-dim tensors,
+    as policy_loss's."""
     device = logprobs[0].device
     current = torch.nn.utils.rnn.pad_sequence(list(logprobs), batch_first=True).float()
     mask = batch.padded(batch.loss_masks, device=device)
@@ -116,14 +119,14 @@ def rl_objective(logprobs: Sequence[torch.Tensor], batch, config: LossConfig,
     loss, metrics = policy_loss(current, current.detach(), advantages, mask, config.clip_low, config.clip_high,
                                 rollout, config.tis_cap, config.aggregation)
     gap = ((current.detach() - rollout).abs() * mask)
-    metrics["logprob_abs_diff_max"] = gap.max().item() if gap.numel() else 0.0
-    metrics["logprob_abs_diff_mean"] = _masked_mean(gap, mask).item()
+    metrics["logprob_abs_diff_max"] = gap.max() if gap.numel() else gap.new_zeros(())
+    metrics["logprob_abs_diff_mean"] = _masked_mean(gap, mask)
     if config.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs the reference policy's logprobs")
         ref = torch.nn.utils.rnn.pad_sequence(list(ref_logprobs), batch_first=True).float()
         kl = kl_penalty(current, ref, mask)
         loss = loss + config.kl_coef * kl
-        metrics["kl"] = kl.item()
+        metrics["kl"] = kl.detach()
     share = batch.token_share if config.aggregation == "token_mean" else batch.seq_share
     return loss * share, metrics

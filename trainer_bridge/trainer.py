@@ -64,8 +64,9 @@ class Trainer(ABC):
         """One optimizer step on a rollout batch (gradients accumulated over micro batches)."""
         if not len(batch):
             raise ValueError("train_step got an empty batch (every response was empty)")
-        totals = {"loss": 0.0, "logprob_abs_diff_max": 0.0, "logprob_abs_diff_mean": 0.0,
-                  "tis_weight_mean": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        # summed as device tensors and read once after the last backward: a read per micro batch
+        # made the host wait for the device before it could prepare and queue the next one
+        sums: dict[str, torch.Tensor] = {}
         routes_same = routes_total = 0
         for micro in batch.micro_batches(self.micro_batch_size):
             replay = micro.routed_experts if self.replay_routes else None
@@ -79,10 +80,8 @@ class Trainer(ABC):
                     ref = self.reference_model().rollout_logprobs(micro.prompts, micro.responses, self.temperature)
             loss, metrics = rl_objective(logprobs, micro, self.loss, ref)
             self.backward(loss)
-            totals["loss"] += loss.item()
-            totals["logprob_abs_diff_max"] = max(totals["logprob_abs_diff_max"], metrics["logprob_abs_diff_max"])
-            for key in ("logprob_abs_diff_mean", "tis_weight_mean", "clip_fraction", "kl"):
-                totals[key] += metrics.get(key, 0.0) * micro.token_share
+            _accumulate(sums, loss.detach(), metrics, micro.token_share)
+        totals = {key: float(value) for key, value in zip(sums, torch.stack(list(sums.values())).tolist())}
         if not math.isfinite(totals["loss"]):  # before the step: the weights stay the last good ones
             for param in self.policy.parameters():
                 param.grad = None  # nothing of this batch is left to add to the next
@@ -125,6 +124,24 @@ class Trainer(ABC):
         if self.reference is None:
             raise ValueError("kl_coef > 0 needs a reference: call freeze_reference() first")
         return self.reference
+
+
+def _accumulate(sums: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, torch.Tensor],
+                token_share: float) -> None:
+    """A micro batch's loss and metrics into the step's: the loss summed, the logprob gap's max
+    kept, the means weighted by the micro batch's share of the tokens."""
+    zero = loss.new_zeros(())
+    parts = {"loss": loss, "logprob_abs_diff_max": metrics["logprob_abs_diff_max"].float()}
+    for key in ("logprob_abs_diff_mean", "tis_weight_mean", "clip_fraction", "kl"):
+        parts[key] = metrics.get(key, zero).float() * token_share
+    for key, value in parts.items():
+        value = value.float()
+        if key not in sums:
+            sums[key] = value
+        elif key == "logprob_abs_diff_max":
+            sums[key] = torch.maximum(sums[key], value)
+        else:
+            sums[key] = sums[key] + value
 
 
 class TorchTrainer(Trainer):

@@ -48,7 +48,7 @@ class RequestBuilder:
         """Returns one ReqInput per (prompt, sample) pair, prompt-major, and whether the caller
         passed a single prompt (so the result is a dict rather than a list). The logprob options
         are decided here once: without return_logprob a request asks for no logprob of any kind."""
-        prompts, single = self._token_lists(request.prompt, request.input_ids)
+        prompts, single = self.token_lists(request.prompt, request.input_ids)
         n = len(prompts)
         params = self._sampling_params(request.sampling_params, n)
         self._check_counts(params)
@@ -85,7 +85,9 @@ class RequestBuilder:
         return distribution
 
     # ---- pieces --------------------------------------------------------------------------------
-    def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+    def token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+        """The prompts' token ids (text tokenized as generate does), checked; and whether one
+        prompt was given (not a list of them)."""
         if prompt is not None and input_ids is not None:
             raise ValueError("pass either prompt (text) or input_ids, not both")
         if prompt is None and input_ids is None:

@@ -56,7 +56,7 @@ class Admission:
                              self.config.chunked_prefill_size, self.config.max_prefill_tokens)
         if q.chunked_req is not None:
             req, q.chunked_req = q.chunked_req, None
-            req.fill_ids = req.all_ids
+            req.fill_all()
             adder.add_chunked(req)
         ordered, in_queue_order = order_waiting(q.waiting, self.config.schedule_policy, self.tree_cache)
         admitted: list[Req] = []  # and refused: both leave the queue
@@ -104,9 +104,9 @@ class Admission:
     def _refuse_oversized(self, req: Req) -> None:
         """The front end refuses these (RequestBuilder); a request that still gets here ends now
         with an error naming the limit instead of waiting for memory that never comes."""
-        need = len(req.all_ids) + req.remaining_new_tokens
+        need = req.seq_len + req.remaining_new_tokens
         self.queues.end(req, {"type": "abort", "status_code": 400, "message": (
-            f"request needs {need} KV cache slots ({len(req.all_ids)} tokens + {req.remaining_new_tokens} "
+            f"request needs {need} KV cache slots ({req.seq_len} tokens + {req.remaining_new_tokens} "
             f"new) but the pool holds {self.slots.allocator.size}; lower max_new_tokens or raise "
             f"--max-total-tokens")})
 
@@ -125,7 +125,7 @@ class Admission:
         return False
 
     def _admit(self, req: Req, adder: PrefillAdder) -> bool:
-        req.fill_ids = req.all_ids
+        req.fill_all()
         match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], req.lora_id)
         self.tree_cache.inc_lock_ref(match.last_node)
         if not adder.try_add(req, len(match.indices)):
@@ -184,7 +184,7 @@ class Admission:
 def decode_prefix_lens(reqs: list[Req]) -> list[int]:
     """Running requests feed their last token: its position is the KV they already hold."""
     for req in reqs:
-        req.fill_ids = req.all_ids
+        req.fill_all()
     return [r.seq_len - 1 for r in reqs]
 
 

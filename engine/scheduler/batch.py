@@ -36,7 +36,7 @@ class ScheduleBatch:
     def input_ids(self) -> list[int]:
         ids: list[int] = []
         for req, start, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            ids.extend(req.fill_ids[start : start + n])
+            ids.extend(req.fill_slice(start, start + n))
         return ids
 
     def positions(self) -> list[int]:

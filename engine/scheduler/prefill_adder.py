@@ -22,7 +22,7 @@ CLIP_MAX_NEW_TOKENS = 4096
 def never_fits(req: Req, pool_size: int) -> bool:
     """True when even an empty pool cannot admit req: the forecast charges its tokens so far
     plus its remaining max_new_tokens, whatever part of them a cached prefix already holds."""
-    return len(req.all_ids) + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) > pool_size
+    return req.seq_len + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) > pool_size
 
 
 def reserved_tokens(req: Req, new_token_ratio: float) -> float:
@@ -59,7 +59,7 @@ class PrefillAdder:
         """Charge req (already locked on its prefix) against the budgets; False if it must wait.
 
         On success req.extend_input_len is set, cut to the chunk budget if needed."""
-        extend = len(req.fill_ids) - prefix_len
+        extend = req.fill_len - prefix_len
         total = extend + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS)
         if total > self.free_tokens:
             return False
@@ -81,7 +81,7 @@ class PrefillAdder:
         """The request cut by the last chunk continues first, whatever the forecast says: its
         prefix is already paid for and it holds its slots."""
         prefix_len = len(req.prefix_indices)
-        extend = len(req.fill_ids) - prefix_len
+        extend = req.fill_len - prefix_len
         req.is_chunked = extend > self.rem_chunk
         extend = min(extend, int(self.rem_chunk)) if req.is_chunked else extend
         req.extend_input_len = extend

@@ -34,8 +34,9 @@ class RequestOptions:
 class Req(RequestOptions):
     origin_input_ids: list[int] = field(kw_only=True)
     output_ids: list[int] = field(default_factory=list)
-    # KV bookkeeping (see engine/kv): what this round computes and what it already owns
-    fill_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping (see engine/kv): what this round computes (`fill_ids`) and what it already owns;
+    # None: every token so far, read lazily (a decode step must not copy the whole sequence)
+    _fill_ids: Optional[list[int]] = field(default_factory=list, repr=False)
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     req_pool_idx: Optional[int] = None
@@ -94,6 +95,34 @@ class Req(RequestOptions):
         return self.origin_input_ids + self.output_ids
 
     @property
+    def fill_ids(self) -> list[int]:
+        """The tokens this round's KV covers once computed (a prefill: the prompt, or its chunk)."""
+        return self.all_ids if self._fill_ids is None else self._fill_ids
+
+    @fill_ids.setter
+    def fill_ids(self, ids: list[int]) -> None:
+        self._fill_ids = ids
+
+    def fill_all(self) -> None:
+        """fill_ids = every token so far (prompt + outputs), in O(1): each decode step sets it
+        for every running request, and a 16k-token sequence copied per request per step cost
+        more than the step's device time at batch 256."""
+        self._fill_ids = None
+
+    @property
+    def fill_len(self) -> int:
+        return self.seq_len if self._fill_ids is None else len(self._fill_ids)
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids (a decode row reads its last token)."""
+        if self._fill_ids is not None:
+            return self._fill_ids[start:end]
+        n = len(self.origin_input_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return (self.origin_input_ids[start:end] + self.output_ids[: max(end - n, 0)])
+
+    @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
@@ -108,7 +137,7 @@ class Req(RequestOptions):
     def max_prefix_len(self) -> int:
         """Longest prefix the cache may serve: the last token is always computed (its logits
         sample the next token), and prompt logprobs from position k need logits from k-1."""
-        cap = len(self.fill_ids) - 1
+        cap = self.fill_len - 1
         if self.wants_input_logprobs:
             cap = min(cap, max(self.logprob_start_len - 1, 0))
         return max(cap, 0)

@@ -107,7 +107,7 @@ class Scheduler(RequestQueues):
                 continue
             req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if batch.lookahead:
-                req.fill_ids = req.all_ids
+                req.fill_all()
             if batch.forward_mode is ForwardMode.EXTEND and i < batch.num_prefill_rows:
                 self.tree_cache.cache_unfinished_req(req)
                 if req.is_chunked:

@@ -59,6 +59,10 @@ class OpenAIServing:
     def completion_request(self, req: CompletionRequest) -> GenerateRequest:
         prompt = req.prompt
         key = "input_ids" if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str) else "prompt"
+        if req.return_token_ids:  # tokenized here, so the reply can carry the ids the engine ran
+            req._prompt_ids, single = self.engine.builder.token_lists(*((prompt, None) if key == "prompt"
+                                                                         else (None, prompt)))
+            key, prompt = "input_ids", req._prompt_ids[0] if single else req._prompt_ids
         wants_logprobs = req.logprobs is not None
         return GenerateRequest(
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
@@ -86,8 +90,11 @@ class OpenAIServing:
             if req.logprobs is not None:
                 entries, tops = echo_entries(meta) if req.echo else output_entries(meta)
                 logprobs = completion_logprobs(entries, tops, self.decode)
-            choices.append({"index": i, "text": head + o["text"], "logprobs": logprobs,
-                            "finish_reason": _finish_reason(meta), "matched_stop": _matched_stop(meta)})
+            choice = {"index": i, "text": head + o["text"], "logprobs": logprobs,
+                      "finish_reason": _finish_reason(meta), "matched_stop": _matched_stop(meta)}
+            if req.return_token_ids:
+                choice.update(token_ids=o["output_ids"], prompt_token_ids=req._prompt_ids[i // req.n])
+            choices.append(choice)
         metas = [o["meta_info"] for o in outs]
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
@@ -96,11 +103,15 @@ class OpenAIServing:
     def completion_events(self, req: CompletionRequest, stream: Any) -> AsyncIterator[str]:
         prompts = self._prompt_texts(req) if req.echo else []
 
-        def delta(index: int, text: str, meta: dict, sent_tokens: int, first: bool) -> dict:
+        def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> dict:
             head = prompts[index // req.n] if req.echo and first else ""
             choice: dict = {"text": head + text}
             if req.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(*output_entries(meta, sent_tokens), self.decode)
+                choice["logprobs"] = completion_logprobs(*output_entries(chunk["meta_info"], sent_tokens), self.decode)
+            if req.return_token_ids:  # the new ids of this chunk; the prompt's with the first
+                choice["token_ids"] = chunk["output_ids"][sent_tokens:]
+                if first:
+                    choice["prompt_token_ids"] = req._prompt_ids[index // req.n]
             return choice
 
         return self._events(stream, req, "cmpl", "text_completion", delta)
@@ -155,11 +166,11 @@ class OpenAIServing:
         return choice
 
     def chat_events(self, req: ChatCompletionRequest, stream: Any) -> AsyncIterator[str]:
-        def delta(index: int, text: str, meta: dict, sent_tokens: int, first: bool) -> dict:
+        def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> dict:
             message = {"role": "assistant", "content": text} if first else {"content": text}
             choice: dict = {"delta": message}
             if req.logprobs:
-                choice["logprobs"] = chat_logprobs(*output_entries(meta, sent_tokens), self.decode)
+                choice["logprobs"] = chat_logprobs(*output_entries(chunk["meta_info"], sent_tokens), self.decode)
             return choice
 
         return self._events(stream, req, "chatcmpl", "chat.completion.chunk", delta)
@@ -177,7 +188,7 @@ class OpenAIServing:
             index, meta = chunk.get("index", 0), chunk["meta_info"]
             first = index not in sent_chars
             text = chunk["text"][sent_chars.get(index, 0):]
-            choice = {"index": index, **delta(index, text, meta, sent_tokens.get(index, 0), first),
+            choice = {"index": index, **delta(index, text, chunk, sent_tokens.get(index, 0), first),
                       "finish_reason": _finish_reason(meta)}
             sent_chars[index], sent_tokens[index] = len(chunk["text"]), len(chunk["output_ids"])
             if choice["finish_reason"] is not None:

@@ -103,6 +103,8 @@ class CompletionRequest(_OpenAISampling):
     max_tokens: int = 16
     logprobs: Optional[int] = None
     echo: bool = False
+    return_token_ids: bool = False  # SGLang's: each choice's token_ids and prompt_token_ids (streamed too)
+    _prompt_ids: list[list[int]] = PrivateAttr(default_factory=list)  # per prompt, when return_token_ids
 
 
 class ChatCompletionRequest(_OpenAISampling):

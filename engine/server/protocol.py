@@ -161,8 +161,8 @@ class UpdateWeightsFromTensorRequest(_Lenient):
 class InitWeightsUpdateGroupRequest(_Lenient):
     master_address: str
     master_port: int
-    rank_offset: int
-    world_size: int
+    rank_offset: int = Field(ge=0, lt=1 << 31)  # NCCL's ranks are C ints
+    world_size: int = Field(ge=1, lt=1 << 31)
     group_name: str = "weight_update_group"
     backend: str = "nccl"
     timeout_s: float = Field(30.0, gt=0, le=600)  # the rendezvous' bound (tandem's; SGLang has none)

@@ -169,3 +169,32 @@ def test_siblings_sharing_an_uncached_prefix_wait_one_round():
     second = s.schedule()
     assert [r.rid for r in second.reqs] == ["g1", "g2", "g3"]
     assert second.prefix_lens == [63, 63, 63]
+
+
+def test_decode_steps_never_copy_a_whole_sequence(monkeypatch):
+    """A decode step reads each request's last token: building prompt + outputs per request per
+    step (as it once did, twice) costs O(sequence) each, more than the step at 16k tokens."""
+    s = make_scheduler(pool=10_000, max_running=4)
+    for i in range(3):
+        s.add_request(make_req(f"r{i}", [i + 1] * 300, max_new=50))
+    run_step(s)  # the prefill
+    copies = []
+    real = Req.all_ids
+    monkeypatch.setattr(Req, "all_ids", property(lambda req: copies.append(req.rid) or real.fget(req)))
+    for _ in range(10):
+        batch = s.schedule()
+        assert batch.forward_mode is ForwardMode.DECODE
+        assert batch.input_ids() == [r.output_ids[-1] for r in batch.reqs]
+        s.commit(batch, [9] * batch.batch_size)
+    assert copies == []
+
+
+def test_fill_ids_read_lazily_slice_like_the_list():
+    req = make_req("a", [1, 2, 3, 4])
+    req.output_ids = [5, 6]
+    req.fill_all()
+    assert req.fill_ids == [1, 2, 3, 4, 5, 6] and req.fill_len == 6
+    for start, end in [(0, 6), (2, 5), (4, 6), (5, 6), (3, 4), (0, 0), (6, 6)]:
+        assert req.fill_slice(start, end) == [1, 2, 3, 4, 5, 6][start:end]
+    req.fill_ids = [1, 2, 3]
+    assert req.fill_len == 3 and req.fill_slice(1, 3) == [2, 3] and req.max_prefix_len() == 2

@@ -101,3 +101,25 @@ def test_input_ids_are_checked_like_a_prompts(served):
     assert long.status_code == 400 and "context length" in long.json()["message"]
     wrong = c.post("/v1/chat/completions", json={"messages": USER, "input_ids": "5 6", "max_tokens": 2})
     assert wrong.status_code == 400 and "input_ids" in wrong.json()["message"]
+
+
+def test_completions_return_token_ids(served):
+    """SGLang's /v1/completions return_token_ids: each choice's token_ids and prompt_token_ids (the
+    text's tokenization as generate runs it); streamed, each chunk carries its new ids."""
+    import json
+
+    c, eng = served
+    prompt_ids = eng.tokenizer.encode("hello there", add_special_tokens=False)
+    ref = eng.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 5, **GREEDY})["output_ids"]
+    body = {"prompt": "hello there", "max_tokens": 5, "return_token_ids": True, **GREEDY}
+    choices = c.post("/v1/completions", json={**body, "n": 2}).json()["choices"]
+    assert [ch["token_ids"] for ch in choices] == [ref, ref]
+    assert all(ch["prompt_token_ids"] == prompt_ids for ch in choices)
+    batch = c.post("/v1/completions", json={**body, "prompt": [prompt_ids, [5, 6, 7]]}).json()["choices"]
+    assert batch[0]["token_ids"] == ref and [ch["prompt_token_ids"] for ch in batch] == [prompt_ids, [5, 6, 7]]
+    assert "token_ids" not in c.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    chunks = [e["choices"][0] for e in events]
+    assert sum((ch["token_ids"] for ch in chunks), []) == ref
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in ch for ch in chunks[1:])

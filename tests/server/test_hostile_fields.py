@@ -93,3 +93,10 @@ def test_abort_by_the_sent_rid_ends_every_sample(raw, engine, body):
     assert len(outs) in (2, 3) and all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
     assert all(o["meta_info"]["completion_tokens"] < 3000 for o in outs)
     _serving(raw)
+
+
+@pytest.mark.parametrize("field,value", [("world_size", 1 << 40), ("world_size", 0), ("rank_offset", -1)])
+def test_weights_group_sizes_are_checked_before_any_rendezvous(raw, field, value):
+    body = {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1, "world_size": 2, field: value}
+    resp = raw.post("/init_weights_update_group", json=body)
+    assert resp.status_code == 400 and field in resp.text, resp.text

@@ -29,7 +29,7 @@ def test_on_policy_gradient_is_minus_advantage_per_token():
     # ratio 1: loss = -mean(A) over 5 real tokens, d/dlogprob = -A / 5 on real tokens, 0 on padding
     assert loss.item() == pytest.approx(-(3 * 2.0 - 2 * 1.0) / 5)
     assert torch.allclose(logprobs.grad, torch.tensor([[-0.4, -0.4, -0.4], [0.2, 0.2, 0.0]]))
-    assert metrics["clip_fraction"] == 0.0 and metrics["approx_kl"] == 0.0
+    assert metrics["clip_fraction"].item() == 0.0 and metrics["approx_kl"].item() == 0.0  # 0-dim tensors
 
 
 def test_clipping_stops_the_gradient_only_where_the_objective_is_pessimistic():
@@ -44,7 +44,7 @@ def test_clipping_stops_the_gradient_only_where_the_objective_is_pessimistic():
     expected = torch.tensor([[0.0, r_hi / 4, -r_lo / 4, 0.0]])
     assert torch.allclose(logprobs.grad, expected, atol=1e-6)
     assert loss.item() == pytest.approx((-1.2 + r_hi - r_lo + 0.8) / 4)
-    assert metrics["clip_fraction"] == 0.5
+    assert metrics["clip_fraction"].item() == 0.5
 
 
 def test_truncated_importance_sampling_weights_and_caps():
@@ -54,12 +54,12 @@ def test_truncated_importance_sampling_weights_and_caps():
                                 rollout_logprobs=rollout, tis_cap=2.0)
     loss.backward()
     assert torch.allclose(logprobs.grad, -torch.tensor([[1.0, 0.5, 2.0]]) / 3)  # 4 capped at 2
-    assert metrics["tis_weight_mean"] == pytest.approx(3.5 / 3)
-    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx((math.log(2) + math.log(4)) / 3)
+    assert metrics["tis_weight_mean"].item() == pytest.approx(3.5 / 3)
+    assert metrics["train_rollout_logprob_abs_diff"].item() == pytest.approx((math.log(2) + math.log(4)) / 3)
     same, m = policy_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), torch.ones(1, 3),
                           rollout_logprobs=logprobs.detach())
     plain, _ = policy_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), torch.ones(1, 3))
-    assert torch.equal(same, plain) and m["train_rollout_logprob_abs_diff"] == 0.0  # bitwise on-policy
+    assert torch.equal(same, plain) and m["train_rollout_logprob_abs_diff"].item() == 0.0  # bitwise on-policy
 
 
 def test_aggregations_weigh_tokens_or_sequences():
