@@ -7,7 +7,6 @@ raises a ValueError naming the problem and never reaches the core.
 from __future__ import annotations
 
 import dataclasses
-
 import random
 import uuid
 from typing import Any, Optional

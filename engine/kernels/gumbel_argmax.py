@@ -4,8 +4,9 @@ The same function as engine.sampling.seeds.gumbel_argmax, element for element: t
 (seed, position, vocab id) is the same int64 lowbias32 chain and float64 -log(-log(u)), added to
 the row's float32 logprobs in float64, so the tokens are the eager reference's. The engine ran
 that reference under torch.compile, whose first calls compiled for ~6 s per shape class at
-start-up and imported torch._dynamo; this kernel compiles in about a second and caches like the
-others. Stage 1 reduces CHUNK-wide slices of a row to (max, first index of it); stage 2 takes the
+start-up and imported torch._dynamo; this kernel is compiled and cached as the engine's other
+Triton kernels are (TANDEM_TRITON_GUMBEL=1 until its compile time and speed are measured on the
+GPU: scripts/device_suite.sh gumbelgpu readyab t1ab). Stage 1 reduces CHUNK-wide slices of a row to (max, first index of it); stage 2 takes the
 slices in order, so the first index wins ties as torch.argmax's does and a row's token never
 depends on its batch. NaN wins, as in torch.argmax.
 

@@ -72,7 +72,8 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
             return streaming_response(route.events(body, stream), stream, engine)
         outs = await await_or_abort(request, stream, engine)
         _raise_if_core_died(outs)
-        return await asyncio.to_thread(_json_reply, route.response, body, outs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_REPLY_THREADS, _json_reply, route.response, body, outs)
 
     handle.__annotations__ = {"body": route.body, "request": Request, "return": Any}  # FastAPI parses by these
     app.api_route(route.path, methods=list(route.methods))(handle)
@@ -97,6 +98,9 @@ def _raise_if_core_died(outs: Any) -> None:
 # Threads that build heavy requests: a grammar's compile waits up to its time limit
 # (engine/grammar/compile_pool.py), so these are their own, never the loop's default executor.
 _SUBMIT_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tandem-submit")
+# Final replies are shaped on their own threads: not behind a weight update's or a stats call's
+# wait in the loop's default executor
+_REPLY_THREADS = ThreadPoolExecutor(8, thread_name_prefix="tandem-reply")
 
 
 async def _submitted(submit: Callable[..., Any], heavy: bool) -> Any:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from pydantic import model_validator
-
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic import model_validator
 
 from engine.server.protocol import UnknownFields, _Lenient
 from weight_sync.cuda_ipc import PAYLOAD_ERRORS
@@ -83,7 +82,7 @@ def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
                                                               "cannot add tokens", "loaded_adapters": None})
 
         def load() -> dict:
-            if req.upsert and req.lora_name in (engine.unload_lora_adapter(req.lora_name).get("loaded_adapters") or {}):
+            if req.upsert and not _unloaded(engine, req.lora_name):
                 return {"success": False, "error_message": f"upsert: adapter {req.lora_name!r} could not be unloaded",
                         "loaded_adapters": None}
             try:
@@ -94,6 +93,11 @@ def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
                 return {"success": False, "error_message": str(exc), "loaded_adapters": None}
 
         return _reply(await asyncio.to_thread(load))
+
+
+def _unloaded(engine: Any, name: str) -> bool:
+    """Unload `name` if it is loaded (an upsert replaces it); -> whether it is gone."""
+    return name not in (engine.unload_lora_adapter(name).get("loaded_adapters") or {})
 
 
 def _reply(result: dict) -> JSONResponse:

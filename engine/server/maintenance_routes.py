@@ -41,10 +41,6 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
     @app.post("/start_profile")
     async def start_profile(req: StartProfileRequest) -> Response:
         unknown.note("/start_profile", req)
-        for name in ("start_step", "num_steps"):
-            value = getattr(req, name)
-            if value is not None and value < (0 if name == "start_step" else 1):
-                raise ValueError(f"{name} must be {'>= 0' if name == 'start_step' else 'positive'}, got {value}")
         if req.profile_by_stage:
             raise ValueError("profile_by_stage is not supported: tandem traces prefill and decode steps together "
                              "(leave it false)")
@@ -52,7 +48,9 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
         Profiler.check_activities(req.activities)
         steps = (await asyncio.to_thread(engine.get_stats)).num_steps
         start = partial(profiler.start, req.output_dir, req.activities, req.with_stack, req.record_shapes)
-        if not req.start_step:
+        if req.start_step:
+            profiler.schedule()
+        else:
             await profiler.on_thread(start)
         _in_background(tasks, _profile_steps(profiler, engine, steps, req.start_step or 0, req.num_steps, start))
         return PlainTextResponse("Start profiling.\n")

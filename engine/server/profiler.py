@@ -70,10 +70,14 @@ class Profiler:
         self.last_trace = path
         return path
 
-    async def start_after_steps(self, engine: Any, until: int, start: Any, poll_s: float = 0.05) -> bool:
-        """SGLang's start_step: `start` (on this profiler's thread) once the core has run `until`
-        forward passes; False when /stop_profile called it off first."""
+    def schedule(self) -> None:
+        """A start is coming (start_after_steps): set at once, so a second /start_profile is refused."""
+        self.check_idle()
         self.waiting = True
+
+    async def start_after_steps(self, engine: Any, until: int, start: Any, poll_s: float = 0.05) -> bool:
+        """SGLang's start_step, after `schedule`: `start` (on this profiler's thread) once the core
+        has run `until` forward passes; False when /stop_profile called it off first."""
         try:
             while self.waiting and (await asyncio.to_thread(engine.get_stats)).num_steps < until:
                 await asyncio.sleep(poll_s)
