@@ -31,14 +31,24 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
+MAX_READ_VALUES = 1 << 22  # a JSON list of ~4M floats (~80 MB), read on the core's thread
+
+
 def weights_by_name(model: nn.Module, name: str, truncate_size: int = 100) -> list:
     """The first `truncate_size` rows (or values, for 1-D) of the parameter an HF checkpoint name
     loads into, as float lists; q/k/v and gate/up names read their slice of the stacked weight,
-    a tied lm_head reads the embedding."""
+    a tied lm_head reads the embedding. At most MAX_READ_VALUES values: a whole embedding as
+    floats would stall generation for seconds and make a reply of GBs (/weights_checker's
+    checksum compares whole tensors)."""
     if not isinstance(truncate_size, int) or truncate_size < 0:
         raise ValueError(f"truncate_size must be a non-negative int, got {truncate_size!r}")
-    tensor = _resolve(model, name)
-    return tensor[:truncate_size].detach().float().cpu().tolist()
+    part = _resolve(model, name)[:truncate_size]
+    if part.numel() > MAX_READ_VALUES:
+        row = max(part[0].numel(), 1) if part.dim() > 1 else 1
+        raise ValueError(f"{name}[:{truncate_size}] has {part.numel():,} values, over the {MAX_READ_VALUES:,} this "
+                         f"route returns: ask for truncate_size <= {MAX_READ_VALUES // row}, or checksum the "
+                         "weights with /weights_checker")
+    return part.detach().float().cpu().tolist()
 
 
 def _resolve(model: nn.Module, name: str) -> torch.Tensor:

@@ -100,3 +100,12 @@ def test_weights_group_sizes_are_checked_before_any_rendezvous(raw, field, value
     body = {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1, "world_size": 2, field: value}
     resp = raw.post("/init_weights_update_group", json=body)
     assert resp.status_code == 400 and field in resp.text, resp.text
+
+
+def test_get_weights_by_name_returns_at_most_a_bounded_read(raw, engine, monkeypatch):
+    from engine.core import weight_queries
+
+    monkeypatch.setattr(weight_queries, "MAX_READ_VALUES", 100)  # the tiny model's tensors are small
+    resp = raw.post("/get_weights_by_name", json={"name": "model.embed_tokens.weight", "truncate_size": 10 ** 9})
+    assert resp.status_code == 400 and "truncate_size <=" in resp.json()["message"], resp.text
+    assert raw.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 5}).status_code == 200
