@@ -129,19 +129,14 @@ class Trainer(ABC):
 def _accumulate(sums: dict[str, torch.Tensor], loss: torch.Tensor, metrics: dict[str, torch.Tensor],
                 token_share: float) -> None:
     """A micro batch's loss and metrics into the step's: the loss summed, the logprob gap's max
-    kept, the means weighted by the micro batch's share of the tokens."""
-    zero = loss.new_zeros(())
-    parts = {"loss": loss, "logprob_abs_diff_max": metrics["logprob_abs_diff_max"].float()}
+    kept (a NaN gap ignored, as Python's max(0.0, nan) did), the means weighted by the micro
+    batch's share of the tokens. In float64, the precision of the Python floats these were."""
+    zero = loss.new_zeros((), dtype=torch.float64)
+    sums["loss"] = sums.get("loss", zero) + loss.double()
+    sums["logprob_abs_diff_max"] = torch.fmax(sums.get("logprob_abs_diff_max", zero),
+                                              metrics["logprob_abs_diff_max"].double())
     for key in ("logprob_abs_diff_mean", "tis_weight_mean", "clip_fraction", "kl"):
-        parts[key] = metrics.get(key, zero).float() * token_share
-    for key, value in parts.items():
-        value = value.float()
-        if key not in sums:
-            sums[key] = value
-        elif key == "logprob_abs_diff_max":
-            sums[key] = torch.maximum(sums[key], value)
-        else:
-            sums[key] = sums[key] + value
+        sums[key] = sums.get(key, zero) + metrics.get(key, zero).double() * token_share
 
 
 class TorchTrainer(Trainer):

@@ -34,8 +34,8 @@ class EngineWeights:
 
         if not isinstance(source, WeightSource):
             raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
-        if weight_version is not None:
-            _check_version(weight_version, "weight_version")
+        if weight_version is not None:  # any value becomes its text, as the core stores it
+            weight_version = _check_version(str(weight_version), "weight_version")
         try:
             return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
         except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
@@ -136,10 +136,8 @@ class EngineWeights:
         return self._call(WeightsCheckerReq(str(action), tuple(skip_tensor_list or ()), bool(allow_quant_error)))
 
 
-def _check_version(version: Any, what: str) -> str:
+def _check_version(version: str, what: str) -> str:
     """A version every reply carries (meta_info, /get_server_info, /metrics): text that encodes, or
     one bad version would break every JSON reply after it."""
-    if not isinstance(version, str):
-        raise ValueError(f"{what} must be a string, got {type(version).__name__}")
     check_text(version, what)
     return version

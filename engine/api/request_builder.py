@@ -225,15 +225,15 @@ class RequestBuilder:
     def _rids(rid: Any, n: int, single: bool) -> list[str]:
         if rid is None:
             return [uuid.uuid4().hex for _ in range(n)]
-        if isinstance(rid, str) and not single:  # SGLang: one string for a batch names its items rid_i
-            return [f"{rid}_{i}" for i in range(n)]
         rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) else None
         if rids is None or not all(isinstance(r, str) for r in rids):
             raise ValueError(f"rid must be a string or a list of strings (one per prompt), got {rid!r}")
-        if len(rids) != n:
-            raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
         for r in rids:  # every reply carries it: text that encodes
             check_text(r, "rid")
+        if isinstance(rid, str) and not single:  # SGLang: one string for a batch names its items rid_i
+            return [f"{rid}_{i}" for i in range(n)]
+        if len(rids) != n:
+            raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
         return rids
 
     def _check_counts(self, params: list[SamplingParams]) -> None:

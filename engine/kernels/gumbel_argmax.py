@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 2048  # vocab ids per stage-1 program (int64 hash + float64 log per id: register heavy)
-NO_INDEX = 2147483647
+NO_INDEX = tl.constexpr(2147483647)  # a jit function reads module globals only as constexprs
 
 
 @triton.jit
@@ -92,7 +92,8 @@ def gumbel_argmax(logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.
     chunks = triton.cdiv(V, CHUNK)
     part_max = torch.empty((B, chunks), dtype=torch.float64, device=logprobs.device)
     part_idx = torch.empty((B, chunks), dtype=torch.int32, device=logprobs.device)
+    # no fused multiply-adds: each value's float64 rounding is the eager reference's
     _chunk_kernel[(B, chunks)](logprobs, seeds, positions, part_max, part_idx, V, logprobs.stride(0), chunks,
-                               CHUNK=CHUNK, num_warps=8)
+                               CHUNK=CHUNK, num_warps=8, enable_fp_fusion=False)
     _merge_kernel[(B,)](part_max, part_idx, ids, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), num_warps=1)
     return ids

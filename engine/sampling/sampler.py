@@ -51,16 +51,17 @@ class Sampler:
 
     def warmup(self, device: torch.device, vocab_size: int) -> None:
         """Compile the fused noise kernel now rather than on the first sampled request (a
-        rollout's first step would stall for seconds). Batch 1 and 2: compile specialises 1."""
+        rollout's first step would stall for seconds). Batch 1 and 2: compile specialises 1.
+        A Triton kernel that fails falls back to torch.compile's, that one to eager (the same
+        tokens, slower)."""
         if not self._compile or device.type != "cuda":
             return
-        try:
-            fn = self._gumbel_argmax(device)
-            for bs in (1, 2):
-                zeros = torch.zeros(bs, dtype=torch.int64, device=device)
-                fn(torch.zeros(bs, vocab_size, device=device), zeros, zeros)
-        except Exception as exc:  # no working compiler here: the eager reference gives the same tokens
-            logger.warning("sampler: torch.compile failed (%s: %s); sampling runs eager", type(exc).__name__, exc)
+        fn = self._gumbel_argmax(device)
+        if fn is _triton_gumbel_argmax():
+            if _warms(fn, device, vocab_size, "the Triton noise kernel", "torch.compile's instead"):
+                return
+            self._compiled = fn = torch.compile(gumbel_argmax, dynamic=True)
+        if not _warms(fn, device, vocab_size, "torch.compile", "sampling runs eager"):
             self._compile, self._compiled = False, None
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
@@ -101,6 +102,18 @@ class Sampler:
         if self._compiled is None:
             self._compiled = _triton_gumbel_argmax() or torch.compile(gumbel_argmax, dynamic=True)
         return self._compiled
+
+
+def _warms(fn: Callable, device: torch.device, vocab_size: int, what: str, instead: str) -> bool:
+    """Run fn at batch 1 and 2 (its compiles); False, with a warning, when it fails."""
+    try:
+        for bs in (1, 2):
+            zeros = torch.zeros(bs, dtype=torch.int64, device=device)
+            fn(torch.zeros(bs, vocab_size, device=device), zeros, zeros)
+        return True
+    except Exception as exc:  # no working compiler here
+        logger.warning("sampler: %s failed (%s: %s); %s", what, type(exc).__name__, exc, instead)
+        return False
 
 
 def _triton_gumbel_argmax() -> Optional[Callable]:

@@ -7,7 +7,7 @@ import time
 from typing import Optional
 
 from engine.scheduler.request import Req
-from engine.scheduler.stop_regex import SEARCH_TIMEOUT_S, StopRegexTooSlow, new_match
+from engine.scheduler.stop_regex import SEARCH_TIMEOUT_S, StopRegexTooSlow, compile_patterns, new_match
 
 
 def check_finished(req: Req, eos_token_ids: tuple[int, ...], context_len: int) -> Optional[dict]:
@@ -59,6 +59,7 @@ def _match_stop_regex(req: Req) -> Optional[dict]:
     if not patterns or not req.text:
         return None
     checked, req.stop_regex_checked = req.stop_regex_checked, len(req.text)
+    compile_patterns(patterns)  # cached after the first step; not on the search budget
     deadline = time.perf_counter() + SEARCH_TIMEOUT_S  # one budget for all of the request's patterns
     for pattern in patterns:
         try:

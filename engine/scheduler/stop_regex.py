@@ -30,6 +30,13 @@ class StopRegexTooSlow(Exception):
     pass
 
 
+def compile_patterns(patterns: list[str]) -> None:
+    """Compile (and cache) a request's patterns before its searches are timed: a cold compile of
+    a long alternation takes milliseconds, and is no slow search."""
+    for pattern in patterns:
+        _compiled(pattern)
+
+
 def new_match(pattern: str, text: str, checked: int, deadline: Optional[float] = None) -> bool:
     """Whether `pattern` matches `text` somewhere a match could not have been before the text
     grew past `checked` characters; StopRegexTooSlow past SEARCH_TIMEOUT_S, or past `deadline`

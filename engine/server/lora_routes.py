@@ -92,7 +92,11 @@ def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
             except PAYLOAD_ERRORS as exc:  # refused while being carried to a core process
                 return {"success": False, "error_message": str(exc), "loaded_adapters": None}
 
-        return _reply(await asyncio.to_thread(load))
+        result = await asyncio.to_thread(load)
+        if req.upsert and not result.get("success"):  # as SGLang's upsert: the old one is gone too
+            result["error_message"] = (f"upsert of {req.lora_name!r}: the adapter of that name was unloaded and "
+                                       f"the new one was refused ({result.get('error_message')}); load it again")
+        return _reply(result)
 
 
 def _unloaded(engine: Any, name: str) -> bool:

@@ -48,11 +48,13 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
         Profiler.check_activities(req.activities)
         steps = (await asyncio.to_thread(engine.get_stats)).num_steps
         start = partial(profiler.start, req.output_dir, req.activities, req.with_stack, req.record_shapes)
+        token = None
         if req.start_step:
-            profiler.schedule()
+            profiler.check_output_dir(req.output_dir)  # answered now, not logged after a 200
+            token = profiler.schedule()
         else:
             await profiler.on_thread(start)
-        _in_background(tasks, _profile_steps(profiler, engine, steps, req.start_step or 0, req.num_steps, start))
+        _in_background(tasks, _profile_steps(profiler, engine, steps, req.start_step or 0, req.num_steps, start, token))
         return PlainTextResponse("Start profiling.\n")
 
     @app.post("/stop_profile")
@@ -62,12 +64,12 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
 
 
 async def _profile_steps(profiler: Profiler, engine: Any, steps: int, start_step: int, num_steps: Optional[int],
-                         start: Callable[[], None]) -> None:
+                         start: Callable[[], None], token: Optional[object]) -> None:
     """SGLang's step-bounded profile: the start waits for start_step more forward passes (it was
     made already when 0), the stop comes num_steps passes after it (never, when None)."""
     try:
         if start_step:
-            if not await profiler.start_after_steps(engine, steps + start_step, start):
+            if not await profiler.start_after_steps(engine, token, steps + start_step, start):
                 return  # /stop_profile came first
             steps = (await asyncio.to_thread(engine.get_stats)).num_steps
         if num_steps:

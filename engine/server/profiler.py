@@ -21,7 +21,7 @@ ACTIVITIES = {"CPU": torch.profiler.ProfilerActivity.CPU, "GPU": torch.profiler.
 class Profiler:
     def __init__(self) -> None:
         self.profile: Optional[torch.profiler.profile] = None
-        self.waiting = False  # a start deferred by start_step is pending
+        self.waiting: Optional[object] = None  # the token of a start deferred by start_step
         self.output_dir = ""
         self.last_trace: Optional[str] = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-profiler")
@@ -34,7 +34,7 @@ class Profiler:
         return self.profile is not None
 
     def check_idle(self) -> None:
-        if self.running or self.waiting:
+        if self.running or self.waiting is not None:
             raise ValueError("a profile is already running or scheduled: POST /stop_profile first")
 
     def start(self, output_dir: Optional[str] = None, activities: Optional[list[str]] = None,
@@ -42,12 +42,7 @@ class Profiler:
         if self.running:
             raise ValueError("a profile is already running: POST /stop_profile first")
         self.check_activities(activities)  # an unknown name fails here, before anything starts
-        output_dir = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
-        try:
-            os.makedirs(output_dir, exist_ok=True)
-        except (OSError, ValueError) as exc:  # read-only, a file in the way, a NUL in the name
-            raise ValueError(f"output_dir {output_dir!r} cannot be created: {exc}") from None
-        self.output_dir = output_dir
+        self.output_dir = self.check_output_dir(output_dir)
         self.profile = torch.profiler.profile(activities=self._activities(activities),
                                               with_stack=bool(with_stack), record_shapes=bool(record_shapes),
                                               experimental_config=_all_threads())
@@ -56,8 +51,8 @@ class Profiler:
     def stop(self) -> str:
         """Stops and writes the trace; returns its path."""
         if not self.running:
-            if self.waiting:  # the scheduled start is called off
-                self.waiting = False
+            if self.waiting is not None:  # the scheduled start is called off
+                self.waiting = None
                 return "(none: the profile had not started)"
             raise ValueError("no profile is running: POST /start_profile first")
         profile, self.profile = self.profile, None
@@ -70,23 +65,37 @@ class Profiler:
         self.last_trace = path
         return path
 
-    def schedule(self) -> None:
-        """A start is coming (start_after_steps): set at once, so a second /start_profile is refused."""
-        self.check_idle()
-        self.waiting = True
+    @staticmethod
+    def check_output_dir(output_dir: Optional[str]) -> str:
+        """The trace folder (SGLang's default from SGLANG_TORCH_PROFILER_DIR), created now."""
+        output_dir = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except (OSError, ValueError) as exc:  # read-only, a file in the way, a NUL in the name
+            raise ValueError(f"output_dir {output_dir!r} cannot be created: {exc}") from None
+        return output_dir
 
-    async def start_after_steps(self, engine: Any, until: int, start: Any, poll_s: float = 0.05) -> bool:
+    def schedule(self) -> object:
+        """A start is coming (start_after_steps): set at once, so a second /start_profile is
+        refused; -> its token (a start called off and another scheduled is not this one)."""
+        self.check_idle()
+        self.waiting = object()
+        return self.waiting
+
+    async def start_after_steps(self, engine: Any, token: object, until: int, start: Any,
+                                poll_s: float = 0.05) -> bool:
         """SGLang's start_step, after `schedule`: `start` (on this profiler's thread) once the core
         has run `until` forward passes; False when /stop_profile called it off first."""
         try:
-            while self.waiting and (await asyncio.to_thread(engine.get_stats)).num_steps < until:
+            while self.waiting is token and (await asyncio.to_thread(engine.get_stats)).num_steps < until:
                 await asyncio.sleep(poll_s)
-            if not self.waiting:
+            if self.waiting is not token:
                 return False
             await self.on_thread(start)
             return True
         finally:
-            self.waiting = False
+            if self.waiting is token:
+                self.waiting = None
 
     async def stop_after_steps(self, engine: Any, start: int, num_steps: int, poll_s: float = 0.05) -> None:
         """Stop once the core has run `num_steps` forward passes after step `start` (SGLang's num_steps)."""

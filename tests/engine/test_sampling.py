@@ -343,3 +343,23 @@ def test_a_failing_compile_at_warmup_falls_back_to_eager(monkeypatch):
     assert sampler._compile is False
     monkeypatch.undo()
     assert sampler._gumbel_argmax(torch.device("cuda")) is gumbel_argmax  # eager from now on
+
+
+def test_sampler_warmup_falls_back_from_the_triton_kernel_to_torch_compile(monkeypatch):
+    """TANDEM_TRITON_GUMBEL=1 and a Triton kernel that fails to run (a compile error on the device):
+    torch.compile's kernel takes over, not the ~25x slower eager path; if that fails too, eager."""
+    from types import SimpleNamespace
+
+    from engine.sampling import sampler as sampler_mod
+
+    kernel = object()
+    monkeypatch.setattr(sampler_mod, "_triton_gumbel_argmax", lambda: kernel)
+    monkeypatch.setattr(sampler_mod.torch, "compile", lambda fn, dynamic: "compiled")
+    tried = []
+    for works in ({"torch.compile"}, set()):
+        tried.clear()
+        monkeypatch.setattr(sampler_mod, "_warms", lambda fn, d, v, what, instead: tried.append(what) or what in works)
+        s = sampler_mod.Sampler()
+        s.warmup(SimpleNamespace(type="cuda"), 100)
+        assert tried == ["the Triton noise kernel", "torch.compile"]
+        assert (s._compile, s._compiled) == ((True, "compiled") if works else (False, None))

@@ -82,3 +82,24 @@ def test_patterns_that_match_nothing_or_everything_are_refused():
         with pytest.raises(ValueError, match="matches the empty string"):
             SamplingParams.from_dict({"stop_regex": pattern}).validate()
     SamplingParams.from_dict({"stop_regex": ["x+", "^The"]}).validate()
+
+
+def test_compiling_patterns_is_not_on_the_search_budget(monkeypatch):
+    """A cold compile (milliseconds for a long alternation, in the core's own process) happens
+    before the step's searches are timed: it is no slow search."""
+    import time
+
+    from engine.scheduler import stop_regex
+
+    real, seen = stop_regex._compiled, set()
+
+    def slow_first_compile(pattern):
+        if pattern not in seen:
+            seen.add(pattern)
+            time.sleep(0.015)  # three of these pass the 20 ms budget
+        return real(pattern)
+
+    monkeypatch.setattr(stop_regex, "_compiled", slow_first_compile)
+    req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=["x1y", "x2y", "x3y"]), text="abc x9y",
+                          stop_regex_checked=0)
+    assert finish._match_stop_regex(req) is None

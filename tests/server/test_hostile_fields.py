@@ -28,6 +28,7 @@ def _serving(client) -> None:
 @pytest.mark.parametrize("path,body,field", [
     ("/update_weight_version", b'{"new_version": "\\ud800"}', "new_version"),
     ("/generate", b'{"input_ids": [5], "rid": "\\ud800", "sampling_params": {"max_new_tokens": 1}}', "rid"),
+    ("/generate", b'{"input_ids": [[5], [6]], "rid": "\\ud800", "sampling_params": {"max_new_tokens": 1}}', "rid"),
     ("/generate", b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 1, "regex": "a\\udfff"}}', "regex"),
     ("/generate", b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 1, "stop": ["\\ud800"]}}', "stop"),
     ("/tokenize", b'{"prompt": ["a", "\\udfff"]}', "prompt"),

@@ -135,12 +135,20 @@ def test_from_tensors_sglang_0518_body_and_upsert(lora_client, adapter_dir):
         assert _ids(client, lora_path="miles") == want
     again = client.post("/load_lora_adapter_from_tensors", json={**body, "upsert": False})
     assert again.status_code == 400 and "miles" in again.json()["error_message"]
+    other = dict(load_file(adapter_dir / "adapter_model.safetensors"))  # other weights: the upsert replaces
+    other = {name: t * 3 for name, t in other.items()}
+    other_bucket = FlattenedBucket.pack(list(other.items())).to_payload()
+    r = client.post("/load_lora_adapter_from_tensors", json={
+        **body, "serialized_named_tensors": [serialize(other_bucket, as_text=True)]})
+    assert r.status_code == 200 and _ids(client, lora_path="miles") != want, r.text
+    failed = client.post("/load_lora_adapter_from_tensors", json={**body, "config_dict": {**config, "r": 0}})
+    message = failed.json()["error_message"]
+    assert failed.status_code == 400 and "was unloaded" in message and "miles" not in failed.json()["loaded_adapters"]
     for bad, words in (({"serialized_tensors": payload}, "exactly one"), ({"serialized_named_tensors": []}, "non-empty"),
                        ({"serialized_named_tensors": None}, "exactly one"),
                        ({"expected_checksums": {"x": "abc"}}, "expected_checksums")):
         r = client.post("/load_lora_adapter_from_tensors", json={**body, **bad})
         assert r.status_code == 400 and words in r.text, (bad, r.text)
-    assert client.post("/unload_lora_adapter", json={"lora_name": "miles"}).status_code == 200
 
 
 class _Hostile:

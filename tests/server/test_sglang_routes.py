@@ -215,14 +215,25 @@ def test_profile_start_step_waits_for_forward_passes(tmp_path, engine_factory):
         assert c.post("/start_profile", json=body).text == "Start profiling.\n"
         assert c.post("/start_profile", json=body).status_code == 400  # one scheduled at a time
         time.sleep(0.3)
-        assert not out.exists()  # no pass yet: not started
+        assert not list(out.glob("*.json"))  # no pass yet: not started
         deadline = time.monotonic() + 20
         while not list(out.glob("*.json")) and time.monotonic() < deadline:  # traffic, as in a training run
             c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 2}})
             time.sleep(0.02)
         assert len(list(out.glob("*.json"))) == 1  # started after 3 passes, stopped 2 later
-        c.post("/start_profile", json={**body, "start_step": 1000})
+        assert c.post("/start_profile", json={**body, "start_step": 1000}).status_code == 200
         assert "had not started" in c.post("/stop_profile").text  # a scheduled start is called off
+        # called off, then another scheduled at once: the first's task must not start the second's
+        assert c.post("/start_profile", json={**body, "output_dir": str(tmp_path / "a"), "start_step": 1}).status_code == 200
+        c.post("/stop_profile")
+        assert c.post("/start_profile", json={**body, "output_dir": str(tmp_path / "b"), "start_step": 10 ** 6}).status_code == 200
+        c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 4}})
+        time.sleep(0.3)
+        assert not list((tmp_path / "a").glob("*.json")) and "had not started" in c.post("/stop_profile").text
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        bad_dir = c.post("/start_profile", json={**body, "output_dir": str(blocker / "traces")})
+        assert bad_dir.status_code == 400 and "cannot be created" in bad_dir.text  # answered, not only logged
         for bad, word in (({"start_step": -1}, "start_step"), ({"num_steps": 0}, "num_steps"),
                           ({"profile_by_stage": True}, "profile_by_stage"), ({"activities": ["TPU"]}, "TPU")):
             resp = c.post("/start_profile", json={**body, **bad})

@@ -81,3 +81,18 @@ def test_k3_kl_is_zero_at_the_reference_and_positive_elsewhere():
     assert kl_penalty(ref.clone(), ref, torch.ones(1, 2)).item() == 0.0
     moved = kl_penalty(ref + 0.3, ref, torch.ones(1, 2)).item()
     assert moved == pytest.approx(math.exp(-0.3) + 0.3 - 1.0)
+
+
+def test_step_totals_equal_the_per_micro_batch_python_sums():
+    """Trainer.train_step sums its micro batches on the device and reads once: the totals are the
+    float64 sums the per-micro-batch .item() reads gave, bit for bit, a NaN logprob gap ignored."""
+    from trainer_bridge.trainer import _accumulate
+
+    sums, loss_sum, gap_max, mean_sum = {}, 0.0, 0.0, 0.0
+    for loss, gap, mean, share in [(0.1, float("nan"), 0.3, 0.25), (0.2, 0.5, 0.1, 0.25), (0.3, 0.2, 0.7, 0.5)]:
+        loss, gap, mean = torch.tensor(loss), torch.tensor(gap), torch.tensor(mean)
+        _accumulate(sums, loss, {"logprob_abs_diff_max": gap, "logprob_abs_diff_mean": mean}, share)
+        loss_sum, gap_max, mean_sum = loss_sum + loss.item(), max(gap_max, gap.item()), mean_sum + mean.item() * share
+    totals = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+    assert (totals["loss"], totals["logprob_abs_diff_max"], totals["logprob_abs_diff_mean"]) == (loss_sum, gap_max, mean_sum)
+    assert totals["kl"] == totals["tis_weight_mean"] == 0.0
