@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, StrictInt, field_validator, model_validator
 
 from engine.server.chat_messages import ChatMessage, ChatTool, template_tools
 from engine.server.protocol import _Lenient, _NullsAsDefaults, refuse_unsupported
@@ -59,7 +59,7 @@ class _OpenAISampling(_NullsAsDefaults):
     response_format: Optional[ResponseFormat] = None
     logit_bias: Optional[dict[str, Any]] = None  # {"token id": bias}: checked by SamplingParams
     # SGLang's extra sampling fields on its OpenAI routes (sent through the openai package's extra_body)
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -99,7 +99,7 @@ class _OpenAISampling(_NullsAsDefaults):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # ids as sent (no true -> 1)
     max_tokens: int = 16
     logprobs: Optional[int] = None
     echo: bool = False
@@ -122,7 +122,7 @@ class ChatCompletionRequest(_OpenAISampling):
     # SGLang's: the prompt's token ids as the client rendered them (the chat template is skipped;
     # Miles' sessions send them), and what else each choice carries: the engine's meta_info,
     # the prompt's ids, the output's ids (with the prompt's)
-    input_ids: Optional[list[int]] = None
+    input_ids: Optional[list[StrictInt]] = None
     return_meta_info: bool = False
     return_prompt_token_ids: bool = False
     return_token_ids: bool = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from engine.api.generate_request import GenerateRequest
 from engine.sampling_params import carries_grammar
@@ -51,7 +51,8 @@ class UnknownFields:
 class GenerateBody(_NullsAsDefaults):
     """SGLang's /generate body: GenerateRequest's fields under SGLang's names (text for prompt)."""
     text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    # token ids are ints as sent: no true -> 1, "5" -> 5 or 6.0 -> 6 (pydantic's lax mode would)
+    input_ids: Optional[Union[list[StrictInt], list[list[StrictInt]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     # these three: one value, or one per prompt (SGLang's batch form)
     return_logprob: Union[bool, list[bool]] = False
@@ -223,5 +224,5 @@ class TokenizeRequest(_Lenient):
 
 class DetokenizeRequest(_Lenient):
     model: Optional[str] = None
-    tokens: Union[list[int], list[list[int]]]
+    tokens: Union[list[StrictInt], list[list[StrictInt]]]
     skip_special_tokens: bool = True

@@ -110,3 +110,20 @@ def test_get_weights_by_name_returns_at_most_a_bounded_read(raw, engine, monkeyp
     resp = raw.post("/get_weights_by_name", json={"name": "model.embed_tokens.weight", "truncate_size": 10 ** 9})
     assert resp.status_code == 400 and "truncate_size <=" in resp.json()["message"], resp.text
     assert raw.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 5}).status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"input_ids": [True, False], "sampling_params": GEN}),
+    ("/generate", {"input_ids": ["5", 6], "sampling_params": GEN}),
+    ("/generate", {"input_ids": [[5, 6.0]], "sampling_params": GEN}),
+    ("/v1/completions", {"prompt": [True, 5], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [True]}),
+    ("/v1/chat/completions", {"messages": CHAT, "input_ids": ["5"], "max_tokens": 1}),
+    ("/detokenize", {"tokens": [True]}),
+])
+def test_token_ids_are_ints_as_sent(raw, path, body):
+    """pydantic's lax mode read true as token 1 and "5" as 5: a careless client's prompt silently
+    became other tokens. Token ids must be JSON integers."""
+    resp = raw.post(path, json=body)
+    assert resp.status_code == 400 and "integer" in resp.text, resp.text
+    _serving(raw)
