@@ -1,7 +1,9 @@
 """SGLang's /tokenize and /detokenize (and their /v1/ forms): the served model's tokenizer over HTTP.
 
 Bodies and replies are SGLang's (entrypoints/openai/serving_tokenize.py): a prompt (one string or
-a list) -> {"tokens", "count", "max_model_len"}, each a list when the prompt was; tokens (one list
+a list) -> {"tokens", "count", "max_model_len"}, each a list when the prompt was; or chat messages,
+rendered as /v1/chat/completions renders them (add_generation_prompt, continue_final_message) -> the
+prompt's tokens; tokens (one list
 of ids or a list of lists) -> {"text"}, a list when the tokens were. max_model_len is the context
 length this server enforces. The work scales with the body, so it runs off the event loop; an id
 outside the vocabulary, text that is no Unicode (a lone surrogate) or a prompt over the size a
@@ -15,7 +17,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from engine.server.chat_messages import ChatMessage, check_nesting
 from engine.server.protocol import DetokenizeRequest, TokenizeRequest, UnknownFields
+from engine.tokenizer import apply_chat_template
 
 
 def add_tokenize_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
@@ -33,13 +37,27 @@ def add_tokenize_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> No
             engine.builder.prompt_size.check(text, "prompt")  # the limit /generate applies, and valid text
             return list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
 
-        if isinstance(req.prompt, str):
-            tokens: Any = await asyncio.to_thread(encode, req.prompt)
+        if req.messages is not None:
+            tokens: Any = await asyncio.to_thread(render, req)
             count: Any = len(tokens)
+        elif isinstance(req.prompt, str):
+            tokens = await asyncio.to_thread(encode, req.prompt)
+            count = len(tokens)
         else:
             tokens = await asyncio.to_thread(lambda: [encode(text) for text in req.prompt])
             count = [len(ids) for ids in tokens]
         return {"tokens": tokens, "count": count, "max_model_len": context_len}
+
+    def render(req: TokenizeRequest) -> list[int]:
+        """The chat route's prompt: with continue_final_message the last assistant message is the
+        start of the reply (its header rendered), else the generation prompt as asked."""
+        messages = [ChatMessage.model_validate(m).template_dict(i) for i, m in enumerate(req.messages)]
+        check_nesting(messages, "messages")
+        prefix, generation_prompt = "", req.add_generation_prompt
+        if req.continue_final_message and messages and messages[-1]["role"] == "assistant":
+            prefix, generation_prompt = messages.pop()["content"], True
+        return apply_chat_template(tokenizer, messages, add_generation_prompt=generation_prompt, assistant_prefix=prefix,
+                                   check=engine.builder.prompt_size.check)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")

@@ -165,6 +165,29 @@ def test_tokenize_detokenize_round_trip(engine_factory):
         assert c.post("/tokenize", json={"prompt": 3}).status_code == 400
 
 
+def test_tokenize_chat_messages_as_the_chat_route_renders_them(engine_factory):
+    """SGLang's newer /tokenize (vLLM's chat form): messages through the chat template; the count
+    equals the chat route's prompt_tokens for the same messages."""
+    from engine.tokenizer import apply_chat_template
+
+    eng = engine_factory()
+    chat = [{"role": "system", "content": "be brief"}, {"role": "User", "content": "hi"}]
+    seen = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with TestClient(create_app(eng)) as c:
+        reply = c.post("/v1/tokenize", json={"model": "m", "messages": chat}).json()
+        assert reply["tokens"] == apply_chat_template(eng.tokenizer, seen) and reply["count"] == len(reply["tokens"])
+        used = c.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 1}).json()["usage"]
+        assert used["prompt_tokens"] == reply["count"]
+        bare = c.post("/tokenize", json={"messages": chat, "add_generation_prompt": False}).json()["tokens"]
+        assert bare == apply_chat_template(eng.tokenizer, seen, add_generation_prompt=False) != reply["tokens"]
+        cont = c.post("/tokenize", json={"messages": chat + [{"role": "assistant", "content": "Sure"}],
+                                         "continue_final_message": True, "add_generation_prompt": False}).json()
+        assert cont["tokens"] == apply_chat_template(eng.tokenizer, seen, assistant_prefix="Sure")
+        for body in ({"prompt": "x", "messages": chat}, {}, {"messages": [{"role": "robot", "content": "x"}]}):
+            resp = c.post("/tokenize", json=body)
+            assert resp.status_code == 400, (body, resp.text)
+
+
 def test_get_load_as_roll_reads_it(engine_factory):
     eng = engine_factory()
     with TestClient(create_app(eng)) as c:
