@@ -21,6 +21,10 @@ from engine.grammar.matcher_client import MatcherClient, grammar_backend_for
 from engine.scheduler.request import Req
 
 
+# SGLang's message for a request aborted before it ran: AReaL and others branch on it (no output to read)
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+
+
 class RequestIntake:
     def __init__(self, parts: CoreParts, grammars: GrammarQueue, results: StepResults,
                  resolve_lora: Callable[[Optional[str]], Optional[int]] = lambda path: None) -> None:
@@ -65,10 +69,11 @@ class RequestIntake:
         for rid in self._rids_named(rid) if rid is not None else self._all_rids():
             req = self.grammars.remove(rid)
             if req is not None:  # still compiling its grammar: it never reached the scheduler
-                req.finished_reason = {"type": "abort", "message": message}
+                req.finished_reason = {"type": "abort", "message": ABORT_BEFORE_PREFILL}
             else:
                 req = self.scheduler.abort_request(rid, message)
             if req is not None and req.finished:  # it was waiting: finished right away
+                req.finished_reason["message"] = ABORT_BEFORE_PREFILL
                 outputs.append(self.results.finish(req))
         return outputs
 

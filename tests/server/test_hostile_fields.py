@@ -127,3 +127,23 @@ def test_token_ids_are_ints_as_sent(raw, path, body):
     resp = raw.post(path, json=body)
     assert resp.status_code == 400 and "integer" in resp.text, resp.text
     _serving(raw)
+
+
+def test_a_request_aborted_before_it_ran_says_so_as_sglang(raw, engine):
+    """AReaL (and others) branch on SGLang's "Abort before prefill": no output to read."""
+    raw.post("/pause_generation", json={"mode": "in_place"})  # requests sent now wait in the queue
+    answers = {}
+    try:
+        worker = threading.Thread(target=lambda: answers.update(resp=raw.post(
+            "/generate", json={"input_ids": [5, 6], "rid": "queued", "sampling_params": GEN})))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while engine.get_stats().num_waiting_reqs < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert raw.post("/abort_request", json={"rid": "queued"}).status_code == 200
+        worker.join(timeout=30)
+    finally:
+        raw.post("/continue_generation")
+    reason = answers["resp"].json()["meta_info"]["finish_reason"]
+    assert reason == {"type": "abort", "message": "Abort before prefill"}
+    _serving(raw)
