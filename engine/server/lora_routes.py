@@ -12,11 +12,13 @@ take the admin key.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional
+import threading
+from functools import partial
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import model_validator
+from pydantic import StrictBool, model_validator
 
 from engine.server.protocol import UnknownFields, _Lenient
 from weight_sync.cuda_ipc import PAYLOAD_ERRORS
@@ -41,7 +43,7 @@ class LoadLoRAAdapterFromTensorsRequest(_Lenient):
     serialized_named_tensors: Optional[list[Optional[str]]] = None  # SGLang 0.5.18: one per TP rank
     load_format: Optional[str] = None
     pinned: bool = False
-    upsert: bool = False
+    upsert: StrictBool = False
     added_tokens_config: Optional[dict[str, Any]] = None
     expected_checksums: Any = None
 
@@ -64,6 +66,8 @@ class LoadLoRAAdapterFromTensorsRequest(_Lenient):
 
 
 def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
+    upserts = threading.Lock()  # one upsert at a time: concurrent ones of a name unload each other's
+
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> JSONResponse:
         unknown.note("/load_lora_adapter", req)
@@ -81,27 +85,34 @@ def add_lora_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
             return _reply({"success": False, "error_message": "added_tokens_config is not supported: adapters "
                                                               "cannot add tokens", "loaded_adapters": None})
 
-        def load() -> dict:
-            if req.upsert and not _unloaded(engine, req.lora_name):
-                return {"success": False, "error_message": f"upsert: adapter {req.lora_name!r} could not be unloaded",
-                        "loaded_adapters": None}
-            try:
-                return engine.load_lora_adapter_from_tensors(
-                    req.lora_name, config_dict=req.config_dict, serialized_tensors=req.payload,
-                    load_format=req.load_format, pinned=req.pinned)
-            except PAYLOAD_ERRORS as exc:  # refused while being carried to a core process
-                return {"success": False, "error_message": str(exc), "loaded_adapters": None}
-
-        result = await asyncio.to_thread(load)
-        if req.upsert and not result.get("success"):  # as SGLang's upsert: the old one is gone too
-            result["error_message"] = (f"upsert of {req.lora_name!r}: the adapter of that name was unloaded and "
-                                       f"the new one was refused ({result.get('error_message')}); load it again")
+        load = partial(_load_from_tensors, engine, req)
+        result = await asyncio.to_thread(partial(_upsert, engine, req.lora_name, load, upserts) if req.upsert else load)
         return _reply(result)
 
 
-def _unloaded(engine: Any, name: str) -> bool:
-    """Unload `name` if it is loaded (an upsert replaces it); -> whether it is gone."""
-    return name not in (engine.unload_lora_adapter(name).get("loaded_adapters") or {})
+def _load_from_tensors(engine: Any, req: LoadLoRAAdapterFromTensorsRequest) -> dict:
+    try:
+        return engine.load_lora_adapter_from_tensors(
+            req.lora_name, config_dict=req.config_dict, serialized_tensors=req.payload,
+            load_format=req.load_format, pinned=req.pinned)
+    except PAYLOAD_ERRORS as exc:  # refused while being carried to a core process
+        return {"success": False, "error_message": str(exc), "loaded_adapters": None}
+
+
+def _upsert(engine: Any, name: str, load: Callable[[], dict], lock: threading.Lock) -> dict:
+    """SGLang's order, unload then load; requests naming the adapter in between are refused. A
+    refused new adapter leaves none of that name, and the reply says so."""
+    with lock:
+        reply = engine.unload_lora_adapter(name)
+        removed = bool(reply.get("success"))
+        if not removed and name in (reply.get("loaded_adapters") or {}):
+            return {"success": False, "error_message": f"upsert: adapter {name!r} could not be unloaded: "
+                    f"{reply.get('error_message')}", "loaded_adapters": reply.get("loaded_adapters")}
+        result = load()
+    if removed and not result.get("success"):
+        result["error_message"] = (f"upsert of {name!r}: the adapter of that name was unloaded and the new one "
+                                   f"was refused ({result.get('error_message')}); load it again")
+    return result
 
 
 def _reply(result: dict) -> JSONResponse:

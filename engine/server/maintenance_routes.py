@@ -44,16 +44,13 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
         if req.profile_by_stage:
             raise ValueError("profile_by_stage is not supported: tandem traces prefill and decode steps together "
                              "(leave it false)")
-        profiler.check_idle()
         Profiler.check_activities(req.activities)
+        profiler.check_output_dir(req.output_dir)  # answered now, not logged after a 200
         steps = (await asyncio.to_thread(engine.get_stats)).num_steps
         start = partial(profiler.start, req.output_dir, req.activities, req.with_stack, req.record_shapes)
-        token = None
-        if req.start_step:
-            profiler.check_output_dir(req.output_dir)  # answered now, not logged after a 200
-            token = profiler.schedule()
-        else:
-            await profiler.on_thread(start)
+        token = profiler.schedule()  # no await before it: a concurrent start is refused from here on
+        if not req.start_step:
+            await profiler.start_now(token, start)
         _in_background(tasks, _profile_steps(profiler, engine, steps, req.start_step or 0, req.num_steps, start, token))
         return PlainTextResponse("Start profiling.\n")
 
@@ -73,7 +70,7 @@ async def _profile_steps(profiler: Profiler, engine: Any, steps: int, start_step
                 return  # /stop_profile came first
             steps = (await asyncio.to_thread(engine.get_stats)).num_steps
         if num_steps:
-            await profiler.stop_after_steps(engine, steps, num_steps)
+            await profiler.stop_after_steps(engine, profiler.profile, steps, num_steps)
     except Exception:  # nobody waits for this task: say why the trace is missing
         logger.exception("the step-bounded profile failed")
 

@@ -76,8 +76,9 @@ class Profiler:
         return output_dir
 
     def schedule(self) -> object:
-        """A start is coming (start_after_steps): set at once, so a second /start_profile is
-        refused; -> its token (a start called off and another scheduled is not this one)."""
+        """A start is coming (start_now, or start_after_steps for start_step): set at once, so a
+        second /start_profile is refused; -> its token (a start called off and another scheduled
+        is not this one)."""
         self.check_idle()
         self.waiting = object()
         return self.waiting
@@ -97,11 +98,21 @@ class Profiler:
             if self.waiting is token:
                 self.waiting = None
 
-    async def stop_after_steps(self, engine: Any, start: int, num_steps: int, poll_s: float = 0.05) -> None:
-        """Stop once the core has run `num_steps` forward passes after step `start` (SGLang's num_steps)."""
-        while self.running and (await asyncio.to_thread(engine.get_stats)).num_steps < start + num_steps:
+    async def start_now(self, token: object, start: Any) -> None:
+        """`start` (on this profiler's thread) for the schedule `token`; a failed start frees it."""
+        try:
+            await self.on_thread(start)
+        finally:
+            if self.waiting is token:
+                self.waiting = None
+
+    async def stop_after_steps(self, engine: Any, profile: Any, start: int, num_steps: int,
+                               poll_s: float = 0.05) -> None:
+        """Stop `profile` once the core has run `num_steps` forward passes after step `start`
+        (SGLang's num_steps); a later profile (this one stopped by hand) is not this one's to stop."""
+        while self.profile is profile and (await asyncio.to_thread(engine.get_stats)).num_steps < start + num_steps:
             await asyncio.sleep(poll_s)
-        if self.running:
+        if profile is not None and self.profile is profile:
             await self.on_thread(self.stop)
 
     @staticmethod

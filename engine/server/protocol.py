@@ -207,8 +207,8 @@ class GetWeightsByNameRequest(_Lenient):
 
 class StartProfileRequest(_Lenient):
     output_dir: Optional[str] = None
-    start_step: Optional[int] = Field(None, ge=0)  # SGLang's: begin after this many more forward passes
-    num_steps: Optional[int] = Field(None, ge=1)  # stop after this many
+    start_step: Optional[StrictInt] = Field(None, ge=0)  # SGLang's: begin after this many more forward passes
+    num_steps: Optional[StrictInt] = Field(None, ge=1)  # stop after this many
     profile_by_stage: bool = False
     activities: Optional[list[str]] = None
     with_stack: Optional[bool] = None

@@ -186,6 +186,7 @@ def test_tokenize_chat_messages_as_the_chat_route_renders_them(engine_factory):
         for body in ({"prompt": "x", "messages": chat}, {}, {"messages": [{"role": "robot", "content": "x"}]}):
             resp = c.post("/tokenize", json=body)
             assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["message"].startswith("body.messages.0.role: ")  # named as the chat route names it
 
 
 def test_get_load_as_roll_reads_it(engine_factory):

@@ -144,7 +144,21 @@ def test_from_tensors_sglang_0518_body_and_upsert(lora_client, adapter_dir):
     failed = client.post("/load_lora_adapter_from_tensors", json={**body, "config_dict": {**config, "r": 0}})
     message = failed.json()["error_message"]
     assert failed.status_code == 400 and "was unloaded" in message and "miles" not in failed.json()["loaded_adapters"]
+    import threading
+
+    replies = []
+    racers = [threading.Thread(target=lambda: replies.append(client.post("/load_lora_adapter_from_tensors", json=body)))
+              for _ in range(3)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join(timeout=60)
+    assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]  # one at a time, each replaces
+    assert _ids(client, lora_path="miles") == want
+    fresh = client.post("/load_lora_adapter_from_tensors", json={**body, "lora_name": "new", "config_dict": {}})
+    assert fresh.status_code == 400 and "was unloaded" not in fresh.text  # nothing of that name was there
     for bad, words in (({"serialized_tensors": payload}, "exactly one"), ({"serialized_named_tensors": []}, "non-empty"),
+                       ({"upsert": "yes"}, "upsert"),
                        ({"serialized_named_tensors": None}, "exactly one"),
                        ({"expected_checksums": {"x": "abc"}}, "expected_checksums")):
         r = client.post("/load_lora_adapter_from_tensors", json={**body, **bad})

@@ -230,11 +230,19 @@ def test_profile_start_step_waits_for_forward_passes(tmp_path, engine_factory):
         c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 4}})
         time.sleep(0.3)
         assert not list((tmp_path / "a").glob("*.json")) and "had not started" in c.post("/stop_profile").text
+        # a bounded profile stopped by hand: its step count must not stop the next, open-ended one
+        assert c.post("/start_profile", json={"output_dir": str(tmp_path / "c"), "num_steps": 3}).status_code == 200
+        c.post("/stop_profile")
+        assert c.post("/start_profile", json={"output_dir": str(tmp_path / "d")}).status_code == 200
+        c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 8}})
+        time.sleep(0.3)
+        stop = c.post("/stop_profile")
+        assert stop.status_code == 200 and "/d/" in stop.text, stop.text
         blocker = tmp_path / "file"
         blocker.write_text("x")
         bad_dir = c.post("/start_profile", json={**body, "output_dir": str(blocker / "traces")})
         assert bad_dir.status_code == 400 and "cannot be created" in bad_dir.text  # answered, not only logged
-        for bad, word in (({"start_step": -1}, "start_step"), ({"num_steps": 0}, "num_steps"),
+        for bad, word in (({"start_step": -1}, "start_step"), ({"num_steps": 0}, "num_steps"), ({"num_steps": True}, "num_steps"),
                           ({"profile_by_stage": True}, "profile_by_stage"), ({"activities": ["TPU"]}, "TPU")):
             resp = c.post("/start_profile", json={**body, **bad})
             assert resp.status_code == 400 and word in resp.text, resp.text
