@@ -51,7 +51,8 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
         token = profiler.schedule()  # no await before it: a concurrent start is refused from here on
         if not req.start_step:
             await profiler.start_now(token, start)
-        _in_background(tasks, _profile_steps(profiler, engine, steps, req.start_step or 0, req.num_steps, start, token))
+        work = _profile_steps(profiler, engine, steps, req.start_step or 0, req.num_steps, start, token, profiler.profile)
+        _in_background(tasks, work)
         return PlainTextResponse("Start profiling.\n")
 
     @app.post("/stop_profile")
@@ -61,16 +62,16 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
 
 
 async def _profile_steps(profiler: Profiler, engine: Any, steps: int, start_step: int, num_steps: Optional[int],
-                         start: Callable[[], None], token: Optional[object]) -> None:
-    """SGLang's step-bounded profile: the start waits for start_step more forward passes (it was
-    made already when 0), the stop comes num_steps passes after it (never, when None)."""
+                         start: Callable[[], None], token: object, profile: Any) -> None:
+    """SGLang's step-bounded profile: the start waits for start_step more forward passes (when 0
+    it was made already: `profile`), the stop comes num_steps passes after it (never, when None)."""
     try:
         if start_step:
             if not await profiler.start_after_steps(engine, token, steps + start_step, start):
                 return  # /stop_profile came first
-            steps = (await asyncio.to_thread(engine.get_stats)).num_steps
+            steps, profile = (await asyncio.to_thread(engine.get_stats)).num_steps, profiler.profile
         if num_steps:
-            await profiler.stop_after_steps(engine, profiler.profile, steps, num_steps)
+            await profiler.stop_after_steps(engine, profile, steps, num_steps)
     except Exception:  # nobody waits for this task: say why the trace is missing
         logger.exception("the step-bounded profile failed")
 
