@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.first_max import NO_INDEX, first_max
+
 CHUNK = 4096  # logits per stage-1 program: 16 KiB of float32
 
 
@@ -28,12 +30,7 @@ def _chunk_kernel(x_ptr, max_ptr, idx_ptr, sum_ptr, V, stride_x, NUM_CHUNKS, CHU
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    # first index of the max (torch.argmax's tie rule); a NaN counts as the max, as in torch
-    has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-    hit = tl.where(has_nan, x != x, x == m)
-    idx = tl.min(tl.where(hit, offs, 2147483647), axis=0)
-    m = tl.where(has_nan, float("nan"), m)
+    m, idx = first_max(x, offs)  # NaN when the chunk has one: its sum is NaN too
     s = tl.sum(tl.where(offs < V, tl.exp(x - m), 0.0), axis=0)
     out = row * NUM_CHUNKS + c
     tl.store(max_ptr + out, m)
@@ -47,16 +44,13 @@ def _merge_kernel(max_ptr, idx_ptr, sum_ptr, ids_ptr, logprob_ptr, NUM_CHUNKS, B
     offs = tl.arange(0, BLOCK)
     valid = offs < NUM_CHUNKS
     m = tl.load(max_ptr + row * NUM_CHUNKS + offs, mask=valid, other=float("-inf"))
-    idx = tl.load(idx_ptr + row * NUM_CHUNKS + offs, mask=valid, other=2147483647)
+    idx = tl.load(idx_ptr + row * NUM_CHUNKS + offs, mask=valid, other=NO_INDEX)
     s = tl.load(sum_ptr + row * NUM_CHUNKS + offs, mask=valid, other=0.0)
-    top = tl.max(m, axis=0)
-    nan = tl.max((m != m).to(tl.int32), axis=0) > 0
-    top = tl.where(nan, float("nan"), top)
-    best = tl.min(tl.where(tl.where(nan, m != m, m == top), idx, 2147483647), axis=0)
+    top, best = first_max(m, idx)
     total = tl.sum(tl.where(valid & (m > float("-inf")), s * tl.exp(m - top), 0.0), axis=0)
     tl.store(ids_ptr + row, best.to(tl.int64))
     # no finite logit in the row (all NaN or -inf): NaN, as torch's log_softmax gives
-    tl.store(logprob_ptr + row, tl.where(nan | (top == float("-inf")), float("nan"), -tl.log(total)))
+    tl.store(logprob_ptr + row, tl.where((top != top) | (top == float("-inf")), float("nan"), -tl.log(total)))
 
 
 def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,10 @@ the row's float32 logprobs in float64, so the tokens are the eager reference's. 
 that reference under torch.compile, whose first calls compiled for ~6 s per shape class at
 start-up and imported torch._dynamo; this kernel is compiled and cached as the engine's other
 Triton kernels are (TANDEM_TRITON_GUMBEL=1 until its compile time and speed are measured on the
-GPU: scripts/device_suite.sh gumbelgpu readyab t1ab). Stage 1 reduces CHUNK-wide slices of a row to (max, first index of it); stage 2 takes the
-slices in order, so the first index wins ties as torch.argmax's does and a row's token never
-depends on its batch. NaN wins, as in torch.argmax.
+GPU: scripts/device_suite.sh gumbelgpu readyab t1ab). Stage 1 reduces CHUNK-wide slices of a
+row to (max, first index of it); stage 2 takes the slices in order (engine/kernels/first_max.py:
+torch.argmax's rules, the first index on ties, a NaN wins), so a row's token never depends on
+its batch.
 
 Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
 """
@@ -19,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.first_max import NO_INDEX, first_max
+
 CHUNK = 2048  # vocab ids per stage-1 program (int64 hash + float64 log per id: register heavy)
-NO_INDEX = tl.constexpr(2147483647)  # a jit function reads module globals only as constexprs
 
 
 @triton.jit
@@ -57,13 +59,9 @@ def _chunk_kernel(x_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, V, stride_x, NUM_C
     u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52: (0, 1), exact
     noise = -tl.log(-tl.log(u))
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float64)
-    x = tl.where(offs < V, x + noise, float("-inf"))
-    m = tl.max(x, axis=0)
-    has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-    hit = tl.where(has_nan, x != x, x == m)
-    idx = tl.min(tl.where(hit, offs, NO_INDEX), axis=0)
+    m, idx = first_max(tl.where(offs < V, x + noise, float("-inf")), offs)
     out = row * NUM_CHUNKS + c
-    tl.store(max_ptr + out, tl.where(has_nan, float("nan"), m))
+    tl.store(max_ptr + out, m)
     tl.store(idx_ptr + out, idx)
 
 
@@ -74,9 +72,7 @@ def _merge_kernel(max_ptr, idx_ptr, ids_ptr, NUM_CHUNKS, BLOCK: tl.constexpr):
     valid = offs < NUM_CHUNKS
     m = tl.load(max_ptr + row * NUM_CHUNKS + offs, mask=valid, other=float("-inf"))
     idx = tl.load(idx_ptr + row * NUM_CHUNKS + offs, mask=valid, other=NO_INDEX)
-    top = tl.max(m, axis=0)
-    nan = tl.max((m != m).to(tl.int32), axis=0) > 0
-    best = tl.min(tl.where(tl.where(nan, m != m, m == top), idx, NO_INDEX), axis=0)
+    _, best = first_max(m, idx)
     tl.store(ids_ptr + row, best.to(tl.int64))
 
 

@@ -19,8 +19,6 @@ fused kernels whose backward recomputes their torch code (engine/kernels/torch_b
 
 from __future__ import annotations
 
-import functools
-import importlib
 import math
 from types import ModuleType
 from typing import Any, Optional, Union
@@ -30,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import batch_invariant as bi
+from engine.kernels import optional_kernel
 from engine.kernels.rotary import apply_rotary  # noqa: F401  (the models' rotary; re-exported)
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -43,15 +42,7 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
 
 def fused_kernel(name: str, x: torch.Tensor) -> Optional[ModuleType]:
     """engine.kernels.<name> if x takes the fused kernels and Triton imports; else None (torch)."""
-    return _import_kernel(name) if use_fused_kernels(x) else None
-
-
-@functools.lru_cache(maxsize=None)
-def _import_kernel(name: str) -> Optional[ModuleType]:
-    try:
-        return importlib.import_module(f"engine.kernels.{name}")
-    except ImportError:  # no Triton: the torch path still holds
-        return None
+    return optional_kernel(name) if use_fused_kernels(x) else None
 
 
 def use_autograd_ops(model: nn.Module, ops: Optional["TorchOps"] = None) -> None:

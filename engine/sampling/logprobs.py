@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from engine.kernels import optional_kernel
+
 LogSoftmax = Callable[[torch.Tensor], torch.Tensor]  # [N, V] -> [N, V] float32, over the last dim
 
 
@@ -42,11 +44,7 @@ def greedy_with_logprobs(logits: torch.Tensor, log_softmax: Optional[LogSoftmax]
 def _greedy_kernel() -> Optional[ModuleType]:
     if os.environ.get("TANDEM_DISABLE_FUSED_GREEDY"):  # A/B benchmarks
         return None
-    try:
-        from engine.kernels import greedy_logprob
-    except ImportError:  # no Triton
-        return None
-    return greedy_logprob
+    return optional_kernel("greedy_logprob")
 
 
 def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

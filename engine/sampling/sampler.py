@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from engine.kernels import optional_kernel
 from engine.sampling.logprobs import LogSoftmax, gather_token_logprobs, original_logprobs
 from engine.sampling.sampling_batch import SamplingBatch
 from engine.sampling.seeds import gumbel_argmax
@@ -118,13 +119,8 @@ def _warms(fn: Callable, device: torch.device, vocab_size: int, what: str, inste
 
 def _triton_gumbel_argmax() -> Optional[Callable]:
     """engine.kernels.gumbel_argmax's kernel when TANDEM_TRITON_GUMBEL=1 and Triton imports."""
-    if os.environ.get("TANDEM_TRITON_GUMBEL") != "1":
-        return None
-    try:
-        from engine.kernels.gumbel_argmax import gumbel_argmax as kernel
-    except ImportError:  # no Triton: torch.compile's kernel
-        return None
-    return kernel
+    module = optional_kernel("gumbel_argmax") if os.environ.get("TANDEM_TRITON_GUMBEL") == "1" else None
+    return None if module is None else module.gumbel_argmax
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -160,6 +160,23 @@ class ChatCompletionRequest(_OpenAISampling):
         return self.chat_template is not None or "chat_template" in (self.chat_template_kwargs or {})
 
 
+class TokenizeRequest(_Lenient):
+    """SGLang's /tokenize body (entrypoints/openai/protocol.py): a prompt, or (its newer, vLLM's
+    chat form) messages rendered by the chat template."""
+    model: Optional[str] = None
+    prompt: Optional[Union[str, list[str]]] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt (text) or messages (a chat, rendered by the chat template)")
+        return self
+
+
 # the render's own arguments (the server sets them) and the template variables it fills itself
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
                                        "return_tensors", "tools", "documents", "continue_final_message", "padding",

@@ -215,23 +215,6 @@ class StartProfileRequest(_Lenient):
     record_shapes: Optional[bool] = None
 
 
-class TokenizeRequest(_Lenient):
-    """SGLang's /tokenize body (entrypoints/openai/protocol.py): a prompt, or (its newer, vLLM's
-    chat form) messages rendered by the chat template."""
-    model: Optional[str] = None
-    prompt: Optional[Union[str, list[str]]] = None
-    messages: Optional[list[dict[str, Any]]] = None  # engine.server.chat_messages.ChatMessage each
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = True
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt (text) or messages (a chat, rendered by the chat template)")
-        return self
-
-
 class DetokenizeRequest(_Lenient):
     model: Optional[str] = None
     tokens: Union[list[StrictInt], list[list[StrictInt]]]

@@ -16,10 +16,10 @@ import asyncio
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import ValidationError
 
-from engine.server.chat_messages import ChatMessage, check_nesting
-from engine.server.protocol import DetokenizeRequest, TokenizeRequest, UnknownFields
+from engine.server.chat_messages import check_nesting
+from engine.server.openai_protocol import TokenizeRequest
+from engine.server.protocol import DetokenizeRequest, UnknownFields
 from engine.tokenizer import apply_chat_template
 
 
@@ -52,7 +52,7 @@ def add_tokenize_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> No
     def render(req: TokenizeRequest) -> list[int]:
         """The chat route's prompt: with continue_final_message the last assistant message is the
         start of the reply (its header rendered), else the generation prompt as asked."""
-        messages = [_message(m, i).template_dict(i) for i, m in enumerate(req.messages)]
+        messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
         check_nesting(messages, "messages")
         prefix, generation_prompt = "", req.add_generation_prompt
         if req.continue_final_message and messages and messages[-1]["role"] == "assistant":
@@ -75,16 +75,6 @@ def add_tokenize_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> No
 
         texts = await asyncio.to_thread(decode)
         return {"text": texts if nested else texts[0]}
-
-
-def _message(raw: dict, index: int) -> ChatMessage:
-    """One chat message, its error named as the chat route names it (body.messages.i.field)."""
-    try:
-        return ChatMessage.model_validate(raw)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in ("body", "messages", index, *error["loc"]))
-        raise ValueError(f"{where}: {error['msg']}") from None
 
 
 def _need(tokenizer: Any) -> None:

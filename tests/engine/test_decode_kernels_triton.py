@@ -5,17 +5,14 @@ Skipped where triton is absent and on CUDA machines."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from engine.testing.triton_for_tests import import_triton_or_skip
+
 if torch.cuda.is_available():  # the interpreter flag would leak into the GPU tests' kernels
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-triton = pytest.importorskip("triton")
-if type(triton.language.standard.cdiv).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+triton = import_triton_or_skip()
 
 from engine.kernels import greedy_logprob as gl  # noqa: E402
 from engine.kernels import gumbel_argmax as ga  # noqa: E402
