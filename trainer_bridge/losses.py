@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.kernels.device_copy import h2d
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
@@ -113,9 +115,11 @@ def rl_objective(logprobs: Sequence[torch.Tensor], batch, config: LossConfig,
     as policy_loss's."""
     device = logprobs[0].device
     current = torch.nn.utils.rnn.pad_sequence(list(logprobs), batch_first=True).float()
-    mask = batch.padded(batch.loss_masks, device=device)
-    rollout = batch.padded(batch.rollout_logprobs, device=device)
-    advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
+    # built on the host, then queued behind the forward (h2d): a pageable copy per padded row made
+    # the host wait for the forward to finish before it could queue the loss and the backward
+    mask, rollout, advantages = (h2d(t, device) for t in (
+        batch.padded(batch.loss_masks), batch.padded(batch.rollout_logprobs),
+        torch.tensor(batch.advantages, dtype=torch.float32)))
     loss, metrics = policy_loss(current, current.detach(), advantages, mask, config.clip_low, config.clip_high,
                                 rollout, config.tis_cap, config.aggregation)
     gap = ((current.detach() - rollout).abs() * mask)

@@ -30,6 +30,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.deterministic import split_kv_attention
 from engine.attention.registry import default_backend, deterministic_backends, get_backend_spec
 from engine.attention.split_kv_plan import DEFAULT_CONFIGS, SplitKvPlan
+from engine.kernels.device_copy import h2d
 
 # The engine backends whose deterministic bits the trainer reproduces: every backend with a
 # deterministic mode (engine/attention/registry.py) needs a packed twin in PACKED_FORWARDS below.
@@ -119,7 +120,7 @@ class PackedBatch:
         key = ("cu_lens", device)
         if key not in self._metadata:
             lens = torch.tensor([0] + list(self.seq_lens_cpu), dtype=torch.int32)
-            self._metadata[key] = (lens.cumsum(0, dtype=torch.int32).to(device), max(self.seq_lens_cpu, default=0))
+            self._metadata[key] = (h2d(lens.cumsum(0, dtype=torch.int32), device), max(self.seq_lens_cpu, default=0))
         return self._metadata[key]
 
     def triton_metadata(self, split_size: int, device: torch.device) -> _TritonMetadata:
@@ -134,7 +135,7 @@ class PackedBatch:
             cols = torch.arange(max(lens, default=1), dtype=torch.int64)
             # entries past a sequence's end are never read; clamped to stay in range anyway
             table = (starts[:, None] + cols[None, :]).clamp_max(max(sum(lens) - 1, 0))
-            self._metadata[key] = _TritonMetadata(lens, plan, table.to(device),
+            self._metadata[key] = _TritonMetadata(lens, plan, h2d(table, device),
                                                   torch.arange(len(lens), dtype=torch.int64, device=device))
         return self._metadata[key]
 
@@ -169,14 +170,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
     mask keeps every real row off the padding, so padding neither changes a row nor gets a
     gradient. Float32 takes SDPA's math backend, which is deterministic run to run."""
     lens = list(seq_lens)
-    mask = (torch.arange(max(lens, default=0))[None, :] < torch.tensor(lens)[:, None]).to(q.device)  # real rows
     outs, start = [], 0
     for first, last in _runs(lens, q.shape[1]):
         end = start + sum(lens[first:last])
         padded = [_pad(t[start:end], lens[first:last], dtype) for t in (q, k, v)]
         with _backend_for(dtype):
             out = F.scaled_dot_product_attention(*padded, is_causal=True, scale=scaling, enable_gqa=True)
-        outs.append(out.transpose(1, 2)[mask[first:last, :out.shape[2]]])
+        # the real rows by index (a boolean mask's nonzero would make the host wait for the device)
+        rows = h2d(_real_rows(lens[first:last], out.shape[2]), q.device)
+        outs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, rows))
         start = end
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
@@ -198,6 +200,13 @@ def _runs(lens: list[int], heads: int) -> list[tuple[int, int]]:
     if lens:
         runs.append((first, len(lens)))
     return runs
+
+
+def _real_rows(lens: list[int], width: int) -> torch.Tensor:
+    """int64 flat indices of each sequence's rows in a [len(lens) * width] right-padded layout."""
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    starts = torch.arange(len(lens), dtype=torch.int64) * width
+    return torch.arange(int(lens_t.sum())) - (torch.cumsum(lens_t, 0) - lens_t - starts).repeat_interleave(lens_t)
 
 
 def _pad(rows: torch.Tensor, lens: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -40,6 +40,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from engine.kernels import batch_invariant as bi
+from engine.kernels.device_copy import h2d
 from engine.models.layers import Linear, use_autograd_ops
 from engine.models.loader import load_model
 from trainer_bridge.liger_ops import autograd_ops
@@ -86,13 +87,13 @@ class Policy(nn.Module):
         return cls(model, attention_backend, split_size, batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, seq_lens: Sequence[int], replay_routes: Optional[torch.Tensor] = None,
-                route_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                route_sink: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Packed ids [T] of whole sequences (lengths seq_lens) -> final hidden states [T, hidden].
         MoE: replay_routes [T, layers, top_k] replaces the routers' choices; route_sink of that
-        shape receives them."""
+        shape receives them. positions: `packed_positions(seq_lens)` already on the device."""
         device = input_ids.device
-        starts = torch.tensor([0] + list(seq_lens[:-1])).cumsum(0).repeat_interleave(torch.tensor(list(seq_lens)))
-        positions = (torch.arange(len(starts)) - starts).to(device)  # each token's place in its sequence
+        if positions is None:
+            positions = h2d(packed_positions(seq_lens), device)
         lora = None if self.lora is None else self.lora.lora_batch(len(input_ids), device)
         batch = PackedBatch(list(seq_lens), self.attention, replay_routes=replay_routes, route_sink=route_sink,
                             lora=lora)
@@ -103,7 +104,7 @@ class Policy(nn.Module):
         """MoE: the routes of each rollout's prompt + response - 1 tokens, int32 [n, layers, top_k]
         (-1 on dense layers), in the engine's routed_experts layout."""
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=self._device())
+        ids = h2d(torch.tensor([t for s in seqs for t in s], dtype=torch.int64), self._device())
         sink = torch.full((len(ids), *self._routes_shape()), -1, dtype=torch.int32, device=ids.device)
         with torch.no_grad():
             self.forward(ids, [len(s) for s in seqs], route_sink=sink)
@@ -145,7 +146,7 @@ class Policy(nn.Module):
                 raise ValueError(f"routed_experts of shape {list(routes.shape)} for a rollout of {len(seq)} tokens; "
                                  f"expected {[len(seq) - 1, layers, top_k]}")
             rows += [routes.to(torch.int32), torch.arange(top_k, dtype=torch.int32).expand(1, layers, top_k)]
-        return torch.cat(rows).to(self._device())
+        return h2d(torch.cat(rows), self._device())
 
     def rollout_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          temperature: Optional[float] = None,
@@ -161,17 +162,21 @@ class Policy(nn.Module):
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-        replay = None if routed_experts is None else self._packed_replay(routed_experts, seqs)
-        hidden = self.forward(ids, [len(s) for s in seqs], replay_routes=replay)
+        seq_lens = [len(s) for s in seqs]
         rows, targets, offset = [], [], 0
         for p, r, s in zip(prompts, responses, seqs):
             # the row of token i predicts token i + 1
             rows.extend(range(offset + len(p) - 1, offset + len(s) - 1))
             targets.extend(r)
             offset += len(s)
-        hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=device)]
-        targets = torch.tensor(targets, dtype=torch.int64, device=device)
+        # every input built on the host first and queued behind the device's work (h2d): a pageable
+        # copy per tensor made the host wait for the previous micro batch's backward each time
+        ids, positions, rows, targets = (h2d(t, device) for t in (
+            torch.tensor([t for s in seqs for t in s], dtype=torch.int64), packed_positions(seq_lens),
+            torch.tensor(rows, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)))
+        replay = None if routed_experts is None else self._packed_replay(routed_experts, seqs)
+        hidden = self.forward(ids, seq_lens, replay_routes=replay, positions=positions)
+        hidden = hidden[rows]
         head = self.model.lm_head
         # ZeRO-3 partitions the head's weight (ds_numel) and gathers it only for the head's own forward
         whole_head = type(head) is Linear and head.bias is None and not hasattr(head.weight, "ds_numel")
@@ -180,7 +185,14 @@ class Policy(nn.Module):
         else:
             logits = self.model.compute_logits(hidden)
             if temperature is not None:
-                logits = logits / torch.tensor(temperature, dtype=torch.float32, device=device)
+                logits = logits / h2d(torch.tensor(temperature, dtype=torch.float32), device)
             logprobs = bi.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits, -1)
             picked = logprobs.gather(1, targets[:, None])[:, 0]
         return list(picked.split([len(r) for r in responses]))
+
+
+def packed_positions(seq_lens: Sequence[int]) -> torch.Tensor:
+    """int64 [sum(seq_lens)] on the host: each packed token's place in its own sequence."""
+    lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens
+    return torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)

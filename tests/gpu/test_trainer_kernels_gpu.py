@@ -177,3 +177,28 @@ def test_normal_mode_agrees_with_deterministic_mode(batch):
     for name, ref in want_grads.items():
         cos = torch.nn.functional.cosine_similarity(got_grads[name].flatten(), ref.flatten(), dim=0)
         assert cos > 0.99, (name, float(cos))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["normal", "deterministic"])
+def test_a_micro_batch_never_makes_the_host_wait(batch, batch_invariant):
+    """Forward, RL loss and backward of a micro batch queue without one host-device sync (a
+    pageable copy, .item(), a blocking transfer): the host prepares the next micro batch while
+    the device runs this one. The second pass is checked; the first compiles the kernels."""
+    from trainer_bridge.losses import LossConfig, rl_objective
+    from trainer_bridge.policy import Policy
+    from trainer_bridge.rollout_batch import RolloutBatch
+
+    path, prompts, responses = batch
+    policy = Policy.from_pretrained(path, dtype=torch.bfloat16, device="cuda", batch_invariant=batch_invariant)
+    micro = RolloutBatch(prompts, responses, [[1] * len(r) for r in responses],
+                         [[-1.0] * len(r) for r in responses], [0.5, -0.5, 1.0, -1.0])
+    for check in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if check else "default")
+        try:
+            loss, metrics = rl_objective(policy.rollout_logprobs(micro.prompts, micro.responses), micro, LossConfig())
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss) and float(metrics["logprob_abs_diff_max"]) > 0
+    assert all(p.grad is not None for p in policy.parameters())
