@@ -68,7 +68,7 @@ class OpenAIServing:
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
             top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream,
-            lora_path=req.adapter(self.lora_enabled))
+            return_routed_experts=req.return_routed_experts, lora_path=req.adapter(self.lora_enabled))
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:
         prompt = req.prompt
@@ -98,7 +98,7 @@ class OpenAIServing:
         metas = [o["meta_info"] for o in outs]
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
-                "metadata": _metadata(metas[0], self.metadata_format)}
+                "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
     def completion_events(self, req: CompletionRequest, stream: Any) -> AsyncIterator[str]:
         prompts = self._prompt_texts(req) if req.echo else []
@@ -136,7 +136,8 @@ class OpenAIServing:
         return GenerateRequest(
             input_ids=ids, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-            rid=req.rid, stream=req.stream, lora_path=req.adapter(self.lora_enabled))
+            rid=req.rid, stream=req.stream, return_routed_experts=req.return_routed_experts,
+            lora_path=req.adapter(self.lora_enabled))
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]
@@ -152,7 +153,7 @@ class OpenAIServing:
         metas = [o["meta_info"] for o in outs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
-                "metadata": _metadata(metas[0], self.metadata_format)}
+                "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
     def _token_outputs(self, req: ChatCompletionRequest, out: dict, choice: dict) -> dict:
         """SGLang's extra choice fields, when asked: prompt_token_ids, token_ids (the output's ids)
@@ -179,7 +180,8 @@ class OpenAIServing:
     async def _events(self, chunks: Any, req: Any, prefix: str, kind: str,
                       delta: Callable[[int, str, dict, int, bool], dict]) -> AsyncIterator[str]:
         """Cumulative engine chunks -> one event per chunk with only what is new; then, with
-        stream_options.include_usage, a usage event with no choices; then [DONE]."""
+        stream_options.include_usage, a usage event with no choices (and with continuous_usage_stats,
+        each chunk's choice's usage so far); then [DONE]."""
         rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
@@ -194,12 +196,24 @@ class OpenAIServing:
             if choice["finish_reason"] is not None:
                 choice["matched_stop"] = _matched_stop(meta)
                 finals[index] = meta
-            yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]})
+            event = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+            if req.continuous_usage:  # SGLang's: this choice's counts so far, on every chunk
+                event["usage"] = usage([meta], 1)
+            yield _sse(event)
+        metas = [finals[i] for i in sorted(finals)]
+        ext = _sglext(req, metas)
+        if ext:  # SGLang: its own chunk, with no choices, before the usage chunk
+            yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], **ext})
         if req.include_usage:
-            metas = [finals[i] for i in sorted(finals)]
             yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
                         "usage": usage(metas, req.n)})
         yield "data: [DONE]\n\n"
+
+
+def _sglext(req: Any, metas: list[dict]) -> dict:
+    """SGLang's response-level extension: the first choice's routed experts, when asked for."""
+    routes = next((m.get("routed_experts") for m in metas if m.get("routed_experts") is not None), None)
+    return {"sglext": {"routed_experts": routes}} if req.return_routed_experts and routes is not None else {}
 
 
 def _chat_max_tokens(req: ChatCompletionRequest) -> Optional[int]:

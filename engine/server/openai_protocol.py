@@ -12,22 +12,27 @@ from pydantic import Field, PrivateAttr, StrictInt, field_validator, model_valid
 
 from engine.server.chat_messages import ChatMessage, ChatTool, template_tools
 from engine.server.protocol import _Lenient, _NullsAsDefaults, refuse_unsupported
+from engine.server.refused_fields import REFUSED_OPENAI_FIELDS, refuse_given
 
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # SGLang's: usage on every chunk (include_usage or not)
 
 
 class ResponseFormat(_Lenient):
-    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema; or SGLang's
+    structural_tag (its structures and triggers, or xgrammar's format, as extra fields)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
 
     def grammar(self) -> dict:
         """The sampling_params grammar field this format asks for (SGLang's mapping)."""
         if self.type == "json_object":
             return {"json_schema": '{"type": "object"}'}
+        if self.type == "structural_tag":  # the whole format is the tag, as SGLang passes it
+            return {"structural_tag": json.dumps(self.model_dump(exclude={"json_schema"}))}
         if self.type == "json_schema":
             schema = (self.json_schema or {}).get("schema")
             if not isinstance(schema, dict):
@@ -60,6 +65,7 @@ class _OpenAISampling(_NullsAsDefaults):
     logit_bias: Optional[dict[str, Any]] = None  # {"token id": bias}: checked by SamplingParams
     # SGLang's extra sampling fields on its OpenAI routes (sent through the openai package's extra_body)
     stop_token_ids: Optional[list[StrictInt]] = None
+    stop_regex: Optional[Union[str, list[str]]] = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -68,9 +74,10 @@ class _OpenAISampling(_NullsAsDefaults):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     rid: Optional[Union[str, list[str]]] = None  # SGLang's: the id /abort_request takes (one per prompt)
-    return_hidden_states: bool = False  # refused when true, as SGLang started without them
+    return_hidden_states: Union[bool, Literal["last"]] = False  # refused unless false, as SGLang without them
     custom_logit_processor: Optional[str] = None
     lora_path: Any = None  # SGLang's: the adapter for the request (or one per prompt)
+    return_routed_experts: bool = False  # SGLang's: first choice's routes as sglext.routed_experts
 
     def adapter(self, lora_enabled: bool) -> Any:
         """The LoRA adapter SGLang's OpenAI routes select: an explicit lora_path first, else the
@@ -86,11 +93,16 @@ class _OpenAISampling(_NullsAsDefaults):
     @model_validator(mode="after")
     def _no_unsupported_outputs(self) -> "_OpenAISampling":
         refuse_unsupported(self.return_hidden_states, self.custom_logit_processor)
+        refuse_given(self.model_extra or {}, REFUSED_OPENAI_FIELDS)
         return self
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def carries_grammar(self) -> bool:
         """A grammar to compile: response_format json_object/json_schema, or SGLang's fields."""
@@ -104,7 +116,20 @@ class CompletionRequest(_OpenAISampling):
     logprobs: Optional[int] = None
     echo: bool = False
     return_token_ids: bool = False  # SGLang's: each choice's token_ids and prompt_token_ids (streamed too)
+    # OpenAI's: text after the completion (fill-in-the-middle) and server-side best-of-k; SGLang
+    # ignores both, but the reply would not be what was asked, so each is refused when it matters
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
     _prompt_ids: list[list[int]] = PrivateAttr(default_factory=list)  # per prompt, when return_token_ids
+
+    @model_validator(mode="after")
+    def _no_unserved_options(self) -> "CompletionRequest":
+        if self.suffix:
+            raise ValueError("suffix is not supported: tandem does no fill-in-the-middle; put the text in prompt")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported: tandem returns every sample; "
+                             f"leave best_of null (or equal to n) and pick among n samples yourself")
+        return self
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -194,7 +219,7 @@ def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
         "top_k": req.top_k, "min_p": req.min_p, "n": req.n, "stop": req.stop,
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
-        "stop_token_ids": req.stop_token_ids, "min_new_tokens": req.min_tokens,
+        "stop_token_ids": req.stop_token_ids, "stop_regex": req.stop_regex, "min_new_tokens": req.min_tokens,
         "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
     }

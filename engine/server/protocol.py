@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from engine.api.generate_request import GenerateRequest
 from engine.sampling_params import carries_grammar
+from engine.server.refused_fields import REFUSED_GENERATE_FIELDS, refuse_given
 
 logger = logging.getLogger("tandem")
 
@@ -73,6 +74,7 @@ class GenerateBody(_NullsAsDefaults):
     @model_validator(mode="after")
     def _no_unsupported_outputs(self) -> "GenerateBody":
         refuse_unsupported(self.return_hidden_states, self.custom_logit_processor)
+        refuse_given(self.model_extra or {}, REFUSED_GENERATE_FIELDS)  # SGLang's fields tandem cannot serve
         return self
 
     def carries_grammar(self) -> bool:
