@@ -113,6 +113,8 @@ class SamplingParams:
                f"{len(self.stop_regex or ())} patterns")
         for pattern in self.stop_regex or ():
             _check_stop_regex(pattern)
+        if "" in (self.stop or ()):  # every text contains it: the request would end at its first token
+            raise ValueError("stop has an empty string, which would stop at the first token; leave it out")
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
             raise ValueError(f"set at most one of json_schema, regex, ebnf, structural_tag; got {grammars}")

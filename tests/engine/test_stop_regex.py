@@ -103,3 +103,12 @@ def test_compiling_patterns_is_not_on_the_search_budget(monkeypatch):
     req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=["x1y", "x2y", "x3y"]), text="abc x9y",
                           stop_regex_checked=0)
     assert finish._match_stop_regex(req) is None
+
+
+def test_an_empty_stop_string_is_refused():
+    """'' is in every text: it would end each request at its first token (a completions client
+    sent stop="" and got empty text back, with status 200)."""
+    for stop in ["", ["</s>", ""]]:
+        with pytest.raises(ValueError, match="stop has an empty string"):
+            SamplingParams.from_dict({"stop": stop}).validate()
+    SamplingParams.from_dict({"stop": ["</s>", " "]}).validate()
