@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -82,6 +82,9 @@ for s in "$@"; do case $s in
       for n in 256 64; do step "http06-$tag-$n" 120 python3 -m tandem.main bench --url http://127.0.0.1:30001 --num-prompts $n --input-len 512 --output-len 256 --stream-mode final --runs 3 --json "$OUT/http06-$tag-$n.json"; done
       kill $pid; wait $pid; tail -5 "/tmp/serve-$tag.log" >> "$OUT/suite.log" ) ;;
   bench06q64) step bench06q64 70 $B --preset qwen3-0.6b --num-prompts 64 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-qwen3-0.6b-64.json" ;;
+  httpsplit)  # HTTP's 64-concurrent gap split: in-process with the core on a thread, then in its own process (the pipe, no HTTP)
+    step bench06q64 70 $B --preset qwen3-0.6b --num-prompts 64 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/bench-qwen3-0.6b-64.json"
+    step bench06q64proc 90 $B --preset qwen3-0.6b --num-prompts 64 --input-len 512 --output-len 256 --runs 3 --stream-mode final --core-process --json "$OUT/bench-qwen3-0.6b-64-proc.json" ;;
   gpudet) step gpudet 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_policy_parity_gpu.py ;;
   wsync) step wsync 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py ;;
   hfgpu) step hfgpu 110 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_hf_greedy_gpu.py ;;
