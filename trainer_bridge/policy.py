@@ -45,7 +45,7 @@ from engine.models.layers import Linear, use_autograd_ops
 from engine.models.loader import load_model
 from trainer_bridge.liger_ops import autograd_ops
 from trainer_bridge.packed_attention import PackedAttention, PackedBatch
-from trainer_bridge.token_logprobs import token_logprobs
+from trainer_bridge.token_logprobs import recomputed_logprobs, token_logprobs
 from trainer_bridge.trainable_lora import TrainableLoRA
 from trainer_bridge.varlen_attention import VarlenAttention
 
@@ -183,12 +183,17 @@ class Policy(nn.Module):
         if not self.batch_invariant and whole_head:
             picked = token_logprobs(hidden, head.weight, targets, temperature)  # no [rows, vocab] logits kept
         else:
-            logits = self.model.compute_logits(hidden)
-            if temperature is not None:
-                logits = logits / h2d(torch.tensor(temperature, dtype=torch.float32), device)
-            logprobs = bi.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits, -1)
-            picked = logprobs.gather(1, targets[:, None])[:, 0]
+            scale = None if temperature is None else h2d(torch.tensor(temperature, dtype=torch.float32), device)
+            picked = recomputed_logprobs(hidden, targets, lambda rows: self._row_logprobs(rows, scale),
+                                         recompute=not hasattr(head.weight, "ds_numel"))
         return list(picked.split([len(r) for r in responses]))
+
+    def _row_logprobs(self, hidden: torch.Tensor, temperature: Optional[torch.Tensor]) -> torch.Tensor:
+        """[rows, vocab] float32 log_softmax of the head's logits (divided by temperature)."""
+        logits = self.model.compute_logits(hidden)
+        if temperature is not None:
+            logits = logits / temperature
+        return bi.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits, -1)
 
 
 def packed_positions(seq_lens: Sequence[int]) -> torch.Tensor:

@@ -6,16 +6,41 @@ qwen3_gpu recipe's micro batch of 32 (8,192 rows x 151,936 words). Here the head
 rows; forward keeps each row's logsumexp, backward recomputes the chunk's logits and forms
 d logits = grad x (onehot(target) - softmax) in place (the fused linear cross-entropy of Liger
 Kernel and Apple's cut-cross-entropy, for a logprob instead of a mean loss). Deterministic mode
-keeps the batch-invariant log_softmax (the engine's bits).
+keeps the batch-invariant head and log_softmax (the engine's bits), by chunks recomputed in the
+backward (`recomputed_logprobs`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 CHUNK_ROWS = 2048  # 1.2 GB of float32 logits a chunk at a 151,936-word vocabulary
+
+
+def recomputed_logprobs(hidden: torch.Tensor, targets: torch.Tensor,
+                        row_logprobs: Callable[[torch.Tensor], torch.Tensor], recompute: bool = True) -> torch.Tensor:
+    """float32 [N]: row_logprobs(hidden)[i, targets[i]], by chunks of CHUNK_ROWS rows whose
+    [rows, vocab] logprobs are recomputed in the backward (activation checkpointing), not kept:
+    deterministic mode's head and log_softmax, which have no fused logprob kernel. Those kernels
+    are row-wise (batch-invariant), so each value has the whole batch's bits; the head's weight
+    gradient is summed chunk by chunk (the same order every run). Kept, a micro batch of 32
+    16k-token rollouts held 3 x 311 GB. recompute=False: chunks kept for the backward (a head
+    whose weight ZeRO-3 gathers only inside its own forward)."""
+    def picked(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return row_logprobs(h).gather(1, t[:, None])[:, 0]
+
+    if len(hidden) <= CHUNK_ROWS:
+        return picked(hidden, targets)
+    recompute = recompute and torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for start in range(0, len(hidden), CHUNK_ROWS):
+        rows = slice(start, start + CHUNK_ROWS)
+        parts.append(checkpoint(picked, hidden[rows], targets[rows], use_reentrant=False) if recompute
+                     else picked(hidden[rows], targets[rows]))
+    return torch.cat(parts)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -64,3 +64,42 @@ def test_a_zero3_partitioned_head_goes_through_its_own_forward():
         mp.setattr(tl._LinearLogprob, "apply", lambda *a: calls.append(1))
         lps = policy.rollout_logprobs([[5, 6]], [[7, 8]])
     assert not calls and lps[0].shape == (2,)
+
+
+def _saved_numels(fn):
+    """(fn's result, the numel of each tensor autograd saved for the backward outside checkpoints)."""
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        out = fn()
+    return out, sizes
+
+
+@pytest.mark.parametrize("temperature", [None, 0.8])
+def test_deterministic_mode_chunks_the_head_with_the_same_bits(monkeypatch, temperature):
+    """Deterministic mode's head + log_softmax by chunks recomputed in the backward: logprobs
+    equal the whole batch's bit for bit (row-wise kernels), gradients agree, and no
+    [rows, vocab] tensor is kept for the backward."""
+    from engine.testing.tiny_model import tiny_model_path
+    from trainer_bridge.policy import Policy
+
+    policy = Policy.from_pretrained(str(tiny_model_path()))
+    vocab = policy.model.config.vocab_size
+    prompts, responses = [[5, 6, 7], [9], [3, 4]], [[11, 12, 13, 14], [14, 15, 16], list(range(20, 31))]
+    rows = sum(len(r) for r in responses)
+
+    def logprobs_and_grads():
+        policy.zero_grad(set_to_none=True)
+        lps, saved = _saved_numels(lambda: torch.cat(policy.rollout_logprobs(prompts, responses, temperature)))
+        (lps * torch.linspace(-1, 1, rows)).sum().backward()
+        return lps.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}, saved
+
+    want, want_grads, want_saved = logprobs_and_grads()  # 18 rows: one chunk, kept
+    monkeypatch.setattr(tl, "CHUNK_ROWS", 5)  # chunks of 5, 5, 5, 3
+    got, got_grads, got_saved = logprobs_and_grads()
+    assert torch.equal(got, want)
+    for name, ref in want_grads.items():
+        assert torch.allclose(got_grads[name], ref, rtol=1e-4, atol=1e-6), name
+    assert max(want_saved) >= rows * vocab  # the whole batch's logits were kept...
+    assert max(got_saved) < rows * vocab  # ...and now are not
+    again, again_grads, _ = logprobs_and_grads()  # the chunked gradients repeat bit for bit
+    assert torch.equal(again, got) and all(torch.equal(again_grads[n], g) for n, g in got_grads.items())
