@@ -63,6 +63,8 @@ class EngineActor:
         if concurrent is None:
             return await asyncio.to_thread(target, *args, **kwargs)
         result = concurrent(*args, **kwargs)
+        if hasattr(result, "collect"):  # a generate's stream: its final outputs (a Ray call cannot stream)
+            return await result.collect()
         return await result if inspect.isawaitable(result) else result
 
     # ---- HTTP and lifetime ---------------------------------------------------------------------

@@ -5,50 +5,85 @@ either server. Tensor updates send `weight_sync.cuda_ipc.serialize` payloads as 
 `serialized_named_tensors` (one entry: one tensor-parallel rank): CUDA IPC handles on a GPU,
 shared-memory descriptors on the CPU, so the server must be on this machine and the caller keeps
 the tensors alive until the call returns. A refused request (400) comes back as (False, message)
-for weight and memory verbs and as a ValueError for generate, as Engine raises one.
+for weight and memory verbs and as a ValueError for generate, as Engine raises one. A server that
+is down, drops the connection or answers 503 raises EngineUnreachable, one that answers nothing
+within timeout_s EngineTimeout, each naming the URL (engine_client/http_errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import time
 import weakref
 from typing import Any, AsyncIterator, Optional
 
 from engine.api.generate_request import GenerateRequest
 from engine.api.protocol import Reply
+from engine_client.http_errors import (Answer, EngineTimeout, generate_reply, json_or_none, message,
+                                       transport_error)
+from engine_client.request_slots import RequestSlots, aborted_reply
 
 CONTROL_TIMEOUT_S = 600.0  # a weight update of a large model from disk can take minutes
 
 
 class HttpClient:
     def __init__(self, base_url: str, api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
-                 timeout_s: Optional[float] = None, transport: Any = None) -> None:
+                 timeout_s: Optional[float] = None, transport: Any = None, connect_timeout_s: float = 30.0,
+                 max_connections: int = 1024) -> None:
         """api_key: the server's --api-key (generation and info routes); admin_api_key: its
         --admin-api-key, which opens every route (pause, weight updates, memory too). timeout_s:
-        for generate (None waits as long as the request runs); transport: an httpx transport for
-        the synchronous verbs (tests)."""
+        for one generate once sent (None waits as long as the request runs: the only bound on a
+        server that accepts the connection and never answers); connect_timeout_s: for
+        connecting; max_connections: async requests in flight at once, the rest wait their turn
+        (request_slots.py); transport: an httpx transport for the synchronous verbs (tests)."""
         import httpx
 
         self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         key = admin_api_key or api_key
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._sync = httpx.Client(base_url=self.base_url, headers=self._headers, transport=transport,
-                                  timeout=CONTROL_TIMEOUT_S)
+                                  timeout=httpx.Timeout(CONTROL_TIMEOUT_S, connect=connect_timeout_s))
+        self._slots = RequestSlots(max_connections)
         # an httpx.AsyncClient belongs to the event loop it first ran on: one per loop
         self._async: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Engine.generate's arguments (GenerateRequest's fields) -> its dicts."""
+        import httpx
+
         body = generate_body(GenerateRequest.of(*args, **kwargs))
-        return _generate_reply(self._sync.post("/generate", json=body, timeout=self.timeout_s))
+        timeout = httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
+        response = self._send("POST", "/generate", json=body, timeout=timeout)
+        return generate_reply(response, f"POST {self.base_url}/generate")
 
     async def async_generate(self, *args: Any, **kwargs: Any) -> Any:
         body = generate_body(GenerateRequest.of(*args, **kwargs))
         client = await self._async_client()
-        return _generate_reply(_Answer(*await client.post("/generate", body, timeout_s=self.timeout_s)))
+        async with self._slots.slot(body.get("rid")) as go:
+            if not go:  # aborted while it waited for a connection: it never reached the server
+                return aborted_reply(body)
+            answer = Answer(*await client.post("/generate", body, timeout_s=self.timeout_s))
+        return generate_reply(answer, f"POST {self.base_url}/generate")
+
+    def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.5) -> None:
+        """Until /health answers 200 (a server still loading its model); EngineTimeout naming the
+        URL and what it last said when that takes over timeout_s."""
+        import httpx
+
+        deadline, last = time.monotonic() + timeout_s, "no answer"
+        while True:
+            try:
+                response = self._sync.get("/health", timeout=min(10.0, timeout_s))
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise EngineTimeout(f"{self.base_url} was not ready after {timeout_s:g} s (its /health: {last})")
+            time.sleep(poll_s)
 
     async def _async_client(self) -> Any:
         """This event loop's client (aiohttp when installed: engine_client/async_http.py), closed
@@ -58,23 +93,25 @@ class HttpClient:
         loop = asyncio.get_running_loop()
         entry = self._async.get(loop)
         if entry is None:
-            client = open_client(self.base_url, None, self._headers)
+            client = open_client(self.base_url, None, self._headers, self.connect_timeout_s)
             closer = _close_at_loop_shutdown(client)
             await closer.__anext__()  # the loop now holds it: shutdown_asyncgens() runs its finally
             entry = self._async[loop] = (client, closer)
         return entry[0]
 
     def abort_request(self, rid=None, abort_all=False):
+        self._slots.abort(rid, abort_all)  # requests not sent yet too
         self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
     async def async_abort_request(self, rid=None, abort_all=False):
+        self._slots.abort(rid, abort_all)
         client = await self._async_client()
-        answer = _Answer(*await client.post("/abort_request", {"rid": rid or "", "abort_all": abort_all}))
+        answer = Answer(*await client.post("/abort_request", {"rid": rid or "", "abort_all": abort_all}))
         if answer.status_code != 200:
-            raise RuntimeError(f"/abort_request failed with HTTP {answer.status_code}: {_message(answer)}")
+            raise RuntimeError(f"/abort_request failed with HTTP {answer.status_code}: {message(answer)}")
 
     def flush_cache(self):
-        return self._sync.post("/flush_cache").status_code == 200
+        return self._send("POST", "/flush_cache").status_code == 200
 
     # ---- pause and weights ---------------------------------------------------------------------
     def pause_generation(self, mode="abort"):
@@ -110,7 +147,7 @@ class HttpClient:
             "world_size": int(world_size), "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                        flush_cache=True, weight_version=None, load_format=None):
+                                        flush_cache=True, load_format=None, weight_version=None):
         return self._reply("/update_weights_from_distributed", {
             "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
@@ -147,15 +184,15 @@ class HttpClient:
             "load_format": load_format, "pinned": pinned})
 
     def _lora(self, route, body):
-        response = self._sync.post(route, json=body)
+        response = self._send("POST", route, json=body)
         if response.status_code in (200, 400) and isinstance(response.json(), dict) and "success" in response.json():
             return response.json()
-        return {"success": False, "error_message": _message(response), "loaded_adapters": None}
+        return {"success": False, "error_message": message(response), "loaded_adapters": None}
 
     # ---- state ---------------------------------------------------------------------------------
     def get_weight_version(self):
         """From /model_info (SGLang >= 0.5.9 answers /get_weight_version with 404)."""
-        response = self._sync.get("/model_info")
+        response = self._send("GET", "/model_info")
         response.raise_for_status()
         return response.json()["weight_version"]
 
@@ -168,14 +205,14 @@ class HttpClient:
             return False
 
     def get_load(self):
-        response = self._sync.get("/get_load")
+        response = self._send("GET", "/get_load")
         response.raise_for_status()
         return response.json()
 
     def get_server_info(self):
-        response = self._sync.get("/get_server_info")
+        response = self._send("GET", "/get_server_info")
         if response.status_code == 404:  # SGLang's other spelling
-            response = self._sync.get("/server_info")
+            response = self._send("GET", "/server_info")
         response.raise_for_status()
         return response.json()
 
@@ -194,24 +231,34 @@ class HttpClient:
             await entry[1].aclose()
 
     # ---- plumbing ------------------------------------------------------------------------------
+    def _send(self, method: str, route: str, **kwargs: Any) -> Any:
+        """The synchronous client's request; a transport failure names the URL."""
+        import httpx
+
+        try:
+            return self._sync.request(method, route, **kwargs)
+        except httpx.TransportError as exc:
+            timeout = kwargs.get("timeout", self._sync.timeout)
+            raise transport_error(f"{method} {self.base_url}{route}", exc, getattr(timeout, "read", timeout)) from exc
+
     def _post(self, route: str, body: dict) -> Any:
         """A verb without a (success, message) reply: a 400 is a ValueError, as Engine raises."""
-        response = self._sync.post(route, json=body)
+        response = self._send("POST", route, json=body)
         if response.status_code == 400:
-            raise ValueError(_message(response))
+            raise ValueError(message(response))
         if response.status_code != 200:
-            raise RuntimeError(f"{route} failed with HTTP {response.status_code}: {_message(response)}")
+            raise RuntimeError(f"{route} failed with HTTP {response.status_code}: {message(response)}")
         return response
 
     def _reply(self, route: str, body: dict) -> Reply:
         """SGLang's {"success", "message"} (200/400); memory routes answer 200 with `null`."""
-        response = self._sync.post(route, json=body)
-        payload = _json(response)
+        response = self._send("POST", route, json=body)
+        payload = json_or_none(response)
         if isinstance(payload, dict) and "success" in payload:
             return bool(payload["success"]), str(payload.get("message", ""))
         if response.status_code == 200:
             return True, "Success"
-        return False, _message(response)
+        return False, message(response)
 
 
 def generate_body(request: GenerateRequest) -> dict:
@@ -240,39 +287,3 @@ async def _close_at_loop_shutdown(client: Any) -> AsyncIterator[None]:
         yield
     finally:
         await client.close()
-
-
-class _Answer:
-    """An async client's (status, text), read as an httpx response is."""
-
-    def __init__(self, status_code: int, text: str) -> None:
-        self.status_code, self.text = status_code, text
-
-    def json(self) -> Any:
-        return json.loads(self.text)
-
-
-def _generate_reply(response: Any) -> Any:
-    if response.status_code == 200:
-        return response.json()
-    if response.status_code == 400:
-        raise ValueError(_message(response))
-    raise RuntimeError(f"/generate failed with HTTP {response.status_code}: {_message(response)}")
-
-
-def _json(response: Any) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return None
-
-
-def _message(response: Any) -> str:
-    """The error text of SGLang's bodies: {"message"} or {"error": {"message"}}, else the raw text."""
-    payload = _json(response)
-    if isinstance(payload, dict):
-        if isinstance(payload.get("error"), dict):
-            return str(payload["error"].get("message"))
-        if "message" in payload:
-            return str(payload["message"])
-    return response.text

@@ -42,23 +42,25 @@ class PrefixRouter:
         """Where a prompt goes when every engine is equally loaded: its prefix hash's engine."""
         return int.from_bytes(self.key(prompt_ids), "little") % self.num_engines
 
-    def pick(self, prompt_ids: Sequence[int], weight: int = 1) -> int:
-        """The engine for a group of `weight` samples; counted in its load until `release`."""
+    def pick(self, prompt_ids: Sequence[int], weight: int = 1, exclude: Sequence[int] = ()) -> int:
+        """The engine for a group of `weight` samples; counted in its load until `release`.
+        exclude: engines not to use (a retry after they failed it)."""
         with self._lock:
-            return self._pick(self.key(prompt_ids), weight)
+            return self._pick(self.key(prompt_ids), weight, set(exclude))
 
     def release(self, engine: int, weight: int = 1) -> None:
         with self._lock:
             self.load[engine] -= weight
 
-    def _pick(self, key: bytes, weight: int) -> int:
+    def _pick(self, key: bytes, weight: int, exclude: set) -> int:
         homes = self._homes.pop(key, [])
         capacity = (1 + self.slack) * (sum(self.load) + weight) / self.num_engines
-        engine = next((e for e in homes if self.load[e] + weight <= math.ceil(capacity)), None)
+        usable = [e for e in range(self.num_engines) if e not in exclude] or list(range(self.num_engines))
+        engine = next((e for e in homes if e in usable and self.load[e] + weight <= math.ceil(capacity)), None)
         if engine is None:  # unseen, or every home is full: the least loaded takes it
             first = int.from_bytes(key, "little") % self.num_engines
             order = {e: (e - first) % self.num_engines for e in range(self.num_engines)}
-            engine = min(range(self.num_engines), key=lambda e: (self.load[e], e not in homes, order[e]))
+            engine = min(usable, key=lambda e: (self.load[e], e not in homes, order[e]))
         if engine not in homes:
             homes.append(engine)
         self._homes[key] = homes  # most recently used last

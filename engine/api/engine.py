@@ -13,14 +13,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
 from engine.api.streamed_logprobs import StreamedLogprobs
 from engine.api.text_builder import TextBuilder
 from engine.api.generate_request import GenerateRequest
-from engine.api.generate_stream import GenerateStream
+from engine.api.generate_stream import GenerateStream, SyncStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs, configure_logging
@@ -86,19 +86,29 @@ class Engine(EngineWeights, EngineLoRA):
         return load_tokenizer(self.info.tokenizer_path)
 
     @property
+    def tokenizer_manager(self) -> Any:
+        """sglang.Engine's tokenizer_manager, as far as RL frameworks await it directly."""
+        from engine.api.tokenizer_manager import TokenizerManagerShim
+
+        return TokenizerManagerShim(self)
+
+    @property
     def local_core(self) -> Any:
         """The EngineCore when it runs on a thread here: for white-box tests only."""
         return getattr(self.client, "core", None)
 
     # ---- generation ----------------------------------------------------------------------------
-    def generate(self, *args: Any, **kwargs: Any) -> Union[dict, list[dict]]:
+    def generate(self, *args: Any, **kwargs: Any) -> Union[dict, list[dict], Iterator[dict]]:
         """SGLang's Engine.generate: the arguments are GenerateRequest's fields (prompt,
         sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-        logprob_distribution, rid, token_ids_logprob), or one GenerateRequest. Blocks until done."""
+        logprob_distribution, rid, token_ids_logprob), or one GenerateRequest. Blocks until done;
+        stream=True returns an iterator of cumulative chunks instead, as SGLang's does."""
         request = GenerateRequest.of(*args, **kwargs)
-        if request.stream:
-            raise ValueError("generate returns the final outputs; for stream=True use async_generate")
         reqs, single = self.builder.build(request)
+        if request.stream:
+            chunks = SyncStream(reqs, single, self._abort_quietly)
+            self._submit_all(reqs, [chunks.put] * len(reqs))
+            return iter(chunks)
         results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
         self._submit_all(reqs, [results[r.rid].put for r in reqs])
         outputs = [self._wait_final(results[r.rid]) for r in reqs]

@@ -54,6 +54,10 @@ class EngineWeights:
         -> (success, message); a bad name or shape changes nothing and says which."""
         from weight_sync.tensor import tensor_source
 
+        if load_format == "flattened_bucket" and _per_rank_payloads(named_tensors):
+            # sglang.Engine's flattened_bucket form: one serialized bucket per TP rank; rank 0's
+            # holds the whole bucket, which tandem's rank 0 loads and sends on
+            return self.update_weights_from_serialized(named_tensors[0], load_format, flush_cache, weight_version)
         return self.update_weights(tensor_source(named_tensors, load_format), flush_cache, weight_version)
 
     def update_weights_from_serialized(self, serialized: Union[bytes, str], load_format: Optional[str] = None,
@@ -89,11 +93,11 @@ class EngineWeights:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        weight_version: Optional[str] = None,
-                                        load_format: Optional[str] = None) -> tuple[bool, str]:
+                                        load_format: Optional[str] = None,
+                                        weight_version: Optional[str] = None) -> tuple[bool, str]:
         """Receive one broadcast per name from the group's rank 0 (load_format="flattened_bucket":
         one for all, packed as SGLang's FlattenedTensorBucket), then load them (checked before any
-        write) -> (success, message)."""
+        write) -> (success, message). Positionally in sglang.Engine's order (load_format sixth)."""
         from weight_sync.nccl import GroupSource
 
         source = GroupSource(list(names), list(dtypes), [list(s) for s in shapes], group_name, load_format)
@@ -134,6 +138,10 @@ class EngineWeights:
         "reset_tensors", then after a sync "compare" (success only if every tensor was rewritten to
         its snapshot); "checksum" hashes each tensor. {"success", "message"[, "checksums"]}."""
         return self._call(WeightsCheckerReq(str(action), tuple(skip_tensor_list or ()), bool(allow_quant_error)))
+
+
+def _per_rank_payloads(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, (bytes, str)) for v in value)
 
 
 def _check_version(version: str, what: str) -> str:

@@ -8,8 +8,10 @@ knows the vocabulary, the context length and the limits) and normalises the logp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
+
+from engine.api.sglang_kwargs import pop_sglang_only
 
 IdLists = Union[list[int], list[list[int]]]
 
@@ -34,7 +36,23 @@ class GenerateRequest:
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":
         """Engine.generate's arguments (SGLang's keywords, or positionally in field order), or a
-        GenerateRequest passed as it is. An unknown keyword is a TypeError, as for any call."""
+        GenerateRequest passed as it is. SGLang's keywords tandem cannot serve pass when empty and
+        are refused by name otherwise (engine/api/sglang_kwargs.py); a None logprob option is its
+        default, as sglang.Engine's signature has it. Any other unknown keyword is a TypeError."""
         if len(args) == 1 and not kwargs and isinstance(args[0], cls):
             return args[0]
+        pop_sglang_only(kwargs)
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:  # named here, with what is taken, rather than by the dataclass's __init__
+            raise TypeError(f"generate got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
+                            f"{', '.join(f.name for f in fields(cls))} (and sglang.Engine's image_data, "
+                            "custom_logit_processor, ... when empty)")
+        for name, default in NONE_MEANS_DEFAULT.items():
+            if name in kwargs and kwargs[name] is None:
+                kwargs[name] = default
         return cls(*args, **kwargs)
+
+
+# sglang.Engine.generate's defaults are None for these (verl's adapters pass them so)
+NONE_MEANS_DEFAULT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0, "stream": False,
+                      "return_routed_experts": False}

@@ -10,7 +10,8 @@ drops what arrives for it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 from engine.core.messages import ReqInput, ReqOutput
 
@@ -63,13 +64,51 @@ class GenerateStream:
         return out.output if self.single else {"index": self._index[out.rid], **out.output}
 
     def __await__(self):
-        return self._collect().__await__()
+        """The final dict(s); with stream=True the stream itself, as sglang.Engine's
+        `await async_generate(..., stream=True)` gives the async iterator of chunks."""
+        return (self._self() if self.stream else self.collect()).__await__()
 
-    async def _collect(self) -> Any:
+    async def _self(self) -> "GenerateStream":
+        return self
+
+    async def collect(self) -> Any:
+        """The final dict(s), streaming or not (read to the end)."""
         async for _ in self:
             pass
         results = [self.finals[rid] for rid in self.rids]
         return results[0] if self.single else results
+
+
+class SyncStream:
+    """What generate(stream=True) returns, as sglang.Engine's: a plain iterator of cumulative
+    chunks (batch chunks carry "index"). As GenerateStream, only the newest unread output per
+    request is kept; closing the iterator early aborts what has not finished."""
+
+    def __init__(self, reqs: list[ReqInput], single: bool, abort: Callable[[str, str], None]) -> None:
+        self._index = {r.rid: i for i, r in enumerate(reqs)}
+        self.single = single
+        self._abort = abort
+        self._unread: dict[str, ReqOutput] = {}
+        self._ready = threading.Condition()
+
+    def put(self, out: ReqOutput) -> None:
+        with self._ready:
+            self._unread[out.rid] = out  # replaces an unread older one: this one carries it all
+            self._ready.notify()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        pending = set(self._index)
+        try:
+            while pending:
+                with self._ready:
+                    self._ready.wait_for(lambda: self._unread)
+                    out = self._unread.pop(next(iter(self._unread)))
+                if out.finished:
+                    pending.discard(out.rid)
+                yield out.output if self.single else {"index": self._index[out.rid], **out.output}
+        finally:  # the caller stopped reading: nothing decodes for nobody
+            for rid in pending:
+                self._abort(rid, "stream closed by its reader")
 
 
 LOGPROB_ROWS = ("output_token_logprobs", "input_token_logprobs")

@@ -46,8 +46,8 @@ class EngineAPI(Protocol):
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        weight_version: Optional[str] = None,
-                                        load_format: Optional[str] = None) -> Reply: ...
+                                        load_format: Optional[str] = None,
+                                        weight_version: Optional[str] = None) -> Reply: ...
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Reply: ...
 

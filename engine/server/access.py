@@ -1,7 +1,9 @@
 """Who may call what: `--api-key` guards generation and info routes, `--admin-api-key` the
-control routes (pause, weight updates, abort, flush, memory, profiling), so a rollout client
-holding the generation key cannot take the engine over. Without an admin key, control routes
-take the api key (one key for everything, as before). /health and /health_generate are open.
+control routes (pause, weight updates, flush, memory, profiling), so a rollout client holding the
+generation key cannot take the engine over. /abort_request by rid takes either key (a rollout
+worker ends its own long tail, as SGLang's api key allows); its abort_all needs the admin key
+(the route checks, `is_admin`). Without an admin key, control routes take the api key (one key
+for everything, as before). /health and /health_generate are open.
 
 Control routes also refuse browser-originated requests (engine/server/origin_guard.py), keys or not.
 Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched.
@@ -20,11 +22,12 @@ OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 ADMIN_ROUTES = frozenset({
     "/pause_generation", "/continue_generation", "/update_weights_from_disk", "/update_weights_from_tensor",
     "/update_weights_from_distributed", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/update_weight_version", "/abort_request", "/flush_cache", "/release_memory_occupation",
+    "/update_weight_version", "/flush_cache", "/release_memory_occupation",
     "/resume_memory_occupation", "/start_profile", "/stop_profile", "/begin_weight_update", "/end_weight_update",
     "/weights_checker", "/post_process_weights",
     "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
 })
+ORIGIN_GUARDED = ADMIN_ROUTES | {"/abort_request"}  # a web page must not end the server's requests
 
 
 class AccessPolicy:
@@ -42,6 +45,11 @@ class AccessPolicy:
             return []
         return [self.api] + ([self.admin] if self.admin else [])
 
+    def is_admin(self, given: bytes) -> bool:
+        """Whether an Authorization value opens the control routes."""
+        key = self.admin or self.api
+        return key is None or hmac.compare_digest(given, key)
+
     def allows(self, path: str, given: bytes) -> bool:
         keys = self.keys_for(path)
         # every key is compared, so the time taken does not say which one nearly matched
@@ -57,7 +65,7 @@ class AccessMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])  # ASGI header names are lower-case
-            refusal = self.origins.refusal(headers) if scope.get("path") in ADMIN_ROUTES else None
+            refusal = self.origins.refusal(headers) if scope.get("path") in ORIGIN_GUARDED else None
             if refusal is not None:
                 await error_response(refusal, 403)(scope, receive, send)
                 return

@@ -83,7 +83,7 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
         _abort_all_first(engine, req)
         ok, message = await asyncio.to_thread(
             engine.update_weights_from_distributed, req.names, req.dtypes, req.shapes, req.group_name,
-            req.flush_cache, req.weight_version, req.load_format)
+            flush_cache=req.flush_cache, load_format=req.load_format, weight_version=req.weight_version)
         return _reply(ok, message)
 
     @app.post("/destroy_weights_update_group")

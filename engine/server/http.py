@@ -45,12 +45,13 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     add_control_routes(app, engine, served, unknown)
     add_weights_checker_route(app, engine, unknown)
     add_lora_routes(app, engine, unknown)
-    add_maintenance_routes(app, engine, unknown)
+    policy = AccessPolicy(api_key, admin_api_key)
+    add_maintenance_routes(app, engine, unknown, policy)
     add_tokenize_routes(app, engine, unknown)
     args = engine.server_args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes,
                        max_generate_bytes=args.max_generate_body_bytes)
-    app.add_middleware(AccessMiddleware, policy=AccessPolicy(api_key, admin_api_key),
+    app.add_middleware(AccessMiddleware, policy=policy,
                        origins=OriginGuard(args.allowed_origins))  # outermost
     return app
 

@@ -1,5 +1,6 @@
-"""Cache, abort and profiling routes (admin key): /flush_cache (GET and POST, as slime polls it
-with GET), /abort_request, /start_profile, /stop_profile. Replies follow SGLang's."""
+"""Cache, abort and profiling routes: /flush_cache (GET and POST, as slime polls it with GET),
+/abort_request (by rid with either key; abort_all with the admin key), /start_profile,
+/stop_profile (admin key). Replies follow SGLang's."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import logging
 from functools import partial
 from typing import Any, Callable, Coroutine, Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from engine.server.access import AccessPolicy
+from engine.server.errors import error_response
 from engine.server.profiler import Profiler
 from engine.server.protocol import AbortRequest, StartProfileRequest, UnknownFields
 
@@ -19,7 +22,9 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When th
            "requests, the operation will not be performed.)\n")
 
 
-def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
+def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields,
+                           policy: Optional[AccessPolicy] = None) -> None:
+    policy = policy or AccessPolicy(None, None)
     profiler = Profiler()
     tasks: set[asyncio.Task] = set()
 
@@ -30,8 +35,11 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields) ->
                                  status_code=200 if ok else 400)
 
     @app.post("/abort_request")
-    async def abort_request(req: AbortRequest) -> Response:
+    async def abort_request(req: AbortRequest, request: Request) -> Response:
         unknown.note("/abort_request", req)
+        if req.abort_all and not policy.is_admin(request.headers.get("authorization", "").encode("latin-1")):
+            return error_response("abort_all ends every client's requests: it needs the admin api key "
+                                  "(Authorization: Bearer <admin key>); abort your own by rid", 401)
         if req.abort_all:
             engine.abort_request(abort_all=True)
         for rid in [] if req.abort_all else req.rids():  # no rid and no abort_all aborts nothing

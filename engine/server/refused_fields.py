@@ -7,25 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-_MULTIMODAL = "tandem serves text-only models; send text or input_ids without it"
-REFUSED_GENERATE_FIELDS = {
-    "image_data": _MULTIMODAL,
-    "video_data": _MULTIMODAL,
-    "audio_data": _MULTIMODAL,
-    "input_embeds": "tandem takes token ids (input_ids) or text, not embeddings",
-    "session_params": "tandem has no sessions (/open_session); send each turn's whole prompt",
-    "return_entropy": "tandem does not return entropies; leave it false",
-}
-REFUSED_OPENAI_FIELDS = {name: REFUSED_GENERATE_FIELDS[name] for name in ("session_params",)}
+from engine.api.sglang_kwargs import REFUSED, given
 
-
-def given(value: Any) -> bool:
-    """Whether a value asks for something: not null/false/empty, nor a list of such values."""
-    if isinstance(value, (list, tuple)):
-        return any(given(v) for v in value)
-    if isinstance(value, (dict, str)):
-        return bool(value)
-    return value is not None and value is not False
+# /generate's body: the multimodal, embedding, session and entropy fields (return_hidden_states
+# and custom_logit_processor have the body's own check, engine/server/protocol.py)
+REFUSED_GENERATE_FIELDS = {name: REFUSED[name] for name in (
+    "image_data", "video_data", "audio_data", "input_embeds", "session_params", "return_entropy")}
+REFUSED_OPENAI_FIELDS = {name: REFUSED[name] for name in ("session_params",)}
 
 
 def refuse_given(values: dict[str, Any], reasons: dict[str, str]) -> None:

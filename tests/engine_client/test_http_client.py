@@ -179,17 +179,18 @@ def test_release_and_resume_over_http(served, oracle_a):
 
 
 def test_a_server_that_is_gone_reads_unhealthy_and_calls_raise():
-    import httpx
-
     from engine_client.client import HttpClient
+    from engine_client.http_errors import EngineUnreachable
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     client = HttpClient(f"http://127.0.0.1:{port}")
     assert not client.health()
-    with pytest.raises(httpx.ConnectError):
+    with pytest.raises(EngineUnreachable, match=f"127.0.0.1:{port}/generate"):
         client.generate(input_ids=[5, 6], sampling_params=GREEDY)
+    with pytest.raises(EngineUnreachable, match=f"127.0.0.1:{port}/generate"):
+        asyncio.run(client.async_generate(input_ids=[5, 6], sampling_params=GREEDY))
     client.close()
 
 

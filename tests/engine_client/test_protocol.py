@@ -24,5 +24,8 @@ def test_generate_request_takes_engine_generates_arguments():
     assert GenerateRequest.of(positional) is positional
     keywords = GenerateRequest.of(input_ids=[1, 2], return_logprob=True, token_ids_logprob=[3], rid="r")
     assert (keywords.logprob_start_len, keywords.top_logprobs_num, keywords.logprob_distribution) == (-1, 0, None)
-    with pytest.raises(TypeError, match="image_data"):
+    with pytest.raises(ValueError, match="image_data is not supported"):  # sglang.Engine's, refused by name
         GenerateRequest.of(prompt="hi", image_data="x")
+    assert GenerateRequest.of(prompt="hi", image_data=None, logprob_start_len=None) == GenerateRequest(prompt="hi")
+    with pytest.raises(TypeError, match="no_such_field"):
+        GenerateRequest.of(prompt="hi", no_such_field=1)

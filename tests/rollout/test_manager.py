@@ -144,6 +144,23 @@ def test_over_sampling_keeps_the_first_groups_and_aborts_the_rest(engines):
         manager.generate(prompts, [short])
 
 
+def test_a_replica_that_is_down_costs_a_retry_not_the_step(engines):
+    """One HttpClient to a server that is gone, one live engine: every group is generated there."""
+    import socket
+
+    from engine_client.http_client import HttpClient
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        gone = HttpClient(f"http://127.0.0.1:{s.getsockname()[1]}")
+    manager = RolloutManager([gone, engines[0]])
+    groups = manager.generate(_prompts(4), SAMPLED, n=2)
+    assert [len(g) for g in groups] == [2] * 4 and all(s.status == "truncated" for g in groups for s in g)
+    assert manager.router.load == [0, 0]
+    gone.close()
+    engines[0].check_integrity()
+
+
 def test_rewards_by_dotted_path():
     assert load_reward("rollout.rewards:exact_match") is exact_match
     assert load_reward("rollout.rewards.exact_match") is exact_match

@@ -24,7 +24,7 @@ def test_admin_key_guards_control_routes_only(engine_factory):
         assert c.post("/generate", json=GEN, headers=bearer("gen")).status_code == 200
         assert c.get("/v1/models", headers=bearer("gen")).status_code == 200
         # the rollout key cannot take the engine over
-        for path in ("/pause_generation", "/flush_cache", "/abort_request", "/update_weight_version",
+        for path in ("/pause_generation", "/flush_cache", "/update_weight_version",
                      "/start_profile", "/release_memory_occupation"):
             resp = c.post(path, json={}, headers=bearer("gen"))
             assert resp.status_code == 401 and "admin api key" in resp.json()["message"], path
@@ -33,6 +33,22 @@ def test_admin_key_guards_control_routes_only(engine_factory):
         assert eng.get_stats().paused is True
         assert c.post("/continue_generation", headers=bearer("admin")).status_code == 200
         assert c.post("/generate", json=GEN, headers=bearer("admin")).status_code == 200  # admin may generate
+
+
+def test_the_rollout_key_aborts_by_rid_but_not_everything(engine_factory):
+    """A rollout worker holding the generation key ends its own long tail (SGLang's api key
+    allows /abort_request); abort_all, every client's requests, takes the admin key."""
+    eng = engine_factory()
+    with TestClient(create_app(eng, api_key="gen", admin_api_key="admin")) as c:
+        assert c.post("/abort_request", json={"rid": "mine"}).status_code == 401  # no key at all
+        assert c.post("/abort_request", json={"rid": "mine"}, headers=bearer("gen")).status_code == 200
+        resp = c.post("/abort_request", json={"abort_all": True}, headers=bearer("gen"))
+        assert resp.status_code == 401 and "admin api key" in resp.json()["message"]
+        assert c.post("/abort_request", json={"abort_all": True}, headers=bearer("admin")).status_code == 200
+        resp = c.post("/abort_request", json={"rid": "x"}, headers={**bearer("gen"), "Origin": "https://evil.example"})
+        assert resp.status_code == 403  # a web page may not end the server's requests either
+    with TestClient(create_app(eng, api_key="k")) as c:  # one key for everything: it may abort all
+        assert c.post("/abort_request", json={"abort_all": True}, headers=bearer("k")).status_code == 200
 
 
 def test_admin_key_alone_leaves_generation_open(engine_factory):

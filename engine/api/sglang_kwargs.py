@@ -1,0 +1,54 @@
+"""sglang.Engine.generate's keywords that tandem takes but cannot serve.
+
+RL frameworks pass them explicitly even for text-only rollouts (verl: `image_data=[None, ...]`,
+`prompt=None`; SGLang's own adapters: `custom_logit_processor=None`, `data_parallel_rank=None`),
+so an empty value (None, False, "", [], {}, or a batch of those) asks for nothing and is dropped.
+A value that asks for something is refused by name, with what to do instead: ignoring it would
+change what the caller gets (an image goes unseen, an asked-for output is missing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MULTIMODAL = "tandem serves text-only models; pass text or input_ids without it"
+_DISAGG = "tandem has no prefill/decode disaggregation; leave it None"
+REFUSED = {
+    "image_data": _MULTIMODAL,
+    "audio_data": _MULTIMODAL,
+    "video_data": _MULTIMODAL,
+    "input_embeds": "tandem takes token ids (input_ids) or text, not embeddings",
+    "return_hidden_states": "tandem does not return hidden states; leave it False",
+    "return_entropy": "tandem does not return entropies; leave it False",
+    "custom_logit_processor": "tandem runs no client-supplied code; use sampling_params logit_bias, or leave it None",
+    "session_params": "tandem has no sessions; send each turn's whole prompt",
+    "priority": "tandem has no priority scheduling; leave it None",
+    "bootstrap_host": _DISAGG,
+    "bootstrap_port": _DISAGG,
+    "bootstrap_room": _DISAGG,
+}
+DP_RANKS = ("data_parallel_rank", "routed_dp_rank")  # one rank here: 0 or None
+IGNORED = ("external_trace_header",)  # tracing metadata: changes no output
+
+
+def pop_sglang_only(kwargs: dict[str, Any]) -> None:
+    """Removes REFUSED, DP_RANKS and IGNORED keywords from `kwargs`, raising a ValueError naming
+    the first one that asks for something tandem cannot do."""
+    for name, reason in REFUSED.items():
+        if name in kwargs and given(kwargs.pop(name)):
+            raise ValueError(f"{name} is not supported: {reason}")
+    for name in DP_RANKS:
+        rank = kwargs.pop(name, None)
+        if rank not in (None, 0):
+            raise ValueError(f"{name}={rank!r}: tandem runs one data-parallel rank; pass 0 or None")
+    for name in IGNORED:
+        kwargs.pop(name, None)
+
+
+def given(value: Any) -> bool:
+    """Whether a value asks for something: not None/False/empty, nor a list of such values."""
+    if isinstance(value, (list, tuple)):
+        return any(given(v) for v in value)
+    if isinstance(value, (dict, str)):
+        return bool(value)
+    return value is not None and value is not False
