@@ -128,7 +128,7 @@ class _BaseMethods:
         self._target, self._base = engine, base
 
     def __getattr__(self, name: str) -> Any:
-        member = getattr(self._base, name)
+        member = getattr(self._base, name, None)  # None: an instance attribute (server_args)
         return member.__get__(self._target) if callable(member) else getattr(self._target, name)
 
 

@@ -343,6 +343,7 @@ def test_tokenizer_manager_refuses_clearly(engine):
         asyncio.run(skyrl_custom_loader())
     with pytest.raises(AttributeError, match="score_request"):
         engine.tokenizer_manager.score_request
+    assert engine.tokenizer_manager.server_args is engine.server_args  # an instance attribute, read through
 
 
 TRAINER = textwrap.dedent("""
