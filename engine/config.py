@@ -134,6 +134,8 @@ class ServerArgs:
         "let chat requests bring their own Jinja chat template (chat_template, or chat_template_kwargs' "
         "chat_template), rendered in the server; refused with a 400 otherwise (vLLM's flag)")})
     health_check_timeout: float = 20.0  # /health_generate: seconds for a 1-token probe to answer
+    served_model_name: Optional[str] = field(default=None, metadata={"help": (
+        "the model id /v1/models lists and OpenAI replies carry (SGLang's flag); default: the model path")})
     # OpenAI replies' `metadata`: SGLang 0.5.23's {"weight_version", "weight_versions": [spans]}, or
     # 0.5.6's {"weight_version"} alone, which the `openai` package's Dict[str, str] accepts
     chat_metadata_format: str = field(default="spans", metadata={"help": (
@@ -233,7 +235,11 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
-        """Build from keyword arguments, naming any that are not ServerArgs fields."""
+        """Build from keyword arguments, naming any that are not ServerArgs fields (sglang.Engine's
+        launch arguments tandem has no field for pass when they change nothing: sglang_launch_args)."""
+        from engine.sglang_launch_args import drop_sglang_launch_args
+
+        drop_sglang_launch_args(kwargs)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

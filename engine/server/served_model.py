@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 @dataclass
 class ServedModel:
-    name: str  # the OpenAI model id: the start-up model path
+    name: str  # the OpenAI model id: --served-model-name, else the start-up model path
     model_path: str
     tokenizer_path: str
     context_len: int
@@ -23,8 +23,10 @@ class ServedModel:
     def of(cls, engine: Any) -> "ServedModel":
         info = engine.info
         config = _hf_config(info.model_path)
-        from_model = getattr(getattr(engine, "server_args", None), "sampling_defaults", "model") == "model"
-        return cls(name=info.model_path, model_path=info.model_path, tokenizer_path=info.tokenizer_path,
+        args = getattr(engine, "server_args", None)
+        from_model = getattr(args, "sampling_defaults", "model") == "model"
+        name = getattr(args, "served_model_name", None) or info.model_path  # SGLang's --served-model-name
+        return cls(name=name, model_path=info.model_path, tokenizer_path=info.tokenizer_path,
                    context_len=info.context_len, model_type=config.get("model_type"),
                    architectures=config.get("architectures"),
                    sampling_defaults=model_sampling_defaults(info.model_path) if from_model else {})
