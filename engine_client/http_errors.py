@@ -1,8 +1,8 @@
 """What HttpClient raises when a server gives no usable answer: each error names the URL.
 
-EngineUnreachable (a ConnectionError): refused, reset, closed or cut off mid-reply, or a 503. No
-answer is coming from that server, so a caller with several may send the request elsewhere
-(rollout/manager.py does). EngineTimeout (a TimeoutError): no answer within the client's
+EngineUnreachable (a ConnectionError): refused, not connected in time, reset, closed or cut off
+mid-reply, or a 503. No answer is coming from that server, so a caller with several may send the
+request elsewhere (rollout/manager.py does). EngineTimeout (a TimeoutError): no answer within the client's
 timeout_s. A 400 is a ValueError with the server's message (SGLang's error JSON), other statuses
 and bodies that are not JSON (a proxy's HTML page) a RuntimeError with the start of the body.
 """
@@ -27,8 +27,8 @@ class EngineTimeout(TimeoutError):
 def transport_error(where: str, exc: BaseException, timeout_s: Optional[float]) -> Exception:
     """An aiohttp / httpx / socket failure of the request `where` ("POST http://h:p/route") ->
     EngineTimeout or EngineUnreachable naming it."""
-    if _is_connect_timeout(exc):
-        return EngineTimeout(f"{where}: could not connect ({type(exc).__name__}); is the server up?")
+    if _is_connect_timeout(exc):  # nothing was sent: as unreachable as a refusal (another engine may take it)
+        return EngineUnreachable(f"{where}: could not connect in time ({type(exc).__name__}); is the server up?")
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or type(exc).__name__.endswith("Timeout"):
         limit = f"within {timeout_s:g} s" if timeout_s else "in time"
         return EngineTimeout(f"{where}: no answer {limit} (HttpClient's timeout_s)")

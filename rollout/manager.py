@@ -75,15 +75,16 @@ class RolloutManager:
         if lora_path is not None:
             extra["lora_path"] = lora_path
         tasks, where = {}, {}  # where: group -> the index of the engine it is on now
+        ended: set[int] = set()  # groups this batch aborted: never sent again (a retry would run in full)
         for g, (prompt, params) in enumerate(zip(prompts, per_prompt)):
             request = dict(input_ids=list(prompt), return_logprob=True, sampling_params={**params, "n": n},
                            rid=f"{batch}-{g}", **extra)
             where[g] = self.router.pick(prompt, n)
-            task = asyncio.ensure_future(self._run_group(g, request, where))
+            task = asyncio.ensure_future(self._run_group(g, request, where, ended))
             # a callback, not a finally: it runs for a task cancelled before it started, too
             task.add_done_callback(lambda _, g=g: self.router.release(where[g], n))
             tasks[task] = g
-        kept = await self._collect(tasks, where, keep_groups, n, batch)
+        kept = await self._collect(tasks, where, ended, keep_groups, n, batch)
         groups = []
         for g in sorted(kept):
             samples = [Sample.from_output(out, g, i, list(prompts[g]), labels[g]) for i, out in enumerate(kept[g])]
@@ -93,8 +94,9 @@ class RolloutManager:
             groups.append(samples)
         return groups
 
-    async def _run_group(self, g: int, request: dict, where: dict) -> list[dict]:
-        """One group on engine where[g]; while engines are unreachable, on another not yet tried."""
+    async def _run_group(self, g: int, request: dict, where: dict, ended: set) -> list[dict]:
+        """One group on engine where[g]; while engines are unreachable, on another not yet tried
+        (not once the batch has aborted it)."""
         n, tried = request["sampling_params"]["n"], []
         while True:
             index = where[g]
@@ -104,6 +106,8 @@ class RolloutManager:
                 return out
             except ConnectionError as exc:
                 tried.append(index)
+                if g in ended:  # aborted by the batch meanwhile: its abort never reaches a new engine
+                    raise
                 if len(tried) == len(self.engines):
                     exc.add_note(f"rollout group {g}: every engine ({len(tried)}) was unreachable")
                     raise
@@ -116,7 +120,7 @@ class RolloutManager:
             self.router.release(index, n)
             where[g] = self.router.pick(request["input_ids"], n, exclude=tried)
 
-    async def _collect(self, tasks: dict, where: dict, keep_groups: Optional[int], n: int,
+    async def _collect(self, tasks: dict, where: dict, ended: set, keep_groups: Optional[int], n: int,
                        batch: str) -> dict[int, list]:
         """tasks: future -> group. -> group -> its n outputs, for the kept groups. A failed group
         (or this rollout cancelled, as by Ctrl-C) aborts and cancels the rest, then raises."""
@@ -130,19 +134,21 @@ class RolloutManager:
                     if len(kept) < wanted:
                         kept[tasks[t]] = t.result()  # a failed group raises here
         except BaseException:
-            await self._abort([t for t in tasks if not t.done()], tasks, where, n, batch, cancel=True)
+            await self._abort([t for t in tasks if not t.done()], tasks, where, ended, n, batch, cancel=True)
             for t in tasks:  # retrieved: no "Task exception was never retrieved" for the others
                 if not t.cancelled():
                     t.exception()
             raise
         if pending:  # the long tail: abort it, then wait until each engine has let it go
-            await self._abort(list(pending), tasks, where, n, batch, cancel=False)
+            await self._abort(list(pending), tasks, where, ended, n, batch, cancel=False)
         return kept
 
-    async def _abort(self, pending: list, tasks: dict, where: dict, n: int, batch: str, cancel: bool) -> None:
+    async def _abort(self, pending: list, tasks: dict, where: dict, ended: set, n: int, batch: str,
+                     cancel: bool) -> None:
         """Abort the pending groups on their engines by rid, all at once (an engine's failures are
         logged once), then wait for them; cancel: cancel them first (a failing batch: an
         HttpClient's cancelled request closes its connection, which aborts it on the server too)."""
+        ended.update(tasks[t] for t in pending)
         rids = [(where[tasks[t]], rid) for t in pending
                 for rid in ([f"{batch}-{tasks[t]}"] if n == 1 else [f"{batch}-{tasks[t]}-{i}" for i in range(n)])]
         failed = await asyncio.gather(*[_abort_rid(self.engines[i], rid) for i, rid in rids])

@@ -75,6 +75,7 @@ class TokenizerManagerShim:
     async def update_weights_from_tensor(self, obj: Any, request: Any = None) -> tuple[bool, str]:
         """serialized_named_tensors: one payload per TP rank; rank 0's holds every tensor (tandem's
         rank 0 loads and sends on)."""
+        self._abort_all_first(obj)
         payloads = obj.serialized_named_tensors
         if isinstance(payloads, (list, tuple)):
             if not payloads:
@@ -86,6 +87,7 @@ class TokenizerManagerShim:
 
     async def update_weights_from_distributed(self, obj: Any, request: Any = None) -> tuple[bool, str]:
         """names/dtypes/shapes, or older SGLang's single name/dtype/shape."""
+        self._abort_all_first(obj)
         names = getattr(obj, "names", None)
         if names is None:
             names, dtypes, shapes = [obj.name], [obj.dtype], [obj.shape]
@@ -107,10 +109,17 @@ class TokenizerManagerShim:
                                        getattr(obj, "group_name", "weight_update_group"))
 
     async def update_weights_from_disk(self, obj: Any, request: Any = None) -> tuple[bool, str, int]:
+        self._abort_all_first(obj)
         ok, message = await asyncio.to_thread(self._engine.update_weights_from_disk, obj.model_path,
                                               getattr(obj, "load_format", None), _version(obj),
                                               getattr(obj, "flush_cache", True))
         return ok, message, 0  # nothing is paused by an update here
+
+    def _abort_all_first(self, obj: Any) -> None:
+        """SGLang's abort_all_requests: what runs ends first (queued ahead of the update), as the
+        HTTP routes do; otherwise flush_cache refuses an update while requests hold KV."""
+        if getattr(obj, "abort_all_requests", False):
+            self._engine.abort_request(abort_all=True)
 
     # ---- colocated memory ----------------------------------------------------------------------
     async def release_memory_occupation(self, obj: Any = None, request: Any = None) -> None:

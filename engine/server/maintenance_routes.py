@@ -22,9 +22,7 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When th
            "requests, the operation will not be performed.)\n")
 
 
-def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields,
-                           policy: Optional[AccessPolicy] = None) -> None:
-    policy = policy or AccessPolicy(None, None)
+def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields, policy: AccessPolicy) -> None:
     profiler = Profiler()
     tasks: set[asyncio.Task] = set()
 

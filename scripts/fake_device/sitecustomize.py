@@ -1,6 +1,6 @@
 """Loaded by every Python process started with this folder on PYTHONPATH (the serve process, the
 core process it spawns, a bench): installs the fake device when TANDEM_FAKE_DEVICE is set.
-Used by scripts/http_overhead_probe.py only."""
+Used with scripts/fake_device/fake_device.py (see its doc)."""
 
 import os
 

@@ -210,14 +210,17 @@ def test_generate_stream_is_a_sync_iterator(engine):
 
 
 def test_generate_stream_closed_early_aborts(engine):
+    before = engine.get_stats().num_generated_tokens
     chunks = engine.generate(input_ids=IDS, sampling_params={**GREEDY, "max_new_tokens": 2000}, stream=True,
                              rid="closed-early")
     next(chunks)
     chunks.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while engine.get_load()[0]["num_reqs"] and time.monotonic() < deadline:  # the abort lands between steps
         time.sleep(0.01)
-    assert engine.get_load()[0]["num_reqs"] == 0  # aborted long before its 2000 tokens
+    assert engine.get_load()[0]["num_reqs"] == 0
+    # ended by the abort, not by its length: a stream that ran on would have made all 2000 tokens
+    assert engine.get_stats().num_generated_tokens - before < 1000
 
 
 def test_awaited_async_generate_stream_is_an_async_iterator(engine):
@@ -260,6 +263,28 @@ def test_update_weights_from_tensor_sglang_keywords(engine):
     ok, message = engine.update_weights_from_tensor([serialize(bucket, as_text=True)], "flattened_bucket", False)
     assert ok, message  # SGLang's flattened_bucket form: one serialized bucket per TP rank
     assert _norm(engine) == before
+
+
+def test_tokenizer_manager_update_with_abort_all_requests(engine):
+    """SGLang's abort_all_requests=True: the running request ends (abort) and the update lands,
+    where flush_cache=True alone refuses an update while a request holds KV."""
+    before = _norm(engine)
+
+    async def run():
+        gen = engine.async_generate(input_ids=IDS, sampling_params={**GREEDY, "max_new_tokens": 3000})
+        while not engine.get_load()[0]["num_reqs"]:
+            await asyncio.sleep(0.01)
+        payload = serialize([("model.norm.weight", torch.full((64,), 3.0))], as_text=True)
+        reply = await engine.tokenizer_manager.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput([payload], abort_all_requests=True), None)
+        return reply, await gen
+
+    (ok, message), out = asyncio.run(run())
+    try:
+        assert ok, message
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and _norm(engine) == [3.0] * 64
+    finally:
+        assert engine.update_weights_from_tensor([("model.norm.weight", torch.tensor(before))])[0]
 
 
 def test_engine_control_calls(engine):

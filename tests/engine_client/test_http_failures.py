@@ -229,3 +229,16 @@ def test_an_abort_by_rid_reaches_a_waiting_request_and_its_samples():
 async def _enter(slots, rid: str) -> bool:
     async with slots.slot(rid) as go:
         return go
+
+
+def test_a_connect_timeout_is_unreachable_so_the_group_goes_elsewhere():
+    """A host that drops packets (not refusing them) times out connecting: nothing was sent, so it
+    is an EngineUnreachable (a ConnectionError the rollout manager retries elsewhere), not a timeout."""
+    import aiohttp
+    import httpx
+
+    from engine_client.http_errors import transport_error
+
+    for exc in (httpx.ConnectTimeout("timed out"), aiohttp.ConnectionTimeoutError("timed out")):
+        err = transport_error("POST http://10.0.0.9:30000/generate", exc, None)
+        assert isinstance(err, EngineUnreachable) and "10.0.0.9:30000" in str(err) and "could not connect" in str(err)

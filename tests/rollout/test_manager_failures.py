@@ -118,3 +118,50 @@ def test_a_cancelled_rollout_aborts_its_requests_and_leaves_nothing_running():
     assert sorted(rid for e in engines for rid in e.aborted) == sorted(
         f"{rid}-{i}" for e in engines for rid in e.sent for i in range(3))  # every sample of every group
     assert manager.router.load == [0, 0]
+
+
+class _Dying:
+    """A replica that crashes mid-request: its request and its abort both fail."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    async def async_generate(self, rid=None, sampling_params=None, **_):
+        self.sent.append(rid)
+        await asyncio.sleep(0.2)
+        raise EngineUnreachable("http://a/generate: no answer (Server disconnected)")
+
+    async def async_abort_request(self, rid=None, abort_all=False):
+        raise EngineUnreachable("http://a/abort_request: connection refused")
+
+
+def test_a_tail_group_aborted_by_the_batch_is_not_retried_elsewhere():
+    """keep_groups reached while a tail group's engine dies (its abort fails too): the group must
+    not be sent again to a live engine, where nobody would abort it and the step would wait for
+    its whole generation (the long tail over-sampling cuts)."""
+    dying, live = _Dying(), _Engine(hold=True)
+    manager = RolloutManager([dying, live])
+    prompts = _prompts(2)
+
+    def place(prompt, weight=1, exclude=()):  # group 0 on the live engine, group 1 on the dying one
+        engine = 1 if prompt == prompts[0] else 0
+        if engine in exclude:
+            engine = 1 - engine
+        manager.router.load[engine] += weight
+        return engine
+
+    manager.router.pick = place
+    first = asyncio.Event()
+    real = live.async_generate
+
+    async def finish_group_0(rid=None, sampling_params=None, **kw):
+        if rid.endswith("-0"):
+            live.sent.append(rid)
+            first.set()
+            return [_output()] * sampling_params["n"]
+        return await real(rid=rid, sampling_params=sampling_params, **kw)
+
+    live.async_generate = finish_group_0
+    groups = _run(manager.agenerate(prompts, PARAMS, n=1, keep_groups=1))
+    assert len(groups) == 1 and groups[0][0].group == 0
+    assert [rid for rid in live.sent if not rid.endswith("-0")] == []  # group 1 never went to the live one
