@@ -58,3 +58,8 @@ class AttentionBackend(ABC):
         their host copy, for backends that plan on the host; shared_prefix, the batch's
         SharedPrefixPlan (for backends whose wants_shared_prefix is True; others ignore it)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def capture_replay_metadata(self, bs: int, seq_lens: torch.Tensor) -> None:
+        """Called inside the capture of the graph of batch size bs, before the model: device-only
+        plan work from the static seq_lens that the graph then replays itself, so that
+        init_forward_metadata_replay need not launch it from the host each step. Default: none."""

@@ -9,7 +9,9 @@ tile config for extend and decode (see engine/kernels/split_kv_attention.py for 
 
 CUDA graphs (decode only), SGLang style: `init_cuda_graph_state` allocates static metadata and
 partial buffers once; `init_forward_metadata_capture(bs, ...)` points the plan at them before
-capture; `init_forward_metadata_replay(bs, ...)` rewrites them in place before each replay.
+capture; `init_forward_metadata_replay(bs, ...)` rewrites them in place before each replay. The
+decode block table is computed on the device from the static seq_lens: under the engine's graphs
+that work is captured too (`capture_replay_metadata`), so a replay launches none of it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class _GraphState:
     max_splits: int
     num_kv_heads: int
     plans: dict  # bs -> SplitKvPlan over the static buffers
+    table_in_graph: bool = False  # the graphs compute the block table themselves (capture_replay_metadata)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -182,14 +185,24 @@ class TritonAttentionBackend(AttentionBackend):
         """seq_lens [bs] on the device (padding rows included); no host sync. seq_lens_cpu (their
         host copy, for backends that plan on the host) is not needed here. shared_prefix: the
         batch's plan, for graphs captured with phase A (CascadeDecode.graph_view)."""
+        self.plan = self.graph.plans[bs]
+        if self.cascade is not None:
+            self.cascade.refill(bs, shared_prefix)
+        if not self.graph.table_in_graph:
+            self._write_decode_table(bs, seq_lens)
+
+    def capture_replay_metadata(self, bs: int, seq_lens: torch.Tensor) -> None:
+        """The block table's ~13 small device ops, recorded in the graph of bs (about 80 us of
+        host launches a step at batch 1 otherwise)."""
+        self._write_decode_table(bs, seq_lens)
+        self.graph.table_in_graph = True
+
+    def _write_decode_table(self, bs: int, seq_lens: torch.Tensor) -> None:
+        """Device ops only: the graph plan of bs's block table from seq_lens [bs]."""
         plan = self.graph.plans[bs]
         if self.deterministic:
             table = decode_block_table(seq_lens[:bs], self.split_size)
         else:
-            view = None
-            if self.cascade is not None:
-                self.cascade.refill(bs, shared_prefix)
-                view = self.cascade.graph_view(bs)
+            view = self.cascade.graph_view(bs) if self.cascade is not None else None
             table = decode_block_table(seq_lens[:bs], self._split_lens(seq_lens[:bs], plan.lanes, view))
         plan.blocks.copy_(table)
-        self.plan = plan

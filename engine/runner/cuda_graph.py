@@ -153,6 +153,7 @@ class CudaGraphRunner:
         """The captured work: model and logits, into the shared buffer's first bs rows."""
         if fb.lora is not None:  # the tokens' grouping by slot is part of the captured work
             fb.lora.begin_pass()
+        self.attn_backend.capture_replay_metadata(fb.batch_size, fb.seq_lens)  # plan work replayed on the device
         hidden = self.model(fb.input_ids, fb.positions, fb)
         self.model.compute_logits(hidden, out=self.logits[:fb.batch_size])
 
