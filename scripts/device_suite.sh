@@ -155,6 +155,9 @@ for s in "$@"; do case $s in
     step stepprobeold 120 $OFF python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256 ;;  # host vs device per decode step
   hostprof) step hostprof 150 python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 64 --host-profile 30 ;;  # where a host-bound step's time goes
   graphgpu) step graphgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_decode_kernels_gpu.py ;;  # graphs, their plans and the decode kernels
+  tableab) for v in 0 1; do  # the in-graph decode block table (0) vs launched from the host each step (1)
+      step itl-table$v 45 env TANDEM_TABLE_OUTSIDE_GRAPH=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-table$v.json"
+      step stepprobe-table$v 100 env TANDEM_TABLE_OUTSIDE_GRAPH=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256; done ;;
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   gumbelgpu) step gumbelgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k gumbel
     step gumbelwarm 120 env TANDEM_TRITON_GUMBEL=1 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_sampler_warmup_gpu.py ;;  # the Triton noise kernel: tokens, warm-up

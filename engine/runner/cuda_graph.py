@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 import time
 
 import torch
@@ -44,6 +45,9 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
         sizes.append(max_bs)
     return sizes
 
+
+# the A/B of the in-graph decode block table: 1 launches it from the host each step, as before
+TABLE_OUTSIDE_GRAPH = os.environ.get("TANDEM_TABLE_OUTSIDE_GRAPH") == "1"
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, kv_pool, req_to_token: torch.Tensor,
@@ -153,7 +157,8 @@ class CudaGraphRunner:
         """The captured work: model and logits, into the shared buffer's first bs rows."""
         if fb.lora is not None:  # the tokens' grouping by slot is part of the captured work
             fb.lora.begin_pass()
-        self.attn_backend.capture_replay_metadata(fb.batch_size, fb.seq_lens)  # plan work replayed on the device
+        if not TABLE_OUTSIDE_GRAPH:
+            self.attn_backend.capture_replay_metadata(fb.batch_size, fb.seq_lens)  # plan work replayed on the device
         hidden = self.model(fb.input_ids, fb.positions, fb)
         self.model.compute_logits(hidden, out=self.logits[:fb.batch_size])
 
