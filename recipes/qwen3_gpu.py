@@ -32,7 +32,9 @@ RECIPE = Recipe(
     prompts_per_step=16,
     steps=5,
     lr=1e-6,
-    micro_batch_size=32,  # normal mode 0.75-1.16 s a train phase, trainer peak 33.7 GiB (H200, docs/benchmarks.md)
+    # H200 (docs/benchmarks.md): micro 64 trains in 0.57-0.75 s (normal) / 1.87-1.96 s (deterministic), trainer
+    # peak 33.7 / 35.3 GiB; micro 32 took 0.75-1.16 / 2.25-2.58 s at 33.7 / 38.2 GiB
+    micro_batch_size=64,
     warm_start_steps=0,
     num_engines=1,
     engine_backend="ray",
