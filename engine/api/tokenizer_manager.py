@@ -53,11 +53,16 @@ class TokenizerManagerShim:
         kwargs = {name: getattr(obj, name) for name in (*GENERATE_FIELDS, *REFUSED, *DP_RANKS)
                   if getattr(obj, name, None) is not None}
         stream = self._engine.async_generate(prompt=getattr(obj, "text", None), **kwargs)
-        if kwargs.get("stream"):
+        if not kwargs.get("stream"):
+            yield await stream
+            return
+        try:
             async for chunk in stream:
                 yield chunk
-        else:
-            yield await stream
+        finally:  # closed early (aclose, or the caller's task cancelled): nothing decodes for nobody
+            for rid in list(stream.pending):
+                self._engine.abort_request(rid)
+            stream.close()
 
     def abort_request(self, rid: str = "", abort_all: bool = False, **_: Any) -> None:
         self._engine.abort_request(rid or None, abort_all)

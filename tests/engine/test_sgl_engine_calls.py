@@ -265,6 +265,27 @@ def test_update_weights_from_tensor_sglang_keywords(engine):
     assert _norm(engine) == before
 
 
+def test_tokenizer_manager_stream_closed_early_aborts(engine):
+    """A streamed generate_request the caller stops reading (aclose) ends its request, as
+    generate(stream=True)'s iterator does: nothing decodes for nobody."""
+    before = engine.get_stats().num_generated_tokens
+
+    async def run():
+        chunks = engine.tokenizer_manager.generate_request(
+            GenerateReqInput(input_ids=IDS, sampling_params={**GREEDY, "max_new_tokens": 2000}, stream=True,
+                             rid="tm-closed"), None)
+        first = await chunks.__anext__()
+        await chunks.aclose()
+        deadline = time.monotonic() + 60  # the loop stays up: only the abort can end the request early
+        while engine.get_load()[0]["num_reqs"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return first
+
+    assert asyncio.run(run())["meta_info"]["id"] == "tm-closed"
+    assert engine.get_load()[0]["num_reqs"] == 0
+    assert engine.get_stats().num_generated_tokens - before < 1000  # aborted, not run to its length
+
+
 def test_tokenizer_manager_update_with_abort_all_requests(engine):
     """SGLang's abort_all_requests=True: the running request ends (abort) and the update lands,
     where flush_cache=True alone refuses an update while a request holds KV."""
