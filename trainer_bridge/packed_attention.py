@@ -202,11 +202,16 @@ def _runs(lens: list[int], heads: int) -> list[tuple[int, int]]:
     return runs
 
 
+def packed_positions(seq_lens: Sequence[int]) -> torch.Tensor:
+    """int64 [sum(seq_lens)] on the host: each packed token's place in its own sequence."""
+    lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+    return torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
+
+
 def _real_rows(lens: list[int], width: int) -> torch.Tensor:
     """int64 flat indices of each sequence's rows in a [len(lens) * width] right-padded layout."""
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    starts = torch.arange(len(lens), dtype=torch.int64) * width
-    return torch.arange(int(lens_t.sum())) - (torch.cumsum(lens_t, 0) - lens_t - starts).repeat_interleave(lens_t)
+    row_starts = torch.arange(len(lens), dtype=torch.int64) * width
+    return packed_positions(lens) + row_starts.repeat_interleave(torch.tensor(lens, dtype=torch.int64))
 
 
 def _pad(rows: torch.Tensor, lens: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -44,7 +44,7 @@ from engine.kernels.device_copy import h2d
 from engine.models.layers import Linear, use_autograd_ops
 from engine.models.loader import load_model
 from trainer_bridge.liger_ops import autograd_ops
-from trainer_bridge.packed_attention import PackedAttention, PackedBatch
+from trainer_bridge.packed_attention import PackedAttention, PackedBatch, packed_positions
 from trainer_bridge.token_logprobs import recomputed_logprobs, token_logprobs
 from trainer_bridge.trainable_lora import TrainableLoRA
 from trainer_bridge.varlen_attention import VarlenAttention
@@ -87,13 +87,12 @@ class Policy(nn.Module):
         return cls(model, attention_backend, split_size, batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, seq_lens: Sequence[int], replay_routes: Optional[torch.Tensor] = None,
-                route_sink: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                route_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Packed ids [T] of whole sequences (lengths seq_lens) -> final hidden states [T, hidden].
         MoE: replay_routes [T, layers, top_k] replaces the routers' choices; route_sink of that
-        shape receives them. positions: `packed_positions(seq_lens)` already on the device."""
+        shape receives them."""
         device = input_ids.device
-        if positions is None:
-            positions = h2d(packed_positions(seq_lens), device)
+        positions = h2d(packed_positions(seq_lens), device)  # each token's place in its sequence
         lora = None if self.lora is None else self.lora.lora_batch(len(input_ids), device)
         batch = PackedBatch(list(seq_lens), self.attention, replay_routes=replay_routes, route_sink=route_sink,
                             lora=lora)
@@ -171,11 +170,10 @@ class Policy(nn.Module):
             offset += len(s)
         # every input built on the host first and queued behind the device's work (h2d): a pageable
         # copy per tensor made the host wait for the previous micro batch's backward each time
-        ids, positions, rows, targets = (h2d(t, device) for t in (
-            torch.tensor([t for s in seqs for t in s], dtype=torch.int64), packed_positions(seq_lens),
-            torch.tensor(rows, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)))
+        ids, rows, targets = (h2d(torch.tensor(x, dtype=torch.int64), device)
+                              for x in ([t for s in seqs for t in s], rows, targets))
         replay = None if routed_experts is None else self._packed_replay(routed_experts, seqs)
-        hidden = self.forward(ids, seq_lens, replay_routes=replay, positions=positions)
+        hidden = self.forward(ids, seq_lens, replay_routes=replay)
         hidden = hidden[rows]
         head = self.model.lm_head
         # ZeRO-3 partitions the head's weight (ds_numel) and gathers it only for the head's own forward
@@ -194,10 +192,3 @@ class Policy(nn.Module):
         if temperature is not None:
             logits = logits / temperature
         return bi.log_softmax(logits) if self.batch_invariant else torch.log_softmax(logits, -1)
-
-
-def packed_positions(seq_lens: Sequence[int]) -> torch.Tensor:
-    """int64 [sum(seq_lens)] on the host: each packed token's place in its own sequence."""
-    lens = torch.tensor(list(seq_lens), dtype=torch.int64)
-    starts = torch.cumsum(lens, 0) - lens
-    return torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)
