@@ -185,8 +185,9 @@ class HttpClient:
 
     def _lora(self, route, body):
         response = self._send("POST", route, json=body)
-        if response.status_code in (200, 400) and isinstance(response.json(), dict) and "success" in response.json():
-            return response.json()
+        payload = json_or_none(response)
+        if response.status_code in (200, 400) and isinstance(payload, dict) and "success" in payload:
+            return payload
         return {"success": False, "error_message": message(response), "loaded_adapters": None}
 
     # ---- state ---------------------------------------------------------------------------------

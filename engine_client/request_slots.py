@@ -38,7 +38,7 @@ class RequestSlots:
         with self._lock:
             self._waiting[ticket] = (rid if isinstance(rid, str) else None, flag)
         try:
-            async with _acquired(semaphore):
+            async with semaphore:
                 with self._lock:
                     self._waiting.pop(ticket, None)
                 yield not flag[0]
@@ -53,15 +53,6 @@ class RequestSlots:
             for request_rid, flag in self._waiting.values():
                 if abort_all or (request_rid is not None and rid is not None and _names(rid, request_rid)):
                     flag[0] = True
-
-
-@contextlib.asynccontextmanager
-async def _acquired(semaphore: asyncio.Semaphore) -> AsyncIterator[None]:
-    await semaphore.acquire()
-    try:
-        yield
-    finally:
-        semaphore.release()
 
 
 def _names(aborted: str, request_rid: str) -> bool:

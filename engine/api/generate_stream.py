@@ -61,7 +61,7 @@ class GenerateStream:
         if out.finished:
             self.pending.discard(out.rid)
             self.finals[out.rid] = out.output
-        return out.output if self.single else {"index": self._index[out.rid], **out.output}
+        return _chunk(out, self.single, self._index)
 
     def __await__(self):
         """The final dict(s); with stream=True the stream itself, as sglang.Engine's
@@ -105,10 +105,15 @@ class SyncStream:
                     out = self._unread.pop(next(iter(self._unread)))
                 if out.finished:
                     pending.discard(out.rid)
-                yield out.output if self.single else {"index": self._index[out.rid], **out.output}
+                yield _chunk(out, self.single, self._index)
         finally:  # the caller stopped reading: nothing decodes for nobody
             for rid in pending:
                 self._abort(rid, "stream closed by its reader")
+
+
+def _chunk(out: ReqOutput, single: bool, index: dict[str, int]) -> dict[str, Any]:
+    """A request's output as the caller sees it: a batch's carry their request's "index"."""
+    return out.output if single else {"index": index[out.rid], **out.output}
 
 
 LOGPROB_ROWS = ("output_token_logprobs", "input_token_logprobs")
