@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.attention.registry import backend_names, deterministic_backends, get_backend_spec
+from engine.sglang_launch_args import drop_sglang_launch_args
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 GRAMMAR_BACKENDS = ("auto", "thread", "process")
@@ -237,8 +238,6 @@ class ServerArgs:
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
         """Build from keyword arguments, naming any that are not ServerArgs fields (sglang.Engine's
         launch arguments tandem has no field for pass when they change nothing: sglang_launch_args)."""
-        from engine.sglang_launch_args import drop_sglang_launch_args
-
         drop_sglang_launch_args(kwargs)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
