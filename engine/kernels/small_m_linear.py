@@ -8,6 +8,13 @@ programs, K into SPLIT_K ranges whose float32 partials a second launch adds in a
 atomics: the same inputs give the same bits run to run). x's rows are padded to 16 inside the
 tile for tl.dot; they cost registers, not bandwidth.
 
+Two fusions save a decode layer three of its ~13 launches (each a few microseconds at batch 1):
+`gated=True` takes x as gate | up and multiplies W by silu(gate) * up computed as the tiles load
+(the MLP's activation, rounded as engine.kernels.silu_and_mul rounds it), and `add_norm` ends the
+split-K sum with the residual add and RMSNorm the next layer starts with
+(`small_m_linear_add_norm`; the sum's bits are those of the linear then `x + residual`; the norm's
+reduction is row-local but its order is this kernel's, not the standalone norm's).
+
 Normal mode only: its sums differ from cuBLAS's in the last bits, and a row's result depends on
 M (as cuBLAS's does on its tile choice); deterministic mode keeps its batch-invariant matmul.
 Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
@@ -22,6 +29,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.batch_invariant.triton_matmul import interpreting
+from engine.kernels.silu_and_mul import silu_mul
 
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
 MAX_WEIGHT_ELEMENTS = 1 << 27  # 256 MiB of bf16: an LM head is already at bandwidth in cuBLAS
@@ -64,9 +74,22 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.constexpr, INTERPRET: tl.constexpr):
+    """x's [16, BLOCK_K] tile; GATED: silu(gate) * up from x's halves, rounded to x's dtype."""
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    mask = m_mask[:, None] & k_mask[None, :]
+    if GATED:
+        dt = x_ptr.dtype.element_ty
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        return silu_mul(gate, up, dt, False, INTERPRET).to(dt)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 GATED: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -78,8 +101,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         offs_k = k0 + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED, INTERPRET)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
@@ -108,32 +130,95 @@ def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.con
     tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _split_sum_add_norm_kernel(part_ptr, b_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, N, stride_r, stride_o,
+                               stride_s, eps, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               BLOCK: tl.constexpr):
+    """One row: y = sum over splits in order (+ bias), rounded as the linear's output; s = y +
+    residual, rounded (the next residual); out = RMSNorm(s) * w, rounded as the norm rounds."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = acc.to(dt).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    z = (y + r).to(dt).to(tl.float32)
+    tl.store(sum_ptr + row * stride_s + cols, z.to(dt), mask=mask)
+    inv = tl.math.rsqrt(tl.sum(z * z, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, ((z * inv).to(dt).to(tl.float32) * w).to(dt), mask=mask)
+
+
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                   config: Optional[GemvConfig] = None) -> torch.Tensor:
+                   config: Optional[GemvConfig] = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_M, last dim contiguous), weight [N, K] contiguous, bias [N] or None ->
-    [M, N] in x's dtype, accumulated in float32."""
-    M, K = x.shape
-    N = weight.shape[0]
-    if weight.shape[1] != K or M > MAX_M or x.stride(-1) != 1:
-        raise ValueError(f"small_m_linear: x {tuple(x.shape)} by weight {tuple(weight.shape)}")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    cfg = config or choose_config(N, K, _num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    direct = cfg.split_k == 1
-    part = out if direct else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
-    b = bias if bias is not None else weight
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
-        x, weight, b, out, part, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, DIRECT=direct,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not direct:
+    [M, N] in x's dtype, accumulated in float32. gated: x is [M, 2K] (gate | up) and the rows
+    multiplied are silu(gate) * up."""
+    out, part, cfg = _gemv(x, weight, bias, config, gated)
+    if part is not None:
         block = 1024
+        M, N = out.shape
         _split_sum_kernel[(triton.cdiv(M * N, block),)](
-            part, b, out, M, N, out.stride(0), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-            BLOCK=block, num_warps=4)
+            part, _bias_arg(bias, weight), out, M, N, out.stride(0), SPLIT_K=cfg.split_k,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return out
+
+
+def small_m_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                            residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            gated: bool = False, config: Optional[GemvConfig] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(y + residual) * norm_weight, y + residual) for y = small_m_linear(x, ...): what
+    RMSNorm(y, residual) returns, with the sum and norm in the split-K reduction's launch.
+    residual [M, N] (last dim contiguous), norm_weight [N]."""
+    out, part, cfg = _gemv(x, weight, bias, config, gated)
+    M, N = out.shape
+    if residual.shape != out.shape or residual.stride(-1) != 1 or norm_weight.shape != (N,):
+        raise ValueError(f"small_m_linear_add_norm: residual {tuple(residual.shape)}, norm weight "
+                         f"{tuple(norm_weight.shape)} for an output of {tuple(out.shape)}")
+    if part is None:  # one split: the gemv wrote y itself; the norm is its own launch
+        from engine.kernels.batch_invariant.triton_norm import rms_norm
+        return rms_norm(out, norm_weight, eps, residual)
+    normed, summed = torch.empty_like(out), torch.empty_like(out)
+    block = triton.next_power_of_2(max(N, 16))
+    _split_sum_add_norm_kernel[(M,)](
+        part, _bias_arg(bias, weight), residual, norm_weight, normed, summed, M, N, residual.stride(0),
+        normed.stride(0), summed.stride(0), float(eps), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+        BLOCK=block, num_warps=max(1, min(16, block // 256)))
+    return normed, summed
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+          config: Optional[GemvConfig], gated: bool):
+    """The first launch: -> (out [M, N], float32 partials [split_k, M, N] or None when the gemv
+    wrote out itself, the config)."""
+    M = x.shape[0]
+    N, K = weight.shape
+    if x.dim() != 2 or x.shape[1] != (2 * K if gated else K) or M > MAX_M or x.stride(-1) != 1:
+        raise ValueError(f"small_m_linear: x {tuple(x.shape)} by weight {tuple(weight.shape)}"
+                         + (" (gated: x is gate | up, twice the weight's K)" if gated else ""))
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    cfg = config or choose_config(N, K, _num_sms(x.device))
+    if M == 0:
+        return out, None, cfg
+    direct = cfg.split_k == 1
+    part = None if direct else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
+        x, weight, _bias_arg(bias, weight), out, out if direct else part, M, N, K, x.stride(0),
+        weight.stride(0), out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None,
+        DIRECT=direct, GATED=gated, INTERPRET=interpreting(), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, part, cfg
+
+
+def _bias_arg(bias: Optional[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+    return bias if bias is not None else weight  # a pointer the kernel never reads when HAS_BIAS is off
 
 
 _SMS: dict = {}

@@ -89,6 +89,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 forward_batch: "ForwardBatch") -> torch.Tensor:
+        out, lora = self._attend(x, cos_sin, forward_batch)
+        return self.o_proj(out, lora)
+
+    def forward_add_norm(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         forward_batch: "ForwardBatch", residual: torch.Tensor,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(forward(x) + residual) and the sum, o_proj's epilogue fused where it can be."""
+        out, lora = self._attend(x, cos_sin, forward_batch)
+        return self.o_proj.forward_add_norm(out, residual, norm, lora)
+
+    def _attend(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                forward_batch: "ForwardBatch") -> tuple[torch.Tensor, Any]:
+        """-> (the attention output [tokens, heads * head_dim], before o_proj; the batch's LoRA)."""
         lora = getattr(forward_batch, "lora", None)  # a trainer's pass may bring its own batch type
         q, k, v = self.qkv_proj(x, lora)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -106,7 +119,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), lora)
+        return out.reshape(-1, self.num_heads * self.head_dim), lora
 
 
 class MLP(nn.Module):
@@ -129,6 +142,13 @@ class MLP(nn.Module):
         lora = getattr(forward_batch, "lora", None)
         return self.down_proj(self.act_fn(self.gate_up_proj(x, lora)), lora)
 
+    def forward_add_norm(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"], residual: torch.Tensor,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(forward(x) + residual) and the sum; the activation and the epilogue fused into
+        down_proj where they can be (Linear.forward_add_norm)."""
+        lora = getattr(forward_batch, "lora", None)
+        return self.down_proj.forward_add_norm(self.gate_up_proj(x, lora), residual, norm, lora, act=self.act_fn)
+
 
 # (config, layer id, options) -> the layer's feed-forward block, called as mlp(hidden, forward_batch)
 MLPFactory = Callable[[Any, int, LayerOptions], nn.Module]
@@ -146,17 +166,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, opts.deterministic)
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                cos_sin: tuple[torch.Tensor, torch.Tensor],
-                forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, forward_batch), residual
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                forward_batch: "ForwardBatch", next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: this layer's input, already normed by its input_layernorm; residual: the stream
+        it was normed from. -> (next_norm(out + residual), out + residual): the next layer's input
+        and residual, or with the model's final norm the last hidden state. Each residual add and
+        norm runs with the linear before it (Linear.forward_add_norm)."""
+        hidden, residual = self.self_attn.forward_add_norm(hidden, cos_sin, forward_batch, residual,
+                                                           self.post_attention_layernorm)
+        if isinstance(self.mlp, MLP):
+            return self.mlp.forward_add_norm(hidden, forward_batch, residual, next_norm)
+        return next_norm(self.mlp(hidden, forward_batch), residual)  # an MoE block: its own kernels
 
 
 class DecoderModel(nn.Module):
@@ -177,13 +197,13 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: "ForwardBatch") -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb(positions)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, forward_batch)
-        if residual is None:  # zero layers
+        if not len(self.layers):
             return self.norm(hidden)
-        hidden, _ = self.norm(hidden, residual)
+        cos_sin = self.rotary_emb(positions)
+        residual, hidden = hidden, self.layers[0].input_layernorm(hidden)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            hidden, residual = layer(hidden, residual, cos_sin, forward_batch, next_norm)
         return hidden
 
 

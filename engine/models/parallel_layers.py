@@ -100,6 +100,7 @@ class MergedGateUpParallel(StackedColumnParallel, MergedGateUp):
 
 class RowParallelLinear(TPSharded, Linear):
     """This rank's slice of the input features; the partial outputs are summed over ranks."""
+    small_m_epilogue = False  # the residual add and norm follow the all-reduce
 
     def __init__(self, in_features: int, out_features: int, bias: bool, deterministic: bool, tp: TPGroup) -> None:
         if in_features % tp.size:

@@ -17,7 +17,7 @@ if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
 
 from engine.kernels.greedy_logprob import greedy_logprob  # noqa: E402
 from engine.kernels.gumbel_argmax import gumbel_argmax  # noqa: E402
-from engine.kernels.small_m_linear import small_m_linear  # noqa: E402
+from engine.kernels.small_m_linear import small_m_linear, small_m_linear_add_norm  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)]
 
@@ -38,6 +38,38 @@ def test_small_m_linear_close_to_float32_and_cublas(n, k, m, dtype):
     assert (out.float() - ref).abs().max() <= 2 * (cublas.float() - ref).abs().max() + 1e-3 * scale
     assert torch.equal(out, small_m_linear(x, w, b))  # run to run
     assert torch.equal(out[:1], small_m_linear(x[:1], w, b))  # a row does not depend on the others here
+
+
+# (out, in) of o_proj and down_proj: 0.6B, 8B
+EPILOGUE_SHAPES = [(1024, 2048), (1024, 3072), (4096, 4096), (4096, 12288)]
+
+
+@pytest.mark.parametrize("n,k", EPILOGUE_SHAPES)
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("gated", [False, True])
+def test_small_m_fused_epilogue_against_the_unfused_launches(n, k, m, gated):
+    """small_m_linear_add_norm (+ the activation in the prologue) against silu_and_mul,
+    small_m_linear and the Triton RMSNorm run one by one: the residual sum bit for bit, the normed
+    output within an ulp (the norm's sum order), both close to a float32 reference."""
+    from engine.kernels.batch_invariant.triton_norm import rms_norm
+    from engine.kernels.silu_and_mul import silu_and_mul
+
+    g = torch.Generator(device="cuda").manual_seed(n + k + m)
+    bf = lambda *shape, s=1.0: (torch.randn(*shape, device="cuda", generator=g) * s).to(torch.bfloat16)  # noqa: E731
+    x, w = bf(m, 2 * k if gated else k, s=2.0), bf(n, k, s=0.05)
+    residual, norm_w = bf(m, n, s=4.0), bf(n, s=0.2) + 1
+    act = silu_and_mul(x, stepwise=False) if gated else x
+    normed, summed = small_m_linear_add_norm(x, w, None, residual, norm_w, 1e-6, gated=gated)
+    ref_normed, ref_sum = rms_norm(small_m_linear(act, w), norm_w, 1e-6, residual)
+    if not gated:  # (gated: the activation compiled into the gemv may round an input an ulp apart)
+        assert torch.equal(summed, ref_sum)
+    torch.testing.assert_close(summed, ref_sum, atol=0.0, rtol=0.008)
+    torch.testing.assert_close(normed, ref_normed, atol=0.0, rtol=0.016)
+    z = act.float() @ w.float().T + residual.float()
+    ref = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float()
+    torch.testing.assert_close(normed.float(), ref, atol=0.03, rtol=0.02)
+    again = small_m_linear_add_norm(x, w, None, residual, norm_w, 1e-6, gated=gated)
+    assert torch.equal(again[0], normed) and torch.equal(again[1], summed)  # run to run
 
 
 @pytest.mark.parametrize("batch", [1, 5, 256])
