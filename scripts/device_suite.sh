@@ -161,6 +161,7 @@ for s in "$@"; do case $s in
   epiab) for v in 0 1; do  # the small-M fused epilogues (0: on, the default) vs the launches one by one (1)
       step itl-epi$v 45 env TANDEM_DISABLE_SMALL_M_EPILOGUE=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-epi$v.json"
       step stepprobe-epi$v 100 env TANDEM_DISABLE_SMALL_M_EPILOGUE=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8; done ;;
+  epibench) step epibench 120 python3 scripts/epilogue_bench.py ;;  # the fused epilogues vs the launches they replace, alone
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   gumbelgpu) step gumbelgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k gumbel
     step gumbelwarm 120 env TANDEM_TRITON_GUMBEL=1 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_sampler_warmup_gpu.py ;;  # the Triton noise kernel: tokens, warm-up
