@@ -33,7 +33,14 @@ class AttentionBackend(ABC):
         scaling: float,
         forward_batch: "ForwardBatch",
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        ...
+        """A backend whose kv_store_slots gives slots also takes kv_stored=True: K/V are in the pool."""
+
+    def kv_store_slots(self, layer_id: int, forward_batch: "ForwardBatch"
+                       ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(k pool buffer, v pool buffer, slot ids) where the caller may write this layer's new K/V
+        itself, as the fused q/k norm + rope kernel does in its own launch; the layer then calls
+        forward(..., kv_stored=True). None (this default): forward writes them."""
+        return None
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     # Called by engine/runner/cuda_graph.py, only for backends whose BackendSpec says

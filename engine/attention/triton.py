@@ -124,15 +124,20 @@ class TritonAttentionBackend(AttentionBackend):
         return self._num_sms
 
     # ---- the layer call ------------------------------------------------------------------------
+    def kv_store_slots(self, layer_id: int, forward_batch: "ForwardBatch"
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (*forward_batch.kv_pool.get_kv_buffer(layer_id), forward_batch.out_cache_loc)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                scaling: float, forward_batch: "ForwardBatch") -> torch.Tensor:
+                scaling: float, forward_batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
         from engine.kernels.store_kv import store_kv
 
         fb = forward_batch
         if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
-        store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)  # KV first: new keys read like cached ones
+        if not kv_stored:  # KV first: new keys read like cached ones
+            store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
         prefix = None
         if self.cascade is not None:
             self.cascade.group = q.shape[1] // k_buf.shape[1]

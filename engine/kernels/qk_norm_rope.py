@@ -1,5 +1,6 @@
 """qk_norm_rope: per-head RMSNorm (Qwen3 q_norm/k_norm, optional) and neox rotary for q and k in
-one launch, in place on the strided q/k views of the qkv GEMM output.
+one launch, in place on the strided q/k views of the qkv GEMM output; optionally (kv_cache) the
+same launch writes the new k and v into their KV-pool slots, so the attention backend skips store_kv.
 
 Replaces, per layer on CUDA: two row copies (q/k views are not reshapeable), two norm launches and
 ~14 torch rotary launches (cos/sin casts, neg, cat, two muls, add, for q and for k).
@@ -42,12 +43,38 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, H, D,
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, H, HKV, D,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
-                         stride_kot, stride_koh, stride_ct, eps, HAS_NORM: tl.constexpr,
-                         IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+                         stride_kot, stride_koh, stride_ct, eps,
+                         v_ptr, kc_ptr, vc_ptr, loc_ptr, stride_vt, stride_vh, stride_kct, stride_kch,
+                         stride_vct, stride_vch, HAS_NORM: tl.constexpr, IN_PLACE: tl.constexpr,
+                         STORE: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)  # q heads 0..H-1, then the k heads
+    h = tl.program_id(1)  # q heads 0..H-1, then the k heads, then (STORE) the v heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    if h < H + HKV:
+        y = _norm_rope_row(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, t, h, H, D,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot,
+                           stride_koh, stride_ct, eps, cols, mask, HAS_NORM, IN_PLACE, BLOCK)
+        if STORE:
+            if h >= H:  # a k head: its pool slot too, cast to the pool's dtype
+                slot = tl.load(loc_ptr + t).to(tl.int64)
+                tl.store(kc_ptr + slot * stride_kct + (h - H) * stride_kch + cols,
+                         y.to(kc_ptr.dtype.element_ty), mask=mask)
+    else:  # STORE only: a v head goes to its pool slot unchanged
+        slot = tl.load(loc_ptr + t).to(tl.int64)
+        v = tl.load(v_ptr + t * stride_vt + (h - H - HKV) * stride_vh + cols, mask=mask)
+        tl.store(vc_ptr + slot * stride_vct + (h - H - HKV) * stride_vch + cols, v.to(vc_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _norm_rope_row(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, t, h, H, D,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot,
+                   stride_koh, stride_ct, eps, cols, mask, HAS_NORM: tl.constexpr, IN_PLACE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """One (token, head) row of q or k normed and rotated, written to its output; -> the row."""
     if h < H:
         x_row = q_ptr + t * stride_qt + h * stride_qh
         o_row = qo_ptr + t * stride_qot + h * stride_qoh
@@ -57,8 +84,6 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr,
         o_row = ko_ptr + t * stride_kot + (h - H) * stride_koh
         w_ptr = kw_ptr
     dt = qo_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
     half = D // 2
     first = cols < half
     # rotate_half's partner lane is loaded (L1 hit) rather than shuffled across threads
@@ -79,9 +104,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr,
     if IN_PLACE:
         tl.debug_barrier()  # every partner read of this row lands before any lane overwrites it
     tl.store(o_row + cols, y.to(dt), mask=mask)
+    return y
 
 
-def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out) -> None:
+def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None) -> None:
     T, H, D = q.shape
     Hkv = k.shape[1]
     if k.shape[0] != T or k.shape[2] != D or k.dtype != q.dtype or D % 2:
@@ -96,17 +122,32 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out) -> None:
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     if cos.shape != (T, D) or sin.shape != (T, D):
         raise ValueError(f"qk_norm_rope: cos/sin must be [{T}, {D}], got {tuple(cos.shape)}")
+    v, k_cache, v_cache, loc = kv_cache if kv_cache is not None else (k, k, k, k)
+    if kv_cache is not None:
+        _check_kv_cache(k, v, k_cache, v_cache, loc)
     if T == 0:
         return
     has_norm = q_weight is not None
     qw = q_weight.contiguous() if has_norm else q
     kw = k_weight.contiguous() if has_norm else k
     block, warps = _norm_launch(D)  # triton_norm's: same tile, same reduction tree
-    _qk_norm_rope_kernel[(T, H + Hkv)](
-        q, k, q_out, k_out, cos, sin, qw, kw, H, D, q.stride(0), q.stride(1), k.stride(0),
+    _qk_norm_rope_kernel[(T, H + Hkv * (2 if kv_cache is not None else 1))](
+        q, k, q_out, k_out, cos, sin, qw, kw, H, Hkv, D, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos.stride(0), float(eps), HAS_NORM=has_norm, IN_PLACE=q_out.data_ptr() == q.data_ptr(),
+        cos.stride(0), float(eps), v, k_cache, v_cache, loc, v.stride(0), v.stride(1), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HAS_NORM=has_norm,
+        IN_PLACE=q_out.data_ptr() == q.data_ptr(), STORE=kv_cache is not None,
         BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+
+
+def _check_kv_cache(k, v, k_cache, v_cache, loc) -> None:
+    """kv_cache = (v [T, Hkv, D], k and v pool buffers [slots, Hkv, D], loc [T] slot ids)."""
+    if v.shape != k.shape or k_cache.shape[1:] != k.shape[1:] or v_cache.shape[1:] != k.shape[1:] \
+            or loc.shape != (k.shape[0],):
+        raise ValueError(f"qk_norm_rope: kv_cache of v {tuple(v.shape)}, pools {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}, loc {tuple(loc.shape)} for k {tuple(k.shape)}")
+    if v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("qk_norm_rope: the kv_cache tensors need the head_dim axis contiguous")
 
 
 def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, eps=1e-6):
@@ -142,11 +183,15 @@ class _QKNormRope(torch.autograd.Function):
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, kv_cache: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D] (head_dim contiguous, any row/head strides); cos/sin [T, D]
     float32; norm weights [D] in q's dtype, or None for no norm. Returns (q, k) normed and rotated:
-    written in place into q and k when no gradient is recorded, else fresh tensors (autograd)."""
+    written in place into q and k when no gradient is recorded, else fresh tensors (autograd).
+    kv_cache: (v, k pool buffer, v pool buffer, slot ids [T]): the same launch also writes the new
+    k and v into their KV-pool slots, cast to the pool's dtype (what store_kv would do next)."""
     if needs_grad(q, k, cos, sin, q_weight, k_weight):
+        if kv_cache is not None:
+            raise ValueError("qk_norm_rope: kv_cache is for inference (a KV pool is not differentiable)")
         return _QKNormRope.apply(q, k, cos, sin, q_weight, k_weight, eps)
-    _launch(q, k, cos, sin, q_weight, k_weight, eps, q, k)
+    _launch(q, k, cos, sin, q_weight, k_weight, eps, q, k, kv_cache)
     return q, k

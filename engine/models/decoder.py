@@ -109,17 +109,26 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
         fused = fused_kernel("qk_norm_rope", q) if self.autograd_ops is None else None
+        stored: dict = {}  # {"kv_stored": True}: the fused kernel wrote K/V into the pool
         if self.autograd_ops is not None:
             q, k = self.autograd_ops.qk_norm_rope(q, k, *cos_sin, norm)
         elif fused is not None and (not self.qk_norm or self.q_norm.weight.dtype == q.dtype):
-            # one launch for norm + rope of q and k, in place in the qkv output; same bits
-            q, k = fused.qk_norm_rope(q, k, *cos_sin, *norm)
+            # one launch for norm + rope of q and k, in place in the qkv output (same bits), and
+            # the new k and v into their KV-pool slots where the backend lets it
+            slots = self._kv_slots(forward_batch)
+            q, k = fused.qk_norm_rope(q, k, *cos_sin, *norm, kv_cache=None if slots is None else (v, *slots))
+            stored = {} if slots is None else {"kv_stored": True}
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch)
+        out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch, **stored)
         return out.reshape(-1, self.num_heads * self.head_dim), lora
+
+    def _kv_slots(self, forward_batch: "ForwardBatch") -> Optional[tuple]:
+        """The backend's KV-pool slots for this layer's new K/V, where it lets the layer write them."""
+        backend = forward_batch.attn_backend
+        return backend.kv_store_slots(self.layer_id, forward_batch) if hasattr(backend, "kv_store_slots") else None
 
 
 class MLP(nn.Module):

@@ -94,6 +94,31 @@ def test_rope_only_bitwise_in_place(T, dtype, D):
     assert torch.equal(qkv[:, (H + HKV) * D:], before[:, (H + HKV) * D:])  # v untouched
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("pool_dtype", [None, torch.float32])
+def test_kv_cache_store_in_the_same_launch(with_norm, pool_dtype):
+    """kv_cache: the normed, rotated k and the untouched v land in their pool slots (cast to the
+    pool's dtype) as store_kv would put them; q and k come out as without it; other slots keep
+    their values."""
+    from engine.kernels.store_kv import store_kv
+
+    T, D, dtype = 5, 64, torch.bfloat16
+    cos, sin = _rope(T, D)
+    weights = _weights(D, dtype, seed=3) if with_norm else (None, None)
+    qkv, q, k = _qkv(T, D, dtype, seed=11)
+    v = qkv[:, (H + HKV) * D:].view(T, HKV, D)
+    pools = [torch.full((12, HKV, D), 7.0, dtype=pool_dtype or dtype) for _ in range(4)]
+    loc = torch.tensor([9, 2, 0, 11, 4])
+    ref_q, ref_k = qk_norm_rope(q.clone(), k.clone(), cos, sin, *weights, EPS)
+    store_kv(ref_k, v, pools[2], pools[3], loc)
+    out_q, out_k = qk_norm_rope(q, k, cos, sin, *weights, EPS, kv_cache=(v, pools[0], pools[1], loc))
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    assert torch.equal(pools[1][loc].to(dtype), v) and (pools[0][[1, 3]] == 7.0).all()
+    with pytest.raises(ValueError, match="kv_cache"):
+        qk_norm_rope(q, k, cos, sin, *weights, EPS, kv_cache=(v, pools[0], pools[1], loc[:3]))
+
+
 @pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 3, 17])
