@@ -79,6 +79,30 @@ def test_qk_norm_rope_bitwise(T, shape, with_norm):
         torch.testing.assert_close(o, r, rtol=2**-7, atol=2**-7 * r.abs().max().item())
 
 
+@pytest.mark.parametrize("shape", list(HEADS))
+@pytest.mark.parametrize("T", [1, 7, 4096])
+def test_qk_norm_rope_stores_kv_as_store_kv_does(T, shape):
+    """kv_cache: the launch that norms and rotates q/k also writes k and v into their pool slots,
+    bit for bit what store_kv writes after the unfused kernel; q and k unchanged by it."""
+    from engine.kernels.qk_norm_rope import qk_norm_rope
+    from engine.kernels.store_kv import store_kv
+
+    qkv, weights, cos, sin = _case(T, shape, seed=T + 1)
+    H, Hkv = HEADS[shape]
+    pools = [torch.zeros(T + 64, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    loc = torch.randperm(T + 63, device="cuda")[:T] + 1
+    with torch.inference_mode():
+        ref_qkv = qkv.clone()
+        rq, rk = qk_norm_rope(*_views(ref_qkv, shape), cos, sin, *weights, EPS)
+        store_kv(rk, ref_qkv[:, (H + Hkv) * D:].view(T, Hkv, D), pools[2], pools[3], loc)
+        q, k = _views(qkv, shape)
+        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+        out_q, out_k = qk_norm_rope(q, k, cos, sin, *weights, EPS, kv_cache=(v, pools[0], pools[1], loc))
+    assert torch.equal(out_q, rq) and torch.equal(out_k, rk)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    assert torch.equal(pools[0][loc], out_k) and not pools[0][0].any()  # the padding slot untouched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_qk_norm_rope_other_dtypes(dtype):
     from engine.kernels.qk_norm_rope import qk_norm_rope
