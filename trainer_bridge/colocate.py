@@ -14,8 +14,9 @@ the error is raised.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from engine.phase_clock import PhaseClock
 from trainer_bridge.sync import on_all_engines
@@ -65,14 +66,16 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
     released = [tag for tag in WEIGHT_TAGS + KV_TAGS if tag not in kept]
     clock = PhaseClock()
     resumed: list[str] = []
+    lent = LentMemory()
     try:
         with clock.phase("release"):
             tags = released if kept else None  # None: every tag
-            on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, tags, "release"))
+            with lent.measure():
+                on_all_engines(engines, lambda e: _memory(e.release_memory_occupation, tags, "release"))
         with clock.phase("train"):
             result = train_step()
-        with clock.phase("return_cache"):  # timed apart: the next step allocates them again
-            _return_cached_memory()
+        with clock.phase("return_cache"):  # timed apart: when returned, the next step allocates them again
+            lent.return_cache_if_needed()
         with clock.phase("resume_weights"):
             early = [tag for tag in WEIGHT_TAGS if tag in released]
             if early:
@@ -80,7 +83,7 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
             resumed += early
         with clock.phase("push"):
             push()
-            _return_cached_memory()
+            lent.return_cache_if_needed()
     finally:
         missing = [tag for tag in released if tag not in resumed]
         with clock.phase("resume_kv"):
@@ -88,14 +91,44 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
     return result, ColocatePhases(**clock.phases)
 
 
-def _return_cached_memory() -> None:
-    """The train step's activations (and a ZeRO-3 push's gathered buckets) stay cached in this
-    process's allocator after they die; the engines cannot take that memory back until it is
-    returned to the driver (on the H200 a Qwen3-4B step left too little for the engine's resume)."""
+class LentMemory:
+    """The device memory the engines' release freed, and the trainer's cached blocks returned to
+    the driver only when the engines' resume would not find it free without them. The train
+    step's activations (and a ZeRO-3 push's gathered buckets) stay cached in this process's
+    allocator after they die; returning them every step made each next step cudaMalloc them again
+    (the train phase's spread on the H200), while on a device with room for both (the 0.6B
+    recipe: an engine share of ~49 GB beside a ~34 GB trainer) nothing needs them back. A
+    Qwen3-4B step did need them: too little was left for the engine's resume."""
+
+    MARGIN = 1 << 30  # slack for the resume's own allocations and other processes
+
+    def __init__(self) -> None:
+        self.bytes: Optional[int] = None  # None: not measured (no CUDA): return every time
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        before = _free_device_bytes()
+        yield
+        after = _free_device_bytes()
+        if before is not None and after is not None:
+            self.bytes = max(0, after - before)
+
+    def return_cache_if_needed(self) -> None:
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        free = _free_device_bytes()
+        if self.bytes is None or free is None or free < self.bytes + self.MARGIN:
+            torch.cuda.empty_cache()
+
+
+def _free_device_bytes() -> Optional[int]:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0]
+    return None
 
 
 def _memory(verb: Callable, tags: Any, what: str) -> None:

@@ -199,3 +199,29 @@ def test_keep_weights_releases_kv_and_graphs_only(engine, trainer):
     colocated_step([client], lambda: None, lambda: None, keep_cuda_graphs=True, keep_weights=True)
     assert [c for c in calls if c[0] in ("release", "resume")] == [("release", ["kv_cache"]), ("resume", ("kv_cache",))]
     assert engine.get_server_info()["internal_states"][0]["memory_released"] == []
+
+
+@pytest.mark.parametrize("free_after_train_gib,returned", [(60, False), (49.5, True), (None, True)])
+def test_cached_memory_goes_back_only_when_the_resume_needs_it(monkeypatch, free_after_train_gib, returned):
+    """The engines' release freed 49 GiB: with 60 GiB free after the train step the trainer keeps
+    its cached blocks (the next step reuses them, no cudaMalloc); with 49.5 GiB (under 49 + the 1 GiB
+    margin), or where nothing was measured, they go back to the driver."""
+    import torch
+
+    from trainer_bridge import colocate
+
+    gib = 1 << 30
+    free = iter([10 * gib, 59 * gib] if free_after_train_gib is not None else [None, None])
+    monkeypatch.setattr(colocate, "_free_device_bytes", lambda: next(free))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    lent = colocate.LentMemory()
+    with lent.measure():
+        pass
+    assert lent.bytes == (49 * gib if free_after_train_gib is not None else None)
+    monkeypatch.setattr(colocate, "_free_device_bytes",
+                        lambda: None if free_after_train_gib is None else int(free_after_train_gib * gib))
+    lent.return_cache_if_needed()
+    assert emptied == ([True] if returned else [])
