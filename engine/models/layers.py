@@ -265,7 +265,7 @@ class Linear(nn.Linear):
                 or self.out_features > MAX_FUSED_NORM):
             return None
         kernel = fused_kernel("small_m_linear", x)
-        return kernel if kernel is not None and kernel.applies(x, self.weight) and not kernel.EPILOGUE_DISABLED else None
+        return kernel if kernel is not None and kernel.applies(x, self.weight) and kernel.EPILOGUE_ENABLED else None
 
 
 MAX_FUSED_NORM = 8192  # widest output whose norm one program of the fused epilogue holds

@@ -97,6 +97,7 @@ def test_decoder_takes_the_fused_epilogues(tmp_path, monkeypatch):
     model = _tiny_bf16_qwen3(tmp_path)
     assert sml.choose_config(64, 512).split_k > 1  # down_proj's reduction kernel runs (o_proj's K = 64: one split)
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(sml, "EPILOGUE_ENABLED", True)  # opt-in (TANDEM_SMALL_M_EPILOGUE=1)
     calls = []
     real = sml.small_m_linear_add_norm
     monkeypatch.setattr(sml, "small_m_linear_add_norm", lambda *a, **k: calls.append(k["gated"]) or real(*a, **k))
