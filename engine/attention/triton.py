@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 # Key split of deterministic mode, and the shortest decode split in normal mode. Part of the
 # numerics contract: the trainer's PackedAttention (trainer_bridge) defaults to it on CUDA.
+# The layer's fused q/k norm + rope kernel writes the new K/V into the pool (store_kv skipped);
+# TANDEM_DISABLE_FUSED_KV_STORE=1 launches store_kv here instead (A/B runs).
+FUSED_KV_STORE = os.environ.get("TANDEM_DISABLE_FUSED_KV_STORE", "0") in ("", "0")
 DEFAULT_SPLIT_SIZE = 256
 
 
@@ -125,7 +128,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- the layer call ------------------------------------------------------------------------
     def kv_store_slots(self, layer_id: int, forward_batch: "ForwardBatch"
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if not FUSED_KV_STORE:
+            return None
         return (*forward_batch.kv_pool.get_kv_buffer(layer_id), forward_batch.out_cache_loc)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
