@@ -158,7 +158,7 @@ for s in "$@"; do case $s in
   tableab) for v in 0 1; do  # the in-graph decode block table (0) vs launched from the host each step (1)
       step itl-table$v 45 env TANDEM_TABLE_OUTSIDE_GRAPH=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-table$v.json"
       step stepprobe-table$v 100 env TANDEM_TABLE_OUTSIDE_GRAPH=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256; done ;;
-  epiab) for v in 1 0; do  # the small-M fused epilogues (1: on) vs the launches one by one (0, the default)
+  epiab) for v in 1 norm 0; do  # the small-M fused epilogues (1: on; norm: without the activation prologue) vs the launches one by one (0, the default)
       step itl-epi$v 45 env TANDEM_SMALL_M_EPILOGUE=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-epi$v.json"
       step stepprobe-epi$v 100 env TANDEM_SMALL_M_EPILOGUE=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8; done ;;
   epibench) step epibench 120 python3 scripts/epilogue_bench.py ;;  # the fused epilogues vs the launches they replace, alone

@@ -38,7 +38,10 @@ MAX_WEIGHT_ELEMENTS = 1 << 27  # 256 MiB of bf16: an LM head is already at bandw
 DISABLED = bool(os.environ.get("TANDEM_DISABLE_SMALL_M_LINEAR"))  # A/B benchmarks: cuBLAS at every M
 # The fusions below, opt-in: on the H200 (0.6B, batch 1) the decode graph took 2.09 ms with them
 # against 1.23 ms without, not yet understood (docs/benchmarks.md); the kernels' outputs are right.
-EPILOGUE_ENABLED = os.environ.get("TANDEM_SMALL_M_EPILOGUE", "0") not in ("", "0")
+# "1": the add + norm epilogue and the activation prologue; "norm": the epilogue alone
+EPILOGUE_MODE = os.environ.get("TANDEM_SMALL_M_EPILOGUE", "0")
+EPILOGUE_ENABLED = EPILOGUE_MODE not in ("", "0")
+GATED_PROLOGUE = EPILOGUE_ENABLED and EPILOGUE_MODE != "norm"
 
 
 @dataclass(frozen=True)

@@ -252,8 +252,9 @@ class Linear(nn.Linear):
         in its prologue, then the split-K sum with the residual add and the norm."""
         kernel = self._fused_epilogue(x, norm, lora, act)
         if kernel is not None:
-            return kernel.small_m_linear_add_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps,
-                                                  gated=act is not None)
+            gated = act is not None and kernel.GATED_PROLOGUE
+            return kernel.small_m_linear_add_norm(x if gated or act is None else act(x), self.weight, self.bias,
+                                                  residual, norm.weight, norm.eps, gated=gated)
         return norm(self(x if act is None else act(x), lora), residual)
 
     def _fused_epilogue(self, x: torch.Tensor, norm: "RMSNorm", lora: Any,

@@ -34,6 +34,7 @@ def test_fused_layers_keep_the_tokens_and_never_store_kv_apart(engine_factory, m
     eng = engine_factory(dtype="bfloat16", attention_backend="triton", disable_cuda_graph=True)
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
     monkeypatch.setattr(sml, "EPILOGUE_ENABLED", True)  # opt-in (TANDEM_SMALL_M_EPILOGUE=1)
+    monkeypatch.setattr(sml, "GATED_PROLOGUE", True)
     calls = {"store_kv": 0, "epilogue": 0}
     real_store, real_epi = store_mod.store_kv, sml.small_m_linear_add_norm
     monkeypatch.setattr(store_mod, "store_kv", lambda *a: calls.__setitem__("store_kv", calls["store_kv"] + 1)

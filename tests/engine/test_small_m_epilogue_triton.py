@@ -98,6 +98,7 @@ def test_decoder_takes_the_fused_epilogues(tmp_path, monkeypatch):
     assert sml.choose_config(64, 512).split_k > 1  # down_proj's reduction kernel runs (o_proj's K = 64: one split)
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
     monkeypatch.setattr(sml, "EPILOGUE_ENABLED", True)  # opt-in (TANDEM_SMALL_M_EPILOGUE=1)
+    monkeypatch.setattr(sml, "GATED_PROLOGUE", True)
     calls = []
     real = sml.small_m_linear_add_norm
     monkeypatch.setattr(sml, "small_m_linear_add_norm", lambda *a, **k: calls.append(k["gated"]) or real(*a, **k))
