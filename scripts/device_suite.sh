@@ -161,6 +161,9 @@ for s in "$@"; do case $s in
   epiab) for v in 1 norm 0; do  # the small-M fused epilogues (1: on; norm: without the activation prologue) vs the launches one by one (0, the default)
       step itl-epi$v 45 env TANDEM_SMALL_M_EPILOGUE=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-epi$v.json"
       step stepprobe-epi$v 100 env TANDEM_SMALL_M_EPILOGUE=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8; done ;;
+  fuseab)  # the decode step at batch 1 under each layer fusion: epilogue + prologue, epilogue alone, neither; then neither and no fused K/V store
+    for v in "TANDEM_SMALL_M_EPILOGUE=1" "TANDEM_SMALL_M_EPILOGUE=norm" "TANDEM_SMALL_M_EPILOGUE=0" "TANDEM_DISABLE_FUSED_KV_STORE=1"; do
+      step "stepprobe-$v" 80 env $v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1; done ;;
   epibench) step epibench 120 python3 scripts/epilogue_bench.py ;;  # the fused epilogues vs the launches they replace, alone
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   gumbelgpu) step gumbelgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k gumbel
