@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.batch_invariant.triton_matmul import interpreting
-from engine.kernels.silu_and_mul import silu_mul
+from engine.kernels.qk_norm_rope import round_to
+
 
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
 MAX_WEIGHT_ELEMENTS = 1 << 27  # 256 MiB of bf16: an LM head is already at bandwidth in cuBLAS
@@ -80,22 +80,26 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.constexpr, INTERPRET: tl.constexpr):
+def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.constexpr):
     """x's [16, BLOCK_K] tile; GATED: silu(gate) * up from x's halves, rounded to x's dtype."""
     ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     mask = m_mask[:, None] & k_mask[None, :]
     if GATED:
+        # F.silu(gate) * up with F.silu's rounding points, but the GPU's fast exp and division: the
+        # exact ones (silu_and_mul's, for torch's bits) spilled registers and called the division's
+        # slow path for each of the tile's 16 rows (15 of them padding at batch 1)
         dt = x_ptr.dtype.element_ty
         gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        return silu_mul(gate, up, dt, False, INTERPRET).to(dt)
+        silu = round_to(gate / (1.0 + tl.exp(-gate)), dt)  # (round_to: the interpreter's casts truncate)
+        return round_to(silu * up, dt).to(dt)
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-                 GATED: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -107,7 +111,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         offs_k = k0 + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED, INTERPRET)
+        x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
@@ -218,8 +222,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x, weight, _bias_arg(bias, weight), out, out if direct else part, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None,
-        DIRECT=direct, GATED=gated, INTERPRET=interpreting(), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps * (2 if gated else 1), num_stages=cfg.num_stages)  # gated at 4 warps spilled
     return out, part, cfg
 
 
