@@ -164,6 +164,9 @@ for s in "$@"; do case $s in
   fuseab)  # the decode step at batch 1 under each layer fusion: epilogue + prologue, epilogue alone, neither; then neither and no fused K/V store
     for v in "TANDEM_SMALL_M_EPILOGUE=1" "TANDEM_SMALL_M_EPILOGUE=norm" "TANDEM_SMALL_M_EPILOGUE=0" "TANDEM_DISABLE_FUSED_KV_STORE=1"; do
       step "stepprobe-$v" 80 env $v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1; done ;;
+  fusetests)  # the layer fusions' GPU tests: the K/V store (on by default) bitwise and in HF's greedy tokens; the epilogues (opt-in) in the decode-kernel tests
+    step fusetests-kv 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_hf_greedy_gpu.py -k "stores_kv or qk_norm_rope_bitwise or greedy"
+    step fusetests-epi 150 env TANDEM_SMALL_M_EPILOGUE=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k "epilogue or engine" ;;
   epibench) step epibench 120 python3 scripts/epilogue_bench.py ;;  # the fused epilogues vs the launches they replace, alone
   itl) step itl 45 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-bs1.json" ;;
   gumbelgpu) step gumbelgpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k gumbel
