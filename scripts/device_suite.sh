@@ -158,10 +158,10 @@ for s in "$@"; do case $s in
   tableab) for v in 0 1; do  # the in-graph decode block table (0) vs launched from the host each step (1)
       step itl-table$v 45 env TANDEM_TABLE_OUTSIDE_GRAPH=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-table$v.json"
       step stepprobe-table$v 100 env TANDEM_TABLE_OUTSIDE_GRAPH=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 256; done ;;
-  epiab) for v in 1 norm 0; do  # the small-M fused epilogues (1: on; norm: without the activation prologue) vs the launches one by one (0, the default)
+  epiab) for v in norm 1 0; do  # the small-M fused epilogue (norm: the default; 1: with the activation prologue) vs the launches one by one (0)
       step itl-epi$v 45 env TANDEM_SMALL_M_EPILOGUE=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-epi$v.json"
       step stepprobe-epi$v 100 env TANDEM_SMALL_M_EPILOGUE=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8; done ;;
-  fuseab)  # the decode step at batch 1 under each layer fusion: epilogue + prologue, epilogue alone, neither; then neither and no fused K/V store
+  fuseab)  # the decode step at batch 1 under each layer fusion: epilogue + prologue, epilogue alone (the default), neither; then neither and no fused K/V store
     for v in "TANDEM_SMALL_M_EPILOGUE=1" "TANDEM_SMALL_M_EPILOGUE=norm" "TANDEM_SMALL_M_EPILOGUE=0" "TANDEM_DISABLE_FUSED_KV_STORE=1"; do
       step "stepprobe-$v" 80 env $v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1; done ;;
   fusetests)  # the layer fusions' GPU tests: the K/V store (on by default) bitwise and in HF's greedy tokens; the epilogues (opt-in) in the decode-kernel tests

@@ -8,12 +8,12 @@ programs, K into SPLIT_K ranges whose float32 partials a second launch adds in a
 atomics: the same inputs give the same bits run to run). x's rows are padded to 16 inside the
 tile for tl.dot; they cost registers, not bandwidth.
 
-Two fusions save a decode layer three of its ~13 launches (each a few microseconds at batch 1):
-`gated=True` takes x as gate | up and multiplies W by silu(gate) * up computed as the tiles load
-(the MLP's activation, rounded as engine.kernels.silu_and_mul rounds it), and `add_norm` ends the
-split-K sum with the residual add and RMSNorm the next layer starts with
-(`small_m_linear_add_norm`; the sum's bits are those of the linear then `x + residual`; the norm's
-reduction is row-local but its order is this kernel's, not the standalone norm's).
+Fusions (each launch saved is a few microseconds at batch 1): `small_m_linear_add_norm` ends the
+split-K sum with the residual add and the RMSNorm that follows o_proj and down_proj (two of a
+layer's ~13 launches; the sum's bits are those of the linear then `x + residual`, the norm's
+reduction is row-local but in this kernel's order, not the standalone norm's). `gated=True` (opt-in,
+slower so far) takes x as gate | up and multiplies W by silu(gate) * up computed as the tiles load,
+with F.silu's rounding points but fast exp and division.
 
 Normal mode only: its sums differ from cuBLAS's in the last bits, and a row's result depends on
 M (as cuBLAS's does on its tile choice); deterministic mode keeps its batch-invariant matmul.
@@ -32,16 +32,15 @@ import triton.language as tl
 
 from engine.kernels.qk_norm_rope import round_to
 
-
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
 MAX_WEIGHT_ELEMENTS = 1 << 27  # 256 MiB of bf16: an LM head is already at bandwidth in cuBLAS
 DISABLED = bool(os.environ.get("TANDEM_DISABLE_SMALL_M_LINEAR"))  # A/B benchmarks: cuBLAS at every M
-# The fusions below, opt-in: on the H200 (0.6B, batch 1) the decode graph took 2.09 ms with them
-# against 1.23 ms without, not yet understood (docs/benchmarks.md); the kernels' outputs are right.
-# "1": the add + norm epilogue and the activation prologue; "norm": the epilogue alone
-EPILOGUE_MODE = os.environ.get("TANDEM_SMALL_M_EPILOGUE", "0")
+# "norm" (the default): the add + norm epilogue; "1": also the activation prologue; "0": neither.
+# H200, 0.6B, batch 1 (docs/benchmarks.md): the decode graph 1.123 ms with the epilogue, 1.188 ms
+# without; the prologue made it slower (1.413 ms): the silu of the whole padded 16-row tile per program.
+EPILOGUE_MODE = os.environ.get("TANDEM_SMALL_M_EPILOGUE", "norm")
 EPILOGUE_ENABLED = EPILOGUE_MODE not in ("", "0")
-GATED_PROLOGUE = EPILOGUE_ENABLED and EPILOGUE_MODE != "norm"
+GATED_PROLOGUE = EPILOGUE_ENABLED and EPILOGUE_MODE != "norm"  # opt-in: slower so far
 
 
 @dataclass(frozen=True)

@@ -248,8 +248,8 @@ class Linear(nn.Linear):
                          act: Optional["SiluAndMul"] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(act(x)) + residual) and the sum, as `norm(out, residual)` returns them (act:
         None, or the MLP's activation of x = gate | up). A decode batch of 1..8 rows on CUDA in
-        normal mode runs it as two launches instead of four or five: the gemv with the activation
-        in its prologue, then the split-K sum with the residual add and the norm."""
+        normal mode runs the linear's split-K sum, the residual add and the norm as one launch
+        (and, opt-in, the activation inside the gemv: engine/kernels/small_m_linear.py)."""
         kernel = self._fused_epilogue(x, norm, lora, act)
         if kernel is not None:
             gated = act is not None and kernel.GATED_PROLOGUE

@@ -1,7 +1,7 @@
 """An engine whose decoder layers take every fused kernel (Triton's CPU interpreter standing in for
 CUDA, the tiny model in bfloat16, triton attention): q/k norm + rope writing K/V into the pool in
 its own launch (store_kv never runs), and the small-M gemv's activation prologue and add + norm
-epilogue on batches of <= 8 rows (opt-in, turned on here). Its greedy tokens and logprobs against the same engine with the
+epilogue on batches of <= 8 rows (the prologue is opt-in, turned on here). Its greedy tokens and logprobs against the same engine with the
 layers' torch code. Skipped where triton is absent and on CUDA machines (tests/gpu run them
 compiled)."""
 
@@ -33,8 +33,8 @@ def test_fused_layers_keep_the_tokens_and_never_store_kv_apart(engine_factory, m
 
     eng = engine_factory(dtype="bfloat16", attention_backend="triton", disable_cuda_graph=True)
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
-    monkeypatch.setattr(sml, "EPILOGUE_ENABLED", True)  # opt-in (TANDEM_SMALL_M_EPILOGUE=1)
-    monkeypatch.setattr(sml, "GATED_PROLOGUE", True)
+    monkeypatch.setattr(sml, "EPILOGUE_ENABLED", True)
+    monkeypatch.setattr(sml, "GATED_PROLOGUE", True)  # opt-in (TANDEM_SMALL_M_EPILOGUE=1): every fusion
     calls = {"store_kv": 0, "epilogue": 0}
     real_store, real_epi = store_mod.store_kv, sml.small_m_linear_add_norm
     monkeypatch.setattr(store_mod, "store_kv", lambda *a: calls.__setitem__("store_kv", calls["store_kv"] + 1)

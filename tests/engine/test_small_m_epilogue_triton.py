@@ -85,7 +85,8 @@ def _tiny_bf16_qwen3(tmp_path):
     return load_model(str(tmp_path), transformers.AutoConfig.from_pretrained(tmp_path), torch.bfloat16, "cpu", "auto")
 
 
-def test_decoder_takes_the_fused_epilogues(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gated", [False, True])  # the default ("norm"), and with the activation prologue
+def test_decoder_takes_the_fused_epilogues(tmp_path, monkeypatch, gated):
     """A bf16 decoder at 2 rows with the fusions (the interpreter standing in for CUDA): every
     o_proj and down_proj runs them, and the hidden states agree with the layers run one by one
     to the rounding of the norm's sum."""
@@ -97,8 +98,8 @@ def test_decoder_takes_the_fused_epilogues(tmp_path, monkeypatch):
     model = _tiny_bf16_qwen3(tmp_path)
     assert sml.choose_config(64, 512).split_k > 1  # down_proj's reduction kernel runs (o_proj's K = 64: one split)
     monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
-    monkeypatch.setattr(sml, "EPILOGUE_ENABLED", True)  # opt-in (TANDEM_SMALL_M_EPILOGUE=1)
-    monkeypatch.setattr(sml, "GATED_PROLOGUE", True)
+    monkeypatch.setattr(sml, "EPILOGUE_ENABLED", True)
+    monkeypatch.setattr(sml, "GATED_PROLOGUE", gated)
     calls = []
     real = sml.small_m_linear_add_norm
     monkeypatch.setattr(sml, "small_m_linear_add_norm", lambda *a, **k: calls.append(k["gated"]) or real(*a, **k))
@@ -106,7 +107,7 @@ def test_decoder_takes_the_fused_epilogues(tmp_path, monkeypatch):
     fb = SimpleNamespace(attn_backend=_QAsAttention(), lora=None)
     with torch.inference_mode():
         fused = model.model(ids, positions, fb)
-        assert sorted(calls) == [False, False, True, True]  # 2 layers: o_proj, then down_proj with the activation
+        assert sorted(calls) == sorted([False, gated] * 2)  # 2 layers: o_proj, then down_proj (+ the activation)
         monkeypatch.setattr(layers.Linear, "small_m_epilogue", False)
         plain = model.model(ids, positions, fb)
     assert len(calls) == 4  # the unfused run took none
