@@ -9,7 +9,8 @@ check, not learning); point it at a real HF checkpoint, a real task and its rewa
         --reward my_pkg.rewards:gsm8k_correct --max-new-tokens 1024
 
 Memory: the trainer keeps its ZeRO states (fp32 master weights and Adam moments, ~16 bytes a
-parameter) while the engine generates, so the engine's share must leave room for them: on one
+parameter) while the engine generates, and its cached activations too where the device has room
+for both (trainer_bridge/colocate.py, LentMemory), so the engine's share must leave room for them: on one
 H200 the Qwen3-4B shape ran with `--engine-args '{"mem_fraction_static": 0.25,
 "enable_memory_saver": true}'` (106.6 GiB peak; docs/benchmarks.md).
 The engine's CUDA graphs survive each release (their memory pool is unmapped and mapped back at
