@@ -79,7 +79,7 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
         with clock.phase("resume_weights"):
             early = [tag for tag in WEIGHT_TAGS if tag in released]
             if early:
-                on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, early, "resume"))
+                on_all_engines(engines, lambda e: _resume(e, early))
             resumed += early
         with clock.phase("push"):
             push()
@@ -87,7 +87,8 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
     finally:
         missing = [tag for tag in released if tag not in resumed]
         with clock.phase("resume_kv"):
-            on_all_engines(engines, lambda e: _memory(e.resume_memory_occupation, missing, "resume"))
+            lent.return_cache_if_needed()  # (a train step that raised never reached its return_cache)
+            on_all_engines(engines, lambda e: _resume(e, missing))
     return result, ColocatePhases(**clock.phases)
 
 
@@ -100,7 +101,10 @@ class LentMemory:
     recipe: an engine share of ~49 GB beside a ~34 GB trainer) nothing needs them back. A
     Qwen3-4B step did need them: too little was left for the engine's resume."""
 
-    MARGIN = 1 << 30  # slack for the resume's own allocations and other processes
+    # Room kept beyond what the release freed: the engine's own activations while it generates
+    # (a long prefill's float32 logits: ~5 GB for 8k tokens of a 152k vocabulary), the resume's
+    # allocations, other processes.
+    MARGIN = 8 << 30
 
     def __init__(self) -> None:
         self.bytes: Optional[int] = None  # None: not measured (no CUDA): return every time
@@ -114,21 +118,36 @@ class LentMemory:
             self.bytes = max(0, after - before)
 
     def return_cache_if_needed(self) -> None:
-        import torch
-
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return
         free = _free_device_bytes()
         if self.bytes is None or free is None or free < self.bytes + self.MARGIN:
-            torch.cuda.empty_cache()
+            _empty_cache()
+
+
+def _empty_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _free_device_bytes() -> Optional[int]:
+    """Free bytes on the current device (the trainer's; colocated engines share it)."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.mem_get_info()[0]
     return None
+
+
+def _resume(engine: Any, tags: Any) -> None:
+    """Resume, and once more with every cached block of this process returned if the engine
+    refused: a kept cache must never be what keeps an engine from its memory (a release that
+    freed less than the resume needs, say after an earlier failed resume)."""
+    try:
+        _memory(engine.resume_memory_occupation, tags, "resume")
+    except ColocateError:
+        _empty_cache()
+        _memory(engine.resume_memory_occupation, tags, "resume")
 
 
 def _memory(verb: Callable, tags: Any, what: str) -> None:

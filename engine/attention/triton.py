@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 # numerics contract: the trainer's PackedAttention (trainer_bridge) defaults to it on CUDA.
 # The layer's fused q/k norm + rope kernel writes the new K/V into the pool (store_kv skipped);
 # TANDEM_DISABLE_FUSED_KV_STORE=1 launches store_kv here instead (A/B runs).
-FUSED_KV_STORE = os.environ.get("TANDEM_DISABLE_FUSED_KV_STORE", "0") in ("", "0")
+FUSED_KV_STORE = os.environ.get("TANDEM_DISABLE_FUSED_KV_STORE", "").strip().lower() in ("", "0", "false", "no", "off")
 DEFAULT_SPLIT_SIZE = 256
 
 

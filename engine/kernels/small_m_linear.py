@@ -38,8 +38,10 @@ DISABLED = bool(os.environ.get("TANDEM_DISABLE_SMALL_M_LINEAR"))  # A/B benchmar
 # "norm" (the default): the add + norm epilogue; "1": also the activation prologue; "0": neither.
 # H200, 0.6B, batch 1 (docs/benchmarks.md): the decode graph 1.123 ms with the epilogue, 1.188 ms
 # without; the prologue made it slower (1.413 ms): the silu of the whole padded 16-row tile per program.
-EPILOGUE_MODE = os.environ.get("TANDEM_SMALL_M_EPILOGUE", "norm")
-EPILOGUE_ENABLED = EPILOGUE_MODE not in ("", "0")
+EPILOGUE_MODE = os.environ.get("TANDEM_SMALL_M_EPILOGUE", "norm").strip().lower() or "norm"
+if EPILOGUE_MODE not in ("norm", "1", "0"):
+    raise ValueError(f"TANDEM_SMALL_M_EPILOGUE={EPILOGUE_MODE!r}: use norm (the default), 1 or 0")
+EPILOGUE_ENABLED = EPILOGUE_MODE != "0"
 GATED_PROLOGUE = EPILOGUE_ENABLED and EPILOGUE_MODE != "norm"  # opt-in: slower so far
 
 

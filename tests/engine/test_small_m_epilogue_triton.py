@@ -44,7 +44,7 @@ def test_gated_gemv_is_silu_and_mul_then_the_gemv(m, config):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("config", [SPLIT, DIRECT])
+@pytest.mark.parametrize("config", [SPLIT, DIRECT])  # DIRECT: the fallback (the norm's own launch); float64 checks it
 @pytest.mark.parametrize("bias", [False, True])
 def test_add_norm_epilogue_matches_linear_then_norm(m, config, bias):
     x, w, b, residual, norm_w = _inputs(m, 80, 128, seed=m, bias=bias)
@@ -113,3 +113,14 @@ def test_decoder_takes_the_fused_epilogues(tmp_path, monkeypatch, gated):
     assert len(calls) == 4  # the unfused run took none
     torch.testing.assert_close(fused.float(), plain.float(), atol=0.02, rtol=0.02)
     assert not torch.equal(fused, torch.zeros_like(fused))
+
+
+def test_epilogue_variable_refuses_an_unknown_value():
+    """"off" is no value of TANDEM_SMALL_M_EPILOGUE: an error naming the three, not the slower prologue."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "import engine.kernels.small_m_linear"], capture_output=True, text=True,
+                         env={**os.environ, "TANDEM_SMALL_M_EPILOGUE": "off", "TRITON_INTERPRET": "1"})
+    assert run.returncode != 0 and "use norm (the default), 1 or 0" in run.stderr

@@ -204,7 +204,7 @@ def test_keep_weights_releases_kv_and_graphs_only(engine, trainer):
 @pytest.mark.parametrize("free_after_train_gib,returned", [(60, False), (49.5, True), (None, True)])
 def test_cached_memory_goes_back_only_when_the_resume_needs_it(monkeypatch, free_after_train_gib, returned):
     """The engines' release freed 49 GiB: with 60 GiB free after the train step the trainer keeps
-    its cached blocks (the next step reuses them, no cudaMalloc); with 49.5 GiB (under 49 + the 1 GiB
+    its cached blocks (the next step reuses them, no cudaMalloc); with 49.5 GiB (under 49 + the 8 GiB
     margin), or where nothing was measured, they go back to the driver."""
     import torch
 
@@ -225,3 +225,28 @@ def test_cached_memory_goes_back_only_when_the_resume_needs_it(monkeypatch, free
                         lambda: None if free_after_train_gib is None else int(free_after_train_gib * gib))
     lent.return_cache_if_needed()
     assert emptied == ([True] if returned else [])
+
+
+def test_a_refused_resume_is_tried_again_with_the_cache_returned(monkeypatch):
+    """An engine that cannot resume beside the trainer's kept cache gets it back and is asked
+    again; a second refusal is the error."""
+    import torch
+
+    from trainer_bridge import colocate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    class Engine:
+        def __init__(self, answers):
+            self.answers = list(answers)
+
+        def resume_memory_occupation(self, tags):
+            return self.answers.pop(0)
+
+    colocate._resume(Engine([(False, "out of memory"), (True, "")]), ["kv_cache"])
+    assert emptied == [True]
+    with pytest.raises(colocate.ColocateError, match="out of memory"):
+        colocate._resume(Engine([(False, "out of memory"), (False, "out of memory")]), ["kv_cache"])
