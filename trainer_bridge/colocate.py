@@ -84,10 +84,12 @@ def colocated_step(engines: Sequence[Any], train_step: Callable[[], T], push: Ca
         with clock.phase("push"):
             push()
             lent.return_cache_if_needed()
+    except BaseException:
+        lent.return_cache_if_needed()  # the step's own return may not have run before the error
+        raise
     finally:
         missing = [tag for tag in released if tag not in resumed]
         with clock.phase("resume_kv"):
-            lent.return_cache_if_needed()  # (a train step that raised never reached its return_cache)
             on_all_engines(engines, lambda e: _resume(e, missing))
     return result, ColocatePhases(**clock.phases)
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK, _norm_launch, rms_norm
 from engine.kernels.qk_norm_rope import round_to
 
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
@@ -78,6 +79,12 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and weight.shape[0] <= weight.shape[1]
             and weight.numel() <= MAX_WEIGHT_ELEMENTS and weight.is_contiguous()
             and not torch.is_grad_enabled() and not DISABLED)  # no autograd graph: the engine's inference
+
+
+def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether small_m_linear_add_norm may replace the linear and the norm after it: `applies`,
+    the epilogue on (TANDEM_SMALL_M_EPILOGUE) and an output row that one norm program holds."""
+    return EPILOGUE_ENABLED and weight.shape[0] <= _MAX_BLOCK and applies(x, weight)
 
 
 @triton.jit
@@ -193,14 +200,15 @@ def small_m_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
         raise ValueError(f"small_m_linear_add_norm: residual {tuple(residual.shape)}, norm weight "
                          f"{tuple(norm_weight.shape)} for an output of {tuple(out.shape)}")
     if part is None:  # one split: the gemv wrote y itself; the norm is its own launch
-        from engine.kernels.batch_invariant.triton_norm import rms_norm
         return rms_norm(out, norm_weight, eps, residual)
+    if N > _MAX_BLOCK:
+        raise ValueError(f"small_m_linear_add_norm: rows of {N} are wider than one norm program's {_MAX_BLOCK}")
     normed, summed = torch.empty_like(out), torch.empty_like(out)
-    block = triton.next_power_of_2(max(N, 16))
+    block, warps = _norm_launch(N)  # the standalone norm's tile and warps
     _split_sum_add_norm_kernel[(M,)](
         part, _bias_arg(bias, weight), residual, norm_weight, normed, summed, M, N, residual.stride(0),
         normed.stride(0), summed.stride(0), float(eps), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-        BLOCK=block, num_warps=max(1, min(16, block // 256)))
+        BLOCK=block, num_warps=warps)
     return normed, summed
 
 

@@ -251,25 +251,22 @@ class Linear(nn.Linear):
         normal mode runs the linear's split-K sum, the residual add and the norm as one launch
         (and, opt-in, the activation inside the gemv: engine/kernels/small_m_linear.py)."""
         kernel = self._fused_epilogue(x, norm, lora, act)
-        if kernel is not None:
-            gated = act is not None and kernel.GATED_PROLOGUE
-            return kernel.small_m_linear_add_norm(x if gated or act is None else act(x), self.weight, self.bias,
-                                                  residual, norm.weight, norm.eps, gated=gated)
-        return norm(self(x if act is None else act(x), lora), residual)
+        gated = kernel is not None and act is not None and kernel.GATED_PROLOGUE
+        if act is not None and not gated:
+            x = act(x)
+        if kernel is None:
+            return norm(self(x, lora), residual)
+        return kernel.small_m_linear_add_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, gated=gated)
 
     def _fused_epilogue(self, x: torch.Tensor, norm: "RMSNorm", lora: Any,
                         act: Optional["SiluAndMul"]) -> Optional[ModuleType]:
         """engine.kernels.small_m_linear where forward_add_norm's launches may fuse, else None."""
         plain = lambda m: m.autograd_ops is None and not m.deterministic  # noqa: E731 (the engine's kernels)
         if (self.deterministic or not (self.small_m_kernel and self.small_m_epilogue) or lora is not None
-                or not plain(norm) or (act is not None and not plain(act)) or norm.weight.dtype != x.dtype
-                or self.out_features > MAX_FUSED_NORM):
+                or not plain(norm) or (act is not None and not plain(act)) or norm.weight.dtype != x.dtype):
             return None
         kernel = fused_kernel("small_m_linear", x)
-        return kernel if kernel is not None and kernel.applies(x, self.weight) and kernel.EPILOGUE_ENABLED else None
-
-
-MAX_FUSED_NORM = 8192  # widest output whose norm one program of the fused epilogue holds
+        return kernel if kernel is not None and kernel.applies_add_norm(x, self.weight) else None
 
 
 class StackedLinear(Linear):
