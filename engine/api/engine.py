@@ -20,7 +20,7 @@ from engine.api.core_client import CoreClient, ThreadCoreClient
 from engine.api.streamed_logprobs import StreamedLogprobs
 from engine.api.text_builder import TextBuilder
 from engine.api.generate_request import GenerateRequest
-from engine.api.generate_stream import GenerateStream, SyncStream
+from engine.api.generate_stream import GenerateStream, ReceiverGone, SyncStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs, configure_logging
@@ -107,7 +107,7 @@ class Engine(EngineWeights, EngineLoRA):
         reqs, single = self.builder.build(request)
         if request.stream:
             chunks = SyncStream(reqs, single, self._abort_quietly)
-            self._submit_all(reqs, [chunks.put] * len(reqs))
+            self._submit_all(reqs, [chunks.sink()] * len(reqs))
             return iter(chunks)
         results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
         self._submit_all(reqs, [results[r.rid].put for r in reqs])
@@ -281,6 +281,9 @@ class Engine(EngineWeights, EngineLoRA):
                 continue
             try:
                 sink(out)
+            except ReceiverGone:  # the caller dropped its stream (e.g. `break`): nobody reads on
+                if not out.finished:
+                    self._abort_quietly(out.rid, "stream dropped by its reader")
             except Exception:  # e.g. the caller's event loop is gone; the engine must live on
                 logger.warning("dropping output for %s: its receiver is gone", out.rid)
                 self._abort_quietly(out.rid, "receiver gone")

@@ -5,15 +5,37 @@ Unread outputs never pile up: each output of a request holds everything the ones
 so only the newest one per request waits for the reader (a reader that falls behind gets the
 latest chunk, as SGLang's tokenizer manager gives it). A stream whose reader is gone (`close`)
 drops what arrives for it.
+
+The engine holds a stream only weakly (`weak_sink`): a stream its caller dropped, e.g. left by
+`break` from `async for` or a generate(stream=True) iterator never read, is collected, and the
+request's next output finds its receiver gone (`ReceiverGone`), so the engine aborts it instead of
+decoding on for nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 from engine.core.messages import ReqInput, ReqOutput
+
+
+class ReceiverGone(Exception):
+    """A request's output arrived after its reader dropped the stream: the engine aborts it."""
+
+
+def weak_sink(owner: Any, put: Callable[[Any, ReqOutput], None]) -> Callable[[ReqOutput], None]:
+    """A sink calling put(owner, out) while `owner` lives, without keeping it alive."""
+    ref = weakref.ref(owner)
+
+    def sink(out: ReqOutput) -> None:
+        live = ref()
+        if live is None:
+            raise ReceiverGone(out.rid)
+        put(live, out)
+    return sink
 
 
 class GenerateStream:
@@ -30,7 +52,7 @@ class GenerateStream:
         self.closed = False
 
     def sink_for(self, rid: str) -> Callable[[ReqOutput], None]:
-        return lambda out: self.loop.call_soon_threadsafe(self._put, out)
+        return weak_sink(self, lambda stream, out: stream.loop.call_soon_threadsafe(stream._put, out))
 
     def _put(self, out: ReqOutput) -> None:
         if self.closed:
@@ -82,7 +104,8 @@ class GenerateStream:
 class SyncStream:
     """What generate(stream=True) returns, as sglang.Engine's: a plain iterator of cumulative
     chunks (batch chunks carry "index"). As GenerateStream, only the newest unread output per
-    request is kept; closing the iterator early aborts what has not finished."""
+    request is kept; closing the iterator early aborts what has not finished, and so does
+    dropping it unread (its sink is weak)."""
 
     def __init__(self, reqs: list[ReqInput], single: bool, abort: Callable[[str, str], None]) -> None:
         self._index = {r.rid: i for i, r in enumerate(reqs)}
@@ -90,6 +113,9 @@ class SyncStream:
         self._abort = abort
         self._unread: dict[str, ReqOutput] = {}
         self._ready = threading.Condition()
+
+    def sink(self) -> Callable[[ReqOutput], None]:
+        return weak_sink(self, SyncStream.put)
 
     def put(self, out: ReqOutput) -> None:
         with self._ready:

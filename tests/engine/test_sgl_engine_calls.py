@@ -118,12 +118,46 @@ def test_generate_stream_closed_early_aborts(engine):
                              rid="closed-early")
     next(chunks)
     chunks.close()
+    _ends_by_abort(engine, before)
+
+
+def _ends_by_abort(engine, before: int) -> None:
     deadline = time.monotonic() + 60
     while engine.get_load()[0]["num_reqs"] and time.monotonic() < deadline:  # the abort lands between steps
         time.sleep(0.01)
     assert engine.get_load()[0]["num_reqs"] == 0
     # ended by the abort, not by its length: a stream that ran on would have made all 2000 tokens
     assert engine.get_stats().num_generated_tokens - before < 1000
+
+
+def test_generate_stream_dropped_unread_aborts(engine):
+    """An iterator never started runs no `finally`: its weak sink finds it gone instead."""
+    before = engine.get_stats().num_generated_tokens
+    chunks = engine.generate(input_ids=IDS, sampling_params={**GREEDY, "max_new_tokens": 2000}, stream=True)
+    del chunks
+    _ends_by_abort(engine, before)
+
+
+def test_async_generate_stream_left_by_break_aborts(engine):
+    """SGLang's clients leave `async for` by break (a stop condition of their own): the dropped
+    stream is not read again, so its request must not decode on to max_new_tokens while the
+    caller's event loop lives on (a closed loop is caught otherwise)."""
+    async def run():
+        gen = await engine.async_generate(input_ids=IDS, sampling_params={**GREEDY, "max_new_tokens": 2000},
+                                          stream=True)
+        async for chunk in gen:
+            if len(chunk["output_ids"]) >= 2:
+                break
+        del gen
+        deadline = time.monotonic() + 60
+        while engine.get_load()[0]["num_reqs"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return chunk
+
+    before = engine.get_stats().num_generated_tokens
+    assert len(asyncio.run(run())["output_ids"]) >= 2
+    _ends_by_abort(engine, before)
+    assert engine.generate(input_ids=IDS, sampling_params=GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_awaited_async_generate_stream_is_an_async_iterator(engine):
