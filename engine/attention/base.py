@@ -19,6 +19,9 @@ class AttentionBackend(ABC):
     """Writes the new K/V into the pool first, then attends each new query over its sequence."""
 
     wants_shared_prefix = False  # True: decode batches carry a SharedPrefixPlan (cascade decode)
+    # True: its decode pass may run dry (engine/kernels/compile_ahead.py): every device read of an
+    # index it computes is a Triton kernel's, or a torch op's over the graph's static inputs
+    runs_dry = False
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Called once per batch before the model runs; plans shared by all layers go here."""

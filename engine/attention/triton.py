@@ -60,6 +60,7 @@ class _GraphState:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    runs_dry = True  # block tables from seq_lens by torch ops, then Triton kernels only
     default_split_size = DEFAULT_SPLIT_SIZE  # read by the trainer's PackedAttention
 
     def __init__(self, deterministic: bool = False, split_size: int = DEFAULT_SPLIT_SIZE,

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from engine.kernels.compile_ahead import compile_ahead_enabled
 from engine.models.decoder import head_dim_of
 from engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -131,6 +132,8 @@ class CudaGraphRunner:
         pool, capture_context = self.graph_pool or (torch.cuda.graph_pool_handle(), contextlib.nullcontext)
         bar = tqdm(list(reversed(self.capture_bs)), desc="Capturing CUDA graphs", unit="graph")
         with torch.inference_mode():
+            if compile_ahead_enabled() and self.attn_backend.runs_dry:
+                self._compile_ahead()
             for bs in bar:
                 bar.set_postfix(bs=bs)
                 self.graphs[bs] = self._capture(bs, stream, pool, capture_context)
@@ -138,6 +141,25 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s, %.2f GB",
                     len(self.graphs), self.capture_bs[0], self.max_bs,
                     time.perf_counter() - start, used)
+
+    def _compile_ahead(self) -> None:
+        """Every graph's Triton kernels compiled side by side first (a dry pass per size; the
+        captures then load them from Triton's cache) instead of one by one inside the captures."""
+        from engine.kernels.compile_ahead import CompileAhead
+
+        ahead = CompileAhead()
+        try:
+            with ahead.dry_pass():
+                for bs in reversed(self.capture_bs):
+                    fb = self._static_batch(bs)
+                    self.attn_backend.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
+                    if not ahead.run(lambda: self._forward(fb)):
+                        break  # a kernel compiled before this pass: the rest compile at their capture
+        except Exception as exc:  # what was handed over still helps; the captures say what is wrong
+            logger.warning("compiling ahead stopped: %s: %s", type(exc).__name__, exc)
+        report = ahead.wait()
+        logger.info("compiled %d Triton kernels ahead of capture in %.1f s%s", report.submitted, report.seconds,
+                    f" ({len(report.failed)} failed: {report.failed[0]})" if report.failed else "")
 
     def _capture(self, bs: int, stream: torch.cuda.Stream, pool, capture_context) -> torch.cuda.CUDAGraph:
         fb = self._static_batch(bs)

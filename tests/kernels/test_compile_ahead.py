@@ -1,0 +1,128 @@
+"""CompileAhead (engine/kernels/compile_ahead.py) on a machine without a GPU.
+
+A stand-in for Triton's active driver names the H200's target (sm_90) and launches nothing, so
+Triton's JIT path (specialization, its hooks, compiles into the on-disk cache) runs for real on
+the CPU. Checked: a dry pass launches and compiles nothing on its own thread, the pool's compiles
+land in the cache under the keys the JIT computes (the warm-up that follows writes no new entry),
+a kernel compiled before the pass ends it instead of launching, the hooks are restored after. In
+a subprocess: the interpreter tests set TRITON_INTERPRET=1 in this one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = r"""
+import os, threading, time
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+class StandInLauncher:  # as Triton's C launcher: the enter hook, then the launch (here: a failure)
+    def __init__(self, src, metadata): pass
+    def __call__(self, *args):
+        enter_hook, launch_metadata = args[7], args[6]
+        if enter_hook is not None:
+            enter_hook(launch_metadata)
+        raise AssertionError("a kernel launched during a dry pass")
+
+class StandInUtils:
+    def load_binary(self, name, kernel, shared, device): return None, None, 0, 0, 1024
+    def get_device_properties(self, device): return {"max_shared_mem": 227 * 1024}
+
+class StandInDriver:  # what JITFunction.run asks of the active driver for the H200's target
+    launcher_cls = StandInLauncher
+    utils = StandInUtils()
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+driver.set_active(StandInDriver())
+from engine.kernels.compile_ahead import CompileAhead
+from engine.kernels.greedy_logprob import greedy_logprob
+from engine.kernels.store_kv import store_kv
+
+cache = os.environ["TRITON_CACHE_DIR"]
+entries = lambda: sum(len(files) for _, _, files in os.walk(cache))
+
+def store(t):  # a decode step's K/V store, bf16
+    k = torch.zeros(t, 8, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(64, 8, 128, dtype=torch.bfloat16)
+    store_kv(k, k.clone(), pool, pool.clone(), torch.zeros(t, dtype=torch.int64))
+
+def passes():
+    for t in (1, 16, 24):  # Triton specializes t's strides, not the grid
+        store(t)
+    greedy_logprob(torch.zeros(4, 1000))
+
+ahead = CompileAhead(workers=2)
+start = time.perf_counter()
+with ahead.dry_pass():
+    assert ahead.run(passes)
+    seen = []  # another thread's compiles and launches are its own
+    other = threading.Thread(target=lambda: seen.append((knobs.runtime.jit_cache_hook(key=None, fn=None, compile={}),
+                                                         knobs.runtime.launch_enter_hook({}))))
+    other.start(); other.join()
+    assert seen == [(None, None)], seen
+report = ahead.wait()
+assert not report.failed, report.failed
+assert report.submitted == 3, report.submitted  # store_kv once, greedy's two kernels
+assert knobs.runtime.jit_cache_hook is None and not knobs.runtime.launch_enter_hook.calls  # restored
+print(f"compiled {report.submitted} kernels in {report.seconds:.2f} s")
+
+# the JIT's own compile of the same calls now loads from the cache: no new entry
+before = entries()
+from engine.kernels import store_kv as sk
+k = torch.zeros(16, 8, 128, dtype=torch.bfloat16)
+pool = torch.zeros(64, 8, 128, dtype=torch.bfloat16)
+args = (k, k.clone(), pool, pool.clone(), torch.zeros(16, dtype=torch.int64), *k.stride()[:2], *k.stride()[:2],
+        *pool.stride()[:2], *pool.stride()[:2])
+t0 = time.perf_counter()
+sk._store_kv_kernel.warmup(*args, HKV=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, num_warps=4, grid=(16,))
+assert entries() == before, (entries(), before)
+print(f"cache hit in {time.perf_counter() - t0:.3f} s")
+
+# compiled in memory now: a dry pass stops at its launch instead of launching
+ahead = CompileAhead(workers=1)
+with ahead.dry_pass():
+    assert not ahead.run(lambda: store(16))
+assert ahead.wait().submitted == 0
+print("stopped at a compiled kernel")
+"""
+
+
+def test_dry_pass_compiles_on_the_pool_into_the_cache(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.skip("this Triton build has no ptxas to compile with")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "stopped at a compiled kernel" in done.stdout
+
+
+def test_the_switch_refuses_unknown_values(monkeypatch):
+    from engine.kernels.compile_ahead import ENV, compile_ahead_enabled
+
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(ValueError, match=ENV):
+        compile_ahead_enabled()
+    monkeypatch.setenv(ENV, "1")
+    assert compile_ahead_enabled()
+    monkeypatch.delenv(ENV)
+    assert not compile_ahead_enabled()
