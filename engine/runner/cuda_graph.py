@@ -127,13 +127,14 @@ class CudaGraphRunner:
         from tqdm import tqdm
 
         start = time.perf_counter()
+        if compile_ahead_enabled() and self.attn_backend.runs_dry:
+            with torch.inference_mode():
+                self._compile_ahead()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         stream = self.stream
         pool, capture_context = self.graph_pool or (torch.cuda.graph_pool_handle(), contextlib.nullcontext)
         bar = tqdm(list(reversed(self.capture_bs)), desc="Capturing CUDA graphs", unit="graph")
         with torch.inference_mode():
-            if compile_ahead_enabled() and self.attn_backend.runs_dry:
-                self._compile_ahead()
             for bs in bar:
                 bar.set_postfix(bs=bs)
                 self.graphs[bs] = self._capture(bs, stream, pool, capture_context)

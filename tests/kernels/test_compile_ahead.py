@@ -116,6 +116,63 @@ def test_dry_pass_compiles_on_the_pool_into_the_cache(tmp_path):
     assert "stopped at a compiled kernel" in done.stdout
 
 
+RUNNER_SCRIPT = r"""
+import os, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+import importlib, pkgutil
+import engine.attention.triton, engine.kernels, engine.kernels.batch_invariant
+for pkg in (engine.kernels, engine.kernels.batch_invariant):  # every kernel jitted, none interpreted
+    for mod in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+        importlib.import_module(mod.name)
+
+class StandInDriver:  # compiles for the H200; no launch can happen (no launcher)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+os.environ["TRITON_INTERPRET"] = "1"  # only the backend's device check reads it now
+from engine import Engine
+from engine.runner import cuda_graph
+from engine.runner.cuda_graph import CudaGraphRunner
+
+eng = Engine(model_path=sys.argv[1], device="cpu", dtype="bfloat16", attention_backend="triton",
+             disable_cuda_graph=True, max_total_tokens=4096)
+runner = eng.local_core.runner
+passes = []
+CudaGraphRunner._capture_all = lambda self: passes.append(self._compile_ahead())  # the dry pass alone
+logged = []
+cuda_graph.logger.info = lambda msg, *args: logged.append(msg % args)
+cuda_graph.logger.warning = lambda msg, *args: logged.append("WARNING " + msg % args)
+driver.set_active(StandInDriver())
+with torch.inference_mode():
+    CudaGraphRunner(runner.model, runner.attn_backend, runner.kv_pool, runner.req_to_token, runner.device, 24)
+print(logged)
+assert passes and len(logged) == 1 and "ahead of capture" in logged[0] and "failed" not in logged[0], logged
+assert int(logged[0].split("compiled ")[1].split()[0]) >= 3, logged  # the K/V store, attention, norm + rope
+eng.shutdown()
+"""
+
+
+def test_the_graph_runner_dry_pass_over_a_decoder(tmp_path):
+    """CudaGraphRunner._compile_ahead over a tiny bf16 decoder with the Triton attention backend on
+    the CPU: the decode passes of sizes 24..1 run dry (no Python error, nothing launched) and the
+    kernels they reach compile for sm_90 without a failure."""
+    from engine.testing.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", preset="tiny")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", RUNNER_SCRIPT, str(model)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.skip("this Triton build has no ptxas to compile with")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
 def test_the_switch_refuses_unknown_values(monkeypatch):
     from engine.kernels.compile_ahead import ENV, compile_ahead_enabled
 
