@@ -11,6 +11,7 @@ one. Usage: python scripts/serve_ready_probe.py --preset qwen3-8b [--runs 2] [--
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ def time_to_ready(model_dir: str, port: int, extra: list[str], limit_s: float) -
     cmd = [sys.executable, "-m", "tandem.main", "serve", "--model-path", model_dir, "--load-format", "dummy",
            "--skip-tokenizer-init", "--port", str(port), *extra]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    wall_start = time.time()
     start = time.perf_counter()
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -35,7 +37,8 @@ def time_to_ready(model_dir: str, port: int, extra: list[str], limit_s: float) -
                     if resp.status == 200:
                         ready = time.perf_counter() - start
                         lines = Path(log.name).read_text().splitlines()
-                        return ready, next((line for line in lines if " ready: " in line), "(no start-up line)")
+                        line = next((line for line in lines if " ready: " in line), "(no start-up line)")
+                        return ready, f"{line}\n  {log_timeline(lines, wall_start)}"
             except OSError:
                 pass
             time.sleep(0.1)
@@ -46,6 +49,21 @@ def time_to_ready(model_dir: str, port: int, extra: list[str], limit_s: float) -
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})( core)?\] (.*)")
+
+
+def log_timeline(lines: list[str], wall_start: float) -> str:
+    """Each stamped log line's second since the command (where the time outside the core's
+    start-up goes: before its spawn, after its ready line)."""
+    marks = []
+    for line in lines:
+        found = STAMP.match(line)
+        if found:
+            stamp = time.mktime(time.strptime(found[1], "%Y-%m-%d %H:%M:%S")) + int(found[2]) / 1e3
+            marks.append(f"+{stamp - wall_start:.1f}s{' core' if found[3] else ''}: {found[4][:60]}")
+    return "timeline: " + " | ".join(marks) if marks else "timeline: (no stamped lines)"
 
 
 def main() -> None:

@@ -59,20 +59,26 @@ COMMANDS = {c.name: c for c in (
 )}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Each command's flags come from its adder; its runner's module is imported only when it runs."""
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """Each command's flags come from its adder; its runner's module is imported only when it runs.
+    With `only`, every command is listed but only that one's flags are added: an adder imports its
+    module (bench-sync's imports torch), and `tandem serve` must not wait seconds for torch on a
+    fresh machine before it spawns its core process."""
     parser = argparse.ArgumentParser(prog="tandem", description="tandem: an LLM serving engine "
                                      "for RL rollouts")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS.values():
         p = sub.add_parser(command.name, help=command.help, description=command.description)
-        _resolve(command.adder)(p)
+        if only is None or command.name == only:
+            _resolve(command.adder)(p)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = argv[0] if argv and argv[0] in COMMANDS else None  # the top level has no flags but -h
     try:
-        args = build_parser().parse_args(argv)  # imports torch: a Ctrl-C often lands here
+        args = build_parser(only=named).parse_args(argv)  # may import torch: a Ctrl-C often lands here
         handler = _handler(args.command)
     except KeyboardInterrupt:
         _interrupted("tandem")

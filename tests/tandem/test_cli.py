@@ -200,3 +200,27 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
         cli.main(["tiny-model", "--out", "/tmp/unused"])
     assert exit_.value.code == 130
     assert capsys.readouterr().err.strip() == "tandem tiny-model: interrupted"
+
+
+def test_serve_reaches_its_core_spawn_without_importing_torch(tmp_path):
+    """`tandem serve` spawns its core process first; parsing its flags must not import torch (an
+    unrelated command's flag adder did: seconds on a fresh machine before the core started)."""
+    import subprocess
+
+    probe = ("import sys\nimport tandem.serve as serve\n"
+             "def spawned(kwargs):\n"
+             "    print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+             "    raise SystemExit(0)\n"
+             "serve._spawn_core_early = spawned\n"
+             "from tandem.main import main\n"
+             f"main(['serve', '--model-path', {str(tmp_path)!r}, '--core-process'])\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False"]
+
+
+def test_only_the_named_commands_flags_are_built():
+    sub = cli.build_parser(only="serve")._subparsers._group_actions[0].choices
+    assert "--model-path" in sub["serve"]._option_string_actions
+    assert set(sub["bench-sync"]._option_string_actions) == {"-h", "--help"}
+    assert set(sub) == set(cli.COMMANDS)  # every command still listed
