@@ -121,9 +121,9 @@ class CompileAhead:
         return True  # skip: neither compiled nor launched here
 
 
-def _compile_to_disk(jit_fn: Any, signature: dict, constants: dict, attrs: dict, target: Any, options: Any) -> None:
+def _compile_to_disk(jit_fn: Any, signature: dict, constants: dict, attrs: dict, target: Any, options: Any) -> Any:
     """What JITFunction._do_compile compiles, the same cache key, without its in-memory cache."""
     import triton
     from triton.compiler import ASTSource
 
-    triton.compile(ASTSource(jit_fn, signature, constants, attrs), target=target, options=options.__dict__)
+    return triton.compile(ASTSource(jit_fn, signature, constants, attrs), target=target, options=options.__dict__)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.batch_invariant.triton_norm import _norm_launch
+from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 from engine.kernels.torch_backward import needs_grad, reference_grads
 
 
@@ -48,7 +49,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr,
                          stride_kot, stride_koh, stride_ct, eps,
                          v_ptr, kc_ptr, vc_ptr, loc_ptr, stride_vt, stride_vh, stride_kct, stride_kch,
                          stride_vct, stride_vch, HAS_NORM: tl.constexpr, IN_PLACE: tl.constexpr,
-                         STORE: tl.constexpr, BLOCK: tl.constexpr):
+                         STORE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # q heads 0..H-1, then the k heads, then (STORE) the v heads
     cols = tl.arange(0, BLOCK)
@@ -131,13 +133,14 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None
     qw = q_weight.contiguous() if has_norm else q
     kw = k_weight.contiguous() if has_norm else k
     block, warps = _norm_launch(D)  # triton_norm's: same tile, same reduction tree
+    pdl = use_pdl(T, q.device)
     _qk_norm_rope_kernel[(T, H + Hkv * (2 if kv_cache is not None else 1))](
         q, k, q_out, k_out, cos, sin, qw, kw, H, Hkv, D, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), float(eps), v, k_cache, v_cache, loc, v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HAS_NORM=has_norm,
         IN_PLACE=q_out.data_ptr() == q.data_ptr(), STORE=kv_cache is not None,
-        BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+        BLOCK=block, PDL=pdl, num_warps=warps, enable_fp_fusion=False, **launch_options(pdl))
 
 
 def _check_kv_cache(k, v, k_cache, v_cache, loc) -> None:

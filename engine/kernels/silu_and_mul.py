@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine.kernels.batch_invariant.triton_matmul import interpreting
+from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 from engine.kernels.qk_norm_rope import round_to
 from engine.kernels.torch_backward import needs_grad, reference_grads
 
@@ -47,7 +48,8 @@ def silu_mul(gate, up, dt: tl.constexpr, STEPWISE: tl.constexpr, INTERPRET: tl.c
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, STEPWISE: tl.constexpr,
-                         INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+                         INTERPRET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -67,9 +69,10 @@ def _launch(x: torch.Tensor, stepwise: bool) -> torch.Tensor:
     out = torch.empty((rows.shape[0], d), dtype=x.dtype, device=x.device)
     if out.numel():
         block = min(_BLOCK, triton.next_power_of_2(d))
+        pdl = use_pdl(rows.shape[0], x.device)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
             rows, out, d, rows.stride(0), out.stride(0), STEPWISE=stepwise, INTERPRET=interpreting(),
-            BLOCK=block, num_warps=4, enable_fp_fusion=False)
+            BLOCK=block, PDL=pdl, num_warps=4, enable_fp_fusion=False, **launch_options(pdl))
     return out.view(*x.shape[:-1], d)
 
 

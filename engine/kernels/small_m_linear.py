@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK, _norm_launch, rms_norm
+from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 from engine.kernels.qk_norm_rope import round_to
 
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
@@ -107,7 +108,8 @@ def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.const
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -135,8 +137,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
 
 @triton.jit
 def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum over splits in order (+ bias), cast to out's dtype."""
+    await_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -151,9 +154,10 @@ def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.con
 @triton.jit
 def _split_sum_add_norm_kernel(part_ptr, b_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, N, stride_r, stride_o,
                                stride_s, eps, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row: y = sum over splits in order (+ bias), rounded as the linear's output; s = y +
     residual, rounded (the next residual); out = RMSNorm(s) * w, rounded as the norm rounds."""
+    await_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -181,9 +185,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if part is not None:
         block = 1024
         M, N = out.shape
+        pdl = use_pdl(M, x.device)
         _split_sum_kernel[(triton.cdiv(M * N, block),)](
             part, _bias_arg(bias, weight), out, M, N, out.stride(0), SPLIT_K=cfg.split_k,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
 
@@ -205,10 +210,11 @@ def small_m_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
         raise ValueError(f"small_m_linear_add_norm: rows of {N} are wider than one norm program's {_MAX_BLOCK}")
     normed, summed = torch.empty_like(out), torch.empty_like(out)
     block, warps = _norm_launch(N)  # the standalone norm's tile and warps
+    pdl = use_pdl(M, x.device)
     _split_sum_add_norm_kernel[(M,)](
         part, _bias_arg(bias, weight), residual, norm_weight, normed, summed, M, N, residual.stride(0),
         normed.stride(0), summed.stride(0), float(eps), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-        BLOCK=block, num_warps=warps)
+        BLOCK=block, PDL=pdl, num_warps=warps, **launch_options(pdl))
     return normed, summed
 
 
@@ -228,11 +234,13 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     direct = cfg.split_k == 1
     part = None if direct else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    pdl = use_pdl(M, x.device)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x, weight, _bias_arg(bias, weight), out, out if direct else part, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None,
-        DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps * (2 if gated else 1), num_stages=cfg.num_stages)  # gated at 4 warps spilled
+        DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,
+        num_warps=cfg.num_warps * (2 if gated else 1), num_stages=cfg.num_stages,  # gated at 4 warps spilled
+        **launch_options(pdl))
     return out, part, cfg
 
 

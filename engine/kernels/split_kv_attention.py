@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 from engine.kernels.split_kv_tile import Tile
 
 # rows of the int32 block table [5, stride], one column per q block (engine/attention/split_kv_plan.py);
@@ -72,6 +73,8 @@ def split_kv_attention(
     part_ml = out if merge else part_ml
     prefix_lens, prefix_ml, prefix_acc = prefix if prefix is not None else (blocks, out, out)
     common["PREFIX"] = prefix is not None
+    pdl = use_pdl(max(num_blocks, q.shape[0]), q.device)  # decode at small batch: one block per row
+    common["PDL"] = pdl
     split_kv_stage1[(num_blocks, num_kv_heads, 1 if merge else lanes)](
         q, k_buf, v_buf, out, part_acc, part_ml, req_to_token, req_pool_indices, blocks,
         prefix_lens, prefix_ml, prefix_acc,
@@ -81,13 +84,13 @@ def split_kv_attention(
         BLOCK_T=tile.block_t, BLOCK_N=tile.block_n, MERGE=merge,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=cfg.fp_fusion,
-        **common,
+        **common, **launch_options(pdl),
     )
     if not merge:
         split_kv_stage2[(num_blocks, num_kv_heads)](
             out, part_acc, part_ml, blocks, prefix_lens, prefix_ml, prefix_acc,
             blocks.stride(0), out.stride(0), out.stride(1),
-            num_heads, max_splits, num_warps=4, enable_fp_fusion=cfg.fp_fusion, **common,
+            num_heads, max_splits, num_warps=4, enable_fp_fusion=cfg.fp_fusion, **common, **launch_options(pdl),
         )
 
 
@@ -166,9 +169,10 @@ def split_kv_stage1(
     stride_ot, stride_oh, stride_r2t, num_heads, max_splits, qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (q blocks, kv heads, lanes); lane l reduces splits l, l + lanes, ..."""
+    await_inputs(PDL)
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
     lane = tl.program_id(2)
@@ -231,9 +235,10 @@ def split_kv_stage2(
     Out, PartAcc, PartML, Blocks, PrefixLens, PrefixML, PrefixAcc, blk_stride, stride_ot,
     stride_oh, num_heads, max_splits,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PREFIX: tl.constexpr,
+    PREFIX: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """grid (q blocks of one token each, kv heads): merge the row's splits in order."""
+    await_inputs(PDL)
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
     tok = tl.load(Blocks + BLK_TOK * blk_stride + blk).to(tl.int64)

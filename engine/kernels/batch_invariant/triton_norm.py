@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import await_inputs, launch_options, use_pdl
+
 _MAX_BLOCK = 8192  # an RMSNorm row up to this long is read once and kept in registers
 _SOFTMAX_BLOCK = 4096  # log_softmax chunk width
 
@@ -34,7 +36,8 @@ def _residual_row(x_ptr, r_ptr, cols, mask, HAS_RES: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_r, stride_o,
-                     stride_ro, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_ro, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -100,9 +103,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = torch.empty((M, H), dtype=x.dtype, device=x.device) if residual is not None else out
     if M:
         block, warps = _norm_launch(H)
+        pdl = use_pdl(M, x.device)
         _rms_norm_kernel[(M,)](x2, r2, weight.contiguous(), out, res_out, H, x2.stride(0), r2.stride(0),
                                out.stride(0), res_out.stride(0), float(eps), HAS_RES=residual is not None,
-                               BLOCK=block, num_warps=warps)
+                               BLOCK=block, PDL=pdl, num_warps=warps, **launch_options(pdl))
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)

@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the small decode batch's kernels.
+
+A batch-1 decode step of the 0.6B shape is ~280 kernels in ~1.1 ms of which ~0.3 ms is weight
+bandwidth: the rest is per-kernel latency, each launch waiting for the previous kernel to drain
+before its programs are even scheduled. Launched with PDL (`launch_pdl`), a kernel's programs are
+scheduled while the previous kernel finishes, and each one's first act is `griddepcontrol.wait`,
+which returns once that kernel has completed and its writes are visible: the same order of memory
+effects as plain stream order, minus the scheduling gap. Then it lets the next kernel be scheduled
+(`griddepcontrol.launch_dependents`). CUDA graphs keep these programmatic edges.
+
+The rule every kernel taking PDL keeps: `await_inputs(PDL)` first, before any load, store or
+early return of any program. A kernel that touched memory before it, or exited without it, could
+complete before its predecessor and let its own successor read unfinished results.
+
+Only for batches of up to MAX_ROWS rows (decode at small batch, where latency is the cost; a
+large grid's programs waiting early would hold SM slots the running kernel's later waves need),
+on devices of compute capability 9.0+. Opt-in (TANDEM_PDL=1) until measured on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV = "TANDEM_PDL"
+MAX_ROWS = 8
+
+
+def _enabled() -> bool:
+    value = os.environ.get(ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: use 1 (programmatic dependent launch) or 0 (off)")
+    return value == "1"
+
+
+ENABLED = _enabled()
+
+
+def use_pdl(rows: int, device: torch.device) -> bool:
+    """Whether a launch over `rows` rows on `device` takes PDL."""
+    return ENABLED and rows <= MAX_ROWS and device.type == "cuda" and _hopper_or_later(device.index)
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword: none without PDL (a Triton without the option still launches)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def await_inputs(PDL: tl.constexpr):
+    """First in a kernel that may be launched with PDL: wait for the previous kernel to complete
+    (its writes visible), then let the next kernel's programs be scheduled."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

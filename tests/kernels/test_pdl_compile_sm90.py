@@ -1,0 +1,93 @@
+"""TANDEM_PDL's kernels (engine/kernels/pdl.py) compile for the H200 (sm_90) on a machine without a
+GPU, each with `griddepcontrol.wait` before its first global load or store and the launch flag
+set. The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
+stand-in driver and PDL forced on: what they would launch at batch 1 is compiled, not launched.
+In a subprocess: the interpreter tests set TRITON_INTERPRET=1 in this one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = r"""
+import re
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+class StandInDriver:
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+driver.set_active(StandInDriver())
+from engine.kernels import pdl
+for module in ("small_m_linear", "qk_norm_rope", "silu_and_mul", "split_kv_attention", "batch_invariant.triton_norm"):
+    __import__(f"engine.kernels.{module}")
+    setattr(__import__(f"engine.kernels.{module}", fromlist=["use_pdl"]), "use_pdl", lambda rows, device: True)
+from engine.kernels.compile_ahead import CompileAhead
+from engine.kernels.small_m_linear import small_m_linear, small_m_linear_add_norm, GemvConfig
+from engine.kernels.qk_norm_rope import qk_norm_rope
+from engine.kernels.silu_and_mul import silu_and_mul
+from engine.kernels.batch_invariant.triton_norm import rms_norm
+from engine.kernels.split_kv_attention import split_kv_attention
+from engine.kernels.split_kv_tile import Tile
+from engine.attention.split_kv_plan import DEFAULT_CONFIGS as DECODE_CONFIGS
+
+bf = torch.bfloat16
+def decode_layer_kernels():
+    x, w = torch.zeros(1, 2048, dtype=bf), torch.zeros(1024, 2048, dtype=bf)
+    small_m_linear(x, w, config=GemvConfig(64, 128, 4))
+    small_m_linear_add_norm(x, w, None, torch.zeros(1, 1024, dtype=bf), torch.zeros(1024, dtype=bf), 1e-6,
+                            config=GemvConfig(64, 128, 4))
+    q, k = torch.zeros(1, 16, 128, dtype=bf), torch.zeros(1, 8, 128, dtype=bf)
+    cos = torch.zeros(1, 128)
+    qk_norm_rope(q, k, cos, cos, torch.zeros(128, dtype=bf), torch.zeros(128, dtype=bf), 1e-6)
+    silu_and_mul(torch.zeros(1, 6144, dtype=bf))
+    rms_norm(torch.zeros(1, 1024, dtype=bf), torch.zeros(1024, dtype=bf), 1e-6, torch.zeros(1, 1024, dtype=bf))
+    # decode attention at batch 1, split over 4 lanes: stage 1's partials, stage 2's merge
+    tile = Tile.build(DECODE_CONFIGS["decode"], group=2, split=1 << 30)
+    kv = torch.zeros(64, 8, 128, dtype=bf)
+    split_kv_attention(q, kv, kv.clone(), torch.zeros_like(q), torch.zeros(1, 64, dtype=torch.int32),
+                       torch.zeros(1, dtype=torch.int64), torch.zeros(5, 1, dtype=torch.int32), 1, 0.1, tile, 4,
+                       torch.zeros(1, 16, 4, 128), torch.zeros(1, 16, 4, 2))
+
+ahead = CompileAhead(workers=2)
+with ahead.dry_pass():
+    assert ahead.run(decode_layer_kernels)
+report = ahead.wait()
+assert not report.failed, report.failed
+kernels = {name: future.result() for name, future in ahead._futures.values()}
+for name, kernel in kernels.items():
+    ptx = kernel.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    first_access = min(i for i in (ptx.find("ld.global"), ptx.find("st.global")) if i >= 0)
+    assert 0 <= wait < first_access, f"{name}: griddepcontrol.wait at {wait}, first global access at {first_access}"
+    assert "griddepcontrol.launch_dependents" in ptx, name
+    assert kernel.metadata.launch_pdl, name
+    print("pdl", name)
+"""
+
+
+def test_pdl_kernels_wait_before_their_first_global_access():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.skip("this Triton build has no ptxas to compile with")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    names = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("pdl ")}
+    assert {"_gemv_kernel", "_split_sum_kernel", "_split_sum_add_norm_kernel", "_qk_norm_rope_kernel",
+            "_silu_and_mul_kernel", "_rms_norm_kernel", "split_kv_stage1", "split_kv_stage2"} <= names, names
