@@ -8,9 +8,11 @@ which returns once that kernel has completed and its writes are visible: the sam
 effects as plain stream order, minus the scheduling gap. Then it lets the next kernel be scheduled
 (`griddepcontrol.launch_dependents`). CUDA graphs keep these programmatic edges.
 
-The rule every kernel taking PDL keeps: `await_inputs(PDL)` first, before any load, store or
-early return of any program. A kernel that touched memory before it, or exited without it, could
-complete before its predecessor and let its own successor read unfinished results.
+The rule every kernel taking PDL keeps: `await_inputs(PDL)` first, before any store, any load of
+what a kernel writes, and any early return of any program. A kernel that touched such memory
+before it, or exited without it, could complete before its predecessor and let its own successor
+read unfinished results. Weights are the one thing read before it (the small-M gemv's first
+tile): no kernel writes them during a step (updates land between steps, the engine paused).
 
 Only for batches of up to MAX_ROWS rows (decode at small batch, where latency is the cost; a
 large grid's programs waiting early would hold SM slots the running kernel's later waves need),

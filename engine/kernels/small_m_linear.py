@@ -109,7 +109,6 @@ def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.const
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
                  GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -118,7 +117,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
     n_mask = offs_n < N
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     k0 = pid_k * K_PER_SPLIT
-    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+    if PDL:  # the first weight tile streams in while the previous kernel finishes: no kernel
+        # writes weights during a step, so only x waits (the same sums, in the same order)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        await_inputs(PDL)
+        x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED)
+        acc += tl.dot(x, tl.trans(w))
+    for kk in range(BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         offs_k = k0 + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED)
