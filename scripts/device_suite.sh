@@ -173,12 +173,15 @@ for s in "$@"; do case $s in
     step gumbelwarm 120 env TANDEM_TRITON_GUMBEL=1 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_sampler_warmup_gpu.py ;;  # the Triton noise kernel: tokens, warm-up
   readyab) for v in 0 1; do  # serve ready, 8B, torch.compile's sampler (0) vs the Triton kernel (1), both with empty compile caches
     step readyab-$v 280 env TANDEM_TRITON_GUMBEL=$v TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ;;
-  aheadab) ( kit && step aheadtest 400 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_opt_in_switches_gpu.py
-    for v in 0 1; do  # serve ready, 8B, empty Triton cache: kernels compiled one by one in the captures (0) vs on a pool before them (1)
+  aheadab) ( kit && for v in 0 1; do  # serve ready, 8B, empty Triton cache: kernels compiled one by one in the captures (0) vs on a pool before them (1)
       step aheadab-$v 280 env TANDEM_COMPILE_AHEAD=$v TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ) ;;
-  pdlab) for v in 0 1; do  # programmatic dependent launch for batches <= 8: the batch-1 step (graph alone) and streamed ITL
+  pdlab) for v in 0 1 wide; do  # programmatic dependent launch for batches <= 8 (wide: qkv, gate_up on the small-M gemv too): the batch-1 step (graph alone) and streamed ITL
       step stepprobe-pdl$v 80 env TANDEM_PDL=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pdl$v 45 env TANDEM_PDL=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pdl$v.json"; done ;;
+  pdltests)  # PDL's GPU tests: bitwise against the plain engine; the kernels' own tests with PDL on; wide against cuBLAS's engine
+    step pdltests-switch 400 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_opt_in_switches_gpu.py
+    step pdltests-kernels 200 env TANDEM_PDL=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_triton_attention_gpu.py
+    step pdltests-wide 150 env TANDEM_PDL=wide python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k "engine_batch_one or small_m" ;;
   t1ab) for v in 0 1; do  # sampled decoding (T = 1), 0.6B, 256 x (512, 256): torch.compile's noise kernel (0) vs Triton's (1)
     step t1ab-$v 90 env TANDEM_TRITON_GUMBEL=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/t1-06-$v.json"; done ;;
   ladder) step ladder 240 python3 scripts/bi_matmul_bench.py --base-split0 --configs --no-norms --reps 15 ;;

@@ -66,10 +66,13 @@ class CompileAhead:
         from triton import knobs
 
         runtime = knobs.runtime
+        launch_hooks = runtime.launch_enter_hook  # a HookChain (Triton >= 3.4): every launch calls it
+        if not hasattr(launch_hooks, "add"):
+            raise RuntimeError(f"this Triton ({triton_version()}) has no chain of launch hooks to stop a "
+                               "dry pass's launches: compiling ahead needs Triton 3.4 or later")
         saved_compile_hook = runtime.jit_cache_hook
         self._thread = threading.get_ident()
         runtime.jit_cache_hook = self._chain(self._on_compile, saved_compile_hook)
-        launch_hooks = runtime.launch_enter_hook  # a HookChain: every launch calls it
         launch_hooks.add(self._on_launch)
         try:
             yield self
@@ -119,6 +122,12 @@ class CompileAhead:
             task = (jit_fn, compile["signature"], compile["constants"], compile["configs"][0], target, options)
             self._futures[ident] = (fn.name, self._pool.submit(_compile_to_disk, *task))
         return True  # skip: neither compiled nor launched here
+
+
+def triton_version() -> str:
+    import triton
+
+    return getattr(triton, "__version__", "unknown")
 
 
 def _compile_to_disk(jit_fn: Any, signature: dict, constants: dict, attrs: dict, target: Any, options: Any) -> Any:

@@ -16,7 +16,9 @@ tile): no kernel writes them during a step (updates land between steps, the engi
 
 Only for batches of up to MAX_ROWS rows (decode at small batch, where latency is the cost; a
 large grid's programs waiting early would hold SM slots the running kernel's later waves need),
-on devices of compute capability 9.0+. Opt-in (TANDEM_PDL=1) until measured on the H200.
+on devices of compute capability 9.0+. Opt-in until measured on the H200: TANDEM_PDL=1; =wide
+also moves the wide decode linears (qkv, gate_up) from cuBLAS, which takes no part in PDL, to the
+small-M gemv (engine/kernels/small_m_linear.py), so a layer is one chain of PDL launches.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ ENV = "TANDEM_PDL"
 MAX_ROWS = 8
 
 
-def _enabled() -> bool:
-    value = os.environ.get(ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use 1 (programmatic dependent launch) or 0 (off)")
-    return value == "1"
+def _mode() -> str:
+    value = os.environ.get(ENV, "0").strip().lower() or "0"
+    if value not in ("0", "1", "wide"):
+        raise ValueError(f"{ENV}={value!r}: use 1 (programmatic dependent launch), wide (also the wide "
+                         "linears on the small-M gemv) or 0 (off)")
+    return value
 
 
-ENABLED = _enabled()
+MODE = _mode()
+ENABLED = MODE != "0"
+WIDE = MODE == "wide"  # the small-M gemv takes qkv and gate_up too (no cuBLAS link in the chain)
 
 
 def use_pdl(rows: int, device: torch.device) -> bool:

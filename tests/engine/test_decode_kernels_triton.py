@@ -111,6 +111,19 @@ def test_small_m_linear_not_under_grad_mode(monkeypatch):
         assert sml.applies(x, w)
 
 
+def test_wide_linears_take_the_gemv_only_under_wide_pdl(monkeypatch):
+    """qkv / gate_up (more outputs than inputs) stay with cuBLAS unless TANDEM_PDL=wide."""
+    from engine.kernels import small_m_linear as sml
+
+    x, wide = torch.randn(1, 64).to(torch.bfloat16), torch.randn(192, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert not sml.applies(x, wide)
+        monkeypatch.setattr(sml, "WIDE_PDL", True)
+        assert sml.applies(x, wide)
+        torch.testing.assert_close(sml.small_m_linear(x, wide).float(), x.float() @ wide.float().T,
+                                   rtol=1e-2, atol=1e-2)
+
+
 SEEDS = [0, -1, 2**62 + 12345, -(2**63), 7]  # both 32-bit halves, negative int64 patterns
 POSITIONS = [0, 5, 2**40 + 3, 17, 2**31]
 
