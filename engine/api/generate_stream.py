@@ -9,7 +9,9 @@ drops what arrives for it.
 The engine holds a stream only weakly (`weak_sink`): a stream its caller dropped, e.g. left by
 `break` from `async for` or a generate(stream=True) iterator never read, is collected, and the
 request's next output finds its receiver gone (`ReceiverGone`), so the engine aborts it instead of
-decoding on for nobody.
+decoding on for nobody. A stream whose reader is waiting is held strongly (`_READING`) for as long as
+it waits: asyncio keeps only weak references to tasks, so a task nobody holds, awaiting a stream,
+would otherwise be collected with it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from engine.core.messages import ReqInput, ReqOutput
+
+
+_READING: set["GenerateStream"] = set()  # streams a reader awaits right now (on their event loop)
 
 
 class ReceiverGone(Exception):
@@ -78,7 +83,11 @@ class GenerateStream:
             if not self.pending or self.closed:
                 raise StopAsyncIteration
             self._ready.clear()
-            await self._ready.wait()
+            _READING.add(self)
+            try:
+                await self._ready.wait()
+            finally:
+                _READING.discard(self)
         out = self._unread.pop(next(iter(self._unread)))
         if out.finished:
             self.pending.discard(out.rid)

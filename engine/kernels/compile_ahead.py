@@ -12,7 +12,9 @@ GIL. Threads compile side by side (on a 2-core CPU: 8 compiles in 0.61 s vs 1.06
   compiled earlier in this process would otherwise launch on the dry pass's unwritten buffers.
   That ends the pass there (`run` answers False); what was handed over still compiles.
 The pool compiles into Triton's on-disk cache only (never the in-memory one, so nothing becomes
-launchable during the pass); the real pass that follows loads each kernel from that cache.
+launchable during the pass), and builds each kernel's launcher there too (Triton 3.6 compiles a C
+launcher per kernel signature with gcc at its first launch); the real pass that follows loads both
+from that cache. One dry pass at a time per process (the hooks are process-wide).
 
 A dry pass's Triton outputs are never written: only passes whose device work is Triton kernels
 and torch ops that read no index a skipped kernel produced may run dry (the decode forward with
@@ -34,6 +36,8 @@ from typing import Any, Callable, Iterator, Optional
 logger = logging.getLogger(__name__)
 
 ENV = "TANDEM_COMPILE_AHEAD"  # 1: compile the decode graphs' kernels on a pool before capture
+MAX_WORKERS = 16  # each compile holds LLVM and ptxas (hundreds of MB): not one per core of a big host
+_ONE_PASS = threading.Lock()
 
 
 def compile_ahead_enabled() -> bool:
@@ -56,7 +60,7 @@ class CompileReport:
 
 class CompileAhead:
     def __init__(self, workers: Optional[int] = None) -> None:
-        self._pool = ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="triton-compile")
+        self._pool = ThreadPoolExecutor(workers or _usable_cpus(), thread_name_prefix="triton-compile")
         self._futures: dict[Any, tuple[str, Future]] = {}
         self._thread: Optional[int] = None  # the dry pass's thread; other threads see the hooks unset
         self._start = time.perf_counter()
@@ -67,19 +71,20 @@ class CompileAhead:
 
         runtime = knobs.runtime
         launch_hooks = runtime.launch_enter_hook  # a HookChain (Triton >= 3.4): every launch calls it
-        if not hasattr(launch_hooks, "add"):
+        if not isinstance(getattr(launch_hooks, "calls", None), list):
             raise RuntimeError(f"this Triton ({triton_version()}) has no chain of launch hooks to stop a "
                                "dry pass's launches: compiling ahead needs Triton 3.4 or later")
-        saved_compile_hook = runtime.jit_cache_hook
-        self._thread = threading.get_ident()
-        runtime.jit_cache_hook = self._chain(self._on_compile, saved_compile_hook)
-        launch_hooks.add(self._on_launch)
-        try:
-            yield self
-        finally:
-            launch_hooks.remove(self._on_launch)
-            runtime.jit_cache_hook = saved_compile_hook
-            self._thread = None
+        with _ONE_PASS:
+            saved_compile_hook = runtime.jit_cache_hook
+            self._thread = threading.get_ident()
+            runtime.jit_cache_hook = self._chain(self._on_compile, saved_compile_hook)
+            launch_hooks.calls.insert(0, self._on_launch)  # first: a hook after it would see no launch
+            try:
+                yield self
+            finally:
+                launch_hooks.calls.remove(self._on_launch)
+                runtime.jit_cache_hook = saved_compile_hook
+                self._thread = None
 
     def run(self, fn: Callable[[], Any]) -> bool:
         """fn() inside dry_pass(); False when it reached a kernel compiled before (stop there)."""
@@ -130,9 +135,24 @@ def triton_version() -> str:
     return getattr(triton, "__version__", "unknown")
 
 
+def _usable_cpus() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))  # a container's share, not the host's cores
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_WORKERS))
+
+
 def _compile_to_disk(jit_fn: Any, signature: dict, constants: dict, attrs: dict, target: Any, options: Any) -> Any:
-    """What JITFunction._do_compile compiles, the same cache key, without its in-memory cache."""
+    """What JITFunction._do_compile compiles, the same cache key, without its in-memory cache; then
+    the launcher its first launch would build."""
     import triton
     from triton.compiler import ASTSource
+    from triton.runtime import driver
 
-    return triton.compile(ASTSource(jit_fn, signature, constants, attrs), target=target, options=options.__dict__)
+    kernel = triton.compile(ASTSource(jit_fn, signature, constants, attrs), target=target, options=options.__dict__)
+    try:
+        driver.active.launcher_cls(kernel.src, kernel.metadata)  # cached on disk by its source
+    except Exception:  # best effort: the first launch builds it (and says what is wrong) otherwise
+        logger.debug("no launcher built ahead for %s", getattr(jit_fn, "__name__", jit_fn), exc_info=True)
+    return kernel

@@ -71,14 +71,15 @@ def choose_config(n: int, k: int, num_sms: int = 132, block_n: int = 64, block_k
     return GemvConfig(block_n, block_k, split)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
     """Whether a linear of x by weight takes this kernel: a CUDA, half-precision call with grad
     mode off (the engine runs under inference mode; the kernel records no autograd graph), 1..MAX_M
     rows, a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj, down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
     fast or faster there (0.6B gate_up 6.4 vs 6.4 us, qkv 5.5 vs 6.1), and 1.5-2.4x slower on
-    o_proj (12.8 vs 5.3 us) and down_proj (7.5 vs 6.1). TANDEM_PDL=wide takes them too (engine/kernels/pdl.py)."""
+    o_proj (12.8 vs 5.3 us) and down_proj (7.5 vs 6.1). TANDEM_PDL=wide takes them too (engine/kernels/pdl.py):
+    `wide` says the caller is one of them (never an LM head)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and (weight.shape[0] <= weight.shape[1] or WIDE_PDL)
+            and weight.dtype == x.dtype and (weight.shape[0] <= weight.shape[1] or (wide and WIDE_PDL))
             and weight.numel() <= MAX_WEIGHT_ELEMENTS and weight.is_contiguous()
             and not torch.is_grad_enabled() and not DISABLED)  # no autograd graph: the engine's inference
 

@@ -227,6 +227,7 @@ class Linear(nn.Linear):
     lora_name: str = ""
     small_m_kernel: bool = True  # normal mode, 1..8 rows on CUDA: engine.kernels.small_m_linear
     small_m_epilogue: bool = True  # forward_add_norm may fuse (off where the output is summed over ranks)
+    small_m_wide: bool = False  # a wide output the small-M kernel takes only under TANDEM_PDL=wide (qkv, gate_up)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  deterministic: bool = False) -> None:
@@ -238,7 +239,7 @@ class Linear(nn.Linear):
             out = bi.linear(x, self.weight, self.bias)
         else:
             small_m = fused_kernel("small_m_linear", x) if self.small_m_kernel else None
-            if small_m is not None and small_m.applies(x, self.weight):
+            if small_m is not None and small_m.applies(x, self.weight, wide=self.small_m_wide):
                 out = small_m.small_m_linear(x, self.weight, self.bias)
             else:
                 out = F.linear(x, self.weight, self.bias)
@@ -296,6 +297,7 @@ class StackedLinear(Linear):
 
 class QKVLinear(StackedLinear):
     """q_proj, k_proj, v_proj stacked (shard ids "q", "k", "v"); forward returns (q, k, v)."""
+    small_m_wide = True
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool, deterministic: bool = False) -> None:
@@ -310,6 +312,7 @@ class QKVLinear(StackedLinear):
 
 class MergedGateUp(StackedLinear):
     """gate_proj (shard 0) and up_proj (shard 1) stacked; output feeds SiluAndMul."""
+    small_m_wide = True
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  deterministic: bool = False) -> None:

@@ -149,13 +149,13 @@ class CudaGraphRunner:
         from engine.kernels.compile_ahead import CompileAhead
 
         ahead = CompileAhead()
-        try:
-            with ahead.dry_pass():
+        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        try:  # on the capture's stream: its warm-ups reuse what the pass cached
+            with ahead.dry_pass(), stream:
                 for bs in reversed(self.capture_bs):
                     fb = self._static_batch(bs)
                     self.attn_backend.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
-                    if not ahead.run(lambda: self._forward(fb)):
-                        break  # a kernel compiled before this pass: the rest compile at their capture
+                    ahead.run(lambda: self._forward(fb))  # False: stopped at a kernel compiled before
         except Exception as exc:  # what was handed over still helps; the captures say what is wrong
             logger.warning("compiling ahead stopped: %s: %s", type(exc).__name__, exc)
         report = ahead.wait()

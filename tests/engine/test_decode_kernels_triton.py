@@ -112,14 +112,15 @@ def test_small_m_linear_not_under_grad_mode(monkeypatch):
 
 
 def test_wide_linears_take_the_gemv_only_under_wide_pdl(monkeypatch):
-    """qkv / gate_up (more outputs than inputs) stay with cuBLAS unless TANDEM_PDL=wide."""
+    """qkv / gate_up (more outputs than inputs) stay with cuBLAS unless TANDEM_PDL=wide; other wide
+    linears (an LM head) always do."""
     from engine.kernels import small_m_linear as sml
 
     x, wide = torch.randn(1, 64).to(torch.bfloat16), torch.randn(192, 64).to(torch.bfloat16)
     with torch.no_grad():
-        assert not sml.applies(x, wide)
+        assert not sml.applies(x, wide) and not sml.applies(x, wide, wide=True)
         monkeypatch.setattr(sml, "WIDE_PDL", True)
-        assert sml.applies(x, wide)
+        assert sml.applies(x, wide, wide=True) and not sml.applies(x, wide)
         torch.testing.assert_close(sml.small_m_linear(x, wide).float(), x.float() @ wide.float().T,
                                    rtol=1e-2, atol=1e-2)
 

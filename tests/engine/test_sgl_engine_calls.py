@@ -160,6 +160,28 @@ def test_async_generate_stream_left_by_break_aborts(engine):
     assert engine.generate(input_ids=IDS, sampling_params=GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_a_task_nobody_holds_still_reads_its_stream(engine):
+    """asyncio keeps tasks weakly: a task awaiting a stream, itself held by no one, must not be
+    collected with the stream now that the engine holds streams weakly."""
+    import gc
+
+    async def run():
+        done = asyncio.get_running_loop().create_future()
+
+        async def consume():
+            stream = await engine.async_generate(input_ids=IDS, sampling_params={**GREEDY, "max_new_tokens": 40},
+                                                 stream=True)
+            done.set_result([chunk async for chunk in stream][-1])
+
+        asyncio.ensure_future(consume())  # the task is not kept
+        for _ in range(20):
+            gc.collect()
+            await asyncio.sleep(0.01)
+        return await asyncio.wait_for(done, 20)
+
+    assert len(asyncio.run(run())["output_ids"]) == 40
+
+
 def test_awaited_async_generate_stream_is_an_async_iterator(engine):
     """SGLang: `gen = await engine.async_generate(..., stream=True)`, then `async for`."""
     async def run():
