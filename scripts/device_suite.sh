@@ -175,6 +175,7 @@ for s in "$@"; do case $s in
     step readyab-$v 280 env TANDEM_TRITON_GUMBEL=$v TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ;;
   aheadab) ( kit && for v in 0 1; do  # serve ready, 8B, empty Triton cache: kernels compiled one by one in the captures (0) vs on a pool before them (1)
       step aheadab-$v 280 env TANDEM_COMPILE_AHEAD=$v TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ) ;;
+  tablegpu) step tablegpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/engine/test_decode_table_triton.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py ;;  # the one-launch decode block table (default) on the device
   pdlab) for v in 0 1 wide; do  # programmatic dependent launch for batches <= 8 (wide: qkv, gate_up on the small-M gemv too): the batch-1 step (graph alone) and streamed ITL
       step stepprobe-pdl$v 80 env TANDEM_PDL=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pdl$v 45 env TANDEM_PDL=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pdl$v.json"; done ;;

@@ -32,9 +32,7 @@ from engine.attention.split_kv_plan import (
     MIN_DECODE_SPLIT,
     KernelConfig,
     SplitKvPlan,
-    decode_block_table,
     decode_lanes,
-    decode_split_lens,
 )
 
 if TYPE_CHECKING:
@@ -109,17 +107,24 @@ class TritonAttentionBackend(AttentionBackend):
             # lanes only change which program computes a split, never its bits
             max_splits = math.ceil(max_len / self.split_size)
             lanes = min(lanes, max_splits)
-            blocks = decode_block_table(seq_lens, self.split_size)
+        blocks = torch.empty((5, bs), dtype=torch.int32, device=device)
+        self._fill_decode_table(blocks, seq_lens, lanes, cascade)
+        if self.deterministic:
             return SplitKvPlan(self.decode_config, self.split_size, lanes, max_splits, blocks, bs)
-        blocks = decode_block_table(seq_lens, self._split_lens(seq_lens, lanes, cascade))
         return SplitKvPlan(self.decode_config, SINGLE_SPLIT, lanes, lanes, blocks, bs)
 
-    def _split_lens(self, seq_lens: torch.Tensor, lanes: int,
-                    cascade: Optional[CascadeTables]) -> torch.Tensor:
-        """Normal mode: each row's keys cut into `lanes` splits; with cascade, only the keys past
-        its shared prefix (phase A read the rest)."""
-        own = seq_lens if cascade is None else seq_lens - cascade.prefix_lens
-        return decode_split_lens(own, lanes, self.decode_config.block_n, MIN_DECODE_SPLIT)
+    def _fill_decode_table(self, blocks: torch.Tensor, seq_lens: torch.Tensor, lanes: int,
+                           cascade: Optional[CascadeTables]) -> None:
+        """One launch, no host sync: split_kv_plan's decode_block_table into `blocks`. Splits:
+        deterministic mode's fixed size; normal mode's cut each row's keys into `lanes` splits
+        (decode_split_lens), with cascade only the keys past its shared prefix (phase A read the rest)."""
+        from engine.kernels.decode_table import write_decode_table
+
+        if self.deterministic:
+            write_decode_table(blocks, seq_lens, fixed_split=self.split_size)
+        else:
+            write_decode_table(blocks, seq_lens, lanes=lanes, block_n=self.decode_config.block_n,
+                               min_split=MIN_DECODE_SPLIT, prefix_lens=None if cascade is None else cascade.prefix_lens)
 
     def num_sms(self, device: torch.device) -> int:
         if self._num_sms is None:
@@ -209,11 +214,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.graph.table_in_graph = True
 
     def _write_decode_table(self, bs: int, seq_lens: torch.Tensor) -> None:
-        """Device ops only: the graph plan of bs's block table from seq_lens [bs]."""
+        """The graph plan of bs's block table from seq_lens [bs]."""
         plan = self.graph.plans[bs]
-        if self.deterministic:
-            table = decode_block_table(seq_lens[:bs], self.split_size)
-        else:
-            view = self.cascade.graph_view(bs) if self.cascade is not None else None
-            table = decode_block_table(seq_lens[:bs], self._split_lens(seq_lens[:bs], plan.lanes, view))
-        plan.blocks.copy_(table)
+        view = self.cascade.graph_view(bs) if self.cascade is not None else None
+        self._fill_decode_table(plan.blocks, seq_lens[:bs], plan.lanes, view)
