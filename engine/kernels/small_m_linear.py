@@ -13,7 +13,10 @@ split-K sum with the residual add and the RMSNorm that follows o_proj and down_p
 layer's ~13 launches; the sum's bits are those of the linear then `x + residual`, the norm's
 reduction is row-local but in this kernel's order, not the standalone norm's). `gated=True` (opt-in,
 slower so far) takes x as gate | up and multiplies W by silu(gate) * up computed as the tiles load,
-with F.silu's rounding points but fast exp and division.
+with F.silu's rounding points but fast exp and division. The H200 measured it slower (the silu of
+the whole 16-row MMA tile in every program); at M = 1 it now runs on the CUDA cores instead
+(`ROW`: the activation of the one real row, 182 registers vs the tile's 249 in the sm_90 build),
+not yet measured.
 
 Normal mode only: its sums differ from cuBLAS's in the last bits, and a row's result depends on
 M (as cuBLAS's does on its tile choice); deterministic mode keeps its batch-invariant matmul.
@@ -108,17 +111,69 @@ def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.const
 
 
 @triton.jit
+def _x_row(x_ptr, offs_k, k_mask, K, GATED: tl.constexpr):
+    """x's first row [BLOCK_K] in float32, as _x_tile rounds it (GATED: silu(gate) * up)."""
+    if GATED:
+        dt = x_ptr.dtype.element_ty
+        gate = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        silu = round_to(gate / (1.0 + tl.exp(-gate)), dt)
+        return round_to(silu * up, dt)
+    return tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_dot(x_ptr, w_ptr, offs_n, n_mask, k0, K, stride_wn, K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of x by W's [BLOCK_N, K_PER_SPLIT] slice on the CUDA cores -> [BLOCK_N] float32: for
+    a single row the MMA tile's 15 padding rows cost registers and, gated, 16x the activation."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # products summed over K steps, reduced once
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        offs_k = k0 + kk + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _x_row(x_ptr, offs_k, k_mask, K, GATED)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                 ROW: tl.constexpr = False):
+    """ROW: M == 1 on the CUDA cores (_row_dot); else x's rows padded to 16 for tl.dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
     n_mask = offs_n < N
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     k0 = pid_k * K_PER_SPLIT
+    if ROW:
+        await_inputs(PDL)
+        offs_m = tl.arange(0, 1)
+        acc = _row_dot(x_ptr, w_ptr, offs_n, n_mask, k0, K, stride_wn, K_PER_SPLIT, GATED, BLOCK_N,
+                       BLOCK_K)[None, :]
+    else:
+        offs_m = tl.arange(0, 16)
+        acc = _tile_dot(x_ptr, w_ptr, offs_m, offs_n, offs_m < M, n_mask, k0, K, stride_xm, stride_wn,
+                        K_PER_SPLIT, GATED, BLOCK_N, BLOCK_K, PDL)
+    m_mask = offs_m < M
+    mask = m_mask[:, None] & n_mask[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _tile_dot(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k0, K, stride_xm, stride_wn, K_PER_SPLIT: tl.constexpr,
+              GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """x's rows (padded to 16) by W's [BLOCK_N, K_PER_SPLIT] slice on the tensor cores -> [16, BLOCK_N]."""
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if PDL:  # the first weight tile streams in while the previous kernel finishes: no kernel
         # writes weights during a step, so only x waits (the same sums, in the same order)
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -135,14 +190,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
-    mask = m_mask[:, None] & n_mask[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    return acc
 
 
 @triton.jit
@@ -248,7 +296,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x, weight, _bias_arg(bias, weight), out, out if direct else part, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None,
-        DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,
+        DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, ROW=gated and M == 1,
         num_warps=cfg.num_warps * (2 if gated else 1), num_stages=cfg.num_stages,  # gated at 4 warps spilled
         **launch_options(pdl))
     return out, part, cfg
