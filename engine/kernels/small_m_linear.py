@@ -74,6 +74,12 @@ def choose_config(n: int, k: int, num_sms: int = 132, block_n: int = 64, block_k
     return GemvConfig(block_n, block_k, split)
 
 
+def wide_config(n: int, num_sms: int = 132) -> GemvConfig:
+    """A wide output (qkv, gate_up; TANDEM_PDL=wide) has programs enough without splitting K: one
+    launch, no split-K sum after it; 32-row tiles where 64-row ones would leave SMs idle."""
+    return GemvConfig(32 if triton.cdiv(n, 64) < num_sms else 64, 128, 1)
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
     """Whether a linear of x by weight takes this kernel: a CUDA, half-precision call with grad
     mode off (the engine runs under inference mode; the kernel records no autograd graph), 1..MAX_M
@@ -286,7 +292,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         raise ValueError(f"small_m_linear: x {tuple(x.shape)} by weight {tuple(weight.shape)}"
                          + (" (gated: x is gate | up, twice the weight's K)" if gated else ""))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    cfg = config or choose_config(N, K, _num_sms(x.device))
+    cfg = config or (wide_config(N, _num_sms(x.device)) if N > K else choose_config(N, K, _num_sms(x.device)))
     if M == 0:
         return out, None, cfg
     direct = cfg.split_k == 1
