@@ -180,7 +180,7 @@ for s in "$@"; do case $s in
       step stepprobe-pdl$v 80 env TANDEM_PDL=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pdl$v 45 env TANDEM_PDL=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pdl$v.json"; done ;;
   pdltests)  # PDL's GPU tests: bitwise against the plain engine; the kernels' own tests with PDL on; wide against cuBLAS's engine
-    step pdltests-switch 400 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_opt_in_switches_gpu.py
+    step pdltests-switch 540 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_opt_in_switches_gpu.py
     step pdltests-kernels 200 env TANDEM_PDL=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_triton_attention_gpu.py
     step pdltests-wide 150 env TANDEM_PDL=wide python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k "engine_batch_one or small_m" ;;
   t1ab) for v in 0 1; do  # sampled decoding (T = 1), 0.6B, 256 x (512, 256): torch.compile's noise kernel (0) vs Triton's (1)
