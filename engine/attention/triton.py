@@ -58,7 +58,7 @@ class _GraphState:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    runs_dry = True  # block tables from seq_lens by torch ops, then Triton kernels only
+    runs_dry = True  # its block table comes from the graph's static seq_lens; all else is Triton kernels
     default_split_size = DEFAULT_SPLIT_SIZE  # read by the trainer's PackedAttention
 
     def __init__(self, deterministic: bool = False, split_size: int = DEFAULT_SPLIT_SIZE,
@@ -102,16 +102,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _decode_plan(self, bs: int, seq_lens: torch.Tensor, num_kv_heads: int, max_len: int,
                      device: torch.device, cascade: Optional[CascadeTables] = None) -> SplitKvPlan:
-        lanes = decode_lanes(bs, num_kv_heads, self.num_sms(device))
+        lanes = max_splits = decode_lanes(bs, num_kv_heads, self.num_sms(device))
+        split = SINGLE_SPLIT
         if self.deterministic:
             # lanes only change which program computes a split, never its bits
-            max_splits = math.ceil(max_len / self.split_size)
+            split, max_splits = self.split_size, math.ceil(max_len / self.split_size)
             lanes = min(lanes, max_splits)
         blocks = torch.empty((5, bs), dtype=torch.int32, device=device)
         self._fill_decode_table(blocks, seq_lens, lanes, cascade)
-        if self.deterministic:
-            return SplitKvPlan(self.decode_config, self.split_size, lanes, max_splits, blocks, bs)
-        return SplitKvPlan(self.decode_config, SINGLE_SPLIT, lanes, lanes, blocks, bs)
+        return SplitKvPlan(self.decode_config, split, lanes, max_splits, blocks, bs)
 
     def _fill_decode_table(self, blocks: torch.Tensor, seq_lens: torch.Tensor, lanes: int,
                            cascade: Optional[CascadeTables]) -> None:

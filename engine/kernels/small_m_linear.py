@@ -105,26 +105,34 @@ def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.const
     ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     mask = m_mask[:, None] & k_mask[None, :]
     if GATED:
-        # F.silu(gate) * up with F.silu's rounding points, but the GPU's fast exp and division: the
-        # exact ones (silu_and_mul's, for torch's bits) spilled registers and called the division's
-        # slow path for each of the tile's 16 rows (15 of them padding at batch 1)
-        dt = x_ptr.dtype.element_ty
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        silu = round_to(gate / (1.0 + tl.exp(-gate)), dt)  # (round_to: the interpreter's casts truncate)
-        return round_to(silu * up, dt).to(dt)
+        return _silu_up(ptrs, mask, K, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
     return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _silu_up(ptrs, mask, K, dt: tl.constexpr):
+    """silu(gate) * up in float32 from gate at `ptrs` and up K elements on, rounded to dt where
+    F.silu and the product round, with the GPU's fast exp and division: the exact ones
+    (silu_and_mul's, for torch's bits) spilled registers and called the division's slow path for
+    each of the MMA tile's 16 rows (15 of them padding at batch 1)."""
+    gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dt)  # (round_to: the interpreter's casts truncate)
+    return round_to(silu * up, dt)
+
+
+@triton.jit
+def _w_tile(w_ptr, offs_n, offs_k, n_mask, k_mask, stride_wn):
+    """W's [BLOCK_N, BLOCK_K] tile (zeros past N or K)."""
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                   other=0.0)
 
 
 @triton.jit
 def _x_row(x_ptr, offs_k, k_mask, K, GATED: tl.constexpr):
     """x's first row [BLOCK_K] in float32, as _x_tile rounds it (GATED: silu(gate) * up)."""
     if GATED:
-        dt = x_ptr.dtype.element_ty
-        gate = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        silu = round_to(gate / (1.0 + tl.exp(-gate)), dt)
-        return round_to(silu * up, dt)
+        return _silu_up(x_ptr + offs_k, k_mask, K, x_ptr.dtype.element_ty)
     return tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
 
 
@@ -138,9 +146,7 @@ def _row_dot(x_ptr, w_ptr, offs_n, n_mask, k0, K, stride_wn, K_PER_SPLIT: tl.con
         offs_k = k0 + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = _x_row(x_ptr, offs_k, k_mask, K, GATED)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += _w_tile(w_ptr, offs_n, offs_k, n_mask, k_mask, stride_wn).to(tl.float32) * x[None, :]
     return tl.sum(acc, axis=1)
 
 
@@ -184,8 +190,7 @@ def _tile_dot(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k0, K, stride_xm, st
         # writes weights during a step, so only x waits (the same sums, in the same order)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _w_tile(w_ptr, offs_n, offs_k, n_mask, k_mask, stride_wn)
         await_inputs(PDL)
         x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED)
         acc += tl.dot(x, tl.trans(w))
@@ -193,9 +198,7 @@ def _tile_dot(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k0, K, stride_xm, st
         offs_k = k0 + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(_w_tile(w_ptr, offs_n, offs_k, n_mask, k_mask, stride_wn)))
     return acc
 
 
