@@ -4,52 +4,26 @@ A stand-in for Triton's active driver names the H200's target (sm_90) and launch
 Triton's JIT path (specialization, its hooks, compiles into the on-disk cache) runs for real on
 the CPU. Checked: a dry pass launches and compiles nothing on its own thread, the pool's compiles
 land in the cache under the keys the JIT computes (the warm-up that follows writes no new entry),
-a kernel compiled before the pass ends it instead of launching, the hooks are restored after. In
-a subprocess: the interpreter tests set TRITON_INTERPRET=1 in this one.
+a kernel compiled before the pass ends it instead of launching, the hooks are restored after
+(tests/kernels/sm90_subprocess.py: the stand-in driver, the subprocess).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = r"""
+from tests.kernels.sm90_subprocess import STAND_IN_DRIVER, run_for_sm90  # noqa: E402
+
+SCRIPT = STAND_IN_DRIVER + r"""
 import os, threading, time
 import torch
 import triton
 from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-class StandInLauncher:  # as Triton's C launcher: the enter hook, then the launch (here: a failure)
-    def __init__(self, src, metadata): pass
-    def __call__(self, *args):
-        enter_hook, launch_metadata = args[7], args[6]
-        if enter_hook is not None:
-            enter_hook(launch_metadata)
-        raise AssertionError("a kernel launched during a dry pass")
-
-class StandInUtils:
-    def load_binary(self, name, kernel, shared, device): return None, None, 0, 0, 1024
-    def get_device_properties(self, device): return {"max_shared_mem": 227 * 1024}
-
-class StandInDriver:  # what JITFunction.run asks of the active driver for the H200's target
-    launcher_cls = StandInLauncher
-    utils = StandInUtils()
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-
-driver.set_active(StandInDriver())
 from engine.kernels.compile_ahead import CompileAhead
 from engine.kernels.greedy_logprob import greedy_logprob
 from engine.kernels.store_kv import store_kv
@@ -104,33 +78,18 @@ print("stopped at a compiled kernel")
 
 
 def test_dry_pass_compiles_on_the_pool_into_the_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
-        pytest.skip("this Triton build has no ptxas to compile with")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run_for_sm90(SCRIPT, cache_dir=tmp_path / "triton-cache")
     assert "stopped at a compiled kernel" in done.stdout
 
 
 RUNNER_SCRIPT = r"""
 import os, sys
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
 import importlib, pkgutil
 import engine.attention.triton, engine.kernels, engine.kernels.batch_invariant
 for pkg in (engine.kernels, engine.kernels.batch_invariant):  # every kernel jitted, none interpreted
     for mod in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
         importlib.import_module(mod.name)
-
-class StandInDriver:  # compiles for the H200; no launch can happen (no launcher)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
 
 os.environ["TRITON_INTERPRET"] = "1"  # only the backend's device check reads it now
 from engine import Engine
@@ -145,7 +104,7 @@ CudaGraphRunner._capture_all = lambda self: passes.append(self._compile_ahead())
 logged = []
 cuda_graph.logger.info = lambda msg, *args: logged.append(msg % args)
 cuda_graph.logger.warning = lambda msg, *args: logged.append("WARNING " + msg % args)
-driver.set_active(StandInDriver())
+""" + STAND_IN_DRIVER + r"""
 with torch.inference_mode():
     CudaGraphRunner(runner.model, runner.attn_backend, runner.kv_pool, runner.req_to_token, runner.device, 24)
 print(logged)
@@ -162,15 +121,7 @@ def test_the_graph_runner_dry_pass_over_a_decoder(tmp_path):
     from engine.testing.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", preset="tiny")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", RUNNER_SCRIPT, str(model)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
-        pytest.skip("this Triton build has no ptxas to compile with")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    run_for_sm90(RUNNER_SCRIPT, str(model), cache_dir=tmp_path / "triton-cache")
 
 
 def test_the_switch_refuses_unknown_values(monkeypatch):

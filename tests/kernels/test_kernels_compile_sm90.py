@@ -9,10 +9,6 @@ CI catches such errors. In a subprocess: the interpreter tests set TRITON_INTERP
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +16,8 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90_subprocess import run_for_sm90  # noqa: E402
+
 SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -49,12 +46,5 @@ for fn, signature, constexprs in KERNELS:
 
 
 def test_sampling_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
-        pytest.skip("this Triton build has no ptxas to compile with")
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_for_sm90(SCRIPT)
     assert done.stdout.count("compiled") == 4

@@ -1,36 +1,25 @@
 """TANDEM_PDL's kernels (engine/kernels/pdl.py) compile for the H200 (sm_90) on a machine without a
 GPU, each with `griddepcontrol.wait` before its first global store and before every load but the
-small-M gemv's first weight tile (weights are not written during a step), and the launch flag set. The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
-stand-in driver and PDL forced on: what they would launch at batch 1 is compiled, not launched.
-In a subprocess: the interpreter tests set TRITON_INTERPRET=1 in this one.
+small-M gemv's first weight tile (weights are not written during a step), and the launch flag set.
+The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
+stand-in driver and PDL forced on: what they would launch at batch 1 is compiled, not launched
+(tests/kernels/sm90_subprocess.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = r"""
+from tests.kernels.sm90_subprocess import STAND_IN_DRIVER, run_for_sm90  # noqa: E402
+
+SCRIPT = STAND_IN_DRIVER + r"""
 import re
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-class StandInDriver:
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-
-driver.set_active(StandInDriver())
 from engine.kernels import pdl
 for module in ("small_m_linear", "qk_norm_rope", "silu_and_mul", "split_kv_attention", "batch_invariant.triton_norm"):
     __import__(f"engine.kernels.{module}")
@@ -85,15 +74,7 @@ for name, kernel in kernels.items():
 
 
 def test_pdl_kernels_wait_before_reading_what_kernels_write(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
-        pytest.skip("this Triton build has no ptxas to compile with")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run_for_sm90(SCRIPT, cache_dir=tmp_path / "triton-cache")
     names = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("pdl ")}
     assert {"_gemv_kernel", "_split_sum_kernel", "_split_sum_add_norm_kernel", "_qk_norm_rope_kernel",
             "_silu_and_mul_kernel", "_rms_norm_kernel", "split_kv_stage1", "split_kv_stage2"} <= names, names
