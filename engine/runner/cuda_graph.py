@@ -49,6 +49,9 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 # the A/B of the in-graph decode block table: 1 launches it from the host each step, as before
 TABLE_OUTSIDE_GRAPH = os.environ.get("TANDEM_TABLE_OUTSIDE_GRAPH") == "1"
+# eager passes before each capture (kernel compiles, cuBLAS workspaces); the A/B of start-up's
+# runner phase: 51 sizes x (warm-ups + 1 capture) forwards of the whole model
+GRAPH_WARMUPS = int(os.environ.get("TANDEM_GRAPH_WARMUPS", "2"))
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, kv_pool, req_to_token: torch.Tensor,
@@ -167,7 +170,7 @@ class CudaGraphRunner:
         self.attn_backend.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(stream):  # warm-up: kernel compiles, cuBLAS workspaces
-            for _ in range(2):
+            for _ in range(GRAPH_WARMUPS):
                 self._forward(fb)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
