@@ -5,8 +5,8 @@ The same function as engine.sampling.seeds.gumbel_argmax, element for element: t
 the row's float32 logprobs in float64, so the tokens are the eager reference's. The engine ran
 that reference under torch.compile, whose first calls compiled for ~6 s per shape class at
 start-up and imported torch._dynamo; this kernel is compiled and cached as the engine's other
-Triton kernels are (TANDEM_TRITON_GUMBEL=1 until its compile time and speed are measured on the
-GPU: scripts/device_suite.sh gumbelgpu readyab t1ab). Stage 1 reduces CHUNK-wide slices of a
+Triton kernels are (the default; TANDEM_TRITON_GUMBEL=0 takes torch.compile's: measured on an
+H100 by scripts/device_suite.sh gumbelgpu readyall t1ab, docs/benchmarks.md). Stage 1 reduces CHUNK-wide slices of a
 row to (max, first index of it); stage 2 takes the slices in order (engine/kernels/first_max.py:
 torch.argmax's rules, the first index on ties, a NaN wins), so a row's token never depends on
 its batch.

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from engine.kernels.compile_ahead import compile_ahead_enabled
+from engine.kernels.compile_ahead import compile_ahead_wanted, graphs_marker, mark_compiled
 from engine.models.decoder import head_dim_of
 from engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -49,9 +49,12 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 # the A/B of the in-graph decode block table: 1 launches it from the host each step, as before
 TABLE_OUTSIDE_GRAPH = os.environ.get("TANDEM_TABLE_OUTSIDE_GRAPH") == "1"
-# eager passes before each capture (kernel compiles, cuBLAS workspaces); the A/B of start-up's
-# runner phase: 51 sizes x (warm-ups + 1 capture) forwards of the whole model
-GRAPH_WARMUPS = int(os.environ.get("TANDEM_GRAPH_WARMUPS", "2"))
+# eager passes before each capture (kernel compiles, cuBLAS workspaces): one is enough (an H100,
+# 8B shape: `tandem serve` ready 0.6 s sooner than with 2, SGLang's count); the A/B's switch
+GRAPH_WARMUPS = int(os.environ.get("TANDEM_GRAPH_WARMUPS", "1"))
+# the model's dims the decode kernels specialise on (the marker of their compile, not the layer count)
+KERNEL_DIMS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "moe_intermediate_size", "num_experts", "num_experts_per_tok", "vocab_size", "tie_word_embeddings")
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, kv_pool, req_to_token: torch.Tensor,
@@ -130,7 +133,8 @@ class CudaGraphRunner:
         from tqdm import tqdm
 
         start = time.perf_counter()
-        if compile_ahead_enabled() and self.attn_backend.runs_dry:
+        marker = graphs_marker(self._kernel_shape()) if self.attn_backend.runs_dry else None
+        if self.attn_backend.runs_dry and compile_ahead_wanted(marker):
             with torch.inference_mode():
                 self._compile_ahead()
         free_before = torch.cuda.mem_get_info(self.device)[0]
@@ -141,10 +145,19 @@ class CudaGraphRunner:
             for bs in bar:
                 bar.set_postfix(bs=bs)
                 self.graphs[bs] = self._capture(bs, stream, pool, capture_context)
+        mark_compiled(marker)
         used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
         logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s, %.2f GB",
                     len(self.graphs), self.capture_bs[0], self.max_bs,
                     time.perf_counter() - start, used)
+
+    def _kernel_shape(self) -> dict:
+        """What the graphs' kernels specialise on besides their sources (graphs_marker's shape)."""
+        cfg = self.model.config
+        return {"dims": [getattr(cfg, name, None) for name in KERNEL_DIMS], "capture_bs": self.capture_bs,
+                "dtype": str(next(self.model.parameters()).dtype), "kv": str(getattr(self.kv_pool, "dtype", None)),
+                "deterministic": self.deterministic, "lora": self.lora_pool is not None,
+                "backend": type(self.attn_backend).__name__}
 
     def _compile_ahead(self) -> None:
         """Every graph's Triton kernels compiled side by side first (a dry pass per size; the

@@ -112,12 +112,15 @@ def test_small_m_linear_not_under_grad_mode(monkeypatch):
 
 
 def test_wide_linears_take_the_gemv_only_under_wide_pdl(monkeypatch):
-    """qkv / gate_up (more outputs than inputs) stay with cuBLAS unless TANDEM_PDL=wide; other wide
-    linears (an LM head) always do."""
+    """qkv / gate_up (more outputs than inputs) stay with cuBLAS under TANDEM_PDL=1 or 0 and move
+    to the gemv under wide (the default); other wide linears (an LM head) always stay."""
+    from engine.kernels import pdl
     from engine.kernels import small_m_linear as sml
 
+    assert sml.WIDE_PDL == (pdl.MODE == "wide")
     x, wide = torch.randn(1, 64).to(torch.bfloat16), torch.randn(192, 64).to(torch.bfloat16)
     with torch.no_grad():
+        monkeypatch.setattr(sml, "WIDE_PDL", False)
         assert not sml.applies(x, wide) and not sml.applies(x, wide, wide=True)
         monkeypatch.setattr(sml, "WIDE_PDL", True)
         assert sml.applies(x, wide, wide=True) and not sml.applies(x, wide)
@@ -176,10 +179,10 @@ def test_gumbel_argmax_nan_masked_and_empty_rows(monkeypatch):
         ga.gumbel_argmax(torch.zeros(150, 3).T, seeds, positions)
 
 
-def test_sampler_takes_the_triton_gumbel_kernel_only_when_asked(monkeypatch):
+def test_sampler_takes_the_triton_gumbel_kernel_unless_told_not_to(monkeypatch):
     from engine.sampling import sampler as sampler_mod
 
     monkeypatch.delenv("TANDEM_TRITON_GUMBEL", raising=False)
-    assert sampler_mod._triton_gumbel_argmax() is None  # opt-in until measured on the GPU
-    monkeypatch.setenv("TANDEM_TRITON_GUMBEL", "1")
-    assert sampler_mod._triton_gumbel_argmax() is ga.gumbel_argmax
+    assert sampler_mod._triton_gumbel_argmax() is ga.gumbel_argmax  # the default (measured, docs/benchmarks.md)
+    monkeypatch.setenv("TANDEM_TRITON_GUMBEL", "0")
+    assert sampler_mod._triton_gumbel_argmax() is None  # torch.compile's

@@ -143,7 +143,8 @@ def test_gumbel_argmax_takes_the_eager_references_tokens(batch):
 
 
 def test_engine_sampled_tokens_with_the_triton_gumbel_kernel(tmp_path, monkeypatch):
-    """TANDEM_TRITON_GUMBEL=1: an engine's seeded T=1 samples equal torch.compile's, batch 1 and 3."""
+    """The Triton noise kernel (the default): an engine's seeded T=1 samples equal torch.compile's
+    (TANDEM_TRITON_GUMBEL=0), batch 1 and 3."""
     from engine import Engine
     from engine.testing.tiny_model import build_tiny_model
 
@@ -160,6 +161,7 @@ def test_engine_sampled_tokens_with_the_triton_gumbel_kernel(tmp_path, monkeypat
         finally:
             eng.shutdown()
 
+    monkeypatch.setenv("TANDEM_TRITON_GUMBEL", "0")
     compiled = run()
-    monkeypatch.setenv("TANDEM_TRITON_GUMBEL", "1")
+    monkeypatch.delenv("TANDEM_TRITON_GUMBEL")
     assert run(gumbel_argmax) == compiled

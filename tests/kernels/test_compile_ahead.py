@@ -124,13 +124,45 @@ def test_the_graph_runner_dry_pass_over_a_decoder(tmp_path):
     run_for_sm90(RUNNER_SCRIPT, str(model), cache_dir=tmp_path / "triton-cache")
 
 
-def test_the_switch_refuses_unknown_values(monkeypatch):
-    from engine.kernels.compile_ahead import ENV, compile_ahead_enabled
+def test_the_switch_refuses_unknown_values(monkeypatch, tmp_path):
+    from engine.kernels.compile_ahead import ENV, compile_ahead_wanted
 
+    marker = tmp_path / "marker"
     monkeypatch.setenv(ENV, "yes")
     with pytest.raises(ValueError, match=ENV):
-        compile_ahead_enabled()
+        compile_ahead_wanted(marker)
     monkeypatch.setenv(ENV, "1")
-    assert compile_ahead_enabled()
-    monkeypatch.delenv(ENV)
-    assert not compile_ahead_enabled()
+    assert compile_ahead_wanted(marker) and compile_ahead_wanted(None)
+    monkeypatch.setenv(ENV, "0")
+    assert not compile_ahead_wanted(marker)
+    monkeypatch.delenv(ENV)  # auto: where no earlier start left the marker
+    assert compile_ahead_wanted(marker)
+    marker.touch()
+    assert not compile_ahead_wanted(marker)
+    assert not compile_ahead_wanted(None)  # no Triton cache to look in: only when asked
+
+
+def test_the_marker_names_the_kernels_and_the_shape(monkeypatch, tmp_path):
+    """graphs_marker lives in Triton's cache dir; another shape, launch mode or kernel source is
+    another marker, so a start after any of them compiles ahead again."""
+    from triton import knobs
+
+    from engine.kernels import compile_ahead
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    shape = {"dims": [1024, 16, 8], "capture_bs": [1, 2, 4]}
+    marker = compile_ahead.graphs_marker(shape)
+    assert marker.parent == tmp_path and marker == compile_ahead.graphs_marker(dict(shape))
+    assert compile_ahead.graphs_marker({**shape, "capture_bs": [1, 2]}) != marker
+    monkeypatch.setenv("TANDEM_PDL", "0")
+    assert compile_ahead.graphs_marker(shape) != marker
+    monkeypatch.delenv("TANDEM_PDL")
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "k.py").write_text("x = 1")
+    monkeypatch.setattr(compile_ahead, "_KERNEL_DIR", kernels)
+    edited = compile_ahead.graphs_marker(shape)
+    (kernels / "k.py").write_text("x = 2")
+    assert compile_ahead.graphs_marker(shape) != edited
+    compile_ahead.mark_compiled(marker)
+    assert marker.exists()
