@@ -133,7 +133,10 @@ class CudaGraphRunner:
         from tqdm import tqdm
 
         start = time.perf_counter()
-        marker = graphs_marker(self._kernel_shape()) if self.attn_backend.runs_dry else None
+        # auto: only passes known to run dry safely (dense, no adapters: no torch op indexes with a
+        # skipped kernel's output); TANDEM_COMPILE_AHEAD=1 takes any pass the backend can run dry
+        dense = self.lora_pool is None and not getattr(self.model.config, "num_experts", None)
+        marker = graphs_marker(self._kernel_shape()) if self.attn_backend.runs_dry and dense else None
         if self.attn_backend.runs_dry and compile_ahead_wanted(marker):
             with torch.inference_mode():
                 self._compile_ahead()
