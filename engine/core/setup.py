@@ -67,8 +67,9 @@ def load_hf_config(model_path: str) -> Any:
 
 def build_core_parts(args: ServerArgs) -> CoreParts:
     clock = StartupClock()
-    hf_config = load_hf_config(args.model_path)
-    device = resolve_device(args.device)
+    with clock.phase("config"):
+        hf_config = load_hf_config(args.model_path)
+        device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     backend = get_backend_spec(args.attention_backend or default_backend(device.type))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -103,23 +104,25 @@ def _build(args: ServerArgs, hf_config: Any, device: torch.device, dtype: torch.
                            tp=tp.group if tp is not None else None)
     context_len = args.context_length or int(getattr(hf_config, "max_position_embeddings", 4096))
     routes = routes_shape(args, hf_config)
-    lora_pool = _lora_pool(args, model, device, dtype)
+    with clock.phase("lora_pool"):
+        lora_pool = _lora_pool(args, model, device, dtype)
     memory = plan_memory(args, model, device, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, context_len,
                          extra_bytes_per_token=4 * routes[0] * routes[1] if routes else 0,
                          extra_static_bytes=lora_pool.nbytes if lora_pool is not None else 0)
     with saver.region("kv_cache"), clock.phase("kv_pool"):
         kv_pool = KVPool(memory.max_total_num_tokens, hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device,
                          routes_shape=routes)
-    # +1 row: the chunked request holds a row while it is neither running nor waiting
-    req_pool = ReqToTokenPool(memory.max_running_requests + 1, context_len + 1, "cpu")
-    if tp is not None:  # the other ranks size their pools as rank 0's: slot ids are rank 0's
-        tp.send_plan(KVPlan(memory.max_total_num_tokens, req_pool.size, context_len))
-    allocator = TokenSlotAllocator(memory.max_total_num_tokens)
-    cache = ChunkCache(allocator, req_pool) if args.disable_radix_cache else RadixCache(allocator, req_pool)
-    scheduler = Scheduler(_scheduler_config(args, memory), cache, allocator, req_pool)
+    with clock.phase("scheduler"):  # the host's request-to-token table: [max running + 1, context + 1]
+        # +1 row: the chunked request holds a row while it is neither running nor waiting
+        req_pool = ReqToTokenPool(memory.max_running_requests + 1, context_len + 1, "cpu")
+        if tp is not None:  # the other ranks size their pools as rank 0's: slot ids are rank 0's
+            tp.send_plan(KVPlan(memory.max_total_num_tokens, req_pool.size, context_len))
+        allocator = TokenSlotAllocator(memory.max_total_num_tokens)
+        cache = ChunkCache(allocator, req_pool) if args.disable_radix_cache else RadixCache(allocator, req_pool)
+        scheduler = Scheduler(_scheduler_config(args, memory), cache, allocator, req_pool)
     with clock.phase("tokenizer"):
         tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args)
-    eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
+        eos = _eos_token_ids(args.model_path, hf_config, tokenizer)
     vocab_size = int(hf_config.vocab_size)
     runner_cfg = RunnerConfig(device, dtype, backend.name, eos, vocab_size,
                               cuda_graph_max_bs=0 if tp is not None else _cuda_graph_max_bs(args, device, backend, memory),
