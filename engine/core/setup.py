@@ -69,6 +69,7 @@ def build_core_parts(args: ServerArgs) -> CoreParts:
     clock = StartupClock()
     with clock.phase("config"):
         hf_config = load_hf_config(args.model_path)
+    with clock.phase("device"):  # torch's first look at the GPU brings up the CUDA driver (cuInit)
         device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     backend = get_backend_spec(args.attention_backend or default_backend(device.type))
