@@ -68,7 +68,8 @@ def compile_ahead_wanted(marker: Optional[Path]) -> bool:
 def graphs_marker(shape: dict) -> Optional[Path]:
     """The file in Triton's cache dir saying the kernels of graphs of this `shape` (JSON-able: the
     model's dims, the capture sizes, dtype...) were compiled there: named by a hash of the shape,
-    Triton's version, the device, the launch mode and every kernel source. None without Triton."""
+    Triton's version, the device, the engine's TANDEM_ switches and every kernel source. None
+    without Triton."""
     try:
         import triton
         from triton import knobs
@@ -78,7 +79,9 @@ def graphs_marker(shape: dict) -> Optional[Path]:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # an older Triton without knobs: compile ahead only when asked
         return None
-    digest = hashlib.sha256(json.dumps([shape, triton.__version__, device, os.environ.get("TANDEM_PDL")],
+    # the engine's switches (TANDEM_PDL, TANDEM_SMALL_M_EPILOGUE...) choose kernels too; keys stay out
+    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("TANDEM_") and "KEY" not in k)
+    digest = hashlib.sha256(json.dumps([shape, triton.__version__, device, switches],
                                        sort_keys=True, default=str).encode())
     for source in sorted(_KERNEL_DIR.rglob("*.py")):
         digest.update(source.read_bytes())
