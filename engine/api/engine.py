@@ -122,7 +122,7 @@ class Engine(EngineWeights, EngineLoRA):
         request = GenerateRequest.of(*args, **kwargs)
         reqs, single = self.builder.build(request)
         loop = loop or asyncio.get_running_loop()
-        streams = GenerateStream(reqs, single, request.stream, loop)
+        streams = GenerateStream(reqs, single, request.stream, loop, abort=self._abort_quietly)
         self._submit_all(reqs, [streams.sink_for(r.rid) for r in reqs])
         return streams
 

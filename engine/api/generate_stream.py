@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from engine.core.messages import ReqInput, ReqOutput
 
@@ -44,8 +44,10 @@ def weak_sink(owner: Any, put: Callable[[Any, ReqOutput], None]) -> Callable[[Re
 
 
 class GenerateStream:
-    def __init__(self, reqs: list[ReqInput], single: bool, stream: bool, loop: asyncio.AbstractEventLoop):
+    def __init__(self, reqs: list[ReqInput], single: bool, stream: bool, loop: asyncio.AbstractEventLoop,
+                 abort: Optional[Callable[[str, str], None]] = None):
         self.rids = [r.rid for r in reqs]
+        self._abort = abort  # (rid, message): a cancelled await of the final results aborts what is left
         self._index = {rid: i for i, rid in enumerate(self.rids)}
         self.single = single
         self.stream = stream
@@ -103,9 +105,18 @@ class GenerateStream:
         return self
 
     async def collect(self) -> Any:
-        """The final dict(s), streaming or not (read to the end)."""
-        async for _ in self:
-            pass
+        """The final dict(s), streaming or not (read to the end). Cancelled (asyncio.wait_for's
+        timeout, a cancelled task), it aborts the requests not finished: nobody will read them, and
+        a non-streamed request sends no output before its last to find its reader gone."""
+        try:
+            async for _ in self:
+                pass
+        except asyncio.CancelledError:
+            if self._abort is not None:
+                for rid in list(self.pending):
+                    self._abort(rid, "its caller stopped waiting (the awaiting task was cancelled)")
+            self.close()
+            raise
         results = [self.finals[rid] for rid in self.rids]
         return results[0] if self.single else results
 

@@ -160,6 +160,20 @@ def test_async_generate_stream_left_by_break_aborts(engine):
     assert engine.generate(input_ids=IDS, sampling_params=GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_async_generate_awaited_under_a_timeout_aborts_when_it_fires(engine):
+    """asyncio.wait_for(engine.async_generate(...), timeout): a non-streamed request sends nothing
+    before its last output, so only the cancelled await can say nobody waits for it any more."""
+    async def run():
+        call = engine.async_generate(input_ids=[IDS, IDS], sampling_params={**GREEDY, "max_new_tokens": 2000})
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(call, timeout=0.2)
+
+    before = engine.get_stats().num_generated_tokens
+    asyncio.run(run())
+    _ends_by_abort(engine, before)
+    assert engine.generate(input_ids=IDS, sampling_params=GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_a_task_nobody_holds_still_reads_its_stream(engine):
     """asyncio keeps tasks weakly: a task awaiting a stream, itself held by no one, must not be
     collected with the stream now that the engine holds streams weakly."""
