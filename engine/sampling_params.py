@@ -31,6 +31,11 @@ LOGIT_BIAS_RANGE = 1e30
 # stop_regex patterns are searched on the core loop at every step of the request: a bound on their
 # number (SGLang has none; 20,000 patterns slowed every request of the engine 100x)
 MAX_STOP_REGEX = 64
+# stop strings too: each is looked for in the text's tail at every step on the core loop (500,000 of
+# them in one request slowed every other request of the engine 32x); the tail looked at is as long
+# as the longest string
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 512
 
 
 def carries_grammar(raw_params: Any) -> bool:
@@ -113,6 +118,11 @@ class SamplingParams:
                f"{len(self.stop_regex or ())} patterns")
         for pattern in self.stop_regex or ():
             _check_stop_regex(pattern)
+        _check(len(self.stop or ()) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings",
+               f"{len(self.stop or ())} strings")
+        longest = max(map(len, self.stop or ("",)))
+        _check(longest <= MAX_STOP_STRING_CHARS, "stop", f"strings of at most {MAX_STOP_STRING_CHARS} characters",
+               f"one of {longest}")
         if "" in (self.stop or ()):  # every text contains it: the request would end at its first token
             raise ValueError("stop has an empty string, which would stop at the first token; leave it out")
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]

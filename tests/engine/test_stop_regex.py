@@ -77,6 +77,19 @@ def test_stop_regex_patterns_are_bounded_in_number():
         SamplingParams.from_dict({"stop_regex": [f"x{i}y" for i in range(MAX_STOP_REGEX + 1)]}).validate()
 
 
+def test_stop_strings_are_bounded_in_number_and_length():
+    """Each stop string is looked for at every step on the core loop: a request with 500,000 of
+    them slowed every other request 32x."""
+    from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+    SamplingParams.from_dict({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS)]}).validate()
+    SamplingParams.from_dict({"stop": "x" * MAX_STOP_STRING_CHARS}).validate()
+    with pytest.raises(ValueError, match=f"stop must be at most {MAX_STOP_STRINGS} strings, got 500000"):
+        SamplingParams.from_dict({"stop": ["zq"] * 500_000}).validate()
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRING_CHARS} characters, got one of 513"):
+        SamplingParams.from_dict({"stop": ["end", "x" * (MAX_STOP_STRING_CHARS + 1)]}).validate()
+
+
 def test_patterns_that_match_nothing_or_everything_are_refused():
     for pattern in ["x*", "", "$", "(?:)"]:
         with pytest.raises(ValueError, match="matches the empty string"):
