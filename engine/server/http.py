@@ -12,8 +12,10 @@ import logging
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.server.access import AccessMiddleware, AccessPolicy
 from engine.server.body_limit import BodyLimitMiddleware
@@ -32,6 +34,7 @@ from engine.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger("tandem")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs show why
+BODY_PARSE_DETAIL = "There was an error parsing the body"  # FastAPI's words for a body json.loads refused
 
 
 def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Optional[str] = None) -> FastAPI:
@@ -65,9 +68,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in content_type:  # curl -d sends a form's type
+            parts.insert(0, f"send the body as JSON with Content-Type: application/json (got "
+                            f"{content_type or 'no Content-Type'}, so it was not read as JSON)")
         return error_response("; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI's "There was an error parsing the body" (a body json.loads could not take:
+        not UTF-8, nested too deep, an integer too long) in the error shape of every other 400,
+        saying what to send; other statuses (404, 405) as FastAPI answers them."""
+        if exc.status_code == 400 and exc.detail == BODY_PARSE_DETAIL:
+            return error_response("the body could not be read as JSON: send one UTF-8 JSON object, nested "
+                                  "less than 1000 levels deep, with integers of at most 4300 digits")
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(request: Request, _: ClientGone) -> Response:

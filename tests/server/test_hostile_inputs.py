@@ -39,6 +39,31 @@ def test_bad_text_and_non_finite_floats_are_400(raw, engine, path, body, message
     _serving(raw, engine)
 
 
+@pytest.mark.parametrize("body", [
+    b'{"text": "hi \xff\xfe", "sampling_params": {"max_new_tokens": 2}}',  # not UTF-8
+    "{\"text\": \"caf\u00e9\"}".encode("latin-1"),
+    b"[" * 100_000 + b"]" * 100_000,  # nested deeper than json.loads goes
+    b'{"input_ids": [' + b"9" * 5000 + b"]}",  # an integer longer than Python parses from text
+])
+def test_a_body_json_cannot_read_is_400_saying_what_to_send(raw, engine, body):
+    """FastAPI's bare {"detail": "There was an error parsing the body"} named nothing, in another
+    shape than every other error."""
+    resp = raw.post_bytes("/generate", body)
+    assert resp.status_code == 400, resp.text
+    assert "the body could not be read as JSON: send one UTF-8 JSON object" in resp.json()["message"]
+    assert raw.get("/no-such-route").json() == {"detail": "Not Found"}  # other statuses as FastAPI's
+    _serving(raw, engine)
+
+
+@pytest.mark.parametrize("headers", [{"content-type": "application/x-www-form-urlencoded"}, {}])
+def test_a_json_body_sent_without_its_content_type_is_told_to_send_it(raw, engine, headers):
+    """curl -d sends a form's Content-Type: the JSON object was never read as JSON."""
+    resp = raw.post("/generate", content=b'{"input_ids": [5, 6]}', headers=headers)
+    assert resp.status_code == 400, resp.text
+    assert "send the body as JSON with Content-Type: application/json" in resp.json()["message"]
+    _serving(raw, engine)
+
+
 def test_a_valid_surrogate_pair_is_text(raw, engine):
     resp = raw.post_bytes("/generate", b'{"text": "\\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}')
     assert resp.status_code == 200, resp.text
