@@ -223,7 +223,9 @@ class RequestBuilder:
 
     @staticmethod
     def _rids(rid: Any, n: int, single: bool) -> list[str]:
-        if rid is None:
+        """The requests' ids; none given (or "", which no abort can name: /abort_request takes an
+        empty rid for none) -> fresh ones, so clients sending "" never collide."""
+        if rid is None or rid == "":
             return [uuid.uuid4().hex for _ in range(n)]
         rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) else None
         if rids is None or not all(isinstance(r, str) for r in rids):
@@ -234,7 +236,7 @@ class RequestBuilder:
             return [f"{rid}_{i}" for i in range(n)]
         if len(rids) != n:
             raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
-        return rids
+        return [r or uuid.uuid4().hex for r in rids]
 
     def _check_counts(self, params: list[SamplingParams]) -> None:
         too_many = [p.n for p in params if p.n > self.max_n]

@@ -52,6 +52,21 @@ def test_per_prompt_values_are_checked(client):
         assert resp.status_code == 400 and expect in resp.json()["message"], resp.text
 
 
+def test_an_empty_rid_is_no_name(client, engine):
+    """rid "" (which /abort_request takes for none) gets a fresh id, so two clients sending it at
+    once do not collide (it was one 200 and "rid '' is already in flight" for the others)."""
+    import concurrent.futures
+
+    body = {"input_ids": BATCH[0], "sampling_params": GEN, "rid": ""}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda _: client.post("/generate", json=body), range(3)))
+    assert [r.status_code for r in outs] == [200] * 3
+    ids = [r.json()["meta_info"]["id"] for r in outs]
+    assert len(set(ids)) == 3 and "" not in ids
+    batch = _post(client, {"input_ids": BATCH, "sampling_params": GEN, "rid": ["", "named-9"]})
+    assert batch[0]["meta_info"]["id"] not in ("", "named-9") and batch[1]["meta_info"]["id"] == "named-9"
+
+
 def test_one_rid_for_a_batch_names_each_item(client):
     outs = _post(client, {"input_ids": BATCH, "sampling_params": GEN, "rid": "group-7"})
     assert [o["meta_info"]["id"] for o in outs] == ["group-7_0", "group-7_1"]
