@@ -104,10 +104,17 @@ class OpenAIServing:
         prompts = self._prompt_texts(req) if req.echo else []
 
         def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> dict:
-            head = prompts[index // req.n] if req.echo and first else ""
+            echoed = prompts[index // req.n] if req.echo else ""
+            head = echoed if first else ""
             choice: dict = {"text": head + text}
-            if req.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(*output_entries(chunk["meta_info"], sent_tokens), self.decode)
+            if req.logprobs is not None:  # as the whole reply's: the echoed prompt's entries first, and
+                # text_offset counting from the start of the choice's text (the echoed prompt included)
+                meta = chunk["meta_info"]
+                if req.echo and first:
+                    entries, before = echo_entries(meta), 0
+                else:
+                    entries, before = output_entries(meta, sent_tokens), len(echoed) + len(chunk["text"]) - len(text)
+                choice["logprobs"] = completion_logprobs(*entries, self.decode, offset=before)
             if req.return_token_ids:  # the new ids of this chunk; the prompt's with the first
                 choice["token_ids"] = chunk["output_ids"][sent_tokens:]
                 if first:

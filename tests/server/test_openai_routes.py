@@ -46,6 +46,22 @@ def test_completion_echo_prepends_prompt_and_its_logprobs(client, engine):
     assert "".join(choice["logprobs"]["tokens"][:n_prompt]) == text
 
 
+@pytest.mark.parametrize("echo, max_tokens", [(True, 4), (True, 0), (False, 4)])
+def test_streamed_completion_logprobs_join_to_the_whole_replys(client, engine, echo, max_tokens):
+    """Streamed, the chunks' logprobs put together are the reply's: with echo the first carries the
+    prompt's entries, and every text_offset counts from the start of the choice's text (a
+    streamed echo had only the generated tokens, each chunk's offsets from 0)."""
+    body = {"prompt": "The cat sat", "max_tokens": max_tokens, "echo": echo, "logprobs": 1, **GREEDY}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    chunks = [c["choices"][0] for c in sse(client, "/v1/completions", {**body, "stream": True}) if c["choices"]]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    for key in ("tokens", "text_offset"):
+        assert [v for c in chunks for v in c["logprobs"][key]] == whole["logprobs"][key], key
+    joined = [v for c in chunks for v in c["logprobs"]["token_logprobs"]]
+    assert joined[:1] == whole["logprobs"]["token_logprobs"][:1]  # None for an echoed first token
+    assert joined[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-5)
+
+
 def test_usage_counts_each_prompt_once_with_n(client, engine):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     out = client.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 2, **GREEDY}).json()
