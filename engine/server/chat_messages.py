@@ -72,6 +72,8 @@ class ChatTool(_Lenient):
 
 def template_tools(tools: Optional[list[ChatTool]], tool_choice: Any) -> Optional[list[dict]]:
     """The tools the template renders, each as the client sent it; None for none."""
+    if isinstance(tool_choice, dict) and not tools:  # OpenAI refuses it too: there is no tool to call
+        raise ValueError("tool_choice names a function, but the request has no tools: send the tools too")
     if not tools or tool_choice == "none":
         return None
     if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}

@@ -58,6 +58,8 @@ def test_tools_reach_the_template_as_sent(chat):
     missing = c.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS,
                                                    "tool_choice": {"type": "function", "function": {"name": "x"}}})
     assert missing.status_code == 400 and "tool_choice names tool 'x'" in missing.json()["message"]
+    no_tools = c.post("/v1/chat/completions", json={"messages": USER, "tool_choice": named})  # was a 200, ignored
+    assert no_tools.status_code == 400 and "the request has no tools" in no_tools.json()["message"]
     bad = c.post("/v1/chat/completions", json={"messages": USER, "tools": [{"type": "function"}]})
     assert bad.status_code == 400 and "tools.0.function" in bad.json()["message"]
 
