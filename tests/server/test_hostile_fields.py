@@ -41,6 +41,19 @@ def test_text_that_is_no_unicode_is_refused_naming_its_field(raw, path, body, fi
     _serving(raw)
 
 
+@pytest.mark.parametrize("version, message", [("v" * 100_000, "at most 256 characters, got 100000"),
+                                              ("step\x00 7", "the control character '\\x00'"),
+                                              ("step\n7", "the control character '\\n'")])
+def test_a_version_too_long_or_with_control_characters_is_refused(raw, version, message):
+    """Every reply's meta_info, the metrics' label and the logs carry it."""
+    before = raw.get("/get_weight_version").json()
+    resp = raw.post("/update_weight_version", json={"new_version": version})
+    assert resp.status_code == 400 and message in resp.json()["message"], resp.text
+    assert raw.get("/get_weight_version").json() == before
+    assert raw.post("/update_weight_version", json={"new_version": "step-7"}).status_code == 200
+    _serving(raw)
+
+
 def test_disk_update_with_a_bad_version_changes_nothing(raw, tiny_model_dir):
     version = raw.get("/get_weight_version").json()
     resp = raw.post_bytes("/update_weights_from_disk",
