@@ -37,7 +37,12 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """200 once a 1-token generation answers; 503 if the core is dead, hung or paused."""
+        """200 once a 1-token generation answers; 503 if the core is dead, hung or paused. Paused
+        or with its memory released it says so at once (the probe would wait out its timeout)."""
+        if engine.is_alive():
+            why = _not_generating(await engine.recent_stats())
+            if why is not None:
+                return error_response(f"not generating: {why}", 503)
         return Response(status_code=200 if await _probe(engine, timeout) else 503)
 
     @app.get("/model_info")
@@ -90,6 +95,16 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
             return await asyncio.to_thread(engine.get_weights_by_name, req.name, req.truncate_size)
         except ValueError as exc:
             return error_response(f"Get parameter by name failed: {exc}")
+
+
+def _not_generating(stats: Any) -> Optional[str]:
+    """Why a generation would wait now (paused, memory released), or None."""
+    if stats.paused:
+        return "generation is paused (/continue_generation resumes it)"
+    if stats.memory_released:
+        return (f"its memory is released ({', '.join(stats.memory_released)}; /resume_memory_occupation "
+                "brings it back)")
+    return None
 
 
 async def _probe(engine: Any, timeout: float) -> bool:

@@ -121,17 +121,40 @@ def test_v1_loads_counts_requests(engine_factory):
 
 
 def test_health_generate(engine_factory):
-    eng = engine_factory(health_check_timeout=0.5)
+    eng = engine_factory(health_check_timeout=30)
     with TestClient(create_app(eng)) as c:
         assert c.get("/health_generate").status_code == 200
         c.post("/pause_generation", json={"mode": "retract"})
-        assert c.get("/health_generate").status_code == 503  # the probe waits behind the pause
+        start = time.monotonic()
+        paused = c.get("/health_generate")  # said at once, not after the probe's 30 s
+        assert paused.status_code == 503 and time.monotonic() - start < 10
+        assert "generation is paused (/continue_generation resumes it)" in paused.json()["message"]
         c.post("/continue_generation")
         assert c.get("/health_generate").status_code == 200
-        assert eng.get_stats().num_waiting_reqs == 0  # the timed-out probe was aborted
+        c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        released = c.get("/health_generate")
+        assert released.status_code == 503 and "its memory is released (kv_cache" in released.json()["message"]
+        c.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+        assert c.get("/health_generate").status_code == 200
+        assert eng.get_stats().num_waiting_reqs == 0
         eng.shutdown()
         assert c.get("/health").status_code == 503
         assert c.get("/health_generate").status_code == 503
+
+
+def test_health_generate_probe_that_times_out_is_aborted(engine_factory, monkeypatch):
+    """Stale counters (they said generating) and a pause: the probe waits out its timeout, is a
+    503, and its request does not stay queued."""
+    from engine.server import info_routes
+
+    monkeypatch.setattr(info_routes, "_not_generating", lambda stats: None)
+    eng = engine_factory(health_check_timeout=0.5)
+    with TestClient(create_app(eng)) as c:
+        c.post("/pause_generation", json={"mode": "retract"})
+        assert c.get("/health_generate").status_code == 503
+        c.post("/continue_generation")
+        assert c.get("/health_generate").status_code == 200
+        assert eng.get_stats().num_waiting_reqs == 0  # the timed-out probe was aborted
 
 
 def test_get_weights_by_name_reads_hf_names(client, tiny_model_dir):
