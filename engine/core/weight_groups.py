@@ -8,6 +8,7 @@ or answers the failure, at the latest when the timeout has passed.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -86,12 +87,23 @@ def _form(msg: InitWeightsGroupReq, future: Future) -> None:
     from weight_sync.weight_group import WeightGroup
 
     try:
+        _resolve(msg.master_address, msg.master_port)
         group = WeightGroup(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size, msg.group_name,
                             msg.backend, timeout_s=msg.timeout_s)
     except Exception as exc:  # a timeout, a refused connection, no NCCL: the caller reads it
         future.set_exception(exc)
     else:
         future.set_result(group)
+
+
+def _resolve(address: str, port: int) -> None:
+    """A master_address no lookup finds fails now, saying so (the rendezvous would only time out,
+    blaming the trainer); on the rendezvous thread, never the core loop (a lookup can block)."""
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"master_address {address!r} does not resolve to an address ({exc}); "
+                         "pass the trainer's host name or IP") from None
 
 
 def _destroy_result(future: Future) -> None:

@@ -72,3 +72,13 @@ def test_bad_arguments_and_a_second_join_are_refused_at_once(eng):
     joiner.join(timeout=10)
     ok, message = first[0]
     assert not ok and "no weight update group 'busy' is forming" in message  # destroyed under it
+
+
+def test_an_address_that_does_not_resolve_says_so_before_the_timeout(eng):
+    """The rendezvous used to wait out timeout_s and then blame the trainer for not listening."""
+    start = time.monotonic()
+    ok, message = eng.init_weights_update_group("bad host name!", _dead_port(), 1, 2, "unresolved", backend="gloo",
+                                                timeout_s=20)
+    assert not ok and "master_address 'bad host name!' does not resolve to an address" in message, message
+    assert time.monotonic() - start < 15
+    assert eng.destroy_weights_update_group("unresolved") == (False, "group 'unresolved' not found")
