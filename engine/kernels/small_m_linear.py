@@ -35,7 +35,7 @@ import triton.language as tl
 
 from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK, _norm_launch, rms_norm
 from engine.kernels.pdl import WIDE as WIDE_PDL
-from engine.kernels.pdl import await_inputs, launch_options, use_pdl
+from engine.kernels.pdl import _hopper_or_later, await_inputs, launch_options, use_pdl
 from engine.kernels.qk_norm_rope import round_to
 
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
@@ -86,11 +86,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
     rows, a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj, down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
     fast or faster there (0.6B gate_up 6.4 vs 6.4 us, qkv 5.5 vs 6.1), and 1.5-2.4x slower on
     o_proj (12.8 vs 5.3 us) and down_proj (7.5 vs 6.1). TANDEM_PDL=wide takes them too (engine/kernels/pdl.py):
-    `wide` says the caller is one of them (never an LM head)."""
+    `wide` says the caller is one of them (never an LM head); they pay only as links of a PDL
+    chain, so not on a GPU before Hopper (the CPU interpreter takes them, for the tests)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and (weight.shape[0] <= weight.shape[1] or (wide and WIDE_PDL))
+            and weight.dtype == x.dtype and (weight.shape[0] <= weight.shape[1] or (wide and _wide_pays(x)))
             and weight.numel() <= MAX_WEIGHT_ELEMENTS and weight.is_contiguous()
             and not torch.is_grad_enabled() and not DISABLED)  # no autograd graph: the engine's inference
+
+
+def _wide_pays(x: torch.Tensor) -> bool:
+    return WIDE_PDL and (x.device.type != "cuda" or _hopper_or_later(x.device.index))
 
 
 def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
