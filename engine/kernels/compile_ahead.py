@@ -47,6 +47,10 @@ ENV = "TANDEM_COMPILE_AHEAD"  # compile the decode graphs' kernels on a pool bef
 MAX_WORKERS = 16  # each compile holds LLVM and ptxas (hundreds of MB): not one per core of a big host
 _ONE_PASS = threading.Lock()
 _KERNEL_DIR = Path(__file__).resolve().parent  # every Triton kernel of the engine lives below it
+# the engine's switches that choose the graphs' kernels (not how start-up runs: those would only
+# make a start with them set miss the marker a default start wrote)
+KERNEL_SWITCHES = ("TANDEM_PDL", "TANDEM_SMALL_M_EPILOGUE", "TANDEM_DISABLE_SMALL_M_LINEAR", "TANDEM_DISABLE_FUSED_KV_STORE",
+                   "TANDEM_DISABLE_FUSED_GREEDY", "TANDEM_TABLE_OUTSIDE_GRAPH")
 
 
 def compile_ahead_mode() -> str:
@@ -68,7 +72,7 @@ def compile_ahead_wanted(marker: Optional[Path]) -> bool:
 def graphs_marker(shape: dict) -> Optional[Path]:
     """The file in Triton's cache dir saying the kernels of graphs of this `shape` (JSON-able: the
     model's dims, the capture sizes, dtype...) were compiled there: named by a hash of the shape,
-    Triton's version, the device, the engine's TANDEM_ switches and every kernel source. None
+    Triton's version, the device, the switches choosing kernels and every kernel source. None
     without Triton."""
     try:
         import triton
@@ -79,8 +83,7 @@ def graphs_marker(shape: dict) -> Optional[Path]:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # an older Triton without knobs: compile ahead only when asked
         return None
-    # the engine's switches (TANDEM_PDL, TANDEM_SMALL_M_EPILOGUE...) choose kernels too; keys stay out
-    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("TANDEM_") and "KEY" not in k)
+    switches = [(name, os.environ.get(name)) for name in KERNEL_SWITCHES]
     digest = hashlib.sha256(json.dumps([shape, triton.__version__, device, switches],
                                        sort_keys=True, default=str).encode())
     for source in sorted(_KERNEL_DIR.rglob("*.py")):

@@ -71,7 +71,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
         content_type = request.headers.get("content-type", "")
-        if request.method == "POST" and "json" not in content_type:  # curl -d sends a form's type
+        if request.method == "POST" and not _is_json(content_type):  # curl -d sends a form's type
             parts.insert(0, f"send the body as JSON with Content-Type: application/json (got "
                             f"{content_type or 'no Content-Type'}, so it was not read as JSON)")
         return error_response("; ".join(parts) or "invalid request")
@@ -98,3 +98,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GrammarUnavailable)
     async def on_grammar_unavailable(_: Request, exc: GrammarUnavailable) -> JSONResponse:
         return error_response(str(exc), 503)
+
+
+def _is_json(content_type: str) -> bool:
+    """FastAPI's rule for reading a body as JSON: application/json or application/*+json."""
+    kind = content_type.split(";")[0].strip().lower()
+    main, _, sub = kind.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))

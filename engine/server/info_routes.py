@@ -40,7 +40,11 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
         """200 once a 1-token generation answers; 503 if the core is dead, hung or paused. Paused
         or with its memory released it says so at once (the probe would wait out its timeout)."""
         if engine.is_alive():
-            why = _not_generating(await engine.recent_stats())
+            try:  # a core busy in one long call answers no stats: then the probe (bounded) says
+                stats = await asyncio.wait_for(engine.recent_stats(), timeout)
+            except asyncio.TimeoutError:
+                stats = None
+            why = None if stats is None else _not_generating(stats)
             if why is not None:
                 return error_response(f"not generating: {why}", 503)
         return Response(status_code=200 if await _probe(engine, timeout) else 503)

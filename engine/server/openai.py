@@ -102,19 +102,19 @@ class OpenAIServing:
 
     def completion_events(self, req: CompletionRequest, stream: Any) -> AsyncIterator[str]:
         prompts = self._prompt_texts(req) if req.echo else []
+        next_offset: dict[int, int] = {}  # per choice: where its next token's text_offset starts
 
         def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> dict:
-            echoed = prompts[index // req.n] if req.echo else ""
-            head = echoed if first else ""
+            head = prompts[index // req.n] if req.echo and first else ""
             choice: dict = {"text": head + text}
             if req.logprobs is not None:  # as the whole reply's: the echoed prompt's entries first, and
-                # text_offset counting from the start of the choice's text (the echoed prompt included)
+                # text_offset running on over the tokens' texts as the whole reply counts it
                 meta = chunk["meta_info"]
-                if req.echo and first:
-                    entries, before = echo_entries(meta), 0
-                else:
-                    entries, before = output_entries(meta, sent_tokens), len(echoed) + len(chunk["text"]) - len(text)
-                choice["logprobs"] = completion_logprobs(*entries, self.decode, offset=before)
+                entries = echo_entries(meta) if req.echo and first else output_entries(meta, sent_tokens)
+                logprobs = completion_logprobs(*entries, self.decode, offset=next_offset.get(index, 0))
+                if logprobs["tokens"]:
+                    next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                choice["logprobs"] = logprobs
             if req.return_token_ids:  # the new ids of this chunk; the prompt's with the first
                 choice["token_ids"] = chunk["output_ids"][sent_tokens:]
                 if first:

@@ -157,9 +157,10 @@ def test_the_marker_names_the_kernels_and_the_shape(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_PDL", "0")
     assert compile_ahead.graphs_marker(shape) != marker
     monkeypatch.delenv("TANDEM_PDL")
-    monkeypatch.setenv("TANDEM_API_KEY", "secret")  # keys are no kernel switch (and stay out of names)
-    assert compile_ahead.graphs_marker(shape) == marker
-    monkeypatch.delenv("TANDEM_API_KEY")
+    for other in ("TANDEM_API_KEY", "TANDEM_COMPILE_AHEAD", "TANDEM_GRAPH_WARMUPS"):  # no kernel switch
+        monkeypatch.setenv(other, "1")
+        assert compile_ahead.graphs_marker(shape) == marker, other
+        monkeypatch.delenv(other)
     kernels = tmp_path / "kernels"
     kernels.mkdir()
     (kernels / "k.py").write_text("x = 1")

@@ -51,6 +51,8 @@ def test_a_version_too_long_or_with_control_characters_is_refused(raw, version, 
     assert resp.status_code == 400 and message in resp.json()["message"], resp.text
     assert raw.get("/get_weight_version").json() == before
     assert raw.post("/update_weight_version", json={"new_version": "step-7"}).status_code == 200
+    # the session's engine is shared: later tests read its version
+    assert raw.post("/update_weight_version", json={"new_version": before["weight_version"]}).status_code == 200
     _serving(raw)
 
 

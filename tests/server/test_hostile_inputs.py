@@ -64,6 +64,14 @@ def test_a_json_body_sent_without_its_content_type_is_told_to_send_it(raw, engin
     _serving(raw, engine)
 
 
+@pytest.mark.parametrize("content_type", ["Application/JSON", "application/json; charset=utf-8",
+                                          "application/vnd.api+json"])
+def test_a_json_content_type_in_any_spelling_is_not_told_to_send_json(raw, content_type):
+    """FastAPI read these as JSON: a field error is only the field's."""
+    resp = raw.post("/generate", content=b'{"input_ids": "five"}', headers={"content-type": content_type})
+    assert resp.status_code == 400 and "Content-Type" not in resp.json()["message"], resp.text
+
+
 def test_a_valid_surrogate_pair_is_text(raw, engine):
     resp = raw.post_bytes("/generate", b'{"text": "\\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}')
     assert resp.status_code == 200, resp.text

@@ -62,6 +62,24 @@ def test_streamed_completion_logprobs_join_to_the_whole_replys(client, engine, e
     assert joined[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-5)
 
 
+def test_streamed_text_offsets_run_over_the_tokens_texts(engine, monkeypatch):
+    """text_offset adds up each token's decoded text, as the whole reply counts it, also where that
+    text is not the token's share of the reply (a BOS's "<s>", sentencepiece's dropped space)."""
+    from fastapi.testclient import TestClient
+
+    from engine.server import openai as openai_mod
+    from engine.server.http import create_app
+
+    real = openai_mod.token_decoder
+    monkeypatch.setattr(openai_mod, "token_decoder", lambda tok: (lambda ids, _d=real(tok): "<" + _d(ids) + ">"))
+    with TestClient(create_app(engine)) as c:
+        for echo in (True, False):
+            body = {"prompt": "The cat sat", "max_tokens": 4, "echo": echo, "logprobs": 1, **GREEDY}
+            whole = c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+            chunks = [ch["choices"][0] for ch in sse(c, "/v1/completions", {**body, "stream": True}) if ch["choices"]]
+            assert [v for ch in chunks for v in ch["logprobs"]["text_offset"]] == whole["text_offset"], echo
+
+
 def test_usage_counts_each_prompt_once_with_n(client, engine):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     out = client.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 2, **GREEDY}).json()
