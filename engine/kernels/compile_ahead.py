@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from engine.kernels import env_choice
+
 logger = logging.getLogger(__name__)
 
 ENV = "TANDEM_COMPILE_AHEAD"  # compile the decode graphs' kernels on a pool before capture: auto | 1 | 0
@@ -53,17 +55,10 @@ KERNEL_SWITCHES = ("TANDEM_PDL", "TANDEM_SMALL_M_EPILOGUE", "TANDEM_DISABLE_SMAL
                    "TANDEM_DISABLE_FUSED_GREEDY", "TANDEM_TABLE_OUTSIDE_GRAPH")
 
 
-def compile_ahead_mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{ENV}={value!r}: use auto (where no earlier start compiled these kernels), "
-                         "1 (always) or 0 (never)")
-    return value
-
-
 def compile_ahead_wanted(marker: Optional[Path]) -> bool:
     """Whether to compile ahead: TANDEM_COMPILE_AHEAD, and under auto whether `marker` is missing."""
-    mode = compile_ahead_mode()
+    mode = env_choice(ENV, "auto", ("0", "1", "auto"),
+                      "auto (where no earlier start compiled these kernels), 1 (always) or 0 (never)")
     if mode == "auto":
         return marker is not None and not marker.exists()
     return mode == "1"
@@ -86,7 +81,7 @@ def graphs_marker(shape: dict) -> Optional[Path]:
     switches = [(name, os.environ.get(name)) for name in KERNEL_SWITCHES]
     digest = hashlib.sha256(json.dumps([shape, triton.__version__, device, switches],
                                        sort_keys=True, default=str).encode())
-    for source in sorted(_KERNEL_DIR.rglob("*.py")):
+    for source in sorted(_KERNEL_DIR.rglob("*.py")):  # ~30 small files: ~1 ms a start
         digest.update(source.read_bytes())
     return cache_dir / f"tandem-graphs-{digest.hexdigest()[:24]}"
 

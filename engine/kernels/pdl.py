@@ -26,32 +26,26 @@ alone): 1.220 ms off, 1.056 ms with 1, 1.025 ms with wide (streamed ITL 1.254 / 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import env_choice
+
 ENV = "TANDEM_PDL"
 MAX_ROWS = 8
 
 
-def _mode() -> str:
-    value = os.environ.get(ENV, "wide").strip().lower() or "wide"
-    if value not in ("0", "1", "wide"):
-        raise ValueError(f"{ENV}={value!r}: use 1 (programmatic dependent launch), wide (also the wide "
-                         "linears on the small-M gemv) or 0 (off)")
-    return value
-
-
-MODE = _mode()
+MODE = env_choice(ENV, "wide", ("0", "1", "wide"), "1 (programmatic dependent launch), wide (also the wide "
+                  "linears on the small-M gemv) or 0 (off)")
 ENABLED = MODE != "0"
 WIDE = MODE == "wide"  # the small-M gemv takes qkv and gate_up too (no cuBLAS link in the chain)
 
 
 def use_pdl(rows: int, device: torch.device) -> bool:
     """Whether a launch over `rows` rows on `device` takes PDL."""
-    return ENABLED and rows <= MAX_ROWS and device.type == "cuda" and _hopper_or_later(device.index)
+    return ENABLED and rows <= MAX_ROWS and device.type == "cuda" and hopper_or_later(device.index)
 
 
 def launch_options(pdl: bool) -> dict:
@@ -60,7 +54,7 @@ def launch_options(pdl: bool) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_or_later(index) -> bool:
+def hopper_or_later(index) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 

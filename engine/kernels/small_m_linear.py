@@ -33,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import env_choice
 from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK, _norm_launch, rms_norm
 from engine.kernels.pdl import WIDE as WIDE_PDL
-from engine.kernels.pdl import _hopper_or_later, await_inputs, launch_options, use_pdl
+from engine.kernels.pdl import hopper_or_later, await_inputs, launch_options, use_pdl
 from engine.kernels.qk_norm_rope import round_to
 
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
@@ -44,9 +45,7 @@ DISABLED = bool(os.environ.get("TANDEM_DISABLE_SMALL_M_LINEAR"))  # A/B benchmar
 # "norm" (the default): the add + norm epilogue; "1": also the activation prologue; "0": neither.
 # H200, 0.6B, batch 1 (docs/benchmarks.md): the decode graph 1.123 ms with the epilogue, 1.188 ms
 # without; the prologue made it slower (1.413 ms): the silu of the whole padded 16-row tile per program.
-EPILOGUE_MODE = os.environ.get("TANDEM_SMALL_M_EPILOGUE", "norm").strip().lower() or "norm"
-if EPILOGUE_MODE not in ("norm", "1", "0"):
-    raise ValueError(f"TANDEM_SMALL_M_EPILOGUE={EPILOGUE_MODE!r}: use norm (the default), 1 or 0")
+EPILOGUE_MODE = env_choice("TANDEM_SMALL_M_EPILOGUE", "norm", ("norm", "1", "0"), "norm (the default), 1 or 0")
 EPILOGUE_ENABLED = EPILOGUE_MODE != "0"
 GATED_PROLOGUE = EPILOGUE_ENABLED and EPILOGUE_MODE != "norm"  # opt-in: slower so far
 
@@ -95,7 +94,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
 
 
 def _wide_pays(x: torch.Tensor) -> bool:
-    return WIDE_PDL and (x.device.type != "cuda" or _hopper_or_later(x.device.index))
+    return WIDE_PDL and (x.device.type != "cuda" or hopper_or_later(x.device.index))
 
 
 def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
