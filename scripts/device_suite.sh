@@ -127,6 +127,8 @@ for s in "$@"; do case $s in
       tests/gpu/test_triton_attention_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_memory_saver_gpu.py \
       tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_policy_parity_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py \
       tests/gpu/test_routes_gpu.py tests/gpu/test_weight_sync_gpu.py tests/gpu/test_server_gpu.py ) ;;  # the second half of gpuall (which outgrew one call on a cold machine)
+  gpuother) ( kit && step gpuother ${LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu/test_decode_kernels_gpu.py \
+      tests/gpu/test_trainer_kernels_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_opt_in_switches_gpu.py ) ;;  # the GPU files gpufirst + gpurest leave out
   cascadegpu) step cascadegpu 150 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_cascade_gpu.py ;;
   grpo8once) step grpo8once 100 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --json "$OUT/grpo-8b-once.json" ;;
   grpo8nconce) step grpo8nconce 110 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --warmup-runs 0 --stream-mode final --disable-radix-cache --json "$OUT/grpo-8b-nocache-once.json" ;;
