@@ -87,16 +87,14 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.num_heads // tp.size, kv_heads_per_rank(self.num_kv_heads, tp.size)
         self._init_qk_norm(config, opts)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                forward_batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], forward_batch: "ForwardBatch",
+                residual: Optional[torch.Tensor] = None, norm: Optional[RMSNorm] = None) -> Any:
+        """The block's output; with a norm, (norm(output + residual), the sum), o_proj's epilogue
+        fused where it can be. One entry (called as a module) so module hooks fire: ZeRO-3 gathers
+        the q/k norm weights registered on this module in its pre-forward hook."""
         out, lora = self._attend(x, cos_sin, forward_batch)
-        return self.o_proj(out, lora)
-
-    def forward_add_norm(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                         forward_batch: "ForwardBatch", residual: torch.Tensor,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(forward(x) + residual) and the sum, o_proj's epilogue fused where it can be."""
-        out, lora = self._attend(x, cos_sin, forward_batch)
+        if norm is None:
+            return self.o_proj(out, lora)
         return self.o_proj.forward_add_norm(out, residual, norm, lora)
 
     def _attend(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -147,15 +145,13 @@ class MLP(nn.Module):
             self.down_proj = Linear(inter, config.hidden_size, opts.mlp_bias, det)
         self.act_fn = SiluAndMul(det)
 
-    def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None,
+                residual: Optional[torch.Tensor] = None, norm: Optional[RMSNorm] = None) -> Any:
+        """The block's output; with a norm, (norm(output + residual), the sum), the activation and
+        the epilogue fused into down_proj where they can be (Linear.forward_add_norm)."""
         lora = getattr(forward_batch, "lora", None)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x, lora)), lora)
-
-    def forward_add_norm(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"], residual: torch.Tensor,
-                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(forward(x) + residual) and the sum; the activation and the epilogue fused into
-        down_proj where they can be (Linear.forward_add_norm)."""
-        lora = getattr(forward_batch, "lora", None)
+        if norm is None:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x, lora)), lora)
         return self.down_proj.forward_add_norm(self.gate_up_proj(x, lora), residual, norm, lora, act=self.act_fn)
 
 
@@ -181,10 +177,9 @@ class DecoderLayer(nn.Module):
         it was normed from. -> (next_norm(out + residual), out + residual): the next layer's input
         and residual, or with the model's final norm the last hidden state. Each residual add and
         norm runs with the linear before it (Linear.forward_add_norm)."""
-        hidden, residual = self.self_attn.forward_add_norm(hidden, cos_sin, forward_batch, residual,
-                                                           self.post_attention_layernorm)
+        hidden, residual = self.self_attn(hidden, cos_sin, forward_batch, residual, self.post_attention_layernorm)
         if isinstance(self.mlp, MLP):
-            return self.mlp.forward_add_norm(hidden, forward_batch, residual, next_norm)
+            return self.mlp(hidden, forward_batch, residual, next_norm)
         return next_norm(self.mlp(hidden, forward_batch), residual)  # an MoE block: its own kernels
 
 

@@ -31,7 +31,8 @@ import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from engine import Engine
 start = time.perf_counter()
-eng = Engine(model_path=sys.argv[1], device="cuda", dtype="bfloat16", cuda_graph_max_bs=64, max_total_tokens=16384)
+eng = Engine(model_path=sys.argv[1], device="cuda", dtype="bfloat16", load_format="dummy", cuda_graph_max_bs=64,
+             max_total_tokens=16384)
 ready = time.perf_counter() - start
 params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 prompts = [[5 + i, 6, 7, 8 + i] for i in range(19)]

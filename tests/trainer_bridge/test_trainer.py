@@ -59,3 +59,10 @@ def test_zero3_gathers_what_fused_kernels_read_themselves(monkeypatch, tmp_path)
     want = {("SparseMoE", id(p)) for m in moe for p in (m.experts.gate_up_proj.weight, m.experts.down_proj.weight)}
     want |= {(type(m).__name__, id(p)) for m in attention for p in (m.q_norm.weight, m.k_norm.weight)}
     assert set(registered) == want and len(registered) == len(want)
+    # ZeRO-3 gathers them in the pre-forward hooks of the modules they are registered on: those
+    # modules must be entered as modules (their __call__), not through a method of their own
+    entered: list[str] = []
+    for m in moe + attention:
+        m.register_forward_pre_hook(lambda mod, args: entered.append(type(mod).__name__))
+    policy(torch.tensor([5, 6, 7, 8, 9]), [2, 3])
+    assert sorted(entered) == ["Attention", "Attention", "SparseMoE", "SparseMoE"]
