@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: memsaver readyall (2026-12-06: the colocate tests failed on an H100; TANDEM_EARLY_CUDA_INIT) tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -127,6 +127,11 @@ for s in "$@"; do case $s in
       tests/gpu/test_triton_attention_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_memory_saver_gpu.py \
       tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_policy_parity_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py \
       tests/gpu/test_routes_gpu.py tests/gpu/test_weight_sync_gpu.py tests/gpu/test_server_gpu.py ) ;;  # the second half of gpuall (which outgrew one call on a cold machine)
+  configprobe)  # what AutoConfig.from_pretrained imports in a fresh process (the core's `config` phase: 4.8 s on the H100's transformers)
+    ( kit && python3 -m tandem.main tiny-model --out /tmp/q8cfg --preset qwen3-8b > /dev/null
+      step configprobe 90 bash -c 'python3 -c "import transformers; print(\"transformers\", transformers.__version__)"
+        python3 -X importtime -c "import sys, time, torch, transformers; from transformers import AutoConfig; print(\"MARK\", file=sys.stderr, flush=True); t = time.time(); AutoConfig.from_pretrained(\"/tmp/q8cfg\"); print(\"from_pretrained s\", time.time() - t)" 2> /tmp/imp.log
+        sed -n "/^MARK/,\$p" /tmp/imp.log | sort -t"|" -k2 -n -r | head -40' ) ;;
   gpuother) ( kit && step gpuother ${LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu/test_decode_kernels_gpu.py \
       tests/gpu/test_trainer_kernels_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_opt_in_switches_gpu.py ) ;;  # the GPU files gpufirst + gpurest leave out
   cascadegpu) step cascadegpu 150 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_cascade_gpu.py ;;
@@ -177,12 +182,12 @@ for s in "$@"; do case $s in
     step readyab-$v 280 env TANDEM_TRITON_GUMBEL=$v TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ;;
   aheadab) ( kit && for v in 0 1; do  # serve ready, 8B, empty Triton cache: kernels compiled one by one in the captures (0) vs on a pool before them (1)
       step aheadab-$v 280 env TANDEM_COMPILE_AHEAD=$v TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ) ;;
-  readyall) ( kit && python3 -c "import torch, transformers, fastapi" && for v in ${READY_VARIANTS:-now early}; do  # serve ready, 8B, empty compile caches then warm, per start-up lever:
-      # now: the defaults; early: the CUDA driver brought up beside the core's imports (TANDEM_EARLY_CUDA_INIT=1);
+  readyall) ( kit && python3 -c "import torch, transformers, fastapi" && for v in ${READY_VARIANTS:-now}; do  # serve ready, 8B, empty compile caches then warm, per start-up lever:
+      # now: the defaults;
       # the levers of 2026-12-06 (READY_VARIANTS="old g1 g1w1 g1w1a"): old: torch.compile's noise kernel, 2 warm-ups a
       # graph, no compile ahead; g1: the Triton noise kernel; w1: one warm-up; a: compiled ahead
       env=(TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TANDEM_COMPILE_AHEAD=0 TANDEM_GRAPH_WARMUPS=2 TANDEM_TRITON_GUMBEL=0)
-      [[ $v == now || $v == early ]] && env=("${env[@]:0:2}"); [[ $v == early ]] && env+=(TANDEM_EARLY_CUDA_INIT=1)
+      [[ $v == now ]] && env=("${env[@]:0:2}")
       [[ $v == *g1* ]] && env+=(TANDEM_TRITON_GUMBEL=1); [[ $v == *w1* ]] && env+=(TANDEM_GRAPH_WARMUPS=1); [[ $v == *a ]] && env+=(TANDEM_COMPILE_AHEAD=1)
       step "readyall-$v" 200 env "${env[@]}" python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 2; done ) ;;
   tablegpu) step tablegpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/engine/test_decode_table_triton.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py ;;  # the one-launch decode block table (default) on the device

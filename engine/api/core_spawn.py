@@ -43,9 +43,6 @@ def spawn_core(server_args: ServerArgs) -> SpawnedCore:
 
 
 def _core_main(server_args: ServerArgs, conn: Any) -> None:
-    from engine.core.driver_init import start_driver_init
-
-    start_driver_init(server_args.device)  # beside the imports below (opt-in: TANDEM_EARLY_CUDA_INIT=1)
     from engine.core.process_main import run_core_process
 
     run_core_process(server_args, conn)
