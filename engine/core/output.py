@@ -73,21 +73,29 @@ def _output_logprobs(req: Req, since: int) -> dict[str, Any]:
 
 
 def _input_logprobs(req: Req) -> dict[str, Any]:
-    if req.logprob_start_len < 0:
-        return {}
+    """SGLang's prompt lists: one entry per prompt token from logprob_start_len on, the first one's
+    value null at any start (shared/reference/sglang-rl-api.md: a client written for SGLang that
+    keeps entry 0 and skips nulls must get the same sum here); the default start (-1): empty lists."""
     start = req.logprob_start_len
-    head: list[Any] = [None] if start == 0 else []  # SGLang: the first prompt position has none
-    values: list[Optional[float]] = head + list(req.input_logprobs)
-    fields: dict[str, Any] = {
-        "input_token_logprobs": [[lp, tok, None] for lp, tok in zip(values, req.origin_input_ids[start:])],
-    }
+    fields: dict[str, Any] = {"input_token_logprobs": []}
     if req.top_logprobs_num:
-        fields["input_top_logprobs"] = head + [[[lp, tok, None] for lp, tok in entry]
-                                               for entry in req.input_top_logprobs]
+        fields["input_top_logprobs"] = []
+    if req.token_ids_logprob:
+        fields["input_token_ids_logprobs"] = []
+    if start < 0:
+        return fields
+    # req's lists begin at prompt token max(start, 1) (token 0 has no logprob): entry 0 becomes null
+    skip = 1 if start > 0 else 0
+    ids = req.origin_input_ids[start:]
+    values = [None] + list(req.input_logprobs)[skip:]
+    fields["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(values, ids)]
+    if req.top_logprobs_num:
+        fields["input_top_logprobs"] = [None] + [[[lp, tok, None] for lp, tok in entry]
+                                                 for entry in req.input_top_logprobs[skip:]]
     if req.token_ids_logprob:
         wanted = req.token_ids_logprob
-        fields["input_token_ids_logprobs"] = head + [[[lp, tok, None] for lp, tok in zip(values, wanted)]
-                                                     for values in req.input_token_ids_logprobs]
+        fields["input_token_ids_logprobs"] = [None] + [[[lp, tok, None] for lp, tok in zip(values, wanted)]
+                                                       for values in req.input_token_ids_logprobs[skip:]]
     return fields
 
 

@@ -24,8 +24,8 @@ Modes (N = trials):
           after its own cold run. Unique outputs over all cold and warm runs, |Δ logprob| vs
           the first cold run; fails if no warm run got cache hits (it would test nothing).
   p_vs_d  the target generated, then prompt + output re-sent with logprob_start_len =
-          len(prompt): the re-read continuation's input_token_logprobs must equal the decoded
-          output_token_logprobs. N trials in waves of 1, 2, 3, ... . Unique outputs, and the
+          len(prompt) - 1: the re-read continuation's input_token_logprobs (after the first,
+          null, entry) must equal the decoded output_token_logprobs. N trials in waves of 1, 2, 3, ... . Unique outputs, and the
           largest |decoded - prefilled| (also over trials).
 """
 
@@ -174,7 +174,8 @@ class Harness:
         return result
 
     def _p_vs_d(self) -> ModeResult:
-        tally, delta, start = OutputTally(), 0.0, len(self.target)
+        # from the prompt's last token: its entry is null (SGLang's first), the rest are the outputs'
+        tally, delta, start = OutputTally(), 0.0, len(self.target) - 1
         reread = {**self._params(), "max_new_tokens": 1}  # same distribution; 0 new tokens aborts today
         for size in waves(self.cfg.trials):
             outs = [self._one(o) for o in self._generate([self.target] * size, [self._params()] * size)]
@@ -183,7 +184,7 @@ class Harness:
             for out, re in zip(outs, again):
                 tally.add("target", out)
                 delta = max(delta, max_abs_delta(logprob_values(out),
-                                                 logprob_values(self._one(re), "input_token_logprobs")))
+                                                 logprob_values(self._one(re), "input_token_logprobs")[1:]))
         result = ModeResult("p_vs_d", self.cfg.trials, tally.unique_counts(), max(delta, tally.max_delta))
         result.notes.append(f"decode vs prefill {delta:.3g}, across trials {tally.max_delta:.3g}")
         return result

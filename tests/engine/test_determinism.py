@@ -110,9 +110,10 @@ def test_cache_off_and_chunk_sizes(engine_factory, target, reference, server_kwa
 def test_decoded_tokens_reread_as_prompt(det_engine, target, reference, kind):
     ref = reference[kind]
     replay = det_engine.generate(input_ids=target + ref["output_ids"], sampling_params={"max_new_tokens": 1},
-                                 return_logprob=True, logprob_start_len=len(target))
-    assert [e[1] for e in replay["meta_info"]["input_token_logprobs"]] == ref["output_ids"]
-    assert torch.equal(logprobs(replay, "input_token_logprobs"), logprobs(ref))
+                                 return_logprob=True, logprob_start_len=len(target) - 1)
+    rows = replay["meta_info"]["input_token_logprobs"]  # from the prompt's last token: its entry is null
+    assert rows[0][0] is None and [e[1] for e in rows[1:]] == ref["output_ids"]
+    assert torch.equal(torch.tensor([e[0] for e in rows[1:]], dtype=torch.float64), logprobs(ref))
 
 
 # ---- 4. seeded sampling -----------------------------------------------------------------------
@@ -170,9 +171,10 @@ def test_policy_is_differentiable(policy, target):
 # ---- the deterministic kernels are still the model, and the check can fail ---------------------
 def test_deterministic_close_to_normal_mode(det_engine, engine, target):
     kwargs = dict(input_ids=target, sampling_params={"max_new_tokens": 1}, return_logprob=True,
-                  logprob_start_len=1)
-    det = logprobs(det_engine.generate(**kwargs), "input_token_logprobs")
-    normal = logprobs(engine.generate(**kwargs), "input_token_logprobs")
+                  logprob_start_len=0)
+    prompt_values = lambda out: torch.tensor([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]])  # noqa: E731
+    det = prompt_values(det_engine.generate(**kwargs))  # the first entry is null
+    normal = prompt_values(engine.generate(**kwargs))
     assert len(det) == len(target) - 1
     torch.testing.assert_close(det, normal, rtol=0, atol=1e-4)
 

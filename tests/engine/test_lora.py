@@ -190,12 +190,12 @@ def test_prefill_equals_decode_with_an_adapter_deterministic(det_engine):
     out = det_engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, lora_path="a")
     decoded = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     again = det_engine.generate(input_ids=prompt + out["output_ids"], sampling_params={**GREEDY, "max_new_tokens": 1},
-                                return_logprob=True, logprob_start_len=len(prompt), lora_path="a")
-    reread = [lp for lp, _, _ in again["meta_info"]["input_token_logprobs"]]
+                                return_logprob=True, logprob_start_len=len(prompt) - 1, lora_path="a")
+    reread = [lp for lp, _, _ in again["meta_info"]["input_token_logprobs"][1:]]  # the first entry is null
     assert reread == decoded
     base = det_engine.generate(input_ids=prompt + out["output_ids"], sampling_params={**GREEDY, "max_new_tokens": 1},
-                               return_logprob=True, logprob_start_len=len(prompt))
-    assert [lp for lp, _, _ in base["meta_info"]["input_token_logprobs"]] != decoded  # the adapter's, not the base's
+                               return_logprob=True, logprob_start_len=len(prompt) - 1)
+    assert [lp for lp, _, _ in base["meta_info"]["input_token_logprobs"][1:]] != decoded  # the adapter's, not the base's
 
 
 def test_core_process_serves_adapters(model_a, adapters, oracle):

@@ -54,7 +54,7 @@ def test_output_values_are_the_full_distribution_at_each_position(engine, vocab,
         assert row == [full[t] for t in ids]  # bit for bit: the same log_softmax
         lp, tok, _ = meta["output_token_logprobs"][i]
         assert row[len(IDS) + tok] == lp  # the sampled token's own logprob, the same number
-    assert "input_token_ids_logprobs" not in meta  # logprob_start_len -1: no prompt positions
+    assert meta["input_token_ids_logprobs"] == []  # logprob_start_len -1: no prompt positions (SGLang's [])
     # the common path is unchanged: the same tokens and logprobs without the ids
     plain = engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True)
     assert plain["output_ids"] == out["output_ids"]
@@ -83,11 +83,10 @@ def test_input_positions(engine, hf_model, start):
     meta = out["meta_info"]
     rows = meta["input_token_ids_logprobs"]
     assert len(rows) == len(meta["input_token_logprobs"]) == len(PROMPT) - start
-    if start == 0:
-        assert rows[0] is None  # as input_top_logprobs: the first prompt token has no logprob
-        rows = rows[1:]
+    assert rows[0] is None  # as SGLang's prompt lists: the first entry is null at any start
+    rows = rows[1:]
     logits = _hf_logits(hf_model, PROMPT)
-    first = max(start, 1)
+    first = start + 1
     for pos, row in zip(range(first, len(PROMPT)), _values(rows, IDS)):
         ref = torch.log_softmax(logits[pos - 1], -1)
         assert row == pytest.approx(ref[IDS].tolist(), abs=1e-5, rel=1e-6)
@@ -95,7 +94,7 @@ def test_input_positions(engine, hf_model, start):
     # asking for the prompt's own ids gives input_token_logprobs' numbers, bit for bit
     own = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True,
                           logprob_start_len=start, token_ids_logprob=PROMPT)["meta_info"]
-    for pos, row in zip(range(first, len(PROMPT)), own["input_token_ids_logprobs"][first - start:]):
+    for pos, row in zip(range(first, len(PROMPT)), own["input_token_ids_logprobs"][1:]):
         assert row[pos][0] == own["input_token_logprobs"][pos - start][0]
 
 
@@ -128,6 +127,9 @@ def test_per_prompt_lists_in_a_batch(engine):
         for key in ("output_token_ids_logprobs", "input_token_ids_logprobs"):
             got, want = meta[key], alone[key]
             assert len(got) == len(want)
+            if key.startswith("input"):  # the first entry is null
+                assert got[0] is None and want[0] is None
+                got, want = got[1:], want[1:]
             assert _flat(_values(got, ids)) == pytest.approx(_flat(_values(want, ids)), abs=1e-5, rel=1e-6)
         assert len(meta["input_token_ids_logprobs"]) == len(prompt) - 1
     # one flat list is every prompt's
@@ -224,7 +226,8 @@ def test_http_return_text_in_logprobs(client, engine):
     meta = client.post("/generate", json=body).json()["meta_info"]
     texts = [engine.tokenizer.decode([t]) for t in IDS]
     for key in ("output_token_ids_logprobs", "input_token_ids_logprobs"):
-        assert meta[key] and all([e[2] for e in row] == texts for row in meta[key])
+        rows = meta[key][1:] if key.startswith("input") else meta[key]  # the prompt's first entry is null
+        assert rows and all([e[2] for e in row] == texts for row in rows)
 
 
 def test_http_stream_carries_the_ids(client):

@@ -277,7 +277,7 @@ def test_read_routes_answer_200(client, path):
 
 
 def test_input_top_logprobs_match_hf(client, tiny_model_dir):
-    """SGLang's meta_info.input_top_logprobs: per prompt position (the first is null) the top k
+    """SGLang's meta_info.input_top_logprobs: per prompt position (the first is null, at any start) the top k
     [logprob, id, text] under the original distribution; oracle: HF transformers."""
     from transformers import AutoModelForCausalLM
 
@@ -293,9 +293,8 @@ def test_input_top_logprobs_match_hf(client, tiny_model_dir):
         meta = client.post("/generate", json=body).json()["meta_info"]
         tops = meta["input_top_logprobs"]
         assert len(tops) == len(meta["input_token_logprobs"]) == len(prompt) - start
-        if start == 0:
-            assert tops[0] is None
-        for pos in range(max(start, 1), len(prompt)):  # predicts prompt[pos] from prompt[:pos]
+        assert tops[0] is None and meta["input_token_logprobs"][0][0] is None  # SGLang: null at any start
+        for pos in range(start + 1, len(prompt)):  # predicts prompt[pos] from prompt[:pos]
             entry = tops[pos - start]
             assert [e[1] for e in entry] == expected_ids[pos - 1].tolist()
             assert [e[0] for e in entry] == pytest.approx(expected_values[pos - 1].tolist(), abs=1e-4)
@@ -316,3 +315,24 @@ def test_stop_regex_in_generate_body(client):
     assert out["output_ids"] == ref["output_ids"][: len(out["output_ids"])]
     bad = client.post("/generate", json={"text": "hi", "sampling_params": {**base, "stop_regex": "(unclosed"}})
     assert bad.status_code == 400 and "stop_regex" in bad.text
+
+
+def test_prompt_logprob_lists_have_sglangs_shape(client):
+    """SGLang's prompt lists: the default start (-1) gives empty lists (no KeyError for clients that
+    read them); a start k gives len(prompt) - k entries whose first value is null, the rest equal
+    to the whole prompt's (a client that keeps entry 0 and skips nulls sums the same as on SGLang)."""
+    prompt = [5, 17, 99, 3, 250, 8]
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 2}
+    meta = client.post("/generate", json=body).json()["meta_info"]
+    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
+    whole = client.post("/generate", json={**body, "logprob_start_len": 0}).json()["meta_info"]
+    for start in (1, 4):
+        part = client.post("/generate", json={**body, "logprob_start_len": start}).json()["meta_info"]
+        rows = part["input_token_logprobs"]
+        assert [tok for _, tok, _ in rows] == prompt[start:]
+        assert rows[0][0] is None and part["input_top_logprobs"][0] is None
+        want = whole["input_token_logprobs"][start + 1:]  # (a cached prefix: other shapes, float noise)
+        assert [tok for _, tok, _ in rows[1:]] == [tok for _, tok, _ in want]
+        assert [lp for lp, _, _ in rows[1:]] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)
+        tops = [[tok for _, tok, _ in entry] for entry in part["input_top_logprobs"][1:]]
+        assert tops == [[tok for _, tok, _ in entry] for entry in whole["input_top_logprobs"][start + 1:]]
