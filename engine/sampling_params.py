@@ -196,6 +196,9 @@ class SamplingParams:
                 _require_int(name, getattr(self, name))
         for name in ("logit_bias", "custom_params"):
             _require_optional(name, getattr(self, name), dict, "a dict")
+        if (self.custom_params or {}).get("return_top_p_token_ids"):  # slime's, from its patched SGLang
+            raise ValueError("custom_params.return_top_p_token_ids (the top-p nucleus per token, from slime's "
+                             "SGLang patch) is not supported: roll out with top_p 1.0 (slime: --rollout-top-p 1)")
         self._check_list_types()
 
     def _check_list_types(self) -> None:
