@@ -94,8 +94,8 @@ def _input_logprobs(req: Req) -> dict[str, Any]:
                                                  for entry in req.input_top_logprobs[skip:]]
     if req.token_ids_logprob:
         wanted = req.token_ids_logprob
-        fields["input_token_ids_logprobs"] = [None] + [[[lp, tok, None] for lp, tok in zip(values, wanted)]
-                                                       for values in req.input_token_ids_logprobs[skip:]]
+        fields["input_token_ids_logprobs"] = [None] + [[[lp, tok, None] for lp, tok in zip(row, wanted)]
+                                                       for row in req.input_token_ids_logprobs[skip:]]
     return fields
 
 
