@@ -71,6 +71,13 @@ def render_chat_template(tokenizer: Any, messages: Sequence[dict], add_generatio
         raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
 
 
+def trims_stop_token(finished_reason: Optional[dict], no_stop_trim: bool) -> bool:
+    """Whether the reply's text leaves out its last token: a stop token it matched (SGLang's
+    trim_matched_stop: an int `matched`), unless no_stop_trim."""
+    matched = (finished_reason or {}).get("matched")
+    return not no_stop_trim and isinstance(matched, int) and not isinstance(matched, bool)
+
+
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text, a few tokens at a time.
 
@@ -90,6 +97,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._surr_offset = max(len(self._ids) - INIT_CONTEXT_TOKENS, 0)
         self._text = ""
+        self._before_add: Optional[tuple[int, int, int, int]] = None  # state before the last add, for drop_last
 
     @property
     def text(self) -> str:
@@ -102,8 +110,27 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append output tokens; return only the newly completed text (maybe "")."""
+        self._before_add = (len(self._ids), self._surr_offset, self._read_offset, len(self._text))
         self._ids.extend(int(t) for t in token_ids)
         return self._advance(final=False)
+
+    def drop_last(self) -> None:
+        """Take the last output token back out of the text: SGLang's detokenizer leaves out the stop
+        token a request matched (unless no_stop_trim), also where that token's text is printable
+        (skip_special_tokens=False, or a plain token among stop_token_ids)."""
+        if len(self._ids) == self._num_prompt:
+            return
+        if self._before_add is None or self._before_add[0] >= len(self._ids):
+            # the last token did not come with the last call: the output's text decoded anew
+            self._text = self._decode(self.output_ids[:-1])
+            del self._ids[-1]
+            self._surr_offset = self._read_offset = len(self._ids)
+            return
+        n_ids, surr, read, n_text = self._before_add
+        again = self._ids[n_ids:-1]
+        del self._ids[n_ids:]
+        self._surr_offset, self._read_offset, self._text = surr, read, self._text[:n_text]
+        self.add(again)
 
     def flush(self) -> str:
         """At finish: emit whatever is held back, even an incomplete character."""

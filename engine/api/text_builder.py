@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.core.messages import ReqInput, ReqOutput
-from engine.tokenizer import IncrementalDetokenizer
+from engine.tokenizer import IncrementalDetokenizer, trims_stop_token
 
 
 class TextBuilder:
@@ -31,8 +31,7 @@ class TextBuilder:
             if out.finished and ids:
                 detokenizer = self._detokenizer(req)
                 detokenizer.add(ids)
-                detokenizer.flush()
-                out.output["text"] = detokenizer.text
+                self._finish(req, out, detokenizer)
             return
         if out.finished and not ids:  # an error answer (e.g. the core died): no tokens, no text
             self._streams.pop(req.rid, None)
@@ -42,8 +41,16 @@ class TextBuilder:
             detokenizer = self._streams[req.rid] = self._detokenizer(req)
         detokenizer.add(ids[len(detokenizer.output_ids):])
         if out.finished:
-            detokenizer.flush()
+            self._finish(req, out, detokenizer)
             del self._streams[req.rid]
+        out.output["text"] = detokenizer.text
+
+    @staticmethod
+    def _finish(req: ReqInput, out: ReqOutput, detokenizer: IncrementalDetokenizer) -> None:
+        """The final text: without a matched stop token's (as SGLang's), held-back bytes flushed."""
+        if trims_stop_token(out.output["meta_info"].get("finish_reason"), req.sampling_params.no_stop_trim):
+            detokenizer.drop_last()
+        detokenizer.flush()
         out.output["text"] = detokenizer.text
 
     def _detokenizer(self, req: ReqInput) -> IncrementalDetokenizer:

@@ -19,6 +19,7 @@ from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
+from engine.tokenizer import trims_stop_token
 
 
 class StepResults:
@@ -102,7 +103,10 @@ class StepResults:
         """The final answer of a finished request, its text complete."""
         if req.detokenizer is not None and req.stop_text_len is None:
             _detokenize(req)
-            req.text += req.detokenizer.flush()
+            if trims_stop_token(req.finished_reason, req.sampling_params.no_stop_trim):  # as SGLang's text
+                req.detokenizer.drop_last()
+            req.detokenizer.flush()
+            req.text = req.detokenizer.text
         return req_output(req, self.core, finished=True)
 
     def error(self, req: Req, message: str) -> ReqOutput:

@@ -13,6 +13,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
 from engine.api.generate_request import GenerateRequest
+from engine.server import forced_tool_calls
 from engine.server.chat_messages import check_nesting
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, logprob_texts,
                                            output_entries, token_decoder)
@@ -135,6 +136,8 @@ class OpenAIServing:
         tools = req.template_tools()
         if tools:  # SGLang keeps special tokens when tools are offered: tool-call markers stay in the text
             params["skip_special_tokens"] = False
+        schema = forced_tool_calls.forced_call_schema(req.tools, req.tool_choice, req.parallel_tool_calls)
+        req._forced_calls = forced_tool_calls.constrain(params, schema)
         if req.input_ids is not None:  # the client's own rendering: no template
             ids = list(req.input_ids)
         else:
@@ -156,6 +159,8 @@ class OpenAIServing:
             message = {"role": "assistant", "content": o["text"], "reasoning_content": None, "tool_calls": None}
             choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(meta),
                       "matched_stop": _matched_stop(meta)}
+            if req._forced_calls:
+                choice["finish_reason"] = forced_tool_calls.as_tool_calls(message, o["text"], choice["finish_reason"])
             choices.append(self._token_outputs(req, o, choice))
         metas = [o["meta_info"] for o in outs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -177,6 +182,11 @@ class OpenAIServing:
         def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> dict:
             message = {"role": "assistant", "content": text} if first else {"content": text}
             choice: dict = {"delta": message}
+            if req._forced_calls:  # the calls in one delta once the array is whole; no content before
+                message["content"] = None
+                reason = _finish_reason(chunk["meta_info"])
+                if reason is not None:
+                    choice["finish_reason"] = forced_tool_calls.as_tool_calls(message, chunk["text"], reason)
             if req.logprobs:
                 choice["logprobs"] = chat_logprobs(*output_entries(chunk["meta_info"], sent_tokens), self.decode)
             return choice
@@ -197,8 +207,8 @@ class OpenAIServing:
             index, meta = chunk.get("index", 0), chunk["meta_info"]
             first = index not in sent_chars
             text = chunk["text"][sent_chars.get(index, 0):]
-            choice = {"index": index, **delta(index, text, chunk, sent_tokens.get(index, 0), first),
-                      "finish_reason": _finish_reason(meta)}
+            choice = {"index": index, "finish_reason": _finish_reason(meta),  # (a delta may name its own)
+                      **delta(index, text, chunk, sent_tokens.get(index, 0), first)}
             sent_chars[index], sent_tokens[index] = len(chunk["text"]), len(chunk["output_ids"])
             if choice["finish_reason"] is not None:
                 choice["matched_stop"] = _matched_stop(meta)

@@ -140,6 +140,7 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Optional[int] = None
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: bool = True  # False: a forced tool_choice makes exactly one call
     continue_final_message: bool = False  # SGLang: the last assistant message is a prefix to continue
     reasoning_effort: Optional[str] = None  # handed to the chat template (gpt-oss templates read it)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # SGLang's, e.g. {"enable_thinking": false}
@@ -152,6 +153,7 @@ class ChatCompletionRequest(_OpenAISampling):
     return_prompt_token_ids: bool = False
     return_token_ids: bool = False
     _prompt_ids: list[int] = PrivateAttr(default_factory=list)  # the rendered (or given) prompt
+    _forced_calls: bool = PrivateAttr(default=False)  # the reply is constrained to tool calls (forced_tool_calls.py)
 
     @model_validator(mode="after")
     def _token_outputs_not_streamed(self) -> "ChatCompletionRequest":

@@ -92,3 +92,33 @@ def test_any_text_streams_exactly(tok, text, chunk):
     detok, pieces = _stream(tok, ids, chunk)
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("text", TEXTS[:3] + ["Hi<|im_end|>"])
+@pytest.mark.parametrize("chunk", [1, 2, 5, 100])
+def test_drop_last_gives_the_text_without_the_last_token(tok, text, chunk):
+    """SGLang's text leaves out a matched stop token (trim_matched_stop): drop_last after any
+    chunking gives the decode of all ids but the last, the same as never having fed it."""
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    for i in range(0, len(ids), chunk):
+        detok.add(ids[i:i + chunk])
+    detok.drop_last()
+    detok.flush()
+    assert detok.text == tok.decode(ids[:-1], skip_special_tokens=False)
+    assert detok.output_ids == ids[:-1]
+    late = IncrementalDetokenizer(tok, skip_special_tokens=False)  # the last token fed by an earlier call
+    late.add(ids)
+    late.add([])
+    late.drop_last()
+    assert late.text + late.flush() == tok.decode(ids[:-1], skip_special_tokens=False)
+
+
+def test_trims_stop_token_follows_sglang():
+    from engine.tokenizer import trims_stop_token
+
+    assert trims_stop_token({"type": "stop", "matched": 7}, no_stop_trim=False)
+    assert not trims_stop_token({"type": "stop", "matched": 7}, no_stop_trim=True)
+    assert not trims_stop_token({"type": "stop", "matched": "###"}, no_stop_trim=False)  # a stop string: trimmed apart
+    assert not trims_stop_token({"type": "length", "length": 4}, no_stop_trim=False)
+    assert not trims_stop_token(None, no_stop_trim=False)

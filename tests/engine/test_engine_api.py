@@ -302,3 +302,24 @@ def test_mixed_chunk_gives_the_same_outputs(engine_factory, engine):
     assert [o["meta_info"]["output_token_logprobs"] for o in mixed] == [o["meta_info"]["output_token_logprobs"] for o in plain]
     assert mixed_engine.local_core.stats.num_mixed_steps > 0
     mixed_engine.check_integrity()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("core_text", [False, True])  # with stop strings the core builds the text
+def test_matched_stop_token_is_left_out_of_the_text(engine, stream, core_text):
+    """SGLang's trim_matched_stop: the stop token a reply ends on is not in its text, also where it
+    prints (skip_special_tokens=False, or a plain token in stop_token_ids); no_stop_trim keeps it."""
+    tok = engine.local_core.tokenizer
+    free = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 6, "temperature": 0.0,
+                                                                  "ignore_eos": True})["output_ids"]
+    stop = free[3]
+    ids = free[:free.index(stop) + 1]  # the reply ends at the stop token's first appearance
+    for keep in (False, True):
+        params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, "stop_token_ids": [stop],
+                  "skip_special_tokens": False, "no_stop_trim": keep}
+        if core_text:
+            params["stop"] = ["\x00never"]
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params=params, stream=stream)
+        final = list(out)[-1] if stream else out
+        assert final["output_ids"] == ids and final["meta_info"]["finish_reason"]["matched"] == stop
+        assert final["text"] == tok.decode(ids if keep else ids[:-1], skip_special_tokens=False)

@@ -1,0 +1,73 @@
+"""tool_choice "required" or a named function, served as SGLang serves them (without a tool-call
+parser): the reply is constrained to a JSON array of {"name", "parameters"} objects, one per call
+(SGLang's function_call get_json_schema_constraint), and that array comes back as the message's
+tool_calls, each with its arguments as a JSON string and finish_reason "tool_calls".
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Optional
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def forced_call_schema(tools: Optional[list], tool_choice: Any, parallel_tool_calls: bool = True) -> Optional[dict]:
+    """The JSON schema the reply must follow, or None where the model chooses (auto, none, unset).
+    tools: the request's ChatTool list (a named choice is checked against it before this)."""
+    if tool_choice == "required":
+        if not tools:
+            raise ValueError('tool_choice "required" needs tools: send the functions the model must call')
+        items: dict = {"type": "object", "anyOf": [_call_schema(t.function) for t in tools]}
+    elif isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        items = next((_call_schema(t.function) for t in tools or () if t.function.name == name), None)
+        if items is None:
+            raise ValueError(f"tool_choice names tool {name!r}, which is not in tools")
+    else:
+        return None
+    schema = {"type": "array", "minItems": 1, "items": items}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _call_schema(function: Any) -> dict:
+    parameters = function.parameters or {"type": "object", "properties": {}}
+    return {"properties": {"name": {"type": "string", "enum": [function.name]}, "parameters": parameters},
+            "required": ["name", "parameters"]}
+
+
+def constrain(params: dict, schema: Optional[dict]) -> bool:
+    """Put the schema into the sampling params; False (and params untouched) where there is none or
+    the request brings its own grammar (SGLang: the request's constraint wins over the tool calls')."""
+    if schema is None or any(params.get(name) for name in GRAMMAR_FIELDS):
+        return False
+    params["json_schema"] = json.dumps(schema)
+    return True
+
+
+def parse_calls(text: str) -> Optional[list[dict]]:
+    """The reply's calls in OpenAI's shape, or None where the text is not a complete array of
+    calls (a reply cut by max_tokens: it then stays the message's content)."""
+    try:
+        calls = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        return None
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
+            for i, c in enumerate(calls)]
+
+
+def as_tool_calls(message: dict, text: str, finish_reason: Optional[str]) -> Optional[str]:
+    """Fill message's tool_calls (content null) from a forced reply's text; -> the choice's
+    finish_reason ("tool_calls" for a reply that stopped; unchanged where the text is no array)."""
+    calls = parse_calls(text)
+    if calls is None:
+        message["content"] = text
+        return finish_reason
+    message.update(content=None, tool_calls=calls)
+    return "tool_calls" if finish_reason == "stop" else finish_reason
