@@ -14,6 +14,7 @@ from engine.config import ServerArgs
 from engine.core.messages import ReqInput, ReqOutput
 from engine.core.results import StepResults
 from engine.core.setup import CoreParts
+from engine.finish_reasons import abort_reason
 from engine.grammar.compile_queue import GrammarQueue
 from engine.grammar.compiler import GrammarCompiler, grammar_spec
 from engine.grammar.matcher import RequestGrammar
@@ -39,7 +40,7 @@ class RequestIntake:
         try:  # the front end checked it; an adapter unloaded since is refused here
             req.lora_id = self.resolve_lora(msg.lora_path)
         except ValueError as exc:
-            req.finished_reason = {"type": "abort", "status_code": 400, "message": str(exc)}
+            req.finished_reason = abort_reason(str(exc), status_code=400)
             return [self.results.error(req, str(exc))]
         if self.parts.tokenizer is not None and msg.core_detokenizes:  # else the front end decodes the final ids
             req.detokenizer = self.parts.make_detokenizer(req)
@@ -69,7 +70,7 @@ class RequestIntake:
         for rid in self._rids_named(rid) if rid is not None else self._all_rids():
             req = self.grammars.remove(rid)
             if req is not None:  # still compiling its grammar: it never reached the scheduler
-                req.finished_reason = {"type": "abort", "message": ABORT_BEFORE_PREFILL}
+                req.finished_reason = abort_reason(ABORT_BEFORE_PREFILL)
             else:
                 req = self.scheduler.abort_request(rid, message)
             if req is not None and req.finished:  # it was waiting: finished right away

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from engine.finish_reasons import abort_reason
 from engine.scheduler.request import RequestOptions
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -70,9 +71,7 @@ class ReqOutput:
     def error(cls, rid: str, message: str, status_code: Optional[int] = None) -> "ReqOutput":
         """A final answer for a request that ends with an error and no output. status_code (as
         SGLang's abort reasons carry it): the HTTP status a non-streamed request answers with."""
-        reason: dict[str, Any] = {"type": "abort", "message": message}
-        if status_code is not None:
-            reason["status_code"] = status_code
+        reason = abort_reason(message, status_code)
         return cls(rid, True, {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}})
 
 

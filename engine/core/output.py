@@ -7,7 +7,7 @@ joins them (engine/api/streamed_logprobs.py)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from engine.core.messages import ReqOutput
 from engine.scheduler.request import Req

@@ -14,6 +14,7 @@ from typing import Optional
 from engine.core.messages import ReqOutput
 from engine.core.output import CoreView, req_output
 from engine.core.routed_experts import RouteReader, route_slots
+from engine.finish_reasons import abort_reason
 from engine.runner.model_runner import ModelRunner
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
@@ -112,7 +113,7 @@ class StepResults:
     def error(self, req: Req, message: str) -> ReqOutput:
         """A final answer built without the detokenizer or recorder (either may be what failed)."""
         if req.finished_reason is None or req.finished_reason.get("type") != "abort":
-            req.finished_reason = {"type": "abort", "message": message}
+            req.finished_reason = abort_reason(message)
         return req_output(req, self.core, finished=True)
 
 
@@ -153,7 +154,7 @@ def _detokenize(req: Req) -> None:
 def _grammar_verdict(grammar, token: int, accepted: bool) -> Optional[dict]:
     if not accepted:
         why = getattr(grammar, "refusal", None) or f"the grammar refused token {token}: no allowed token was left"
-        return {"type": "abort", "message": why}
+        return abort_reason(why)
     if grammar.is_terminated():
         return {"type": "stop", "matched": token}
     return None

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from engine.finish_reasons import abort_reason
 from engine.forward_batch import ForwardMode
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.new_token_ratio import NewTokenRatio
@@ -105,10 +106,10 @@ class Admission:
         """The front end refuses these (RequestBuilder); a request that still gets here ends now
         with an error naming the limit instead of waiting for memory that never comes."""
         need = req.seq_len + req.remaining_new_tokens
-        self.queues.end(req, {"type": "abort", "status_code": 400, "message": (
+        self.queues.end(req, abort_reason(
             f"request needs {need} KV cache slots ({req.seq_len} tokens + {req.remaining_new_tokens} "
             f"new) but the pool holds {self.slots.allocator.size}; lower max_new_tokens or raise "
-            f"--max-total-tokens")})
+            f"--max-total-tokens", status_code=400))
 
     def _defer_sibling(self, req: Req, siblings: set[tuple]) -> bool:
         """Two requests that share >= SIBLING_PREFIX uncached tokens should not both compute them:

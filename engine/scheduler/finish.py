@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from engine.finish_reasons import abort_reason
 from engine.scheduler.request import Req
 from engine.scheduler.stop_regex import SEARCH_TIMEOUT_S, StopRegexTooSlow, compile_patterns, new_match
 
@@ -66,5 +67,5 @@ def _match_stop_regex(req: Req) -> Optional[dict]:
             if new_match(pattern, req.text, checked, deadline):
                 return {"type": "stop", "matched": pattern}
         except StopRegexTooSlow as exc:
-            return {"type": "abort", "message": str(exc)}
+            return abort_reason(str(exc))
     return None

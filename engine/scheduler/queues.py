@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
+from engine.finish_reasons import abort_reason
 from engine.kv.base import PrefixCache
 from engine.scheduler.request import Req
 
@@ -41,7 +42,7 @@ class RequestQueues:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                req.finished_reason = {"type": "abort", "message": message}
+                req.finished_reason = abort_reason(message)
                 return req
         for req in self.active():
             if req.rid == rid:
@@ -51,7 +52,7 @@ class RequestQueues:
 
     def finish_marked_aborts(self) -> None:
         for req in [r for r in self.active() if r.to_abort is not None]:
-            self.end(req, {"type": "abort", "message": req.to_abort})
+            self.end(req, abort_reason(req.to_abort))
 
     def pop_finished(self) -> list[Req]:
         """Requests the scheduler itself ended (aborted while running, or out of memory)."""

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from engine.finish_reasons import abort_reason
 from engine.scheduler.new_token_ratio import NewTokenRatio
 from engine.scheduler.queues import RequestQueues
 from engine.scheduler.request import Req
@@ -38,8 +39,8 @@ class Retraction:
             self._retract(victim)
             retracted += 1
         if self.slots.free_for_decode() < len(running):
-            self.queues.end(running[-1], {"type": "abort", "message":
-                                          "KV cache pool too small for this request; raise --max-total-tokens"})
+            self.queues.end(running[-1], abort_reason(
+                "KV cache pool too small for this request; raise --max-total-tokens"))
         if retracted:
             self.count += retracted
             old = self.forecast.after_retraction(running)

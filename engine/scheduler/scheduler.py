@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from engine.finish_reasons import abort_reason
 from engine.forward_batch import ForwardMode
 from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.base import PrefixCache
@@ -128,7 +129,7 @@ class Scheduler(RequestQueues):
             if req.finished:
                 continue
             self.release(req)
-            req.finished_reason = {"type": "abort", "message": message}
+            req.finished_reason = abort_reason(message)
             failed.append(req)
         return failed
 

@@ -108,6 +108,7 @@ def test_abort_request_rid_null_and_list(client, engine):
     thread.join(30)
     meta = out[0]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 3000
+    assert set(meta["finish_reason"]) == {"type", "message", "status_code", "err_type"}  # SGLang's FINISH_ABORT
 
 
 def test_model_info_names_the_architecture(client, tiny_model_dir):

@@ -160,5 +160,5 @@ def test_a_request_aborted_before_it_ran_says_so_as_sglang(raw, engine):
     finally:
         raw.post("/continue_generation")
     reason = answers["resp"].json()["meta_info"]["finish_reason"]
-    assert reason == {"type": "abort", "message": "Abort before prefill"}
+    assert reason == {"type": "abort", "message": "Abort before prefill", "status_code": None, "err_type": None}
     _serving(raw)
