@@ -161,6 +161,8 @@ class OpenAIServing:
                       "matched_stop": _matched_stop(meta)}
             if req._forced_calls:
                 choice["finish_reason"] = forced_tool_calls.as_tool_calls(message, o["text"], choice["finish_reason"])
+                if choice["finish_reason"] == "tool_calls":  # SGLang: no stop matched a call
+                    choice["matched_stop"] = None
             choices.append(self._token_outputs(req, o, choice))
         metas = [o["meta_info"] for o in outs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -211,7 +213,7 @@ class OpenAIServing:
                       **delta(index, text, chunk, sent_tokens.get(index, 0), first)}
             sent_chars[index], sent_tokens[index] = len(chunk["text"]), len(chunk["output_ids"])
             if choice["finish_reason"] is not None:
-                choice["matched_stop"] = _matched_stop(meta)
+                choice["matched_stop"] = None if choice["finish_reason"] == "tool_calls" else _matched_stop(meta)
                 finals[index] = meta
             event = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if req.continuous_usage:  # SGLang's: this choice's counts so far, on every chunk

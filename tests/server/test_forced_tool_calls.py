@@ -56,7 +56,7 @@ def _check_calls(calls, names):
 @pytest.mark.parametrize("choice,names", [("required", {"get_weather", "get_time"}), (NAMED, {"get_time"})])
 def test_forced_choice_comes_back_as_tool_calls(client, choice, names):
     out = _chat(client, tool_choice=choice)
-    assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+    assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None and out["matched_stop"] is None
     _check_calls(out["message"]["tool_calls"], names)
     one = _chat(client, tool_choice=choice, parallel_tool_calls=False)
     assert len(one["message"]["tool_calls"]) == 1
