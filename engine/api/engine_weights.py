@@ -18,6 +18,7 @@ from engine.core.messages import (DestroyWeightsGroupReq, GetWeightsByNameReq, G
 from engine.tokenizer import check_text
 
 GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
+UPDATE_POLL_S = 0.01  # how often a waiting update asks again (core/control.py HOLD_S: well under it)
 
 
 class EngineWeights:
@@ -29,15 +30,22 @@ class EngineWeights:
         """Load one weight_sync WeightSource (tensors, a serialized payload, a checkpoint, a
         broadcast, or any new transport's source) between two steps -> (success, message). Every
         name, shape and dtype is checked before any write: a refused update changes nothing and
-        says why. Then the radix cache is flushed (flush_cache) and the version set."""
+        says why. Then the radix cache is flushed (flush_cache) and the version set. A flushing
+        update while requests generate unpaused waits for them to finish (new requests queue), as
+        SGLang's updates wait behind its writer lock; paused in_place, it is refused."""
         from weight_sync.base import WeightSource
 
         if not isinstance(source, WeightSource):
             raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
         if weight_version is not None:  # any value becomes its text, as the core stores it
             weight_version = _check_version(str(weight_version), "weight_version")
+        msg = UpdateWeightsReq(source, flush_cache, weight_version)
         try:
-            return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
+            answer = self._call(msg)
+            while answer is None:  # requests run unpaused: they finish first, new ones queue (SGLang's lock)
+                time.sleep(UPDATE_POLL_S)
+                answer = self._call(msg)
+            return answer
         except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
             if "received from another process" not in str(exc):
                 raise

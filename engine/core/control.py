@@ -8,7 +8,10 @@ castable dtypes and completeness are checked before any parameter is written) ->
 cache (its KV is stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
 (shared/reference/sglang-rl-api.md 1.2, 1.5, 1.6, 1.9), except that a flush that cannot happen
 (in_place keeps running requests' KV) refuses the update before writing, so the reply and the
-weights agree. Broadcast groups form off the core loop (engine/core/weight_groups.py).
+weights agree. An update that flushes while requests run unpaused waits, as behind SGLang's
+writer lock: the running finish, new requests queue, and the caller asks again until it lands
+(UpdateWeightsReq answered None meanwhile). Broadcast groups form off the core loop
+(engine/core/weight_groups.py).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+HOLD_S = 2.0  # new requests queue this long after an update's last ask (a caller gone lets them in)
 
 
 class ControlledCore(Protocol):
     """What control reads and changes of the EngineCore (which imports this module, so no import
     back): its pause flag, weight version and released memory, its parts, and two of its steps."""
     paused: bool
+    generating: bool
     weight_version: str
     memory_released: set[str]
     scheduler: "Scheduler"
@@ -51,6 +56,7 @@ class GenerationControl:
         self.groups = WeightGroups()  # broadcast groups, formed off the core loop
         self.num_updates = 0  # successful loads (a bucket each), for /metrics
         self.update_seconds = 0.0  # time in them: receive + load + flush
+        self._hold_until: Optional[float] = None  # an update waits for the running: admissions held until then
 
     def handle(self, msg: Any) -> Reply:
         if isinstance(msg, PauseReq):
@@ -115,6 +121,9 @@ class GenerationControl:
 
     def _update_weights(self, msg: UpdateWeightsReq) -> Reply:
         outputs = self.core.drain()  # the drained tokens are the old weights'; delivered whatever follows
+        if self._waits_for_running(msg):
+            return Reply(None, outputs)
+        self.end_hold()
         start = time.perf_counter()
         try:
             value = self._load(msg)
@@ -161,6 +170,26 @@ class GenerationControl:
             core.scheduler.flush_cache()  # cannot fail: _refusal saw that nothing holds KV
         return True, message
 
+    def _waits_for_running(self, msg: UpdateWeightsReq) -> bool:
+        """A flushing update while requests generate unpaused: hold new admissions and wait."""
+        core = self.core
+        if not (msg.flush_cache and core.generating and core.scheduler.num_holding_kv()):
+            return False
+        core.scheduler.admitting = False
+        self._hold_until = time.monotonic() + HOLD_S
+        return True
+
+    @property
+    def holding(self) -> bool:
+        """A weight update waits for the running requests: new ones stay queued meanwhile."""
+        return self._hold_until is not None
+
+    def end_hold(self, now: Optional[float] = None) -> None:
+        """Let queued requests in: the update landed (now None), or its caller stopped asking."""
+        if self._hold_until is not None and (now is None or now > self._hold_until):
+            self._hold_until = None
+            self.core.scheduler.admitting = True
+
     def _refusal(self, msg: UpdateWeightsReq) -> Optional[str]:
         """Why the update cannot succeed as asked, known before writing (reply and state agree)."""
         core = self.core
@@ -168,8 +197,8 @@ class GenerationControl:
             return "weights are released: call resume_memory_occupation(tags=['weights']) first"
         holding = core.scheduler.num_holding_kv()
         if msg.flush_cache and holding:
-            return (f"flush_cache=True, but {holding} request(s) still hold KV cache (paused in_place, or "
-                    f"generating), so the stale cache cannot be flushed; pass flush_cache=False to keep their KV "
+            return (f"flush_cache=True, but {holding} request(s) still hold KV cache (paused in_place), so the "
+                    f"stale cache cannot be flushed; pass flush_cache=False to keep their KV "
                     f"(stale under the new weights, as SGLang's in_place), or pause with mode='retract' or "
                     f"'abort' first")
         return None

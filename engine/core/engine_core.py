@@ -120,7 +120,9 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self._busy() or bool(self.grammars.waiting)
+        """Whether the loop should step rather than block for a message: generating, a grammar
+        compiling, or a weight update holding the queue (its hold must be able to run out)."""
+        return self._busy() or bool(self.grammars.waiting) or self.control.holding
 
     def _busy(self) -> bool:
         return self._inflight is not None or (self.generating and self.scheduler.has_work())
@@ -133,8 +135,12 @@ class EngineCore:
     def step(self) -> list[ReqOutput]:
         """One scheduling round. With overlap, a decode step is launched before the previous
         step's tokens are read back, so host work hides behind the device's."""
-        if not self._busy():  # only grammars compiling: wait a little for one instead of spinning
-            self.grammars.wait(GRAMMAR_POLL_S)
+        if not self._busy():  # grammars compiling or a held queue: wait a little instead of spinning
+            if self.grammars.waiting:
+                self.grammars.wait(GRAMMAR_POLL_S)
+            else:
+                time.sleep(GRAMMAR_POLL_S)
+        self.control.end_hold(time.monotonic())  # a weight update's hold on admissions, if its caller left
         compiled = self.intake.admit_compiled()
         if not self.generating:
             return compiled + self.drain()

@@ -22,12 +22,13 @@ class RequestQueues:
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
         self.finished_here: list[Req] = []
+        self.admitting = True  # False: waiting requests stay queued (a weight update waits for the running)
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool((self.waiting and self.admitting) or self.running or self.chunked_req)
 
     def active(self) -> list[Req]:
         """The requests whose KV is in the pool: running, or half prefilled."""

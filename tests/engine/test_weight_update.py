@@ -302,3 +302,67 @@ def test_a_non_float_tensor_in_a_later_shard_is_refused_before_any_write(engine_
     assert not ok and "'model.norm.weight'" in message and "non-floating dtype I32" in message, message
     assert _ids(eng.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)) == before
     eng.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_flushing_update_waits_for_the_running_requests(engine_factory, other_model_dir, other_engine, overlap):
+    """SGLang's updates wait behind its writer lock when generation is not paused: the running
+    request finishes on the old weights (whole, never retracted), a request sent meanwhile queues
+    and runs on the new ones, and the update lands in between with its flush."""
+    eng = engine_factory()
+    eng.local_core.overlap = overlap
+    prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(5, 20), seed=7)[0]
+    queued_prompt = [5, 6, 7, 8]
+    results: dict = {}
+
+    def update() -> None:
+        results["update"] = eng.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v2")
+        results["admitting_after"] = eng.local_core.scheduler.admitting
+
+    def while_running() -> None:  # the long request runs: the update waits, a new request queues
+        updater = threading.Thread(target=update)
+        updater.start()
+        deadline = time.monotonic() + 30
+        while eng.local_core.scheduler.admitting and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert not eng.local_core.scheduler.admitting, "the update did not hold admissions"
+        results["queued"] = threading.Thread(target=lambda: results.update(
+            late=eng.generate(input_ids=queued_prompt, sampling_params=GREEDY)))
+        results["queued"].start()
+        results["updater"] = updater
+
+    final = _act_mid_stream(eng, prompt, while_running)
+    results["updater"].join(30)
+    results["queued"].join(30)
+    ok, message = results["update"]
+    assert ok, message
+    assert results["admitting_after"]
+    assert len(final["output_ids"]) == LONG["max_new_tokens"] and final["meta_info"]["num_retractions"] == 0
+    assert final["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": LONG["max_new_tokens"]}]
+    late = results["late"]
+    assert late["meta_info"]["weight_version"] == "v2"
+    assert late["output_ids"] == other_engine.generate(input_ids=queued_prompt, sampling_params=GREEDY)["output_ids"]
+    eng.check_integrity()
+
+
+def test_a_waiting_update_whose_caller_left_lets_the_queue_in(engine_factory, other_model_dir, monkeypatch):
+    """The hold on admissions ends HOLD_S after the update's last ask: a caller that stopped asking
+    (killed, timed out) does not leave requests queued for ever."""
+    from engine.core import control
+    from engine.core.messages import UpdateWeightsReq
+    from weight_sync.tensor import TensorSource
+
+    monkeypatch.setattr(control, "HOLD_S", 0.2)
+    eng = engine_factory()
+    prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(5, 20), seed=8)[0]
+    answers: list = []
+
+    def ask_once() -> None:  # the engine's own caller would ask again; this one leaves
+        answers.append(eng._call(UpdateWeightsReq(TensorSource(_named_tensors(other_model_dir)), True, "v2")))
+        late = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)  # queued, then let in
+        answers.append(late["meta_info"]["weight_version"])
+
+    _act_mid_stream(eng, prompt, ask_once)
+    assert answers == [None, "default"]
+    assert eng.local_core.scheduler.admitting
+    eng.check_integrity()
