@@ -110,23 +110,20 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append output tokens; return only the newly completed text (maybe "")."""
-        self._before_add = (len(self._ids), self._surr_offset, self._read_offset, len(self._text))
-        self._ids.extend(int(t) for t in token_ids)
+        ids = [int(t) for t in token_ids]
+        if ids:  # what drop_last goes back to (an empty add changes nothing)
+            self._before_add = (len(self._ids), self._surr_offset, self._read_offset, len(self._text))
+        self._ids.extend(ids)
         return self._advance(final=False)
 
     def drop_last(self) -> None:
         """Take the last output token back out of the text: SGLang's detokenizer leaves out the stop
         token a request matched (unless no_stop_trim), also where that token's text is printable
         (skip_special_tokens=False, or a plain token among stop_token_ids)."""
-        if len(self._ids) == self._num_prompt:
-            return
-        if self._before_add is None or self._before_add[0] >= len(self._ids):
-            # the last token did not come with the last call: the output's text decoded anew
-            self._text = self._decode(self.output_ids[:-1])
-            del self._ids[-1]
-            self._surr_offset = self._read_offset = len(self._ids)
+        if len(self._ids) == self._num_prompt or self._before_add is None:
             return
         n_ids, surr, read, n_text = self._before_add
+        self._before_add = None
         again = self._ids[n_ids:-1]
         del self._ids[n_ids:]
         self._surr_offset, self._read_offset, self._text = surr, read, self._text[:n_text]

@@ -16,6 +16,8 @@ import threading
 import weakref
 from typing import Any, AsyncIterator, Optional
 
+from engine.finish_reasons import abort_reason
+
 ABORTED_HERE = "aborted before it was sent (it was waiting for one of HttpClient's max_connections)"
 
 
@@ -69,8 +71,7 @@ def aborted_reply(body: dict) -> Any:
         single = isinstance(prompts, str)
     n = int((body.get("sampling_params") or {}).get("n", 1))
     count = (1 if single else len(prompts)) * n
-    reason = {"type": "abort", "message": ABORTED_HERE}
     outputs = [{"text": "", "output_ids": [], "meta_info": {
-        "id": body.get("rid"), "finish_reason": dict(reason), "prompt_tokens": 0, "completion_tokens": 0,
+        "id": body.get("rid"), "finish_reason": abort_reason(ABORTED_HERE), "prompt_tokens": 0, "completion_tokens": 0,
         "cached_tokens": 0, "output_token_logprobs": [], "weight_versions": []}} for _ in range(count)]
     return outputs[0] if count == 1 and single else outputs

@@ -25,8 +25,9 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
   if [ -d .devkit/extra ] && [ ! -f $mark ]; then  # aiohttp: the bench's load generator; pybase64
     python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/devkit-site .devkit/extra/*.whl && touch $mark
   fi
-  if [ -f .devkit/transformers.tar.xz ] && [ ! -d /tmp/devkit-site/transformers ]; then  # ahead of the machine's 5.17 (devkit_extra.sh says why)
-    tar -xJf .devkit/transformers.tar.xz -C /tmp/devkit-site && python3 -m compileall -q -j 0 /tmp/devkit-site/transformers > /dev/null
+  if [ -f .devkit/transformers.tar.xz ] && [ ! -f /tmp/devkit-site/.transformers ]; then  # ahead of the machine's 5.17 (devkit_extra.sh says why)
+    rm -rf /tmp/devkit-site/transformers && tar -xJf .devkit/transformers.tar.xz -C /tmp/devkit-site \
+      && python3 -m compileall -q -j 0 /tmp/devkit-site/transformers > /dev/null && touch /tmp/devkit-site/.transformers
   fi  # bytecode compiled here, as pip does at install: a fresh machine's start-up is timed after the install
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 for s in "$@"; do case $s in

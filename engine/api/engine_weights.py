@@ -13,8 +13,8 @@ from typing import Any, Optional, Union
 
 from engine.core.messages import (DestroyWeightsGroupReq, GetWeightsByNameReq, GetWeightVersionReq,
                                   InitWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, SetWeightVersionReq,
-                                  UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq, WeightsGroupStatusReq,
-                                  check_memory_tags)
+                                  UpdateReadyReq, UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq,
+                                  WeightsGroupStatusReq, check_memory_tags)
 from engine.tokenizer import check_text
 
 GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
@@ -39,13 +39,11 @@ class EngineWeights:
             raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
         if weight_version is not None:  # any value becomes its text, as the core stores it
             weight_version = _check_version(str(weight_version), "weight_version")
-        msg = UpdateWeightsReq(source, flush_cache, weight_version)
-        try:
-            answer = self._call(msg)
-            while answer is None:  # requests run unpaused: they finish first, new ones queue (SGLang's lock)
+        if flush_cache:  # requests generating unpaused finish first, later ones queue (SGLang's lock)
+            while not self._call(UpdateReadyReq()):
                 time.sleep(UPDATE_POLL_S)
-                answer = self._call(msg)
-            return answer
+        try:
+            return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
         except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
             if "received from another process" not in str(exc):
                 raise

@@ -8,10 +8,11 @@ castable dtypes and completeness are checked before any parameter is written) ->
 cache (its KV is stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
 (shared/reference/sglang-rl-api.md 1.2, 1.5, 1.6, 1.9), except that a flush that cannot happen
 (in_place keeps running requests' KV) refuses the update before writing, so the reply and the
-weights agree. An update that flushes while requests run unpaused waits, as behind SGLang's
-writer lock: the running finish, new requests queue, and the caller asks again until it lands
-(UpdateWeightsReq answered None meanwhile). Broadcast groups form off the core loop
-(engine/core/weight_groups.py).
+weights agree. An update that flushes while requests generate unpaused first waits, as behind
+SGLang's writer lock: the caller asks UpdateReadyReq until every request that was in flight at its
+first ask (queued, retracted or running) has finished on the old weights; requests that arrive
+meanwhile stay queued until the update lands, or HOLD_S after its last ask (a caller gone).
+Broadcast groups form off the core loop (engine/core/weight_groups.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from engine.core.messages import (ContinueReq, DestroyWeightsGroupReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
-                                  Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateWeightsReq, WeightsGroupStatusReq,
-                                  check_memory_tags, check_pause_mode)
+                                  Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateReadyReq, UpdateWeightsReq,
+                                  WeightsGroupStatusReq, check_memory_tags, check_pause_mode)
 from engine.core.weight_groups import WeightGroups
 from engine.models.weight_cast import WeightsPartlyWritten
 from engine.phase_clock import PhaseClock
@@ -47,6 +48,8 @@ class ControlledCore(Protocol):
 
     def drain(self) -> list: ...
 
+    def in_flight_since(self, since: float) -> bool: ...
+
     def abort_all(self, message: str) -> list: ...
 
 
@@ -56,7 +59,7 @@ class GenerationControl:
         self.groups = WeightGroups()  # broadcast groups, formed off the core loop
         self.num_updates = 0  # successful loads (a bucket each), for /metrics
         self.update_seconds = 0.0  # time in them: receive + load + flush
-        self._hold_until: Optional[float] = None  # an update waits for the running: admissions held until then
+        self._hold: Optional[tuple[float, float]] = None  # a waiting update's (first ask's time, expiry)
 
     def handle(self, msg: Any) -> Reply:
         if isinstance(msg, PauseReq):
@@ -64,6 +67,8 @@ class GenerationControl:
         if isinstance(msg, ContinueReq):
             self.core.paused = False
             return Reply(None)
+        if isinstance(msg, UpdateReadyReq):
+            return Reply(self._ready_for_update())
         if isinstance(msg, UpdateWeightsReq):
             return self._update_weights(msg)
         if isinstance(msg, SetWeightVersionReq):
@@ -121,9 +126,6 @@ class GenerationControl:
 
     def _update_weights(self, msg: UpdateWeightsReq) -> Reply:
         outputs = self.core.drain()  # the drained tokens are the old weights'; delivered whatever follows
-        if self._waits_for_running(msg):
-            return Reply(None, outputs)
-        self.end_hold()
         start = time.perf_counter()
         try:
             value = self._load(msg)
@@ -141,6 +143,7 @@ class GenerationControl:
         except Exception as exc:  # e.g. a corrupt file or a failed copy: still answered
             logger.exception("weight update failed")
             value = (False, f"Weight update failed (weights may be partly written): {type(exc).__name__}: {exc}")
+        self.end_hold()  # landed or refused: the queue moves again
         return Reply(value, outputs)
 
     def _load(self, msg: UpdateWeightsReq) -> tuple[bool, str]:
@@ -170,25 +173,31 @@ class GenerationControl:
             core.scheduler.flush_cache()  # cannot fail: _refusal saw that nothing holds KV
         return True, message
 
-    def _waits_for_running(self, msg: UpdateWeightsReq) -> bool:
-        """A flushing update while requests generate unpaused: hold new admissions and wait."""
+    def _ready_for_update(self) -> bool:
+        """Paused (or memory released): ready, the update's own checks follow. Generating: hold
+        later arrivals from the first ask on; ready once the requests from before it are done."""
         core = self.core
-        if not (msg.flush_cache and core.generating and core.scheduler.num_holding_kv()):
-            return False
-        core.scheduler.admitting = False
-        self._hold_until = time.monotonic() + HOLD_S
-        return True
+        if not core.generating:
+            return True
+        since = self._hold[0] if self._hold is not None else time.perf_counter()
+        self._hold = (since, time.monotonic() + HOLD_S)
+        core.scheduler.admit_before = since
+        return not core.in_flight_since(since)
 
     @property
     def holding(self) -> bool:
-        """A weight update waits for the running requests: new ones stay queued meanwhile."""
-        return self._hold_until is not None
+        """A weight update waits for the requests in flight: later ones stay queued meanwhile."""
+        return self._hold is not None
 
-    def end_hold(self, now: Optional[float] = None) -> None:
-        """Let queued requests in: the update landed (now None), or its caller stopped asking."""
-        if self._hold_until is not None and (now is None or now > self._hold_until):
-            self._hold_until = None
-            self.core.scheduler.admitting = True
+    def end_hold(self) -> None:
+        """Let the queue move: the update landed or was refused."""
+        self._hold = None
+        self.core.scheduler.admit_before = None
+
+    def expire_hold(self, now: float) -> None:
+        """End a hold whose update stopped asking HOLD_S ago (its caller is gone)."""
+        if self._hold is not None and now > self._hold[1]:
+            self.end_hold()
 
     def _refusal(self, msg: UpdateWeightsReq) -> Optional[str]:
         """Why the update cannot succeed as asked, known before writing (reply and state agree)."""

@@ -1,5 +1,6 @@
-"""Stop checks, in SGLang's order: length, then (after min_new_tokens) stop strings, stop
-regexes, then EOS and stop tokens."""
+"""Stop checks: length, then (after min_new_tokens) stop strings, stop regexes, then EOS and stop
+tokens. (SGLang checks the tokens before the strings: where a stop token also completes a stop
+string, it reports the token and this the string.)"""
 
 from __future__ import annotations
 

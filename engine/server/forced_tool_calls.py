@@ -19,18 +19,33 @@ def forced_call_schema(tools: Optional[list], tool_choice: Any, parallel_tool_ca
     if tool_choice == "required":
         if not tools:
             raise ValueError('tool_choice "required" needs tools: send the functions the model must call')
-        items: dict = {"type": "object", "anyOf": [_call_schema(t.function) for t in tools]}
+        chosen = list(tools)
+        items: dict = {"type": "object", "anyOf": [_call_schema(t.function) for t in chosen]}
     elif isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
-        items = next((_call_schema(t.function) for t in tools or () if t.function.name == name), None)
-        if items is None:
+        chosen = [t for t in tools or () if t.function.name == name]
+        if not chosen:
             raise ValueError(f"tool_choice names tool {name!r}, which is not in tools")
+        items = _call_schema(chosen[0].function)
     else:
         return None
     schema = {"type": "array", "minItems": 1, "items": items}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    defs = _shared_defs(chosen)
+    if defs:  # a parameters schema's "#/$defs/..." references resolve against the root
+        schema["$defs"] = defs
     return schema
+
+
+def _shared_defs(tools: list) -> dict:
+    """Every tool's parameters' $defs, at the root as SGLang hoists them; one name, one schema."""
+    defs: dict = {}
+    for tool in tools:
+        for name, schema in ((tool.function.parameters or {}).get("$defs") or {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools define $defs {name!r} twice, differently: give them distinct names")
+    return defs
 
 
 def _call_schema(function: Any) -> dict:
@@ -63,11 +78,12 @@ def parse_calls(text: str) -> Optional[list[dict]]:
 
 
 def as_tool_calls(message: dict, text: str, finish_reason: Optional[str]) -> Optional[str]:
-    """Fill message's tool_calls (content null) from a forced reply's text; -> the choice's
-    finish_reason ("tool_calls" for a reply that stopped; unchanged where the text is no array)."""
+    """Fill message's tool_calls (content null) from a forced reply's text, which stays the content
+    where it is no array of calls; -> the choice's finish_reason: "tool_calls" for a reply that
+    stopped (SGLang renames it before parsing), else as it was (a reply cut by max_tokens)."""
     calls = parse_calls(text)
     if calls is None:
         message["content"] = text
-        return finish_reason
-    message.update(content=None, tool_calls=calls)
+    else:
+        message.update(content=None, tool_calls=calls)
     return "tool_calls" if finish_reason == "stop" else finish_reason

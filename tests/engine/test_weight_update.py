@@ -305,43 +305,61 @@ def test_a_non_float_tensor_in_a_later_shard_is_refused_before_any_write(engine_
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_a_flushing_update_waits_for_the_running_requests(engine_factory, other_model_dir, other_engine, overlap):
-    """SGLang's updates wait behind its writer lock when generation is not paused: the running
-    request finishes on the old weights (whole, never retracted), a request sent meanwhile queues
-    and runs on the new ones, and the update lands in between with its flush."""
-    eng = engine_factory()
+@pytest.mark.parametrize("payload", ["tensors", "serialized"])
+def test_a_flushing_update_waits_for_the_requests_in_flight(engine_factory, other_model_dir, other_engine, overlap,
+                                                             payload):
+    """SGLang's updates wait behind its writer lock when generation is not paused: every request
+    in flight at the update's first ask finishes on the old weights (the running one whole, never
+    retracted; one queued behind it too), a request sent after it queues and runs on the new ones,
+    and the update lands in between with its flush. A serialized payload (opened once: its shared
+    memory is gone after) lands as well: the waiting is asked apart from the payload."""
+    from weight_sync.cuda_ipc import serialize
+
+    eng = engine_factory(max_running_requests=1)
     eng.local_core.overlap = overlap
     prompt = random_prompts(1, eng.local_core.parts.vocab_size, lengths=(5, 20), seed=7)[0]
-    queued_prompt = [5, 6, 7, 8]
+    early_prompt, late_prompt = [9, 10, 11], [5, 6, 7, 8]
     results: dict = {}
 
     def update() -> None:
-        results["update"] = eng.update_weights_from_tensor(_named_tensors(other_model_dir), weight_version="v2")
-        results["admitting_after"] = eng.local_core.scheduler.admitting
+        tensors = _named_tensors(other_model_dir)
+        if payload == "serialized":
+            results["update"] = eng.update_weights_from_serialized(serialize(tensors), weight_version="v2")
+        else:
+            results["update"] = eng.update_weights_from_tensor(tensors, weight_version="v2")
+        results["held_after"] = eng.local_core.scheduler.admit_before is not None
 
-    def while_running() -> None:  # the long request runs: the update waits, a new request queues
-        updater = threading.Thread(target=update)
-        updater.start()
+    def generate(key: str, ids: list[int]) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.update({key: eng.generate(input_ids=ids,
+                                                                                 sampling_params=GREEDY)}))
+        thread.start()
+        return thread
+
+    def while_running() -> None:  # one request runs, one queues (one slot): then the update asks
+        threads = [generate("early", early_prompt)]
         deadline = time.monotonic() + 30
-        while eng.local_core.scheduler.admitting and time.monotonic() < deadline:
+        while not eng.local_core.scheduler.waiting and time.monotonic() < deadline:
             time.sleep(0.002)
-        assert not eng.local_core.scheduler.admitting, "the update did not hold admissions"
-        results["queued"] = threading.Thread(target=lambda: results.update(
-            late=eng.generate(input_ids=queued_prompt, sampling_params=GREEDY)))
-        results["queued"].start()
-        results["updater"] = updater
+        threads.append(threading.Thread(target=update))
+        threads[-1].start()
+        while eng.local_core.scheduler.admit_before is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert eng.local_core.scheduler.admit_before is not None, "the update did not hold the queue"
+        threads.append(generate("late", late_prompt))
+        results["threads"] = threads
 
     final = _act_mid_stream(eng, prompt, while_running)
-    results["updater"].join(30)
-    results["queued"].join(30)
+    for thread in results["threads"]:
+        thread.join(30)
     ok, message = results["update"]
     assert ok, message
-    assert results["admitting_after"]
+    assert not results["held_after"]
     assert len(final["output_ids"]) == LONG["max_new_tokens"] and final["meta_info"]["num_retractions"] == 0
     assert final["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": LONG["max_new_tokens"]}]
+    assert results["early"]["meta_info"]["weight_version"] == "default"
     late = results["late"]
     assert late["meta_info"]["weight_version"] == "v2"
-    assert late["output_ids"] == other_engine.generate(input_ids=queued_prompt, sampling_params=GREEDY)["output_ids"]
+    assert late["output_ids"] == other_engine.generate(input_ids=late_prompt, sampling_params=GREEDY)["output_ids"]
     eng.check_integrity()
 
 
@@ -349,8 +367,7 @@ def test_a_waiting_update_whose_caller_left_lets_the_queue_in(engine_factory, ot
     """The hold on admissions ends HOLD_S after the update's last ask: a caller that stopped asking
     (killed, timed out) does not leave requests queued for ever."""
     from engine.core import control
-    from engine.core.messages import UpdateWeightsReq
-    from weight_sync.tensor import TensorSource
+    from engine.core.messages import UpdateReadyReq
 
     monkeypatch.setattr(control, "HOLD_S", 0.2)
     eng = engine_factory()
@@ -358,11 +375,11 @@ def test_a_waiting_update_whose_caller_left_lets_the_queue_in(engine_factory, ot
     answers: list = []
 
     def ask_once() -> None:  # the engine's own caller would ask again; this one leaves
-        answers.append(eng._call(UpdateWeightsReq(TensorSource(_named_tensors(other_model_dir)), True, "v2")))
+        answers.append(eng._call(UpdateReadyReq()))
         late = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)  # queued, then let in
         answers.append(late["meta_info"]["weight_version"])
 
     _act_mid_stream(eng, prompt, ask_once)
-    assert answers == [None, "default"]
-    assert eng.local_core.scheduler.admitting
+    assert answers == [False, "default"]
+    assert eng.local_core.scheduler.admit_before is None
     eng.check_integrity()

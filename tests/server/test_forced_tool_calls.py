@@ -102,3 +102,21 @@ def test_schema_and_parse_follow_sglang():
     assert parse_calls('[{"name": "f", "parameters": {"a": "é"}}]')[0]["function"]["arguments"] == '{"a": "é"}'
     assert parse_calls('[{"name": "f", "parameters": {') is None  # cut by max_tokens: stays content
     assert parse_calls('{"name": "f"}') is None
+    # pydantic-style parameters refer to "#/$defs/...": hoisted to the array's root (SGLang's too)
+    unit = {"enum": ["c", "f"]}
+    ref_tools = [ChatTool.model_validate({"function": {"name": n, "parameters": {
+        "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": unit}}}})
+        for n in ("a", "b")]
+    assert forced_call_schema(ref_tools, "required")["$defs"] == {"Unit": unit}
+    clash = ref_tools + [ChatTool.model_validate({"function": {"name": "c", "parameters": {"$defs": {"Unit": {}}}}})]
+    with pytest.raises(ValueError, match="Unit"):
+        forced_call_schema(clash, "required")
+
+
+def test_referenced_definitions_compile_and_constrain(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+        "additionalProperties": False, "$defs": {"Unit": {"enum": ["c", "f"]}}}}}]
+    out = _chat(client, tools=tools, tool_choice="required", parallel_tool_calls=False)
+    assert out["finish_reason"] == "tool_calls"
+    _check_calls(out["message"]["tool_calls"], {"get_weather"})
