@@ -13,12 +13,11 @@ from typing import Any, Optional, Union
 
 from engine.core.messages import (DestroyWeightsGroupReq, GetWeightsByNameReq, GetWeightVersionReq,
                                   InitWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, SetWeightVersionReq,
-                                  UpdateReadyReq, UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq,
-                                  WeightsGroupStatusReq, check_memory_tags)
+                                  UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq, WeightsGroupStatusReq,
+                                  check_memory_tags)
 from engine.tokenizer import check_text
 
 GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
-UPDATE_POLL_S = 0.01  # how often a waiting update asks again (core/control.py HOLD_S: well under it)
 
 
 class EngineWeights:
@@ -30,18 +29,13 @@ class EngineWeights:
         """Load one weight_sync WeightSource (tensors, a serialized payload, a checkpoint, a
         broadcast, or any new transport's source) between two steps -> (success, message). Every
         name, shape and dtype is checked before any write: a refused update changes nothing and
-        says why. Then the radix cache is flushed (flush_cache) and the version set. A flushing
-        update while requests generate unpaused waits for them to finish (new requests queue), as
-        SGLang's updates wait behind its writer lock; paused in_place, it is refused."""
+        says why. Then the radix cache is flushed (flush_cache) and the version set."""
         from weight_sync.base import WeightSource
 
         if not isinstance(source, WeightSource):
             raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
         if weight_version is not None:  # any value becomes its text, as the core stores it
             weight_version = _check_version(str(weight_version), "weight_version")
-        if flush_cache:  # requests generating unpaused finish first, later ones queue (SGLang's lock)
-            while not self._call(UpdateReadyReq()):
-                time.sleep(UPDATE_POLL_S)
         try:
             return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
         except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent

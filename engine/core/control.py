@@ -8,11 +8,7 @@ castable dtypes and completeness are checked before any parameter is written) ->
 cache (its KV is stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
 (shared/reference/sglang-rl-api.md 1.2, 1.5, 1.6, 1.9), except that a flush that cannot happen
 (in_place keeps running requests' KV) refuses the update before writing, so the reply and the
-weights agree. An update that flushes while requests generate unpaused first waits, as behind
-SGLang's writer lock: the caller asks UpdateReadyReq until every request that was in flight at its
-first ask (queued, retracted or running) has finished on the old weights; requests that arrive
-meanwhile stay queued until the update lands, or HOLD_S after its last ask (a caller gone).
-Broadcast groups form off the core loop (engine/core/weight_groups.py).
+weights agree. Broadcast groups form off the core loop (engine/core/weight_groups.py).
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from engine.core.messages import (ContinueReq, DestroyWeightsGroupReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
-                                  Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateReadyReq, UpdateWeightsReq,
-                                  WeightsGroupStatusReq, check_memory_tags, check_pause_mode)
+                                  Reply, ResumeMemoryReq, SetWeightVersionReq, UpdateWeightsReq, WeightsGroupStatusReq,
+                                  check_memory_tags, check_pause_mode)
 from engine.core.weight_groups import WeightGroups
 from engine.models.weight_cast import WeightsPartlyWritten
 from engine.phase_clock import PhaseClock
@@ -33,22 +29,18 @@ if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-HOLD_S = 2.0  # new requests queue this long after an update's last ask (a caller gone lets them in)
 
 
 class ControlledCore(Protocol):
     """What control reads and changes of the EngineCore (which imports this module, so no import
     back): its pause flag, weight version and released memory, its parts, and two of its steps."""
     paused: bool
-    generating: bool
     weight_version: str
     memory_released: set[str]
     scheduler: "Scheduler"
     runner: "ModelRunner"
 
     def drain(self) -> list: ...
-
-    def in_flight_since(self, since: float) -> bool: ...
 
     def abort_all(self, message: str) -> list: ...
 
@@ -59,7 +51,6 @@ class GenerationControl:
         self.groups = WeightGroups()  # broadcast groups, formed off the core loop
         self.num_updates = 0  # successful loads (a bucket each), for /metrics
         self.update_seconds = 0.0  # time in them: receive + load + flush
-        self._hold: Optional[tuple[float, float]] = None  # a waiting update's (first ask's time, expiry)
 
     def handle(self, msg: Any) -> Reply:
         if isinstance(msg, PauseReq):
@@ -67,8 +58,6 @@ class GenerationControl:
         if isinstance(msg, ContinueReq):
             self.core.paused = False
             return Reply(None)
-        if isinstance(msg, UpdateReadyReq):
-            return Reply(self._ready_for_update())
         if isinstance(msg, UpdateWeightsReq):
             return self._update_weights(msg)
         if isinstance(msg, SetWeightVersionReq):
@@ -143,7 +132,6 @@ class GenerationControl:
         except Exception as exc:  # e.g. a corrupt file or a failed copy: still answered
             logger.exception("weight update failed")
             value = (False, f"Weight update failed (weights may be partly written): {type(exc).__name__}: {exc}")
-        self.end_hold()  # landed or refused: the queue moves again
         return Reply(value, outputs)
 
     def _load(self, msg: UpdateWeightsReq) -> tuple[bool, str]:
@@ -173,32 +161,6 @@ class GenerationControl:
             core.scheduler.flush_cache()  # cannot fail: _refusal saw that nothing holds KV
         return True, message
 
-    def _ready_for_update(self) -> bool:
-        """Paused (or memory released): ready, the update's own checks follow. Generating: hold
-        later arrivals from the first ask on; ready once the requests from before it are done."""
-        core = self.core
-        if not core.generating:
-            return True
-        since = self._hold[0] if self._hold is not None else time.perf_counter()
-        self._hold = (since, time.monotonic() + HOLD_S)
-        core.scheduler.admit_before = since
-        return not core.in_flight_since(since)
-
-    @property
-    def holding(self) -> bool:
-        """A weight update waits for the requests in flight: later ones stay queued meanwhile."""
-        return self._hold is not None
-
-    def end_hold(self) -> None:
-        """Let the queue move: the update landed or was refused."""
-        self._hold = None
-        self.core.scheduler.admit_before = None
-
-    def expire_hold(self, now: float) -> None:
-        """End a hold whose update stopped asking HOLD_S ago (its caller is gone)."""
-        if self._hold is not None and now > self._hold[1]:
-            self.end_hold()
-
     def _refusal(self, msg: UpdateWeightsReq) -> Optional[str]:
         """Why the update cannot succeed as asked, known before writing (reply and state agree)."""
         core = self.core
@@ -206,8 +168,8 @@ class GenerationControl:
             return "weights are released: call resume_memory_occupation(tags=['weights']) first"
         holding = core.scheduler.num_holding_kv()
         if msg.flush_cache and holding:
-            return (f"flush_cache=True, but {holding} request(s) still hold KV cache (paused in_place), so the "
-                    f"stale cache cannot be flushed; pass flush_cache=False to keep their KV "
+            return (f"flush_cache=True, but {holding} request(s) still hold KV cache (paused in_place, or "
+                    f"generating), so the stale cache cannot be flushed; pass flush_cache=False to keep their KV "
                     f"(stale under the new weights, as SGLang's in_place), or pause with mode='retract' or "
                     f"'abort' first")
         return None

@@ -20,7 +20,7 @@ from engine.core.lora_control import LORA_MESSAGES, LoRAControl
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, DestroyWeightsGroupReq,
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
-                                  UpdateReadyReq, UpdateWeightsReq)
+                                  UpdateWeightsReq)
 from engine.core.messages import WeightsGroupStatusReq
 from engine.core.results import StepResults
 from engine.core.setup import CoreParts, build_core_parts
@@ -30,8 +30,8 @@ from engine.runner.pending_result import PendingResult
 from engine.scheduler.batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
-IDLE_POLL_S = 0.005  # an idle loop's wait (a compile, a held queue): messages are read again after it
-CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateReadyReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
+GRAMMAR_POLL_S = 0.005  # an idle loop's wait for a compile: messages are read again after it
+CONTROL_MESSAGES = (PauseReq, ContinueReq, UpdateWeightsReq, SetWeightVersionReq, InitWeightsGroupReq,
                     DestroyWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, WeightsGroupStatusReq)
 
 
@@ -120,15 +120,7 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        """Whether the loop should step rather than block for a message: generating, a grammar
-        compiling, or a weight update holding the queue (its hold must be able to run out)."""
-        return self._busy() or bool(self.grammars.waiting) or self.control.holding
-
-    def in_flight_since(self, since: float) -> bool:
-        """Whether a request created before `since` (perf_counter) has not finished: compiling
-        its grammar, queued (retracted ones too) or holding KV."""
-        queued = [r for r, _, _ in self.grammars.waiting] + list(self.scheduler.waiting)
-        return bool(self.scheduler.active()) or any(r.created_time < since for r in queued)
+        return self._busy() or bool(self.grammars.waiting)
 
     def _busy(self) -> bool:
         return self._inflight is not None or (self.generating and self.scheduler.has_work())
@@ -141,12 +133,8 @@ class EngineCore:
     def step(self) -> list[ReqOutput]:
         """One scheduling round. With overlap, a decode step is launched before the previous
         step's tokens are read back, so host work hides behind the device's."""
-        if not self._busy():  # grammars compiling or a held queue: wait a little instead of spinning
-            if self.grammars.waiting:
-                self.grammars.wait(IDLE_POLL_S)
-            else:
-                time.sleep(IDLE_POLL_S)
-        self.control.expire_hold(time.monotonic())  # a weight update's hold, if its caller left
+        if not self._busy():  # only grammars compiling: wait a little for one instead of spinning
+            self.grammars.wait(GRAMMAR_POLL_S)
         compiled = self.intake.admit_compiled()
         if not self.generating:
             return compiled + self.drain()

@@ -100,12 +100,6 @@ class UpdateWeightsReq:
 
 
 @dataclass
-class UpdateReadyReq:
-    """Whether a flushing update may land now (True), or must wait for the requests in flight
-    (False: asked again shortly). While it waits, requests that arrive later stay queued."""
-
-
-@dataclass
 class InitWeightsGroupReq:
     """Starts the rendezvous off the core loop and answers None (forming) or a refusal at once;
     WeightsGroupStatusReq then says when it formed or failed (within timeout_s)."""

@@ -51,7 +51,7 @@ class Admission:
 
     def prefill_batch(self) -> Optional[ScheduleBatch]:
         q = self.queues
-        if not q.has_admissible() and q.chunked_req is None:
+        if not q.waiting and q.chunked_req is None:
             return None
         adder = PrefillAdder(self.slots.allocator, self.tree_cache, q.running, self.forecast.value,
                              self.config.chunked_prefill_size, self.config.max_prefill_tokens)
@@ -59,10 +59,7 @@ class Admission:
             req, q.chunked_req = q.chunked_req, None
             req.fill_all()
             adder.add_chunked(req)
-        held = q.admit_before is not None  # then the admissible are not a prefix of the queue
-        ordered, in_queue_order = order_waiting(q.admissible() if held else q.waiting, self.config.schedule_policy,
-                                                self.tree_cache)
-        in_queue_order = in_queue_order and not held
+        ordered, in_queue_order = order_waiting(q.waiting, self.config.schedule_policy, self.tree_cache)
         admitted: list[Req] = []  # and refused: both leave the queue
         siblings: set[tuple] = set()
         adapters = {r.lora_id for r in list(q.running) + adder.reqs}  # None, the base model, takes a slot too

@@ -8,7 +8,7 @@ mask, penalties, min_new_tokens) is launched after step N is committed (sample_a
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 from engine.scheduler.batch import ScheduleBatch
 from engine.scheduler.request import Req
@@ -16,18 +16,17 @@ from engine.scheduler.request import Req
 
 class SchedulerView(Protocol):
     """What lookahead reads of the Scheduler (which imports this module, so no import back)."""
+    waiting: Sequence[Req]
     running: list[Req]
     chunked_req: Optional[Req]
     allocator: Any  # engine.kv.allocator.TokenSlotAllocator: available_size()
-
-    def has_admissible(self) -> bool: ...
 
 
 def lookahead_rows(scheduler: SchedulerView, inflight: ScheduleBatch) -> Optional[list[int]]:
     """Rows of `inflight` to continue, or None when the step must wait for its tokens: new work
     to admit, aborts, memory pressure (evict or retract only once the real tokens are in), or
     sampling state that reads the unknown token."""
-    if scheduler.has_admissible() or scheduler.chunked_req is not None or not inflight.forward_mode.is_decode:
+    if scheduler.waiting or scheduler.chunked_req is not None or not inflight.forward_mode.is_decode:
         return None
     if any(r.to_abort is not None for r in scheduler.running):
         return None

@@ -22,25 +22,12 @@ class RequestQueues:
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
         self.finished_here: list[Req] = []
-        # a weight update's hold (engine/core/control.py): only requests created before it are admitted
-        self.admit_before: Optional[float] = None
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.has_admissible() or self.running or self.chunked_req)
-
-    def admissible(self) -> list[Req]:
-        """The waiting requests admission may take: all, or under a hold those from before it."""
-        if self.admit_before is None:
-            return list(self.waiting)
-        return [r for r in self.waiting if r.created_time < self.admit_before]
-
-    def has_admissible(self) -> bool:
-        if self.admit_before is None:
-            return bool(self.waiting)
-        return any(r.created_time < self.admit_before for r in self.waiting)
+        return bool(self.waiting or self.running or self.chunked_req)
 
     def active(self) -> list[Req]:
         """The requests whose KV is in the pool: running, or half prefilled."""

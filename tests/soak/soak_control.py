@@ -16,7 +16,7 @@ from soak_requests import Clients
 from soak_tally import PARTLY_WRITTEN, Tally
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-# A refused update (in_place KV that cannot be flushed; an update while requests run waits for them) and a flush while
+# A refused update (in_place KV that cannot be flushed, requests holding KV) and a flush while
 # requests run are 400s by design: the reply and the state agree.
 CONTROL_EXPECTED = {"update_weights": {200, 400}, "update_weights_tensor": {200, 400}, "flush_cache": {200, 400}}
 
