@@ -27,11 +27,15 @@ class TextBuilder:
         if self.tokenizer is None or req.core_detokenizes:
             return
         ids = out.output["output_ids"]
+        # SGLang's text leaves out the stop token a reply matched: never fed here (it is the last id)
+        end = len(ids) - 1 if out.finished and trims_stop_token(
+            out.output["meta_info"].get("finish_reason"), req.sampling_params.no_stop_trim) else len(ids)
         if not req.stream:
             if out.finished and ids:
                 detokenizer = self._detokenizer(req)
-                detokenizer.add(ids)
-                self._finish(req, out, detokenizer)
+                detokenizer.add(ids[:end])
+                detokenizer.flush()
+                out.output["text"] = detokenizer.text
             return
         if out.finished and not ids:  # an error answer (e.g. the core died): no tokens, no text
             self._streams.pop(req.rid, None)
@@ -39,18 +43,10 @@ class TextBuilder:
         detokenizer = self._streams.get(req.rid)
         if detokenizer is None:
             detokenizer = self._streams[req.rid] = self._detokenizer(req)
-        detokenizer.add(ids[len(detokenizer.output_ids):])
+        detokenizer.add(ids[len(detokenizer.output_ids):end])
         if out.finished:
-            self._finish(req, out, detokenizer)
+            detokenizer.flush()
             del self._streams[req.rid]
-        out.output["text"] = detokenizer.text
-
-    @staticmethod
-    def _finish(req: ReqInput, out: ReqOutput, detokenizer: IncrementalDetokenizer) -> None:
-        """The final text: without a matched stop token's (as SGLang's), held-back bytes flushed."""
-        if trims_stop_token(out.output["meta_info"].get("finish_reason"), req.sampling_params.no_stop_trim):
-            detokenizer.drop_last()
-        detokenizer.flush()
         out.output["text"] = detokenizer.text
 
     def _detokenizer(self, req: ReqInput) -> IncrementalDetokenizer:

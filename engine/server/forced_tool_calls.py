@@ -10,7 +10,7 @@ import json
 import uuid
 from typing import Any, Optional
 
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+from engine.sampling_params import GRAMMAR_FIELDS
 
 
 def forced_call_schema(tools: Optional[list], tool_choice: Any, parallel_tool_calls: bool = True) -> Optional[dict]:
