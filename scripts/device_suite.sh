@@ -136,6 +136,9 @@ for s in "$@"; do case $s in
       step configprobe 90 bash -c 'python3 -c "import transformers; print(\"transformers\", transformers.__version__)"
         python3 -X importtime -c "import sys, time, torch, transformers; from transformers import AutoConfig; print(\"MARK\", file=sys.stderr, flush=True); t = time.time(); AutoConfig.from_pretrained(\"/tmp/q8cfg\"); print(\"from_pretrained s\", time.time() - t)" 2> /tmp/imp.log
         sed -n "/^MARK/,\$p" /tmp/imp.log | sort -t"|" -k2 -n -r | head -40' ) ;;
+  importprobe)  # the core process's imports (its "before engine" phase: 7.5 s warm on an H100, 2.9 s on a CPU host): each heavy module alone, then the chain
+    ( kit && step importprobe 90 bash -c 'for m in torch triton transformers engine.core.engine_core; do python3 -c "import time; t = time.time(); import $m; print(\"$m\", round(time.time() - t, 2), \"s\")"; done
+        python3 -X importtime -c "import engine.core.engine_core" 2> /tmp/imp2.log; sort -t"|" -k2 -n -r /tmp/imp2.log | head -40' ) ;;
   gpuother) ( kit && step gpuother ${LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/gpu/test_decode_kernels_gpu.py \
       tests/gpu/test_trainer_kernels_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_opt_in_switches_gpu.py ) ;;  # the GPU files gpufirst + gpurest leave out
   cascadegpu) step cascadegpu 150 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_cascade_gpu.py ;;

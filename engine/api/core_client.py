@@ -9,6 +9,7 @@ process, so tokenization, HTTP and the scheduler never share an interpreter.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -35,6 +36,12 @@ class CoreClient:
     latest_stats: Optional[StatsSnapshot] = None
 
     def send(self, msg: Any) -> None:
+        self.send_all([msg])
+
+    def send_all(self, msgs: list[Any]) -> None:
+        """msgs reach the core together, in one read between two steps: a batch's requests are
+        scheduled as one (the same batches, hence the same numbers, however busy the host is).
+        Either all are sent or, when this raises, none is."""
         raise NotImplementedError
 
     def call(self, msg: Any, timeout: Optional[float] = None) -> Any:
@@ -101,7 +108,9 @@ class ThreadCoreClient(CoreClient):
         self.info = self.core.info()
         self._on_core_death = on_core_death
         self._dead: Optional[str] = None  # why the core is gone, once it is
-        self._inbox: "queue.Queue[tuple[Any, Optional[int]]]" = queue.Queue()
+        # each item a list of (message, call id): a batch is put at once, so the core reads it whole
+        self._inbox: "queue.Queue[list[tuple[Any, Optional[int]]]]" = queue.Queue()
+        self._pending: collections.deque = collections.deque()  # read from the inbox, not handled yet
         self._calls = CallTable()
         self._worker = CoreWorker(self.core, on_outputs, self._answer, report=self.note_stats)
         self._thread = threading.Thread(target=self._run, name="tandem-core", daemon=True)
@@ -132,23 +141,25 @@ class ThreadCoreClient(CoreClient):
         self._calls.close(call_id, ok, value)
 
     def _next(self, block: bool) -> Optional[tuple[Any, Optional[int]]]:
-        try:
-            return self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
+        if not self._pending:
+            try:
+                self._pending.extend(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+            except queue.Empty:
+                return None
+        return self._pending.popleft()
 
     def _check_alive(self) -> None:
         if self._dead is not None or not self._thread.is_alive():
             raise CoreDead(self._dead or "the engine core is shut down")
 
-    def send(self, msg: Any) -> None:
+    def send_all(self, msgs: list[Any]) -> None:
         self._check_alive()
-        self._inbox.put((msg, None))
+        self._inbox.put([(msg, None) for msg in msgs])
 
     def call_future(self, msg: Any) -> Future:
         self._check_alive()
         call_id, fut = self._calls.open()  # raises CoreDead once the thread is gone
-        self._inbox.put((msg, call_id))
+        self._inbox.put([(msg, call_id)])
         return fut
 
     def is_alive(self) -> bool:
@@ -156,7 +167,7 @@ class ThreadCoreClient(CoreClient):
 
     def shutdown(self) -> None:
         if self._thread.is_alive():
-            self._inbox.put((STOP, None))
+            self._inbox.put([(STOP, None)])
             self._thread.join(timeout=30)
         self._calls.fail_all(CoreDead("the engine core is shut down"))
         # The model, KV pool and req_to_token table go with the core: a shut-down Engine that is

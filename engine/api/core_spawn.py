@@ -43,6 +43,9 @@ def spawn_core(server_args: ServerArgs) -> SpawnedCore:
 
 
 def _core_main(server_args: ServerArgs, conn: Any) -> None:
+    from engine.core.startup_clock import mark_entry
+
+    mark_entry()  # before the imports: the ready line tells the spawn from them
     from engine.core.process_main import run_core_process
 
     run_core_process(server_args, conn)

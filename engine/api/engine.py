@@ -136,8 +136,9 @@ class Engine(EngineWeights, EngineLoRA):
         self._submit_all([req_input], [sink])
 
     def _submit_all(self, reqs: list[ReqInput], sinks: list[Sink]) -> None:
-        """Every rid is checked and registered before the first request is sent, so a batch
-        refused for a rid already in flight submits nothing (nothing decodes for nobody)."""
+        """Every rid is checked and registered before the batch is sent, so a batch refused for a
+        rid already in flight submits nothing (nothing decodes for nobody). The batch reaches the
+        core whole: its requests are scheduled together however busy the host is."""
         with self._lock:
             busy = next((r.rid for r in reqs if r.rid in self._sinks), None)
             if busy is not None:
@@ -145,17 +146,14 @@ class Engine(EngineWeights, EngineLoRA):
             for r, sink in zip(reqs, sinks):
                 self._sinks[r.rid] = sink
                 self._inputs[r.rid] = r
-        for sent, r in enumerate(reqs):
-            try:
-                self.client.send(r)
-            except BaseException:  # e.g. CoreDead: nothing will answer the rest; abort what went
-                with self._lock:
-                    for unsent in reqs[sent:]:
-                        self._sinks.pop(unsent.rid, None)
-                        self._inputs.pop(unsent.rid, None)
-                for gone in reqs[:sent]:
-                    self._abort_quietly(gone.rid, "its batch could not be submitted")
-                raise
+        try:
+            self.client.send_all(reqs)
+        except BaseException:  # e.g. CoreDead: none of them was sent
+            with self._lock:
+                for r in reqs:
+                    self._sinks.pop(r.rid, None)
+                    self._inputs.pop(r.rid, None)
+            raise
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:

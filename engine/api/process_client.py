@@ -50,7 +50,8 @@ class ProcessCoreClient(CoreClient):
         self._on_outputs = on_outputs
         self._on_core_death = on_core_death
         self._calls = CallTable()
-        self._outbox: "queue.Queue[Optional[tuple[bytes, Optional[int]]]]" = queue.Queue()
+        # each item a list of (pickled message, call id), written to the pipe whole; None: stop
+        self._outbox: "queue.Queue[Optional[list[tuple[bytes, Optional[int]]]]]" = queue.Queue()
         self._dead: Optional[str] = None  # why the core is gone, once it is
         self._stopping = False
         if spawned is not None and spawned.server_args != server_args:
@@ -94,15 +95,16 @@ class ProcessCoreClient(CoreClient):
         raise exc
 
     # ---- CoreClient ----------------------------------------------------------------------------
-    def send(self, msg: Any) -> None:
+    def send_all(self, msgs: list[Any]) -> None:
         self._check_alive()
-        self._outbox.put((_pickled(msg), None))
+        payloads = [(_pickled(msg), None) for msg in msgs]  # all pickled before any is queued
+        self._outbox.put(payloads)
 
     def call_future(self, msg: Any) -> Future:
         self._check_alive()
         payload = _pickled(msg)
         call_id, fut = self._calls.open()  # raises CoreDead once the core is gone
-        self._outbox.put((payload, call_id))
+        self._outbox.put([(payload, call_id)])
         return fut
 
     def is_alive(self) -> bool:
@@ -114,7 +116,7 @@ class ProcessCoreClient(CoreClient):
             return
         self._stopping = True
         if self._dead is None:
-            self._outbox.put((_pickled(STOP), None))
+            self._outbox.put([(_pickled(STOP), None)])
         self._outbox.put(None)  # the sender's own stop, after STOP is written
         self._reap(STOP_TIMEOUT_S)
         self._receiver.join(5)  # it read EOF: the requests still in flight were failed
@@ -123,19 +125,17 @@ class ProcessCoreClient(CoreClient):
 
     # ---- threads -------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        """Writes everything queued so far as one pipe message (fewer syscalls under load)."""
+        """Writes everything queued so far as one pipe message (fewer syscalls under load); a
+        batch put at once is never split across two messages."""
         while True:
-            first = self._outbox.get()
-            batch = [first]
-            while first is not None:
+            items = [self._outbox.get()]
+            while items[-1] is not None:
                 try:
-                    batch.append(self._outbox.get_nowait())
+                    items.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
-                if batch[-1] is None:
-                    break
-            stop = batch[-1] is None
-            batch = [item for item in batch if item is not None]
+            stop = items[-1] is None
+            batch = [pair for item in items if item is not None for pair in item]
             if batch and self._dead is None:
                 try:
                     self._conn.send(batch)

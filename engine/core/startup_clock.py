@@ -14,14 +14,29 @@ from typing import Optional
 from engine.phase_clock import PhaseClock
 
 
+# The process's age when a spawned core reached its own code (the interpreter and multiprocessing's
+# set-up done, nothing of torch imported yet): None in a process that did not say (mark_entry)
+_entry_age_s: Optional[float] = None
+
+
+def mark_entry() -> None:
+    """Called first in a spawned core process: its "before engine" time then splits into the
+    process's spawn and the imports that follow."""
+    global _entry_age_s
+    _entry_age_s = process_age_s()
+
+
 class StartupClock(PhaseClock):
     def __init__(self) -> None:
         super().__init__()
         self.before_engine_s = process_age_s()
+        self.spawn_s = _entry_age_s
 
     def summary(self) -> str:
-        """e.g. "startup=12.3s (before engine 4.1, weights 3.0, kv_pool 0.2, tokenizer 0.4, runner 4.5)"."""
+        """e.g. "startup=12.3s (before engine 4.1 (spawn 0.3), weights 3.0, kv_pool 0.2, tokenizer 0.4, runner 4.5)"."""
         parts = [] if self.before_engine_s is None else [f"before engine {self.before_engine_s:.1f}"]
+        if parts and self.spawn_s is not None:
+            parts[0] += f" (spawn {self.spawn_s:.1f})"
         parts += [self.breakdown()] if self.phases else []
         return f"startup={self.elapsed():.1f}s ({', '.join(parts)})"
 

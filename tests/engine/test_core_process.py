@@ -66,6 +66,29 @@ def test_outputs_equal_the_thread_core(proc_engine, thread_engine):
     assert got_stop["meta_info"]["finish_reason"] == want_stop["meta_info"]["finish_reason"]
 
 
+def test_a_batch_reaches_the_core_whole_however_slowly_it_is_pickled(proc_engine, thread_engine, monkeypatch):
+    """A batch's requests are scheduled together: were the first sent before the rest are
+    pickled, it would prefill alone and the batch's float32 logprobs would differ in their last
+    bits from the thread core's (a busy host made test_outputs_equal_the_thread_core flaky so)."""
+    import engine.api.process_client as process_client
+
+    pickled = process_client._pickled
+
+    def slowly(msg):
+        time.sleep(0.03)
+        return pickled(msg)
+
+    prompts = random_prompts(6, proc_engine.info.vocab_size, lengths=(3, 40), seed=12)
+    runs = []
+    for eng in (thread_engine, proc_engine):
+        eng.flush_cache()
+        with monkeypatch.context() as patch:
+            patch.setattr(process_client, "_pickled", slowly)
+            outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        runs.append([o["meta_info"]["output_token_logprobs"] for o in outs])
+    assert runs[1] == runs[0]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["final", "stream"])
 def test_text_decoded_in_front_equals_the_core_detokenizer(proc_engine, stream):
     """The front end decodes text unless a request has stop strings; a stop string that never

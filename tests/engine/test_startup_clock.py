@@ -38,3 +38,14 @@ def test_the_ready_line_carries_the_phases(tiny_model_dir, caplog):
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tandem ready")]
     assert len(ready) == 1 and "startup=" in ready[0]
     assert all(f"{phase} " in ready[0] for phase in ("weights", "kv_pool", "tokenizer", "runner"))
+
+
+def test_a_spawned_core_tells_its_spawn_from_its_imports(monkeypatch):
+    from engine.core import startup_clock
+
+    monkeypatch.setattr(startup_clock, "_entry_age_s", None)
+    assert "spawn" not in StartupClock().summary()  # an in-process engine: no spawn to tell
+    startup_clock.mark_entry()
+    clock = StartupClock()
+    assert 0.0 <= clock.spawn_s <= clock.before_engine_s
+    assert clock.summary().startswith(f"startup=0.0s (before engine {clock.before_engine_s:.1f} (spawn ")
