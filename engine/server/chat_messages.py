@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import field_validator
 
 from engine.server.protocol import _Lenient
+from engine.server.template_content import ContentFormat, joined_text
 
 MAX_TEMPLATE_NESTING = 64  # levels of objects/arrays handed to a template: tool schemas need ~10
 
@@ -28,22 +29,23 @@ class ChatMessage(_Lenient):
 
     @field_validator("content")
     @classmethod
-    def _text_parts(cls, content: Any) -> Optional[str]:
-        """OpenAI content parts [{"type": "text", "text": ...}] -> one string (text only)."""
+    def _text_parts(cls, content: Any) -> Any:
+        """OpenAI content parts: text ones only, each as {"type": "text", "text": ...}."""
         if not isinstance(content, list):
             return content
-        texts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"only text content parts are supported; got type {part.get('type')!r}")
-            texts.append(part["text"])
-        return "".join(texts)
+        return [{"type": "text", "text": part["text"]} for part in content]
 
-    def template_dict(self, index: int) -> dict[str, Any]:
+    def template_dict(self, index: int, content_format: ContentFormat = "string") -> dict[str, Any]:
+        """The message as the template gets it: parts joined into one string for a template of
+        strings, as they came for one that loops over them (engine/server/template_content.py)."""
         extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
         if self.role == "assistant" and isinstance(extra.get("tool_calls"), list):
             extra["tool_calls"] = [_parsed_arguments(call, index) for call in extra["tool_calls"]]
-        return {"role": self.role, "content": self.content or "", **extra}
+        content = self.content if content_format == "openai" else joined_text(self.content)
+        return {"role": self.role, "content": content or "", **extra}
 
 
 def _parsed_arguments(call: Any, index: int) -> Any:

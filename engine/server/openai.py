@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from engine.api.generate_request import GenerateRequest
 from engine.server import forced_tool_calls
 from engine.server.chat_messages import check_nesting
+from engine.server.template_content import joined_text, template_content_format
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, logprob_texts,
                                            output_entries, token_decoder)
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
@@ -97,7 +98,7 @@ class OpenAIServing:
                 choice.update(token_ids=o["output_ids"], prompt_token_ids=req._prompt_ids[i // req.n])
             choices.append(choice)
         metas = [o["meta_info"] for o in outs]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        return {"id": _reply_id(metas[0], f"cmpl-{uuid.uuid4().hex}"), "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
@@ -165,7 +166,7 @@ class OpenAIServing:
                     choice["matched_stop"] = None
             choices.append(self._token_outputs(req, o, choice))
         metas = [o["meta_info"] for o in outs]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        return {"id": _reply_id(metas[0], f"chatcmpl-{uuid.uuid4().hex}"), "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
@@ -201,12 +202,14 @@ class OpenAIServing:
         """Cumulative engine chunks -> one event per chunk with only what is new; then, with
         stream_options.include_usage, a usage event with no choices (and with continuous_usage_stats,
         each chunk's choice's usage so far); then [DONE]."""
-        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        unnamed, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        rid = unnamed  # each chunk's id is its request's rid; the closing chunks take the last one
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finals: dict[int, dict] = {}
         async for chunk in chunks:
             index, meta = chunk.get("index", 0), chunk["meta_info"]
+            rid = _reply_id(meta, unnamed)
             first = index not in sent_chars
             text = chunk["text"][sent_chars.get(index, 0):]
             choice = {"index": index, "finish_reason": _finish_reason(meta),  # (a delta may name its own)
@@ -249,13 +252,14 @@ def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[
     rendered text by `check` (its size) before it is tokenized."""
     from engine.tokenizer import apply_chat_template
 
-    messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
     kwargs = req.template_kwargs()
+    content_format = template_content_format(tok, kwargs)
+    messages = [m.template_dict(i, content_format) for i, m in enumerate(req.messages)]
     for value, what in ((messages, "messages"), (tools, "tools"), (kwargs, "chat_template_kwargs")):
         check_nesting(value, what)
     prefix = ""
     if req.continue_final_message and messages[-1]["role"] == "assistant":
-        prefix = messages.pop()["content"]
+        prefix = joined_text(messages.pop()["content"])
     render = lambda t: apply_chat_template(tok, messages, assistant_prefix=prefix, check=check,  # noqa: E731
                                            tools=t, **kwargs)
     try:
@@ -264,6 +268,11 @@ def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[
         if not tools:
             raise
         return render([t.get("function", t) for t in tools])
+
+
+def _reply_id(meta: dict, unnamed: str) -> str:
+    """A reply's id is its request's rid, as SGLang's (meta_info["id"]): what /abort_request takes."""
+    return str(meta.get("id") or unnamed)
 
 
 def _sse(payload: dict) -> str:

@@ -27,6 +27,19 @@ class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_schema(cls, values: Any) -> Any:
+        """SGLang's shortcut: {"type": "json_schema", "schema": {...}} is the wrapped form, named
+        after the schema's title."""
+        if not isinstance(values, dict) or values.get("type") != "json_schema" or values.get("json_schema"):
+            return values
+        schema = values.get("schema")
+        if not isinstance(schema, dict):
+            return values
+        rest = {k: v for k, v in values.items() if k != "schema"}
+        return {**rest, "json_schema": {"name": schema.get("title", "Schema"), "schema": schema, "strict": False}}
+
     def grammar(self) -> dict:
         """The sampling_params grammar field this format asks for (SGLang's mapping)."""
         if self.type == "json_object":
@@ -36,7 +49,8 @@ class ResponseFormat(_Lenient):
         if self.type == "json_schema":
             schema = (self.json_schema or {}).get("schema")
             if not isinstance(schema, dict):
-                raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+                raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}} '
+                                 '(or SGLang\'s {"schema": {...}})')
             return {"json_schema": json.dumps(schema)}
         return {}
 
@@ -78,6 +92,7 @@ class _OpenAISampling(_NullsAsDefaults):
     custom_logit_processor: Optional[str] = None
     lora_path: Any = None  # SGLang's: the adapter for the request (or one per prompt)
     return_routed_experts: bool = False  # SGLang's: first choice's routes as sglext.routed_experts
+    custom_params: Any = None  # SGLang's: passed on in the sampling params (which check it)
 
     def adapter(self, lora_enabled: bool) -> Any:
         """The LoRA adapter SGLang's OpenAI routes select: an explicit lora_path first, else the
@@ -112,8 +127,8 @@ class _OpenAISampling(_NullsAsDefaults):
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # ids as sent (no true -> 1)
-    max_tokens: int = 16
-    logprobs: Optional[int] = None
+    max_tokens: int = Field(16, ge=0)
+    logprobs: Optional[int] = Field(None, ge=0)
     echo: bool = False
     return_token_ids: bool = False  # SGLang's: each choice's token_ids and prompt_token_ids (streamed too)
     # OpenAI's: text after the completion (fill-in-the-middle) and server-side best-of-k; SGLang
@@ -134,10 +149,10 @@ class CompletionRequest(_OpenAISampling):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0)
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     parallel_tool_calls: bool = True  # False: a forced tool_choice makes exactly one call
@@ -229,6 +244,8 @@ def openai_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
     params.update({name: getattr(req, name) for name in OPENAI_GRAMMAR_FIELDS if getattr(req, name)})
     if req.seed is not None:
         params["sampling_seed"] = req.seed
+    if req.custom_params is not None:
+        params["custom_params"] = req.custom_params
     if req.logit_bias:  # {} is no bias (OpenAI's default)
         params["logit_bias"] = req.logit_bias
     if req.response_format is not None:

@@ -31,6 +31,13 @@ def _serving(client, engine) -> None:
      "temperature must be a finite number, got inf"),
     ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": -Infinity}',
      "repetition_penalty must be a finite number, got -inf"),
+    # negative counts are named by the client's own field, not the engine's it maps to
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -1}',
+     "body.top_logprobs: Input should be greater than or equal to 0"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}',
+     "body.max_completion_tokens: Input should be greater than or equal to 0"),
+    ("/v1/completions", b'{"prompt": "x", "logprobs": -1}', "body.logprobs: Input should be greater than or equal to 0"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', "body.max_tokens: Input should be greater than or equal to 0"),
 ])
 def test_bad_text_and_non_finite_floats_are_400(raw, engine, path, body, message):
     resp = raw.post_bytes(path, body)

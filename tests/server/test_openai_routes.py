@@ -134,3 +134,35 @@ def test_bad_streamed_request_is_400_before_streaming(client, engine, path, body
     resp = client.post(path, json={**body, "stream": True})
     assert resp.status_code == 400 and resp.json()["object"] == "error"
     assert engine.get_stats().num_waiting_reqs == 0 and engine.get_stats().num_running_reqs == 0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/completions", {"prompt": "Hi"}),
+])
+def test_a_reply_id_is_its_rid_which_aborts_it(client, path, body):
+    """SGLang's reply id is the request's rid (meta_info["id"]): a client aborts a stream by it."""
+    named = client.post(path, json={**body, "max_tokens": 2, "rid": "my-rid", **GREEDY}).json()
+    assert named["id"] == "my-rid"
+    unnamed = client.post(path, json={**body, "max_tokens": 2, **GREEDY}).json()
+    assert unnamed["id"] and unnamed["id"] != "my-rid"
+    with client.stream("POST", path, json={**body, "max_tokens": 3000, "stream": True, **GREEDY}) as resp:
+        lines = resp.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        assert client.post("/abort_request", json={"rid": first["id"]}).status_code == 200
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert {e["id"] for e in events} == {first["id"]}
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/completions", {"prompt": "Hi"}),
+])
+def test_custom_params_reach_the_sampling_params(client, path, body):
+    """As SGLang's to_sampling_params: checked there, so slime's top-p replay is refused here too."""
+    assert client.post(path, json={**body, "max_tokens": 1, "custom_params": {"a": 1}}).status_code == 200
+    refused = client.post(path, json={**body, "max_tokens": 1, "custom_params": {"return_top_p_token_ids": True}})
+    assert refused.status_code == 400 and "return_top_p_token_ids" in refused.json()["message"]
+    wrong = client.post(path, json={**body, "max_tokens": 1, "custom_params": [1]})
+    assert wrong.status_code == 400 and "custom_params" in wrong.json()["message"]
