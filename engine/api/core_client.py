@@ -154,6 +154,8 @@ class ThreadCoreClient(CoreClient):
 
     def send_all(self, msgs: list[Any]) -> None:
         self._check_alive()
+        if not msgs:  # an empty item would leave the core's _next nothing to pop
+            return
         self._inbox.put([(msg, None) for msg in msgs])
 
     def call_future(self, msg: Any) -> Future:

@@ -97,6 +97,8 @@ class ProcessCoreClient(CoreClient):
     # ---- CoreClient ----------------------------------------------------------------------------
     def send_all(self, msgs: list[Any]) -> None:
         self._check_alive()
+        if not msgs:  # nothing to send
+            return
         payloads = [(_pickled(msg), None) for msg in msgs]  # all pickled before any is queued
         self._outbox.put(payloads)
 

@@ -48,6 +48,16 @@ class ChatMessage(_Lenient):
         return {"role": self.role, "content": content or "", **extra}
 
 
+def template_messages(messages: list[ChatMessage], content_format: ContentFormat, continue_final: bool
+                      ) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """The messages as the template gets them, and with continue_final_message the last assistant
+    message's text, taken off the list: the start of the reply (None: not continuing one)."""
+    dicts = [m.template_dict(i, content_format) for i, m in enumerate(messages)]
+    if continue_final and dicts and dicts[-1]["role"] == "assistant":
+        return dicts, joined_text(dicts.pop()["content"])
+    return dicts, None
+
+
 def _parsed_arguments(call: Any, index: int) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):

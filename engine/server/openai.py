@@ -14,11 +14,11 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from engine.api.generate_request import GenerateRequest
 from engine.server import forced_tool_calls
-from engine.server.chat_messages import check_nesting
-from engine.server.template_content import joined_text, template_content_format
+from engine.server.chat_messages import check_nesting, template_messages
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, logprob_texts,
                                            output_entries, token_decoder)
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
+from engine.server.template_content import template_content_format
 
 
 def _finish_reason(meta: dict) -> Optional[str]:
@@ -98,8 +98,9 @@ class OpenAIServing:
                 choice.update(token_ids=o["output_ids"], prompt_token_ids=req._prompt_ids[i // req.n])
             choices.append(choice)
         metas = [o["meta_info"] for o in outs]
-        return {"id": _reply_id(metas[0], f"cmpl-{uuid.uuid4().hex}"), "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
+        reply_id = _reply_id(metas[0], f"cmpl-{uuid.uuid4().hex}")
+        return {"id": reply_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": usage(metas, req.n),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
     def completion_events(self, req: CompletionRequest, stream: Any) -> AsyncIterator[str]:
@@ -166,8 +167,9 @@ class OpenAIServing:
                     choice["matched_stop"] = None
             choices.append(self._token_outputs(req, o, choice))
         metas = [o["meta_info"] for o in outs]
-        return {"id": _reply_id(metas[0], f"chatcmpl-{uuid.uuid4().hex}"), "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage(metas, req.n),
+        reply_id = _reply_id(metas[0], f"chatcmpl-{uuid.uuid4().hex}")
+        return {"id": reply_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": usage(metas, req.n),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
     def _token_outputs(self, req: ChatCompletionRequest, out: dict, choice: dict) -> dict:
@@ -253,14 +255,10 @@ def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[
     from engine.tokenizer import apply_chat_template
 
     kwargs = req.template_kwargs()
-    content_format = template_content_format(tok, kwargs)
-    messages = [m.template_dict(i, content_format) for i, m in enumerate(req.messages)]
+    messages, prefix = template_messages(req.messages, template_content_format(tok, kwargs), req.continue_final_message)
     for value, what in ((messages, "messages"), (tools, "tools"), (kwargs, "chat_template_kwargs")):
         check_nesting(value, what)
-    prefix = ""
-    if req.continue_final_message and messages[-1]["role"] == "assistant":
-        prefix = joined_text(messages.pop()["content"])
-    render = lambda t: apply_chat_template(tok, messages, assistant_prefix=prefix, check=check,  # noqa: E731
+    render = lambda t: apply_chat_template(tok, messages, assistant_prefix=prefix or "", check=check,  # noqa: E731
                                            tools=t, **kwargs)
     try:
         return render(tools)
@@ -271,7 +269,9 @@ def _chat_prompt_ids(tok: Any, req: ChatCompletionRequest, tools: Optional[list[
 
 
 def _reply_id(meta: dict, unnamed: str) -> str:
-    """A reply's id is its request's rid, as SGLang's (meta_info["id"]): what /abort_request takes."""
+    """A reply's id is its request's rid, as SGLang's (meta_info["id"]): what /abort_request takes.
+    With n > 1 or several prompts each choice is a request of its own: the reply carries the first
+    one's rid and each stream chunk its own choice's (SGLang's too; OpenAI's has one id a stream)."""
     return str(meta.get("id") or unnamed)
 
 

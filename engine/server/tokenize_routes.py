@@ -17,10 +17,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from engine.server.chat_messages import check_nesting
-from engine.server.template_content import joined_text, template_content_format
+from engine.server.chat_messages import check_nesting, template_messages
 from engine.server.openai_protocol import TokenizeRequest
 from engine.server.protocol import DetokenizeRequest, UnknownFields
+from engine.server.template_content import template_content_format
 from engine.tokenizer import apply_chat_template
 
 
@@ -53,14 +53,12 @@ def add_tokenize_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> No
     def render(req: TokenizeRequest) -> list[int]:
         """The chat route's prompt: with continue_final_message the last assistant message is the
         start of the reply (its header rendered), else the generation prompt as asked."""
-        content_format = template_content_format(tokenizer)
-        messages = [m.template_dict(i, content_format) for i, m in enumerate(req.messages)]
+        messages, prefix = template_messages(req.messages, template_content_format(tokenizer),
+                                             req.continue_final_message)
         check_nesting(messages, "messages")
-        prefix, generation_prompt = "", req.add_generation_prompt
-        if req.continue_final_message and messages and messages[-1]["role"] == "assistant":
-            prefix, generation_prompt = joined_text(messages.pop()["content"]), True
-        return apply_chat_template(tokenizer, messages, add_generation_prompt=generation_prompt, assistant_prefix=prefix,
-                                   check=engine.builder.prompt_size.check)
+        generation_prompt = req.add_generation_prompt or prefix is not None
+        return apply_chat_template(tokenizer, messages, add_generation_prompt=generation_prompt,
+                                   assistant_prefix=prefix or "", check=engine.builder.prompt_size.check)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")

@@ -342,3 +342,9 @@ def test_serve_spawns_the_core_early_only_for_a_core_process(tiny_model_dir):
     finally:
         spawned.kill()
     assert not spawned.process.is_alive()
+
+
+def test_an_empty_batch_sends_nothing_and_the_cores_serve_on(proc_engine, thread_engine):
+    for eng in (thread_engine, proc_engine):
+        eng.client.send_all([])
+        assert eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["output_ids"]

@@ -24,11 +24,27 @@ LOOPS_PARTS = ("{% for message in messages %}{{ message['role'] }}:{% for part i
     ("{% for m in messages %}{% for c in m.content | selectattr('type', 'equalto', 'text') %}{{ c.text }}"
      "{% endfor %}{% endfor %}", "openai"),  # filtered, attribute access, `m`
     ("{% for message in messages %}{% for x in message.tool_calls %}{{ x }}{% endfor %}{% endfor %}", "string"),
-    ("{% for message in messages %}{{ '<image>' if message.has_image }}{% endfor %}", "openai"),  # multimodal words
+    ("{% for turn in messages %}{% for p in turn['content'] %}{{ p.text }}{% break %}{% endfor %}{% endfor %}",
+     "openai"),  # any loop name; transformers' loop controls parse
+    ("{% for m in messages %}{% set parts = m.content %}{% for p in parts %}{{ p.text }}{% endfor %}{% endfor %}",
+     "openai"),  # a loop over a name set from the content
+    ("{#- a revision with images and vision -#}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+     "string"),  # words in a comment say nothing
     ("{% for message in messages %", "string"),  # does not parse: rendering says so
 ])
 def test_a_template_is_read_as_taking_strings_or_parts(template, want):
     assert content_format(template) == want
+
+
+def test_named_templates_are_read_by_their_default():
+    from types import SimpleNamespace
+
+    from engine.server.template_content import template_content_format
+
+    named = SimpleNamespace(chat_template={"default": LOOPS_PARTS, "tool_use": QWEN_LIKE})
+    assert template_content_format(named) == "openai"
+    assert template_content_format(named, {"chat_template": QWEN_LIKE}) == "string"  # the request's own wins
+    assert template_content_format(SimpleNamespace(chat_template=None)) == "string"
 
 
 def test_parts_are_joined_by_a_space_for_a_template_of_strings_and_kept_for_one_of_parts():
