@@ -25,8 +25,8 @@ Modes (N = trials):
           the first cold run; fails if no warm run got cache hits (it would test nothing).
   p_vs_d  the target generated, then prompt + output re-sent with logprob_start_len =
           len(prompt) - 1: the re-read continuation's input_token_logprobs (after the first,
-          null, entry) must equal the decoded output_token_logprobs. N trials in waves of 1, 2, 3, ... . Unique outputs, and the
-          largest |decoded - prefilled| (also over trials).
+          null, entry) must equal the decoded output_token_logprobs. N trials in waves of
+          1, 2, 3, ... . Unique outputs, and the largest |decoded - prefilled| (also over trials).
 """
 
 from __future__ import annotations
