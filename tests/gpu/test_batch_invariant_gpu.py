@@ -93,3 +93,34 @@ def test_log_softmax_bitwise_and_close():
         assert torch.equal(ops.bi_log_softmax(logits[:M].flip(0)), full[:M].flip(0))
     ref = torch.log_softmax(logits.double(), -1)
     assert (full.double() - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_linear_chain_at_few_rows_reads_finished_inputs(graph):
+    """At a few rows the matmul is launched with PDL (engine/kernels/pdl.py): each one in a chain
+    must read its predecessor's finished output (through both schedules, eagerly and replayed from
+    a CUDA graph), so the chain's rows are bitwise the same chain run at M = 4096."""
+    ops = _ops()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ws = [(torch.randn(4096, 4096, device="cuda", generator=g) * 4096**-0.5).bfloat16() for _ in range(6)]
+    x = torch.randn(4096, 4096, device="cuda", generator=g).bfloat16()
+
+    def chain(h, schedule=None):
+        for w in ws:
+            h = ops.bi_rms_norm(ops.bi_linear(h, w, schedule=schedule), torch.ones_like(w[0]), 1e-6)
+        return h
+
+    full = chain(x)
+    for M in (1, 3, 8):
+        for schedule in ("par", "seq"):
+            rows = x[:M].clone()
+            if graph:
+                chain(rows, schedule)  # compiled before capture
+                captured = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(captured):
+                    out = chain(rows, schedule)
+                for _ in range(3):
+                    captured.replay()
+            else:
+                out = chain(rows, schedule)
+            assert torch.equal(out, full[:M]), (M, schedule, graph)

@@ -1,7 +1,8 @@
 """TANDEM_PDL's kernels (engine/kernels/pdl.py) compile for the H200 (sm_90) on a machine without a
 GPU, each with `griddepcontrol.wait` before its first global store and before every load but the
 small-M gemv's first weight tile (weights are not written during a step), and the launch flag set.
-The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
+Deterministic mode's batch-invariant matmul
+takes it too (its arithmetic is the same either way). The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
 stand-in driver and PDL forced on: what they would launch at batch 1 is compiled, not launched
 (tests/kernels/sm90_subprocess.py).
 """
@@ -21,7 +22,8 @@ SCRIPT = STAND_IN_DRIVER + r"""
 import re
 import torch
 from engine.kernels import pdl
-for module in ("small_m_linear", "qk_norm_rope", "silu_and_mul", "split_kv_attention", "batch_invariant.triton_norm"):
+for module in ("small_m_linear", "qk_norm_rope", "silu_and_mul", "split_kv_attention", "batch_invariant.triton_norm",
+               "batch_invariant.triton_matmul"):
     __import__(f"engine.kernels.{module}")
     setattr(__import__(f"engine.kernels.{module}", fromlist=["use_pdl"]), "use_pdl", lambda rows, device: True)
 from engine.kernels.compile_ahead import CompileAhead
@@ -29,6 +31,7 @@ from engine.kernels.small_m_linear import small_m_linear, small_m_linear_add_nor
 from engine.kernels.qk_norm_rope import qk_norm_rope
 from engine.kernels.silu_and_mul import silu_and_mul
 from engine.kernels.batch_invariant.triton_norm import rms_norm
+from engine.kernels.batch_invariant.triton_matmul import MatmulConfig, matmul
 from engine.kernels.split_kv_attention import split_kv_attention
 from engine.kernels.split_kv_tile import Tile
 from engine.attention.split_kv_plan import DEFAULT_CONFIGS as DECODE_CONFIGS
@@ -44,6 +47,9 @@ def decode_layer_kernels():
     qk_norm_rope(q, k, cos, cos, torch.zeros(128, dtype=bf), torch.zeros(128, dtype=bf), 1e-6)
     silu_and_mul(torch.zeros(1, 6144, dtype=bf))
     rms_norm(torch.zeros(1, 1024, dtype=bf), torch.zeros(1024, dtype=bf), 1e-6, torch.zeros(1, 1024, dtype=bf))
+    # deterministic mode's linears: split K, one program per (tile, split) summed by the last, or a tile's splits in turn
+    for schedule in ("par", "seq"):
+        matmul(x, w, None, MatmulConfig(block_m=16, block_n=64, split_k=1024), schedule)
     # decode attention at batch 1, split over 4 lanes: stage 1's partials, stage 2's merge
     tile = Tile.build(DECODE_CONFIGS["decode"], group=2, split=1 << 30)
     kv = torch.zeros(64, 8, 128, dtype=bf)
@@ -56,9 +62,9 @@ with ahead.dry_pass():
     assert ahead.run(decode_layer_kernels)
 report = ahead.wait()
 assert not report.failed, report.failed
-kernels = {name: future.result() for name, future in ahead._futures.values()}
+kernels = [(name, future.result()) for name, future in ahead._futures.values()]  # each variant
 W_TILE_LOADS = 64 * 128 * 2 // (16 * 32 * 4)  # the gemv's first [64, 128] bf16 weight tile, 16 B a load, 4 warps
-for name, kernel in kernels.items():
+for name, kernel in kernels:
     ptx = kernel.asm["ptx"]
     before, wait, after = ptx.partition("griddepcontrol.wait")
     assert wait, f"{name}: no griddepcontrol.wait"
@@ -77,4 +83,4 @@ def test_pdl_kernels_wait_before_reading_what_kernels_write(tmp_path):
     done = run_for_sm90(SCRIPT, cache_dir=tmp_path / "triton-cache")
     names = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("pdl ")}
     assert {"_gemv_kernel", "_split_sum_kernel", "_split_sum_add_norm_kernel", "_qk_norm_rope_kernel",
-            "_silu_and_mul_kernel", "_rms_norm_kernel", "split_kv_stage1", "split_kv_stage2"} <= names, names
+            "_silu_and_mul_kernel", "_rms_norm_kernel", "split_kv_stage1", "split_kv_stage2", "_bi_mm_kernel"} <= names, names

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import await_inputs, launch_options, use_pdl
+
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
@@ -163,7 +165,8 @@ def _bi_mm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, str
                   KT_SPLIT: tl.constexpr, ONE_SPLIT: tl.constexpr, FLAT: tl.constexpr,
                   GROUP_M: tl.constexpr, PARALLEL: tl.constexpr, FUSED_REDUCE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    await_inputs(PDL)  # before the activations, the workspace and the counters are touched
     n_kt = tl.cdiv(K, BLOCK_K)
     n_splits = tl.cdiv(n_kt, KT_SPLIT)
     pid = tl.program_id(0)
@@ -266,6 +269,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Mat
     ws = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device) if parallel else out
     cnt = _counters(x.device, n_tiles) if parallel and fused else out
     bias_arg = bias if bias is not None else out
+    pdl = use_pdl(M, x.device)  # decode at small batch: how it is launched, not what it computes
     _bi_mm_kernel[(n_tiles * n_splits,) if parallel else (n_tiles,)](
         a_src, b_src, bias_arg, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -273,8 +277,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Mat
         ONE_SPLIT=n_splits == 1 or parallel,  # a "par" program covers one split
         FLAT=cfg.flat, GROUP_M=cfg.group_m, PARALLEL=parallel, FUSED_REDUCE=fused and parallel,
         HAS_BIAS=bias is not None, USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0,
-        UPCAST=interpreting() and x.dtype != torch.float32, PRECISION=cfg.dot_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=interpreting() and x.dtype != torch.float32, PRECISION=cfg.dot_precision, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     if parallel and not fused:
         grid = (triton.cdiv(M, 32), triton.cdiv(N, 128))
         _reduce_kernel[grid](ws, bias_arg, out, M, N, n_splits, out.stride(0), BLOCK_M=32, BLOCK_N=128,
