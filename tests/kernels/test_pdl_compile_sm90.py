@@ -33,6 +33,7 @@ from engine.kernels.qk_norm_rope import qk_norm_rope
 from engine.kernels.silu_and_mul import silu_and_mul
 from engine.kernels.batch_invariant.triton_norm import rms_norm
 from engine.kernels.batch_invariant.triton_matmul import MatmulConfig, matmul
+from engine.kernels import split_kv_attention as split_kv
 from engine.kernels.split_kv_attention import split_kv_attention
 from engine.kernels.split_kv_tile import Tile
 from engine.attention.split_kv_plan import DEFAULT_CONFIGS as DECODE_CONFIGS
@@ -55,9 +56,11 @@ def decode_layer_kernels():
     # decode attention at batch 1, split over 4 lanes: stage 1's partials, stage 2's merge
     tile = Tile.build(DECODE_CONFIGS["decode"], group=2, split=1 << 30)
     kv = torch.zeros(64, 8, 128, dtype=bf)
-    split_kv_attention(q, kv, kv.clone(), torch.zeros_like(q), torch.zeros(1, 64, dtype=torch.int32),
-                       torch.zeros(1, dtype=torch.int64), torch.zeros(5, 1, dtype=torch.int32), 1, 0.1, tile, 4,
-                       torch.zeros(1, 16, 4, 128), torch.zeros(1, 16, 4, 2))
+    for merge in ("fused", "kernel"):  # the last lane merges (the default), or stage 2's launch does
+        split_kv.MERGE_MODE = merge
+        split_kv_attention(q, kv, kv.clone(), torch.zeros_like(q), torch.zeros(1, 64, dtype=torch.int32),
+                           torch.zeros(1, dtype=torch.int64), torch.zeros(5, 1, dtype=torch.int32), 1, 0.1, tile, 4,
+                           torch.zeros(1, 16, 4, 128), torch.zeros(1, 16, 4, 2))
 
 ahead = CompileAhead(workers=2)
 with ahead.dry_pass():
