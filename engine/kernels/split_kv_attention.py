@@ -36,13 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import env_choice
+from engine.kernels import arrival_counters, env_choice
 from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 from engine.kernels.split_kv_tile import Tile
 
 # who merges a row's stored split partials: the last lane to finish ("fused") or stage 2 ("kernel")
 MERGE_MODE = env_choice("TANDEM_ATTN_MERGE", "fused", ("fused", "kernel"), "fused (the default) or kernel")
-_COUNTER_SLOTS = 1 << 16  # (q block, kv head) pairs a fused merge counts; more take stage 2
 
 # rows of the int32 block table [5, stride], one column per q block (engine/attention/split_kv_plan.py);
 # constexpr because compiled kernels may only read constexpr globals
@@ -83,10 +82,10 @@ def split_kv_attention(
     common["PREFIX"] = prefix is not None
     pdl = use_pdl(max(num_blocks, q.shape[0]), q.device)  # decode at small batch: one block per row
     common["PDL"] = pdl
-    last_merges = not merge and MERGE_MODE == "fused" and num_blocks * num_kv_heads <= _COUNTER_SLOTS
+    last_merges = not merge and MERGE_MODE == "fused" and num_blocks * num_kv_heads <= arrival_counters.SLOTS
     split_kv_stage1[(num_blocks, num_kv_heads, 1 if merge else lanes)](
         q, k_buf, v_buf, out, part_acc, part_ml, req_to_token, req_pool_indices, blocks,
-        prefix_lens, prefix_ml, prefix_acc, _counters(q.device) if last_merges else blocks,
+        prefix_lens, prefix_ml, prefix_acc, arrival_counters.counters(q.device) if last_merges else blocks,
         blocks.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
         num_heads, max_splits, scaling * _LOG2E,
@@ -104,17 +103,6 @@ def split_kv_attention(
 
 
 _LOG2E = math.log2(math.e)
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 lane counters, one buffer per (device, stream): the merging lane re-zeroes its
-    own, so a CUDA graph replays from zeros as an eager step does."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def _next_pow2(n: int) -> int:
