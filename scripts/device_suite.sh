@@ -199,6 +199,13 @@ for s in "$@"; do case $s in
       step "readyall-$v" 200 env "${env[@]}" python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 2; done ) ;;
   tablegpu) step tablegpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/engine/test_decode_table_triton.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py ;;  # the one-launch decode block table (default) on the device
   glutests) step glutests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py ;;  # gate_up + silu_and_mul in one launch; det mode's matmul under PDL
+  kerneltests) ( kit && step kerneltests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py \
+      tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_cascade_gpu.py \
+      tests/gpu/test_overlap_gpu.py tests/gpu/test_policy_parity_gpu.py ) ;;  # what the launch fusions and det mode's PDL touch
+  detbs1ab)  # 8B batch 1: normal, then deterministic with and without PDL on its matmul (old: ab_old.sh's tree in /tmp/old)
+    step detbs1-normal 90 $B --preset qwen3-8b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detbs1-normal.json"
+    for tag in new old; do tree=$PWD; [[ $tag == old ]] && tree=/tmp/old
+      ( cd $tree && export PYTHONPATH=$tree && step detbs1-det-$tag 90 $B --preset qwen3-8b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detbs1-det-$tag.json" ); done ;;
   launchab) for v in "TANDEM_GLU_EPILOGUE=0 TANDEM_ATTN_MERGE=kernel TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=1"; do  # 0.6B batch-1 decode: launches fused away (silu_and_mul into gate_up, stage 2 into stage 1's last lane; the add + norm into the gemv's last program) vs apart
       tag=$(echo $v | tr -dc '0-9a-z'); step itl-$tag 60 env $v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-$tag.json"; done ;;
   launchprobe) for v in "TANDEM_GLU_EPILOGUE=0 TANDEM_ATTN_MERGE=kernel TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=1"; do  # the captured batch-1 / 8 decode graph alone, apart vs fused
