@@ -63,7 +63,7 @@ def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     cfg = config or choose_config(N, K, _num_sms(x.device))
     if cfg.split_k == 1 or M == 0:
         return None
-    normed, summed = torch.empty((M, N), dtype=x.dtype, device=x.device), torch.empty_like(residual)
+    normed, summed = (torch.empty((M, N), dtype=x.dtype, device=x.device) for _ in range(2))
     part = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     pdl = use_pdl(M, x.device)
     _gemv_add_norm_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
