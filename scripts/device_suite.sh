@@ -202,6 +202,9 @@ for s in "$@"; do case $s in
   kerneltests) ( kit && step kerneltests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py \
       tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_cascade_gpu.py \
       tests/gpu/test_overlap_gpu.py tests/gpu/test_policy_parity_gpu.py ) ;;  # what the launch fusions and det mode's PDL touch
+  gpurest2) ( kit && step gpurest2 300 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu/test_lora_gpu.py \
+      tests/gpu/test_memory_saver_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py tests/gpu/test_routes_gpu.py \
+      tests/gpu/test_weight_sync_gpu.py tests/gpu/test_server_gpu.py ) ;;  # gpurest less kerneltests' files
   detbs1ab)  # 8B batch 1: normal, then deterministic with and without PDL on its matmul (old: ab_old.sh's tree in /tmp/old)
     step detbs1-normal 90 $B --preset qwen3-8b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detbs1-normal.json"
     for tag in new old; do tree=$PWD; [[ $tag == old ]] && tree=/tmp/old
