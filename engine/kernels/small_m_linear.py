@@ -229,20 +229,13 @@ def _split_sum_add_norm_kernel(part_ptr, b_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, 
     """One row: y = sum over splits in order (+ bias), rounded as the linear's output; s = y +
     residual, rounded (the next residual); out = RMSNorm(s) * w, rounded as the norm rounds."""
     await_inputs(PDL)
-    add_norm_row(part_ptr, b_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, tl.program_id(0), M, N, stride_r, stride_o,
-                 stride_s, eps, SPLIT_K, HAS_BIAS, BLOCK, "")
-
-
-@triton.jit
-def add_norm_row(part_ptr, b_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, row, M, N, stride_r, stride_o, stride_s, eps,
-                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr):
-    """_split_sum_add_norm_kernel's row (CACHE: how the partials are loaded)."""
+    row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = acc.to(dt).to(tl.float32)
@@ -276,20 +269,12 @@ def small_m_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(y + residual) * norm_weight, y + residual) for y = small_m_linear(x, ...): what
     RMSNorm(y, residual) returns, with the sum and norm in the split-K reduction's launch.
-    residual [M, N] (last dim contiguous), norm_weight [N]. Without the prologue, the gemv's last
-    program does the sum and norm (engine/kernels/small_m_add_norm.py): one launch."""
-    M, N = x.shape[0], weight.shape[0]
-    if residual.shape != (M, N) or residual.stride(-1) != 1 or norm_weight.shape != (N,):
-        raise ValueError(f"small_m_linear_add_norm: residual {tuple(residual.shape)}, norm weight "
-                         f"{tuple(norm_weight.shape)} for an output of {(M, N)}")
-    if not gated and N <= _MAX_BLOCK and 0 < M <= MAX_M and x.shape[1] == weight.shape[1] and x.stride(-1) == 1:
-        from engine.kernels import small_m_add_norm  # (it builds on this module)
-
-        done = small_m_add_norm.gemv_add_norm(x, weight, bias, residual, norm_weight, eps, config) \
-            if small_m_add_norm.ENABLED else None
-        if done is not None:
-            return done
+    residual [M, N] (last dim contiguous), norm_weight [N]."""
     out, part, cfg = _gemv(x, weight, bias, config, gated)
+    M, N = out.shape
+    if residual.shape != out.shape or residual.stride(-1) != 1 or norm_weight.shape != (N,):
+        raise ValueError(f"small_m_linear_add_norm: residual {tuple(residual.shape)}, norm weight "
+                         f"{tuple(norm_weight.shape)} for an output of {tuple(out.shape)}")
     if part is None:  # one split: the gemv wrote y itself; the norm is its own launch
         return rms_norm(out, norm_weight, eps, residual)
     if N > _MAX_BLOCK:

@@ -22,14 +22,13 @@ SCRIPT = STAND_IN_DRIVER + r"""
 import re
 import torch
 from engine.kernels import pdl
-for module in ("small_m_linear", "small_m_glu", "small_m_add_norm", "qk_norm_rope", "silu_and_mul", "split_kv_attention", "batch_invariant.triton_norm",
+for module in ("small_m_linear", "small_m_glu", "qk_norm_rope", "silu_and_mul", "split_kv_attention", "batch_invariant.triton_norm",
                "batch_invariant.triton_matmul"):
     __import__(f"engine.kernels.{module}")
     setattr(__import__(f"engine.kernels.{module}", fromlist=["use_pdl"]), "use_pdl", lambda rows, device: True)
 from engine.kernels.compile_ahead import CompileAhead
 from engine.kernels.small_m_linear import small_m_linear, small_m_linear_add_norm, GemvConfig
 from engine.kernels.small_m_glu import small_m_glu
-from engine.kernels import small_m_add_norm
 from engine.kernels.qk_norm_rope import qk_norm_rope
 from engine.kernels.silu_and_mul import silu_and_mul
 from engine.kernels.batch_invariant.triton_norm import rms_norm
@@ -43,10 +42,8 @@ bf = torch.bfloat16
 def decode_layer_kernels():
     x, w = torch.zeros(1, 2048, dtype=bf), torch.zeros(1024, 2048, dtype=bf)
     small_m_linear(x, w, config=GemvConfig(64, 128, 4))
-    for last_norm in (True, False):  # the gemv's last program norms (the default), or a second launch does
-        small_m_add_norm.ENABLED = last_norm
-        small_m_linear_add_norm(x, w, None, torch.zeros(1, 1024, dtype=bf), torch.zeros(1024, dtype=bf), 1e-6,
-                                config=GemvConfig(64, 128, 4))
+    small_m_linear_add_norm(x, w, None, torch.zeros(1, 1024, dtype=bf), torch.zeros(1024, dtype=bf), 1e-6,
+                            config=GemvConfig(64, 128, 4))
     small_m_glu(x, torch.zeros(2048, 2048, dtype=bf), config=GemvConfig(32, 128, 1))
     q, k = torch.zeros(1, 16, 128, dtype=bf), torch.zeros(1, 8, 128, dtype=bf)
     cos = torch.zeros(1, 128)
@@ -74,7 +71,7 @@ kernels = [(name, future.result()) for name, future in ahead._futures.values()] 
 W_TILE_LOADS = 64 * 128 * 2 // (16 * 32 * 4)  # the gemv's first [64, 128] bf16 weight tile, 16 B a load, 4 warps
 # only the gemvs read before their wait: their first weight tiles, which no kernel writes in a step
 # (the GLU's: [32, 128] of gate and of up)
-EARLY_LOADS = {"_gemv_kernel": W_TILE_LOADS, "_gemv_add_norm_kernel": W_TILE_LOADS, "_glu_gemv_kernel": 2 * 32 * 128 * 2 // (16 * 32 * 4)}
+EARLY_LOADS = {"_gemv_kernel": W_TILE_LOADS, "_glu_gemv_kernel": 2 * 32 * 128 * 2 // (16 * 32 * 4)}
 for name, kernel in kernels:
     ptx = kernel.asm["ptx"]
     before, wait, after = ptx.partition("griddepcontrol.wait")
@@ -92,5 +89,5 @@ for name, kernel in kernels:
 def test_pdl_kernels_wait_before_reading_what_kernels_write(tmp_path):
     done = run_for_sm90(SCRIPT, cache_dir=tmp_path / "triton-cache")
     names = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("pdl ")}
-    assert {"_gemv_kernel", "_gemv_add_norm_kernel", "_glu_gemv_kernel", "_split_sum_kernel", "_split_sum_add_norm_kernel", "_qk_norm_rope_kernel",
+    assert {"_gemv_kernel", "_glu_gemv_kernel", "_split_sum_kernel", "_split_sum_add_norm_kernel", "_qk_norm_rope_kernel",
             "_silu_and_mul_kernel", "_rms_norm_kernel", "split_kv_stage1", "split_kv_stage2", "_bi_mm_kernel"} <= names, names
