@@ -51,8 +51,8 @@ _ONE_PASS = threading.Lock()
 _KERNEL_DIR = Path(__file__).resolve().parent  # every Triton kernel of the engine lives below it
 # the engine's switches that choose the graphs' kernels (not how start-up runs: those would only
 # make a start with them set miss the marker a default start wrote)
-KERNEL_SWITCHES = ("TANDEM_PDL", "TANDEM_SMALL_M_EPILOGUE", "TANDEM_GLU_EPILOGUE", "TANDEM_DISABLE_SMALL_M_LINEAR", "TANDEM_DISABLE_FUSED_KV_STORE",
-                   "TANDEM_DISABLE_FUSED_GREEDY", "TANDEM_TABLE_OUTSIDE_GRAPH", "TANDEM_ATTN_MERGE")
+KERNEL_SWITCHES = ("TANDEM_PDL", "TANDEM_SMALL_M_EPILOGUE", "TANDEM_DISABLE_SMALL_M_LINEAR", "TANDEM_DISABLE_FUSED_KV_STORE",
+                   "TANDEM_DISABLE_FUSED_GREEDY", "TANDEM_TABLE_OUTSIDE_GRAPH")
 
 
 def compile_ahead_wanted(marker: Optional[Path]) -> bool:

@@ -11,10 +11,7 @@ absolute positions (positions [a*BLOCK_T, (a+1)*BLOCK_T)), times the G query hea
 step is a q block with one valid token. The keys are cut into splits [j*SPLIT, (j+1)*SPLIT) at
 absolute positions and each split is reduced by the same BLOCK_N loop from its start, giving a
 partial (max, sum-exp, unnormalised acc) in log2 units. Partials are merged in split order
-0, 1, 2, ... either inside the program (MERGE) or, after stage 1 stored them, by the last of a
-row's lanes to finish (an atomic count per (q block, kv head): one launch fewer a layer, which
-at batch 1 is what a launch costs; TANDEM_ATTN_MERGE=kernel takes stage 2's launch back) or by
-stage 2. The same merge code in the same order either way: the same bits.
+0, 1, 2, ... either inside the program (MERGE) or by stage 2 after stage 1 stored them.
 
 Why a row's result is the same bits in prefill and decode (deterministic mode): the tile shape
 (BLOCK_T, G_PAD, BLOCK_N, BLOCK_D), warps and stages are one fixed config; BLOCK_T | BLOCK_N |
@@ -36,12 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import arrival_counters, env_choice
 from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 from engine.kernels.split_kv_tile import Tile
-
-# who merges a row's stored split partials: the last lane to finish ("fused") or stage 2 ("kernel")
-MERGE_MODE = env_choice("TANDEM_ATTN_MERGE", "fused", ("fused", "kernel"), "fused (the default) or kernel")
 
 # rows of the int32 block table [5, stride], one column per q block (engine/attention/split_kv_plan.py);
 # constexpr because compiled kernels may only read constexpr globals
@@ -82,19 +75,18 @@ def split_kv_attention(
     common["PREFIX"] = prefix is not None
     pdl = use_pdl(max(num_blocks, q.shape[0]), q.device)  # decode at small batch: one block per row
     common["PDL"] = pdl
-    last_merges = not merge and MERGE_MODE == "fused" and num_blocks * num_kv_heads <= arrival_counters.SLOTS
     split_kv_stage1[(num_blocks, num_kv_heads, 1 if merge else lanes)](
         q, k_buf, v_buf, out, part_acc, part_ml, req_to_token, req_pool_indices, blocks,
-        prefix_lens, prefix_ml, prefix_acc, arrival_counters.counters(q.device) if last_merges else blocks,
+        prefix_lens, prefix_ml, prefix_acc,
         blocks.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
         num_heads, max_splits, scaling * _LOG2E,
-        BLOCK_T=tile.block_t, BLOCK_N=tile.block_n, MERGE=merge, LAST_MERGES=last_merges,
+        BLOCK_T=tile.block_t, BLOCK_N=tile.block_n, MERGE=merge,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=cfg.fp_fusion,
         **common, **launch_options(pdl),
     )
-    if not merge and not last_merges:
+    if not merge:
         split_kv_stage2[(num_blocks, num_kv_heads)](
             out, part_acc, part_ml, blocks, prefix_lens, prefix_ml, prefix_acc,
             blocks.stride(0), out.stride(0), out.stride(1),
@@ -172,16 +164,14 @@ def _split_partial(q, K, V, slots_row, kvh, pos, lo, hi, stride_kt, stride_kh, s
 
 @triton.jit(do_not_specialize=["blk_stride", "num_heads", "max_splits"])
 def split_kv_stage1(
-    Q, K, V, Out, PartAcc, PartML, ReqToToken, ReqPoolIdx, Blocks, PrefixLens, PrefixML, PrefixAcc, Counters,
+    Q, K, V, Out, PartAcc, PartML, ReqToToken, ReqPoolIdx, Blocks, PrefixLens, PrefixML, PrefixAcc,
     blk_stride, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_r2t, num_heads, max_splits, qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PDL: tl.constexpr = False,
-    LAST_MERGES: tl.constexpr = False,
 ):
-    """grid (q blocks, kv heads, lanes); lane l reduces splits l, l + lanes, ...; LAST_MERGES (one-token
-    blocks): the last lane of a (q block, kv head) to store its partials merges them (stage 2's work)."""
+    """grid (q blocks, kv heads, lanes); lane l reduces splits l, l + lanes, ..."""
     await_inputs(PDL)
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -238,15 +228,6 @@ def split_kv_stage1(
         out = ACC / L[:, None]
         tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    elif LAST_MERGES:
-        # every thread's partials are issued before one thread releases them with the count
-        tl.debug_barrier()
-        counter = Counters + blk * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == lanes - 1:
-            _merge_stored(Out, PartAcc, PartML, PrefixLens, PrefixML, PrefixAcc, tok_start.to(tl.int64),
-                          pos_start, split, kvh, stride_ot, stride_oh, num_heads, max_splits, GROUP, G_PAD,
-                          BLOCK_D, HEAD_DIM, PREFIX, ".cg")  # .cg: the other lanes' partials, through L2
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next step
 
 
 @triton.jit(do_not_specialize=["blk_stride", "num_heads", "max_splits"])
@@ -263,15 +244,6 @@ def split_kv_stage2(
     tok = tl.load(Blocks + BLK_TOK * blk_stride + blk).to(tl.int64)
     pos = tl.load(Blocks + BLK_POS * blk_stride + blk)
     split = tl.load(Blocks + BLK_SPLIT * blk_stride + blk)
-    _merge_stored(Out, PartAcc, PartML, PrefixLens, PrefixML, PrefixAcc, tok, pos, split, kvh, stride_ot,
-                  stride_oh, num_heads, max_splits, GROUP, G_PAD, BLOCK_D, HEAD_DIM, PREFIX, "")
-
-
-@triton.jit
-def _merge_stored(Out, PartAcc, PartML, PrefixLens, PrefixML, PrefixAcc, tok, pos, split, kvh, stride_ot,
-                  stride_oh, num_heads, max_splits, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PREFIX: tl.constexpr, CACHE: tl.constexpr):
-    """Token tok's stored split partials (kv head kvh's query heads) merged in split order into Out."""
     g = tl.arange(0, G_PAD)
     ok = g < GROUP
     head = kvh * GROUP + g
@@ -288,10 +260,10 @@ def _merge_stored(Out, PartAcc, PartML, PrefixLens, PrefixML, PrefixAcc, tok, po
         ACC = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     for j in range(0, (pos - key0) // split + 1):
         part = (tok * num_heads + head) * max_splits + j
-        m = tl.load(PartML + part * 2, mask=ok, other=0.0, cache_modifier=CACHE)
-        l = tl.load(PartML + part * 2 + 1, mask=ok, other=1.0, cache_modifier=CACHE)  # padding heads: no 0/0
+        m = tl.load(PartML + part * 2, mask=ok, other=0.0)
+        l = tl.load(PartML + part * 2 + 1, mask=ok, other=1.0)  # padding heads: no 0/0
         acc = tl.load(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=CACHE)
+                      mask=ok[:, None] & d_ok[None, :], other=0.0)
         M, L, ACC = _merge(M, L, ACC, m, l, acc)
     out = ACC / L[:, None]
     tl.store(Out + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

@@ -147,18 +147,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, forward_batch: Optional["ForwardBatch"] = None,
                 residual: Optional[torch.Tensor] = None, norm: Optional[RMSNorm] = None) -> Any:
-        """The block's output; with a norm, (norm(output + residual), the sum). At a small decode
-        batch the activation joins gate_up's launch (small_m_glu) and the add + norm down_proj's
-        (Linear.forward_add_norm)."""
+        """The block's output; with a norm, (norm(output + residual), the sum), the activation and
+        the epilogue fused into down_proj where they can be (Linear.forward_add_norm)."""
         lora = getattr(forward_batch, "lora", None)
-        glu = self.gate_up_proj.glu_kernel(x, self.act_fn, lora)
-        if glu is not None:  # the activation in gate_up's launch
-            h, act = glu.small_m_glu(x, self.gate_up_proj.weight, self.gate_up_proj.bias), None
-        else:
-            h, act = self.gate_up_proj(x, lora), self.act_fn
         if norm is None:
-            return self.down_proj(h if act is None else act(h), lora)
-        return self.down_proj.forward_add_norm(h, residual, norm, lora, act=act)
+            return self.down_proj(self.act_fn(self.gate_up_proj(x, lora)), lora)
+        return self.down_proj.forward_add_norm(self.gate_up_proj(x, lora), residual, norm, lora, act=self.act_fn)
 
 
 # (config, layer id, options) -> the layer's feed-forward block, called as mlp(hidden, forward_batch)

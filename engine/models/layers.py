@@ -317,12 +317,3 @@ class MergedGateUp(StackedLinear):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  deterministic: bool = False) -> None:
         super().__init__(hidden_size, {0: intermediate_size, 1: intermediate_size}, bias, deterministic)
-
-    def glu_kernel(self, x: torch.Tensor, act: "SiluAndMul", lora: Any = None) -> Optional[ModuleType]:
-        """engine.kernels.small_m_glu where act(self(x)) may be one launch (a decode batch of 1..8
-        rows on CUDA in normal mode), else None."""
-        plain = act.autograd_ops is None and not act.deterministic
-        if self.deterministic or not self.small_m_kernel or lora is not None or not plain:
-            return None
-        kernel = fused_kernel("small_m_glu", x)
-        return kernel if kernel is not None and kernel.glu_applies(x, self.weight) else None

@@ -55,23 +55,3 @@ def test_fused_layers_keep_the_tokens_and_never_store_kv_apart(engine_factory, m
     # hidden state here and there, an ulp of a bf16 logit (0.06 at 8-16) at most in the logprobs
     assert worst <= 0.13, worst
     eng.check_integrity()
-
-
-def test_the_glu_epilogue_keeps_every_bit(engine_factory, monkeypatch):
-    """gate_up's gemv with silu_and_mul in its epilogue (engine/kernels/small_m_glu.py, on by
-    default) gives the engine the tokens and logprobs, bit for bit, of the two launches."""
-    from engine.kernels import small_m_glu
-    from engine.models import layers
-
-    eng = engine_factory(dtype="bfloat16", attention_backend="triton", disable_cuda_graph=True)
-    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
-    calls = []
-    real = small_m_glu.small_m_glu
-    monkeypatch.setattr(small_m_glu, "small_m_glu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    with monkeypatch.context() as off:
-        off.setattr(small_m_glu, "ENABLED", False)
-        want = _greedy(eng)
-    assert not calls
-    got = _greedy(eng)
-    assert calls and got == want
-    eng.check_integrity()

@@ -124,23 +124,3 @@ def test_epilogue_variable_refuses_an_unknown_value():
     run = subprocess.run([sys.executable, "-c", "import engine.kernels.small_m_linear"], capture_output=True, text=True,
                          env={**os.environ, "TANDEM_SMALL_M_EPILOGUE": "off", "TRITON_INTERPRET": "1"})
     assert run.returncode != 0 and "use norm (the default), 1 or 0" in run.stderr
-
-
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("bias", [False, True])
-def test_glu_epilogue_is_the_gemv_then_silu_and_mul_bit_for_bit(m, bias):
-    from engine.kernels.small_m_glu import glu_config, small_m_glu
-
-    g = torch.Generator().manual_seed(10 + m)
-    x = torch.randn(m, 200, generator=g).to(torch.bfloat16)  # K not a multiple of the tile: masked loads
-    w = (torch.randn(2 * 48, 200, generator=g) * 0.1).to(torch.bfloat16)  # gate rows, then up rows
-    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
-    want = silu_and_mul(small_m_linear(x, w, b, config=GemvConfig(32, 64, 1)), stepwise=False)
-    got = small_m_glu(x, w, b, config=GemvConfig(16, 64, 1))
-    assert torch.equal(got, want)
-    h = x.double() @ w.double().T + (b.double() if bias else 0)
-    ref = torch.nn.functional.silu(h[:, :48]) * h[:, 48:]
-    torch.testing.assert_close(got.double(), ref, atol=0.03, rtol=0.02)
-    assert glu_config(3072, 132).block_n == 16 and glu_config(12288, 132).block_n == 32  # the wide gemv's halves
-    with pytest.raises(ValueError, match="gate | up"):
-        small_m_glu(x, w[:95])

@@ -59,24 +59,6 @@ def test_decode_matches_torch(scene, deterministic, num_sms):
     assert_close_to_torch(scene, backend, DECODE, decode=True)
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "normal"])
-def test_last_lane_merge_is_stage_two_bit_for_bit(scene, deterministic, monkeypatch):
-    """Decode's split partials merged by the last lane to store them (the default) or by stage 2's
-    launch (TANDEM_ATTN_MERGE=kernel): the same bits, twice in a row (the counters re-zeroed)."""
-    from engine.kernels import arrival_counters
-    from engine.kernels import split_kv_attention as kernels
-
-    backend = lambda: TritonAttentionBackend(deterministic=deterministic, split_size=SPLIT, num_sms=64)  # noqa: E731
-    monkeypatch.setattr(kernels, "MERGE_MODE", "kernel")
-    want = scene.run(backend(), DECODE, True)
-    monkeypatch.setattr(kernels, "MERGE_MODE", "fused")
-    for _ in range(2):
-        got = scene.run(backend(), DECODE, True)
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
-    buffers = arrival_counters._BUFFERS
-    assert buffers and all(int(c.abs().sum()) == 0 for c in buffers.values())  # left at zero
-
-
 def test_gqa_group_of_three_and_head_dim_32():
     scene = Scene([40, 23], heads=6, kv_heads=2, head_dim=32, seed=1)
     assert_close_to_torch(scene, det(), [(0, 9, 31), (1, 0, 23)])

@@ -72,32 +72,6 @@ def test_small_m_fused_epilogue_against_the_unfused_launches(n, k, m, gated):
     assert torch.equal(again[0], normed) and torch.equal(again[1], summed)  # run to run
 
 
-# gate_up's (2 I, hidden): 0.6B, 4B, 8B
-GLU_SHAPES = [(6144, 1024), (19456, 2560), (24576, 4096)]
-
-
-@pytest.mark.parametrize("n,k", GLU_SHAPES)
-@pytest.mark.parametrize("m", [1, 4, 8])
-@pytest.mark.parametrize("bias", [False, True])
-def test_glu_epilogue_is_the_wide_gemv_then_silu_and_mul(n, k, m, bias):
-    """small_m_glu (silu_and_mul in gate_up's gemv) bit for bit the two launches it replaces, and
-    close to a float32 reference."""
-    from engine.kernels.silu_and_mul import silu_and_mul
-    from engine.kernels.small_m_glu import glu_applies, small_m_glu
-
-    g = torch.Generator(device="cuda").manual_seed(n + k + m)
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
-    b = torch.randn(n, device="cuda", generator=g).bfloat16() if bias else None
-    assert glu_applies(x, w)
-    got = small_m_glu(x, w, b)
-    assert torch.equal(got, silu_and_mul(small_m_linear(x, w, b), stepwise=False))
-    h = x.float() @ w.float().T + (b.float() if bias else 0)
-    ref = F.silu(h[:, : n // 2]) * h[:, n // 2:]
-    torch.testing.assert_close(got.float(), ref, atol=0.02, rtol=0.02)
-    assert torch.equal(small_m_glu(x, w, b), got)  # run to run
-
-
 @pytest.mark.parametrize("batch", [1, 5, 256])
 def test_greedy_logprob_matches_torch(batch):
     g = torch.Generator(device="cuda").manual_seed(batch)

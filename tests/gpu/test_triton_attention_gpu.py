@@ -85,32 +85,3 @@ def test_decode_under_cuda_graph(scene, deterministic):
                 assert torch.equal(got, ref)
             else:
                 assert rel_err(got, ref) <= 1e-2
-
-
-@pytest.mark.parametrize("deterministic", [False, True], ids=["normal", "det"])
-@pytest.mark.parametrize("bs", [1, 6])
-def test_last_lane_merge_is_stage_two_bit_for_bit(scene, deterministic, bs, monkeypatch):
-    """Decode's split partials merged by the last lane to store them (the default) or by stage 2's
-    launch (TANDEM_ATTN_MERGE=kernel): the same bits, eagerly and replayed from a CUDA graph."""
-    from engine.kernels import split_kv_attention as kernels
-
-    items = [(s % len(LENS), LENS[s % len(LENS)] - 1 - s // len(LENS), 1) for s in range(bs)]
-    monkeypatch.setattr(kernels, "MERGE_MODE", "kernel")
-    want = scene.run(backend(deterministic), items, decode=True)
-    monkeypatch.setattr(kernels, "MERGE_MODE", "fused")
-    for _ in range(3):
-        assert all(torch.equal(g, w) for g, w in zip(scene.run(backend(deterministic), items, decode=True), want))
-    tb = backend(deterministic)
-    tb.init_cuda_graph_state(8, max(LENS) + 1, 32, 8, 128, torch.device("cuda"))
-    fb = scene.batch(tb, items, decode=True)
-    tb.init_forward_metadata_capture(bs, fb.req_pool_indices, fb.seq_lens)
-    scene.forward(tb, items, fb)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = scene.forward(tb, items, fb)
-    for _ in range(3):
-        tb.init_forward_metadata_replay(bs, fb.req_pool_indices, fb.seq_lens)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(g, w) for g, w in zip(out, want))

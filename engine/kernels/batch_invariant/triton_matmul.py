@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.arrival_counters import counters
 from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -214,6 +213,21 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, n_splits, stride_om, BLOCK_M
     _store_out(total, bias_ptr, out_ptr, rows, cols, M, N, stride_om, HAS_BIAS)
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_COUNTER_SLOTS = 1 << 16
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 tile counters, one buffer per (device, stream); the kernel re-zeroes them."""
+    if n > _COUNTER_SLOTS:
+        raise ValueError(f"par schedule with {n} tiles exceeds {_COUNTER_SLOTS} counters")
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
@@ -253,7 +267,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Mat
     n_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     fused = cfg.reduce == "fused"
     ws = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device) if parallel else out
-    cnt = counters(x.device, n_tiles) if parallel and fused else out
+    cnt = _counters(x.device, n_tiles) if parallel and fused else out
     bias_arg = bias if bias is not None else out
     pdl = use_pdl(M, x.device)  # decode at small batch: how it is launched, not what it computes
     _bi_mm_kernel[(n_tiles * n_splits,) if parallel else (n_tiles,)](
