@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: glutests launchab launchprobe (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -198,21 +198,12 @@ for s in "$@"; do case $s in
       [[ $v == *g1* ]] && env+=(TANDEM_TRITON_GUMBEL=1); [[ $v == *w1* ]] && env+=(TANDEM_GRAPH_WARMUPS=1); [[ $v == *a ]] && env+=(TANDEM_COMPILE_AHEAD=1)
       step "readyall-$v" 200 env "${env[@]}" python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 2; done ) ;;
   tablegpu) step tablegpu 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/engine/test_decode_table_triton.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_cascade_gpu.py ;;  # the one-launch decode block table (default) on the device
-  glutests) step glutests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py ;;  # gate_up + silu_and_mul in one launch; det mode's matmul under PDL
   kerneltests) ( kit && step kerneltests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py \
       tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_cascade_gpu.py \
-      tests/gpu/test_overlap_gpu.py tests/gpu/test_policy_parity_gpu.py ) ;;  # what the launch fusions and det mode's PDL touch
+      tests/gpu/test_overlap_gpu.py tests/gpu/test_policy_parity_gpu.py ) ;;  # the decode kernels, attention, graphs and det mode's matmul (gpurest2: the rest of gpurest)
   gpurest2) ( kit && step gpurest2 300 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu/test_lora_gpu.py \
       tests/gpu/test_memory_saver_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py tests/gpu/test_routes_gpu.py \
       tests/gpu/test_weight_sync_gpu.py tests/gpu/test_server_gpu.py ) ;;  # gpurest less kerneltests' files
-  detbs1ab)  # 8B batch 1: normal, then deterministic with and without PDL on its matmul (old: ab_old.sh's tree in /tmp/old)
-    step detbs1-normal 90 $B --preset qwen3-8b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detbs1-normal.json"
-    for tag in new old; do tree=$PWD; [[ $tag == old ]] && tree=/tmp/old
-      ( cd $tree && export PYTHONPATH=$tree && step detbs1-det-$tag 90 $B --preset qwen3-8b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detbs1-det-$tag.json" ); done ;;
-  launchab) for v in "TANDEM_GLU_EPILOGUE=0 TANDEM_ATTN_MERGE=kernel TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=1"; do  # 0.6B batch-1 decode: launches fused away (silu_and_mul into gate_up, stage 2 into stage 1's last lane; the add + norm into the gemv's last program) vs apart
-      tag=$(echo $v | tr -dc '0-9a-z'); step itl-$tag 60 env $v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-$tag.json"; done ;;
-  launchprobe) for v in "TANDEM_GLU_EPILOGUE=0 TANDEM_ATTN_MERGE=kernel TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=0" "TANDEM_GLU_EPILOGUE=1 TANDEM_ATTN_MERGE=fused TANDEM_GEMV_LAST_NORM=1"; do  # the captured batch-1 / 8 decode graph alone, apart vs fused
-      step stepprobe-$(echo $v | tr -dc '0-9a-z') 100 env $v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8; done ;;
   pdlab) for v in 0 1 wide; do  # programmatic dependent launch for batches <= 8 (wide: qkv, gate_up on the small-M gemv too): the batch-1 step (graph alone) and streamed ITL
       step stepprobe-pdl$v 80 env TANDEM_PDL=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pdl$v 45 env TANDEM_PDL=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pdl$v.json"; done ;;
