@@ -236,7 +236,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         if self.deterministic:
-            out = bi.linear(x, self.weight, self.bias)
+            det_gemv = fused_kernel("bi_gemv", x) if self.small_m_kernel else None
+            if det_gemv is not None and det_gemv.applies(x, self.weight):  # opt-in: the matmul's bits, sooner
+                out = det_gemv.bi_gemv(x, self.weight, self.bias)
+            else:
+                out = bi.linear(x, self.weight, self.bias)
         else:
             small_m = fused_kernel("small_m_linear", x) if self.small_m_kernel else None
             if small_m is not None and small_m.applies(x, self.weight, wide=self.small_m_wide):

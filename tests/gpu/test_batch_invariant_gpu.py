@@ -124,3 +124,23 @@ def test_linear_chain_at_few_rows_reads_finished_inputs(graph):
             else:
                 out = chain(rows, schedule)
             assert torch.equal(out, full[:M]), (M, schedule, graph)
+
+
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+def test_det_gemv_gives_the_matmuls_bits(name, monkeypatch):
+    """engine/kernels/bi_gemv.py (TANDEM_DET_GEMV=1): the small-M gemv run with the matmul's K splits
+    gives bi_linear's rows bit for bit at 1..8 rows, so the rows the M = 4096 matmul gives."""
+    from engine.kernels import bi_gemv
+
+    ops = _ops()
+    N, K = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).bfloat16()
+    x = torch.randn(4096, K, device="cuda", generator=g).bfloat16()
+    b = torch.randn(N, device="cuda", generator=g).bfloat16()
+    full = ops.bi_linear(x, w, b)
+    monkeypatch.setattr(bi_gemv, "ENABLED", True)
+    with torch.inference_mode():
+        for M in (1, 2, 3, 5, 8):
+            assert bi_gemv.applies(x[:M], w), (name, M)
+            assert torch.equal(bi_gemv.bi_gemv(x[:M], w, b), full[:M]), (name, M)

@@ -1,0 +1,56 @@
+"""bi_gemv: deterministic mode's linears at a decode batch of 1..8 rows on the small-M gemv, with
+the batch-invariant matmul's bits (opt-in, TANDEM_DET_GEMV=1, until measured on the GPU).
+
+At batch 1 deterministic mode keeps its batch-invariant matmul (engine/kernels/batch_invariant/
+triton_matmul.py), whose 16-row MMA tiles take 0.9-1.1x cuBLAS's time, where normal mode's
+small-M gemv (engine/kernels/small_m_linear.py) streams the weight over every SM: most of
+deterministic mode's batch-1 cost (9.5% on the 8B shape, H100). The two compute an output the same
+way: a fresh fp32 accumulation of k16 tensor-core steps, in ascending k, over each K split, and the
+splits summed in order from 0 (0 + p0 + p1 ...; the gemv's split-sum kernel, or its direct store for
+one split), bias added before the one rounding. On sm_90 the matmul's docstring records that neither
+the tile's rows (16 or 64), columns nor k step change a bit of that chain. So the gemv run with the
+matmul's own split boundaries (its table's split_k: `config`) should give the matmul's bits at every
+M: tests/gpu/test_batch_invariant_gpu.py checks it against bi_linear, and only where it holds may
+this be on. Shapes whose K the split does not divide evenly keep the matmul.
+
+Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from engine.kernels import env_choice
+from engine.kernels.batch_invariant import triton_ops
+from engine.kernels.small_m_linear import GemvConfig, applies as gemv_applies, small_m_linear
+
+ENABLED = env_choice("TANDEM_DET_GEMV", "0", ("0", "1"), "1 (on) or 0 (off, the default until measured)") == "1"
+BLOCK_K = 128  # the gemv's k step; a split must be a whole number of them
+
+
+def config(N: int, K: int, dtype: torch.dtype) -> Optional[GemvConfig]:
+    """The gemv tile whose K splits are the batch-invariant matmul's for (N, K, dtype); None where
+    they cannot be (a split not a whole number of k steps, or K not a whole number of splits)."""
+    cfg = triton_ops.matmul_config(N, K, dtype)
+    splits = cfg.num_splits(K)
+    if splits > 1 and (cfg.split_k % BLOCK_K or K % cfg.split_k):
+        return None
+    return GemvConfig(block_n=64, block_k=BLOCK_K, split_k=splits)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Opted in, a call the small-M gemv takes (1..8 rows, half precision, no autograd), on a device
+    whose matmul tiles were measured bit for bit (sm_90; the CPU interpreter for tests), and a
+    shape whose splits the gemv can take."""
+    return (ENABLED and gemv_applies(x, weight, wide=True) and triton_ops._tiers_measured_on(x.device)
+            and config(weight.shape[0], weight.shape[1], x.dtype) is not None)
+
+
+def bi_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bi_linear(x, weight, bias) for a few rows, on the small-M gemv (see the module docstring)."""
+    cfg = config(weight.shape[0], weight.shape[1], x.dtype)
+    if cfg is None:
+        raise ValueError(f"bi_gemv: no gemv split matches the matmul's for weight {tuple(weight.shape)}")
+    return small_m_linear(x, weight, bias, config=cfg)
