@@ -12,6 +12,7 @@ import time
 from typing import Any, Optional
 
 from engine_client.async_http import open_client
+from tandem.bench.stats import percentile
 from tandem.bench.tandem_run import LATENCY_KEYS, STREAM_MODES, RunOutcome, TokenTrace, run_metrics
 from tandem.bench.workload import Workload
 
@@ -62,14 +63,16 @@ class HttpBench:
         params = workload.sampling_params()
         traces = [TokenTrace() for _ in range(workload.num_requests)] if stream else None
         start = time.perf_counter()
-        finals = await asyncio.gather(*[
-            self._generate(client, ids, p, traces[i] if traces else None, start,
-                           workload.lora_paths[i] if workload.lora_paths else None)
+        timed = await asyncio.gather(*[
+            _timed(self._generate(client, ids, p, traces[i] if traces else None, start,
+                                  workload.lora_paths[i] if workload.lora_paths else None), start)
             for i, (ids, p) in enumerate(zip(workload.input_ids, params))])
         wall = time.perf_counter() - start
+        finals = [final for final, _ in timed]
         metrics = run_metrics(workload, finals, traces, wall)
         metrics["retractions"] = None  # the server's counters are not read over HTTP
         metrics["peak_memory_gb"] = None
+        metrics.update(outside_core_ms([latency for _, latency in timed], finals))
         return RunOutcome(metrics, [f["output_ids"] for f in finals])
 
     async def _generate(self, client: Any, input_ids: list[int], params: dict, trace: Optional[TokenTrace],
@@ -100,6 +103,24 @@ class HttpBench:
                 _check(status, text, "/flush_cache")
             await asyncio.sleep(0.1)
         raise RuntimeError("the server would not flush its cache: requests are still running on it")
+
+
+async def _timed(request: Any, start: float) -> tuple[dict, float]:
+    """A request's final output and its latency from the run's start."""
+    final = await request
+    return final, time.perf_counter() - start
+
+
+def outside_core_ms(latencies: list[float], finals: list[dict]) -> dict[str, Optional[float]]:
+    """Each request's time outside the engine core: its latency at the client less the core's own
+    `e2e_latency` (from the core taking it in to its last output), i.e. the way in (client, HTTP,
+    server, pipe, the core's inbox) and the way out. Sent all at once, the largest is about how far
+    apart the requests reached the core: the HTTP path's share of a burst's wall time."""
+    outside = [lat - f["meta_info"]["e2e_latency"] for lat, f in zip(latencies, finals)
+               if isinstance(f.get("meta_info", {}).get("e2e_latency"), (int, float))]
+    if not outside:
+        return {"outside_core_median_ms": None, "outside_core_max_ms": None}
+    return {"outside_core_median_ms": 1000.0 * percentile(outside, 50), "outside_core_max_ms": 1000.0 * max(outside)}
 
 
 def _check(status: int, text: str, route: str) -> None:

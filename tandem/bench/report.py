@@ -15,10 +15,15 @@ ROWS: list[tuple[str, str, str]] = [
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.2f}"),
     ("ITL median (ms)", "itl_median_ms", "{:.3f}"),
     ("ITL p99 (ms)", "itl_p99_ms", "{:.3f}"),
+    ("outside core med ms", "outside_core_median_ms", "{:.1f}"),  # HTTP runs: tandem/bench/http_run.py
+    ("outside core max ms", "outside_core_max_ms", "{:.1f}"),
     ("cache hit rate", "cache_hit_rate", "{:.3f}"),
     ("retractions", "retractions", "{:.0f}"),
     ("peak memory (GiB)", "peak_memory_gb", "{:.2f}"),
 ]
+
+
+OPTIONAL_KEYS = {"outside_core_median_ms", "outside_core_max_ms"}  # rows left out where no column has them
 
 
 def _fmt(value: Any, pattern: str) -> str:
@@ -45,6 +50,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'metric':<20}" + "".join(f" {title:>14}" for title, _ in columns),
     ]
     for label, key, pattern in ROWS:
+        if key in OPTIONAL_KEYS and all(median.get(key) is None for _, median in columns):
+            continue
         cells = "".join(f" {_fmt(median.get(key), pattern) if median else '':>14}" for _, median in columns)
         lines.append(f"{label:<20}{cells}")
     lines += _summary_lines(result)

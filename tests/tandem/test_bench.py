@@ -207,6 +207,9 @@ def test_url_bench_streams_and_equals_in_process(tmp_path, live_server):
     direct = eng.generate(input_ids=workload.input_ids, sampling_params=workload.sampling_params())
     assert outcome.output_ids == [o["output_ids"] for o in direct]
     assert outcome.metrics["output_tokens"] == 4 * 6 and outcome.metrics["ttft_median_ms"] is None
+    # the way to the core and back: more than nothing, less than the run (each request's e2e is in it)
+    assert 0 < outcome.metrics["outside_core_median_ms"] <= outcome.metrics["outside_core_max_ms"]
+    assert outcome.metrics["outside_core_max_ms"] < 1000.0 * outcome.metrics["wall_s"]
 
 
 def test_serve_bench_reports_http_beside_in_process(tmp_path, capsys):
@@ -218,6 +221,16 @@ def test_serve_bench_reports_http_beside_in_process(tmp_path, capsys):
     assert "--enable-deterministic-inference" in result["serve_command"]
     out = capsys.readouterr().out
     assert "tandem HTTP" in out and "tandem HTTP / in-process output tok/s" in out
+    assert "outside core max ms" in out and result["tandem"]["median"].get("outside_core_max_ms") is None
+
+
+def test_outside_core_is_each_latency_less_the_cores_own():
+    from tandem.bench.http_run import outside_core_ms
+
+    finals = [{"meta_info": {"e2e_latency": e}} for e in (0.5, 0.4, 0.45)]
+    got = outside_core_ms([0.51, 0.43, 0.46], finals)
+    assert got["outside_core_median_ms"] == pytest.approx(10.0) and got["outside_core_max_ms"] == pytest.approx(30.0)
+    assert outside_core_ms([0.1], [{"meta_info": {}}]) == {"outside_core_median_ms": None, "outside_core_max_ms": None}
 
 
 def test_http_flags_that_cannot_go_together(tmp_path):
