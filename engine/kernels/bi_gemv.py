@@ -11,7 +11,10 @@ one split), bias added before the one rounding. On sm_90 the matmul's docstring 
 the tile's rows (16 or 64), columns nor k step change a bit of that chain. So the gemv run with the
 matmul's own split boundaries (its table's split_k: `config`) should give the matmul's bits at every
 M: tests/gpu/test_batch_invariant_gpu.py checks it against bi_linear, and only where it holds may
-this be on. Shapes whose K the split does not divide evenly keep the matmul.
+this be on. Shapes whose K the split does not divide evenly keep the matmul. o_proj and down_proj
+also take normal mode's add + norm epilogue (`bi_gemv_add_norm`): the split-K sum kernel's norm
+has the batch-invariant norm's launch shape and its operations in its order (x + residual rounded,
+then the sum of squares over the same block, rsqrt, the two roundings), so its bits too.
 
 Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
 """
@@ -24,7 +27,8 @@ import torch
 
 from engine.kernels import env_choice
 from engine.kernels.batch_invariant import triton_ops
-from engine.kernels.small_m_linear import GemvConfig, applies as gemv_applies, small_m_linear
+from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK
+from engine.kernels.small_m_linear import GemvConfig, applies as gemv_applies, small_m_linear, small_m_linear_add_norm
 
 ENABLED = env_choice("TANDEM_DET_GEMV", "0", ("0", "1"), "1 (on) or 0 (off, the default until measured)") == "1"
 BLOCK_K = 128  # the gemv's k step; a split must be a whole number of them
@@ -48,9 +52,28 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and config(weight.shape[0], weight.shape[1], x.dtype) is not None)
 
 
+def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`applies`, and an output row one norm program holds (small_m_linear_add_norm's limit)."""
+    return applies(x, weight) and weight.shape[0] <= _MAX_BLOCK
+
+
+def bi_gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                     norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """bi_rms_norm(bi_linear(x, weight, bias), norm_weight, eps, residual) for a few rows: the gemv's
+    split-K sum adds the residual and norms in the batch-invariant norm's launch shape, with its
+    operations in its order (engine/kernels/batch_invariant/triton_norm.py); one split: the gemv
+    writes y and that norm runs as its own launch."""
+    return small_m_linear_add_norm(x, weight, bias, residual, norm_weight, eps,
+                                   config=_config_or_raise(weight, x.dtype))
+
+
 def bi_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """bi_linear(x, weight, bias) for a few rows, on the small-M gemv (see the module docstring)."""
-    cfg = config(weight.shape[0], weight.shape[1], x.dtype)
+    return small_m_linear(x, weight, bias, config=_config_or_raise(weight, x.dtype))
+
+
+def _config_or_raise(weight: torch.Tensor, dtype: torch.dtype) -> GemvConfig:
+    cfg = config(weight.shape[0], weight.shape[1], dtype)
     if cfg is None:
         raise ValueError(f"bi_gemv: no gemv split matches the matmul's for weight {tuple(weight.shape)}")
-    return small_m_linear(x, weight, bias, config=cfg)
+    return cfg

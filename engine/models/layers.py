@@ -254,7 +254,10 @@ class Linear(nn.Linear):
         """norm(self(act(x)) + residual) and the sum, as `norm(out, residual)` returns them (act:
         None, or the MLP's activation of x = gate | up). A decode batch of 1..8 rows on CUDA in
         normal mode runs the linear's split-K sum, the residual add and the norm as one launch
-        (and, opt-in, the activation inside the gemv: engine/kernels/small_m_linear.py)."""
+        (and, opt-in, the activation inside the gemv: engine/kernels/small_m_linear.py);
+        deterministic mode does too under TANDEM_DET_GEMV, with its batch-invariant bits."""
+        if self.deterministic:
+            return self._det_add_norm(x if act is None else act(x), residual, norm, lora)
         kernel = self._fused_epilogue(x, norm, lora, act)
         gated = kernel is not None and act is not None and kernel.GATED_PROLOGUE
         if act is not None and not gated:
@@ -262,6 +265,18 @@ class Linear(nn.Linear):
         if kernel is None:
             return norm(self(x, lora), residual)
         return kernel.small_m_linear_add_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps, gated=gated)
+
+    def _det_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm",
+                      lora: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deterministic mode's norm(self(x) + residual): opted in (engine/kernels/bi_gemv.py), a
+        small decode batch takes the gemv with the matmul's splits and the add + norm in its
+        split-K sum, whose launch shape and arithmetic are the batch-invariant norm's."""
+        det = None
+        if self.small_m_kernel and lora is None and norm.autograd_ops is None and norm.weight.dtype == x.dtype:
+            det = fused_kernel("bi_gemv", x)
+        if det is None or not det.applies_add_norm(x, self.weight):
+            return norm(self(x, lora), residual)
+        return det.bi_gemv_add_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
 
     def _fused_epilogue(self, x: torch.Tensor, norm: "RMSNorm", lora: Any,
                         act: Optional["SiluAndMul"]) -> Optional[ModuleType]:

@@ -55,3 +55,34 @@ def test_fused_layers_keep_the_tokens_and_never_store_kv_apart(engine_factory, m
     # hidden state here and there, an ulp of a bf16 logit (0.06 at 8-16) at most in the logprobs
     assert worst <= 0.13, worst
     eng.check_integrity()
+
+
+def test_det_gemv_takes_the_linears_and_the_add_norm(engine_factory, monkeypatch):
+    """Deterministic mode under TANDEM_DET_GEMV (engine/kernels/bi_gemv.py): its small decode batches'
+    linears run on the gemv with the matmul's K splits and o_proj / down_proj's add + norm in the
+    split-K sum; the tokens are the batch-invariant path's (bit for bit is the GPU's test: on the CPU
+    deterministic mode's linears are torch's tiles, which sum otherwise)."""
+    from engine.kernels import bi_gemv
+    from engine.kernels.batch_invariant import triton_ops
+    from engine.models import layers
+
+    eng = engine_factory(dtype="bfloat16", attention_backend="triton", disable_cuda_graph=True,
+                         enable_deterministic_inference=True)
+    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(bi_gemv, "BLOCK_K", 32)  # the tiny model's K (64, 128): two and four splits of 32
+    for n, k in ((128, 64), (64, 64), (256, 64), (64, 128)):  # qkv, o, gate_up, down
+        monkeypatch.setitem(triton_ops.CONFIG_TABLE, (n, k, "bf16"), triton_ops.MatmulConfig(block_k=32, split_k=32))
+    calls = {"linear": 0, "add_norm": 0}
+    real_linear, real_add_norm = bi_gemv.bi_gemv, bi_gemv.bi_gemv_add_norm
+    monkeypatch.setattr(bi_gemv, "bi_gemv", lambda *a: calls.__setitem__("linear", calls["linear"] + 1) or real_linear(*a))
+    monkeypatch.setattr(bi_gemv, "bi_gemv_add_norm",
+                        lambda *a: calls.__setitem__("add_norm", calls["add_norm"] + 1) or real_add_norm(*a))
+    want = _greedy(eng)
+    assert calls == {"linear": 0, "add_norm": 0}  # off by default
+    monkeypatch.setattr(bi_gemv, "ENABLED", True)
+    got = _greedy(eng)
+    assert calls["linear"] > 0 and calls["add_norm"] > 0
+    assert got[0] == want[0]
+    worst = max(abs(a - b) for ga, wa in zip(got[1], want[1]) for a, b in zip(ga, wa))
+    assert worst <= 0.13, worst  # an ulp of a bf16 logit here and there (the CPU's other sums)
+    eng.check_integrity()

@@ -144,3 +144,24 @@ def test_det_gemv_gives_the_matmuls_bits(name, monkeypatch):
         for M in (1, 2, 3, 5, 8):
             assert bi_gemv.applies(x[:M], w), (name, M)
             assert torch.equal(bi_gemv.bi_gemv(x[:M], w, b), full[:M]), (name, M)
+
+
+@pytest.mark.parametrize("name", ["o", "down"])
+def test_det_gemv_add_norm_gives_the_batch_invariant_bits(name, monkeypatch):
+    """bi_gemv_add_norm: o_proj's / down_proj's gemv with the add + norm in its split-K sum gives
+    bi_rms_norm(bi_linear(x), residual)'s two outputs bit for bit at 1..8 rows."""
+    from engine.kernels import bi_gemv
+
+    ops = _ops()
+    N, K = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).bfloat16()
+    x = torch.randn(8, K, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(8, N, device="cuda", generator=g).bfloat16() * 4
+    norm_w = torch.rand(N, device="cuda", generator=g).bfloat16() + 0.5
+    monkeypatch.setattr(bi_gemv, "ENABLED", True)
+    with torch.inference_mode():
+        for M in (1, 3, 8):
+            want = ops.bi_rms_norm(ops.bi_linear(x[:M], w), norm_w, 1e-6, residual[:M])
+            got = bi_gemv.bi_gemv_add_norm(x[:M], w, None, residual[:M], norm_w, 1e-6)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (name, M)
