@@ -205,6 +205,7 @@ for s in "$@"; do case $s in
     step detgemvtests 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py -k "det_gemv or chain"
     for bs in 1 8; do step detgemv-normal-bs$bs 60 $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detgemv-normal-bs$bs.json"
       for v in 0 1; do step detgemv-det$v-bs$bs 60 env TANDEM_DET_GEMV=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detgemv-det$v-bs$bs.json"; done; done
+    step detgemvparity 150 env TANDEM_DET_GEMV=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_policy_parity_gpu.py tests/gpu/test_hf_greedy_gpu.py
     step detgemvtrials 150 env TANDEM_DET_GEMV=1 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 20 --max-new-tokens 16 --json "$OUT/determinism-detgemv.json" ;;
   gpurest2) ( kit && step gpurest2 300 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu/test_lora_gpu.py \
       tests/gpu/test_memory_saver_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py tests/gpu/test_routes_gpu.py \
