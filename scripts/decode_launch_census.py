@@ -35,7 +35,7 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "select", "split", "split_with_
                 "to", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "dim", "size", "stride"}
 
 
-def census(preset: str, layers: int, deterministic: bool = False) -> tuple[collections.Counter, int]:
+def census(preset: str, layers: int) -> tuple[collections.Counter, int]:
     from triton.runtime.interpreter import InterpretedFunction
 
     from engine import Engine
@@ -83,8 +83,7 @@ def census(preset: str, layers: int, deterministic: bool = False) -> tuple[colle
 
     InterpretedFunction.run, ModelRunner._logits = counted_run, counted_logits
     eng = Engine(model_path=str(path), device="cpu", dtype="bfloat16", load_format="dummy",
-                 attention_backend="triton", disable_cuda_graph=True, max_total_tokens=4096,
-                 enable_deterministic_inference=deterministic)
+                 attention_backend="triton", disable_cuda_graph=True, max_total_tokens=4096)
     try:
         eng.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 2, "temperature": 0.0,
                                                               "ignore_eos": True})
@@ -97,9 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--deterministic", action="store_true", help="deterministic mode's kernels")
     args = parser.parse_args()
-    counts, layers = census(args.preset, args.layers, args.deterministic)
+    counts, layers = census(args.preset, args.layers)
     print(f"{args.preset} shape, {layers} layers: {sum(counts.values())} launches in one batch-1 decode step")
     for name, n in counts.most_common():
         print(f"{n:5d}  {n / layers:5.2f} per layer  {name}")

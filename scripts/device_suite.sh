@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: detgemv kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -201,12 +201,13 @@ for s in "$@"; do case $s in
   kerneltests) ( kit && step kerneltests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py \
       tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_cascade_gpu.py \
       tests/gpu/test_overlap_gpu.py tests/gpu/test_policy_parity_gpu.py ) ;;  # the decode kernels, attention, graphs and det mode's matmul (gpurest2: the rest of gpurest)
-  detgemv)  # TANDEM_DET_GEMV (opt-in, 2026-12-06, not run yet): its bitwise GPU tests, then 8B batch 1 / 8 normal vs det without / with it, then its determinism trials
+  detgemv) ( kit  # TANDEM_DET_GEMV (opt-in, 2026-12-06, not run yet): its bitwise GPU tests, the policy-parity and HF-greedy tests and 20 determinism trials under it
     step detgemvtests 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py -k "det_gemv or chain"
-    for bs in 1 8; do step detgemv-normal-bs$bs 60 $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detgemv-normal-bs$bs.json"
-      for v in 0 1; do step detgemv-det$v-bs$bs 60 env TANDEM_DET_GEMV=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detgemv-det$v-bs$bs.json"; done; done
-    step detgemvparity 150 env TANDEM_DET_GEMV=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_policy_parity_gpu.py tests/gpu/test_hf_greedy_gpu.py
-    step detgemvtrials 150 env TANDEM_DET_GEMV=1 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 20 --max-new-tokens 16 --json "$OUT/determinism-detgemv.json" ;;
+    step detgemvparity 180 env TANDEM_DET_GEMV=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_policy_parity_gpu.py tests/gpu/test_hf_greedy_gpu.py
+    step detgemvtrials 180 env TANDEM_DET_GEMV=1 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 20 --max-new-tokens 16 --json "$OUT/determinism-detgemv.json" ) ;;
+  detgemvab) for bs in 1 8; do  # 8B batch 1 / 8: normal, deterministic without and with TANDEM_DET_GEMV
+      step detgemv-normal-bs$bs 60 $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detgemv-normal-bs$bs.json"
+      for v in 0 1; do step detgemv-det$v-bs$bs 60 env TANDEM_DET_GEMV=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detgemv-det$v-bs$bs.json"; done; done ;;
   gpurest2) ( kit && step gpurest2 300 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu/test_lora_gpu.py \
       tests/gpu/test_memory_saver_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py tests/gpu/test_routes_gpu.py \
       tests/gpu/test_weight_sync_gpu.py tests/gpu/test_server_gpu.py ) ;;  # gpurest less kerneltests' files

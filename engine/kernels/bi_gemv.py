@@ -44,12 +44,13 @@ def config(N: int, K: int, dtype: torch.dtype) -> Optional[GemvConfig]:
     return GemvConfig(block_n=64, block_k=BLOCK_K, split_k=splits)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Opted in, a call the small-M gemv takes (1..8 rows, half precision, no autograd), on a device
-    whose matmul tiles were measured bit for bit (sm_90; the CPU interpreter for tests), and a
-    shape whose splits the gemv can take."""
-    return (ENABLED and gemv_applies(x, weight, wide=True) and triton_ops._tiers_measured_on(x.device)
-            and config(weight.shape[0], weight.shape[1], x.dtype) is not None)
+def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
+    """Opted in, a bf16 call the small-M gemv takes (1..8 rows, no autograd; `wide`: qkv or gate_up,
+    which it takes under TANDEM_PDL=wide only), on a device whose matmul tiles were measured bit for
+    bit (sm_90, and in bf16 only; the CPU interpreter for tests), and a shape whose splits the gemv
+    can take."""
+    return (ENABLED and x.dtype == torch.bfloat16 and gemv_applies(x, weight, wide=wide)
+            and triton_ops._tiers_measured_on(x.device) and config(weight.shape[0], weight.shape[1], x.dtype) is not None)
 
 
 def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -20,8 +20,9 @@ on devices of compute capability 9.0+. The default, TANDEM_PDL=wide, also moves 
 linears (qkv, gate_up) from cuBLAS, which takes no part in PDL, to the small-M gemv
 (engine/kernels/small_m_linear.py), so a layer is one chain of PDL launches; =1 leaves them with
 cuBLAS, =0 turns PDL off. Deterministic mode's batch-invariant matmul takes it as well, so its
-decode layer is one chain too: PDL changes when a kernel's programs start, never what they compute. Measured on an H100 (0.6B shape, batch 1, the captured decode graph
-alone): 1.220 ms off, 1.056 ms with 1, 1.025 ms with wide (streamed ITL 1.254 / 1.089 / 1.055 ms).
+decode layer is one chain too: PDL changes when a kernel's programs start, never what they compute.
+Measured on an H100 (0.6B shape, batch 1, the captured decode graph alone): 1.220 ms off, 1.056 ms
+with 1, 1.025 ms with wide (streamed ITL 1.254 / 1.089 / 1.055 ms).
 """
 
 from __future__ import annotations

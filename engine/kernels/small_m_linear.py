@@ -10,16 +10,17 @@ tile for tl.dot; they cost registers, not bandwidth.
 
 Fusions (each launch saved is a few microseconds at batch 1): `small_m_linear_add_norm` ends the
 split-K sum with the residual add and the RMSNorm that follows o_proj and down_proj (two of a
-layer's ~13 launches; the sum's bits are those of the linear then `x + residual`, the norm's
-reduction is row-local but in this kernel's order, not the standalone norm's). `gated=True` (opt-in,
+layer's ~13 launches; the sum's bits are those of the linear then `x + residual`, the norm runs
+in the standalone norm's launch shape). `gated=True` (opt-in,
 slower so far) takes x as gate | up and multiplies W by silu(gate) * up computed as the tiles load,
 with F.silu's rounding points but fast exp and division. The H200 measured it slower (the silu of
 the whole 16-row MMA tile in every program); at M = 1 it now runs on the CUDA cores instead
 (`ROW`: the activation of the one real row, 182 registers vs the tile's 249 in the sm_90 build),
 not yet measured.
 
-Normal mode only: its sums differ from cuBLAS's in the last bits, and a row's result depends on
-M (as cuBLAS's does on its tile choice); deterministic mode keeps its batch-invariant matmul.
+Normal mode: its sums differ from cuBLAS's in the last bits, and a row's result depends on M (as
+cuBLAS's does on its tile choice). Deterministic mode keeps its batch-invariant matmul, unless
+TANDEM_DET_GEMV runs this kernel with the matmul's own K splits (engine/kernels/bi_gemv.py).
 Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
 """
 

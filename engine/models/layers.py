@@ -237,7 +237,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         if self.deterministic:
             det_gemv = fused_kernel("bi_gemv", x) if self.small_m_kernel else None
-            if det_gemv is not None and det_gemv.applies(x, self.weight):  # opt-in: the matmul's bits, sooner
+            if det_gemv is not None and det_gemv.applies(x, self.weight, self.small_m_wide):  # opt-in: the matmul's bits, sooner
                 out = det_gemv.bi_gemv(x, self.weight, self.bias)
             else:
                 out = bi.linear(x, self.weight, self.bias)
@@ -272,7 +272,8 @@ class Linear(nn.Linear):
         small decode batch takes the gemv with the matmul's splits and the add + norm in its
         split-K sum, whose launch shape and arithmetic are the batch-invariant norm's."""
         det = None
-        if self.small_m_kernel and lora is None and norm.autograd_ops is None and norm.weight.dtype == x.dtype:
+        if (self.small_m_kernel and self.small_m_epilogue and lora is None and norm.autograd_ops is None
+                and norm.weight.dtype == x.dtype):  # (no epilogue where the output is summed over ranks)
             det = fused_kernel("bi_gemv", x)
         if det is None or not det.applies_add_norm(x, self.weight):
             return norm(self(x, lora), residual)

@@ -64,8 +64,8 @@ class HttpBench:
         traces = [TokenTrace() for _ in range(workload.num_requests)] if stream else None
         start = time.perf_counter()
         timed = await asyncio.gather(*[
-            _timed(self._generate(client, ids, p, traces[i] if traces else None, start,
-                                  workload.lora_paths[i] if workload.lora_paths else None), start)
+            self._generate(client, ids, p, traces[i] if traces else None, start,
+                           workload.lora_paths[i] if workload.lora_paths else None)
             for i, (ids, p) in enumerate(zip(workload.input_ids, params))])
         wall = time.perf_counter() - start
         finals = [final for final, _ in timed]
@@ -76,23 +76,25 @@ class HttpBench:
         return RunOutcome(metrics, [f["output_ids"] for f in finals])
 
     async def _generate(self, client: Any, input_ids: list[int], params: dict, trace: Optional[TokenTrace],
-                        start: float, lora_path: Optional[str] = None) -> dict:
+                        start: float, lora_path: Optional[str] = None) -> tuple[dict, float]:
+        """The request's final output and its latency from the run's start (at its last chunk)."""
         body = {"input_ids": input_ids, "sampling_params": params, "stream": trace is not None}
         if lora_path is not None:
             body["lora_path"] = lora_path
         if trace is None:
             status, text = await client.post("/generate", body, self.headers)
             _check(status, text, "/generate")
-            return json.loads(text)
+            return json.loads(text), time.perf_counter() - start
         final: Optional[dict] = None
         async for line in client.stream_lines("/generate", body, self.headers):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             final = json.loads(line[6:])
-            trace.add(time.perf_counter() - start, final["meta_info"]["completion_tokens"])
+            latency = time.perf_counter() - start
+            trace.add(latency, final["meta_info"]["completion_tokens"])
         if final is None:
             raise RuntimeError("the server's /generate stream ended without a chunk")
-        return final
+        return final, latency
 
     async def _flush(self, client: Any) -> None:
         for _ in range(FLUSH_RETRIES):
@@ -103,12 +105,6 @@ class HttpBench:
                 _check(status, text, "/flush_cache")
             await asyncio.sleep(0.1)
         raise RuntimeError("the server would not flush its cache: requests are still running on it")
-
-
-async def _timed(request: Any, start: float) -> tuple[dict, float]:
-    """A request's final output and its latency from the run's start."""
-    final = await request
-    return final, time.perf_counter() - start
 
 
 def outside_core_ms(latencies: list[float], finals: list[dict]) -> dict[str, Optional[float]]:

@@ -58,3 +58,28 @@ def test_off_by_default_and_close_to_the_matmul(monkeypatch):
         got = bi_gemv.bi_gemv(x, w, b)
     want = triton_ops.bi_linear(x, w, b)
     torch.testing.assert_close(got, want, atol=0.0, rtol=0.008)  # an ulp: the interpreter's sums group otherwise
+
+
+def test_the_add_norm_stays_after_a_sum_over_ranks(monkeypatch):
+    """A linear whose output is summed over tensor-parallel ranks (small_m_epilogue off, as
+    RowParallelLinear) keeps its add + norm after that sum: never the gemv's epilogue."""
+    from engine.models import layers
+
+    n, k = 64, 256
+    monkeypatch.setattr(layers, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(bi_gemv, "ENABLED", True)
+    monkeypatch.setitem(triton_ops.CONFIG_TABLE, (n, k, "bf16"), triton_ops.MatmulConfig(split_k=128))
+    lin = layers.Linear(k, n, bias=False, deterministic=True).to(BF)
+    norm = layers.RMSNorm(n, deterministic=True).to(BF)
+    g = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(2, k, generator=g).to(BF), torch.randn(2, n, generator=g).to(BF)
+    taken = []
+    real = bi_gemv.bi_gemv_add_norm
+    monkeypatch.setattr(bi_gemv, "bi_gemv_add_norm", lambda *a: taken.append(1) or real(*a))
+    with torch.inference_mode():
+        lin.forward_add_norm(x, residual, norm)
+        assert taken  # a plain Linear takes the epilogue
+        lin.small_m_epilogue = False
+        taken.clear()
+        lin.forward_add_norm(x, residual, norm)
+        assert not taken

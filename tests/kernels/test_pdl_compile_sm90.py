@@ -1,8 +1,8 @@
 """TANDEM_PDL's kernels (engine/kernels/pdl.py) compile for the H200 (sm_90) on a machine without a
 GPU, each with `griddepcontrol.wait` before its first global store and before every load but the
 small-M gemv's first weight tile (weights are not written during a step), and the launch flag set.
-Deterministic mode's batch-invariant matmul
-takes it too (its arithmetic is the same either way). The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
+Deterministic mode's batch-invariant matmul takes it too (its arithmetic is the same either way).
+The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
 stand-in driver and PDL forced on: what they would launch at batch 1 is compiled, not launched
 (tests/kernels/sm90_subprocess.py).
 """

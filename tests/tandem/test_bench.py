@@ -209,7 +209,7 @@ def test_url_bench_streams_and_equals_in_process(tmp_path, live_server):
     assert outcome.metrics["output_tokens"] == 4 * 6 and outcome.metrics["ttft_median_ms"] is None
     # the way to the core and back: more than nothing, less than the run (each request's e2e is in it)
     assert 0 < outcome.metrics["outside_core_median_ms"] <= outcome.metrics["outside_core_max_ms"]
-    assert outcome.metrics["outside_core_max_ms"] < 1000.0 * outcome.metrics["wall_s"]
+    assert med["outside_core_median_ms"] > 0  # streamed runs too (timed at their last chunk)
 
 
 def test_serve_bench_reports_http_beside_in_process(tmp_path, capsys):
