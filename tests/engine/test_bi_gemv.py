@@ -36,6 +36,8 @@ def test_shapes_it_cannot_split_alike_keep_the_matmul(monkeypatch):
     assert bi_gemv.config(151936, 4096, BF).split_k == 1  # one split (the LM head's table entry)
     monkeypatch.setattr(triton_ops, "CONFIG_TABLE", {})
     assert bi_gemv.config(1000, 3000, BF) is None  # the default rule's 1024-key splits: 3000 is no multiple
+    monkeypatch.setitem(triton_ops.CONFIG_TABLE, (64, 256, "bf16"), triton_ops.MatmulConfig(block_k=32, split_k=64))
+    assert bi_gemv.config(64, 256, BF) is None  # a split of 64 keys: not a whole number of the gemv's k steps
     monkeypatch.setattr(bi_gemv, "ENABLED", True)
     x, w = torch.zeros(1, 3000, dtype=BF), torch.zeros(1000, 3000, dtype=BF)
     with torch.inference_mode():
