@@ -27,8 +27,8 @@ import torch
 
 from engine.kernels import env_choice
 from engine.kernels.batch_invariant import triton_ops
-from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK
-from engine.kernels.small_m_linear import GemvConfig, applies as gemv_applies, small_m_linear, small_m_linear_add_norm
+from engine.kernels.small_m_linear import GemvConfig, small_m_linear, small_m_linear_add_norm
+from engine.kernels.small_m_linear import applies as gemv_applies, applies_add_norm as gemv_applies_add_norm
 
 ENABLED = env_choice("TANDEM_DET_GEMV", "0", ("0", "1"), "1 (on) or 0 (off, the default until measured)") == "1"
 BLOCK_K = 128  # the gemv's k step; a split must be a whole number of them
@@ -54,8 +54,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
 
 
 def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`applies`, and an output row one norm program holds (small_m_linear_add_norm's limit)."""
-    return applies(x, weight) and weight.shape[0] <= _MAX_BLOCK
+    """`applies`, and where normal mode's epilogue would (small_m_linear.applies_add_norm: an output
+    row one norm program holds, TANDEM_SMALL_M_EPILOGUE not 0)."""
+    return applies(x, weight) and gemv_applies_add_norm(x, weight)
 
 
 def bi_gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,

@@ -237,8 +237,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         if self.deterministic:
             det_gemv = fused_kernel("bi_gemv", x) if self.small_m_kernel else None
-            if det_gemv is not None and det_gemv.applies(x, self.weight, self.small_m_wide):  # opt-in: the matmul's bits, sooner
-                out = det_gemv.bi_gemv(x, self.weight, self.bias)
+            if det_gemv is not None and det_gemv.applies(x, self.weight, self.small_m_wide):
+                out = det_gemv.bi_gemv(x, self.weight, self.bias)  # opt-in: the matmul's bits, sooner
             else:
                 out = bi.linear(x, self.weight, self.bias)
         else:
@@ -271,20 +271,22 @@ class Linear(nn.Linear):
         """Deterministic mode's norm(self(x) + residual): opted in (engine/kernels/bi_gemv.py), a
         small decode batch takes the gemv with the matmul's splits and the add + norm in its
         split-K sum, whose launch shape and arithmetic are the batch-invariant norm's."""
-        det = None
-        if (self.small_m_kernel and self.small_m_epilogue and lora is None and norm.autograd_ops is None
-                and norm.weight.dtype == x.dtype):  # (no epilogue where the output is summed over ranks)
-            det = fused_kernel("bi_gemv", x)
+        det = fused_kernel("bi_gemv", x) if self._epilogue_may_fuse(x, norm, lora) else None
         if det is None or not det.applies_add_norm(x, self.weight):
             return norm(self(x, lora), residual)
         return det.bi_gemv_add_norm(x, self.weight, self.bias, residual, norm.weight, norm.eps)
+
+    def _epilogue_may_fuse(self, x: torch.Tensor, norm: "RMSNorm", lora: Any) -> bool:
+        """Either mode: the engine's kernels (no trainer's ops, no adapter delta to add), a norm in
+        x's dtype, and an output not summed over ranks after the linear (RowParallelLinear)."""
+        return (self.small_m_kernel and self.small_m_epilogue and lora is None and norm.autograd_ops is None
+                and norm.weight.dtype == x.dtype)
 
     def _fused_epilogue(self, x: torch.Tensor, norm: "RMSNorm", lora: Any,
                         act: Optional["SiluAndMul"]) -> Optional[ModuleType]:
         """engine.kernels.small_m_linear where forward_add_norm's launches may fuse, else None."""
         plain = lambda m: m.autograd_ops is None and not m.deterministic  # noqa: E731 (the engine's kernels)
-        if (self.deterministic or not (self.small_m_kernel and self.small_m_epilogue) or lora is not None
-                or not plain(norm) or (act is not None and not plain(act)) or norm.weight.dtype != x.dtype):
+        if not self._epilogue_may_fuse(x, norm, lora) or not plain(norm) or (act is not None and not plain(act)):
             return None
         kernel = fused_kernel("small_m_linear", x)
         return kernel if kernel is not None and kernel.applies_add_norm(x, self.weight) else None
