@@ -6,9 +6,11 @@ the weights that produced it. The RL protocol (DESIGN section 5) is the caller's
 pause (abort | retract | in_place) -> update weights (tensors or a checkpoint; names, shapes,
 castable dtypes and completeness are checked before any parameter is written) -> flush the radix
 cache (its KV is stale) -> new weight_version -> continue. Semantics and messages follow SGLang's
-(shared/reference/sglang-rl-api.md 1.2, 1.5, 1.6, 1.9), except that a flush that cannot happen
-(in_place keeps running requests' KV) refuses the update before writing, so the reply and the
-weights agree. Broadcast groups form off the core loop (engine/core/weight_groups.py).
+(shared/reference/sglang-rl-api.md 1.1, 1.2, 1.5, 1.6, 1.9): an update that flushes while not
+paused waits for the running requests to end, new ones waiting behind it (`must_wait`; CoreWorker
+holds it), and one that cannot flush (in_place keeps running requests' KV) is refused before
+writing, so the reply and the weights agree. Broadcast groups form off the core loop
+(engine/core/weight_groups.py).
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ class GenerationControl:
             core.scheduler.retract_all()
         return Reply(None, outputs)
 
+    def must_wait(self, msg: UpdateWeightsReq) -> bool:
+        """SGLang's unpaused update: it waits until the requests holding KV have ended (their
+        tokens all the old weights'), and requests not started yet start under the new ones.
+        Paused, it runs at once (refused if in_place KV cannot be flushed); with flush_cache=False
+        it lands between two steps of the running requests."""
+        core = self.core
+        return (msg.flush_cache and not core.paused and "weights" not in core.memory_released
+                and core.scheduler.num_holding_kv() > 0)
+
     def _update_weights(self, msg: UpdateWeightsReq) -> Reply:
         outputs = self.core.drain()  # the drained tokens are the old weights'; delivered whatever follows
         start = time.perf_counter()
@@ -168,8 +179,8 @@ class GenerationControl:
             return "weights are released: call resume_memory_occupation(tags=['weights']) first"
         holding = core.scheduler.num_holding_kv()
         if msg.flush_cache and holding:
-            return (f"flush_cache=True, but {holding} request(s) still hold KV cache (paused in_place, or "
-                    f"generating), so the stale cache cannot be flushed; pass flush_cache=False to keep their KV "
+            return (f"flush_cache=True, but {holding} request(s) still hold KV cache (paused in_place), so the "
+                    f"stale cache cannot be flushed; pass flush_cache=False to keep their KV "
                     f"(stale under the new weights, as SGLang's in_place), or pause with mode='retract' or "
                     f"'abort' first")
         return None

@@ -5,7 +5,9 @@ blocking), steps while there is work, and hands every output and reply to the tw
 was given: the front end's dispatcher on a thread, a pipe back to the front end in a process.
 A failing message or step never kills the loop: the requests it concerned get an error answer.
 A weight update whose payload must first be fetched from its sender is opened off the step
-(engine/core/payload_opener.py) and handled once opened; the core keeps stepping meanwhile.
+(engine/core/payload_opener.py) and handled once opened; the core keeps stepping meanwhile. An
+update that must wait for the running requests (GenerationControl.must_wait) is held here, in
+order with any update behind it, while no new request starts.
 While it works it reports the core's counters (`report`) every REPORT_INTERVAL_S, and once more
 when it goes idle: the front end serves /metrics and the other info routes from the last report
 when the core is too busy to answer (a long step, a weight load).
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Callable, Optional
 
 from engine.core.engine_core import EngineCore
-from engine.core.messages import LoadLoraReq, ReqOutput, Reply, StatsSnapshot
+from engine.core.messages import LoadLoraReq, ReqOutput, Reply, StatsSnapshot, UpdateWeightsReq
 from engine.core.payload_opener import PayloadOpener
 
 logger = logging.getLogger("tandem")
@@ -41,6 +44,7 @@ class CoreWorker:
         self.answer = answer
         self.opener = PayloadOpener()
         self._lora_loads: set[Optional[int]] = set()  # call ids of LoRA loads being opened: refused in their shape
+        self._held_updates: deque[tuple[UpdateWeightsReq, Optional[int]]] = deque()  # waiting for requests to end
         self.report = report
         self._reported = float("-inf")  # time.monotonic() of the last report
         self._changed = True  # a message or step ran since the last report
@@ -58,6 +62,7 @@ class CoreWorker:
                 self.handle(*item)
                 item = next_message(False)
             self._handle_opened()
+            self._run_held_updates()
             if self.core.has_work():
                 self._changed = True
                 self._emit(self._safe_step())
@@ -80,7 +85,7 @@ class CoreWorker:
             if refusal is not None:
                 self._refuse_update(call_id, refusal)
             return
-        self._run(msg, call_id)
+        self._run_or_hold(msg, call_id)
 
     def _handle_opened(self) -> None:
         for msg, call_id, refusal in self.opener.finished():
@@ -88,7 +93,23 @@ class CoreWorker:
                 self._refuse_update(call_id, refusal)
             else:
                 self._lora_loads.discard(call_id)
-                self._run(msg, call_id)
+                self._run_or_hold(msg, call_id)
+
+    def _run_or_hold(self, msg: Any, call_id: Optional[int]) -> None:
+        if isinstance(msg, UpdateWeightsReq) and (self._held_updates or self.core.control.must_wait(msg)):
+            if not self._held_updates:
+                logger.info("weight update waits for %d running request(s) to end; new ones wait for it "
+                            "(pause_generation first to update at once)", self.core.scheduler.num_holding_kv())
+            self._held_updates.append((msg, call_id))
+            self.core.scheduler.admission.held = True
+            return
+        self._run(msg, call_id)
+
+    def _run_held_updates(self) -> None:
+        """The held updates, in order, once the first need not wait any more; then requests start again."""
+        while self._held_updates and not self.core.control.must_wait(self._held_updates[0][0]):
+            self._run(*self._held_updates.popleft())
+        self.core.scheduler.admission.held = bool(self._held_updates)
 
     def _refuse_update(self, call_id: Optional[int], refusal: str) -> None:
         """As control refuses an update before writing: (False, reason), weights untouched; a LoRA

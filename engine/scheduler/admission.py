@@ -48,10 +48,12 @@ class Admission:
         self.tree_cache = slots.tree_cache
         self.forecast = forecast
         self.pinned_loras: frozenset[int] = frozenset()  # adapters holding a LoRA pool slot while loaded
+        self.held = False  # a weight update waits for the running requests to end: none starts meanwhile
 
     def prefill_batch(self) -> Optional[ScheduleBatch]:
         q = self.queues
-        if not q.waiting and q.chunked_req is None:
+        waiting = deque() if self.held else q.waiting  # held: only the chunked request goes on
+        if not waiting and q.chunked_req is None:
             return None
         adder = PrefillAdder(self.slots.allocator, self.tree_cache, q.running, self.forecast.value,
                              self.config.chunked_prefill_size, self.config.max_prefill_tokens)
@@ -59,7 +61,7 @@ class Admission:
             req, q.chunked_req = q.chunked_req, None
             req.fill_all()
             adder.add_chunked(req)
-        ordered, in_queue_order = order_waiting(q.waiting, self.config.schedule_policy, self.tree_cache)
+        ordered, in_queue_order = order_waiting(waiting, self.config.schedule_policy, self.tree_cache)
         admitted: list[Req] = []  # and refused: both leave the queue
         siblings: set[tuple] = set()
         adapters = {r.lora_id for r in list(q.running) + adder.reqs}  # None, the base model, takes a slot too

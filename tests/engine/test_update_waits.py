@@ -1,0 +1,132 @@
+"""A weight update sent while requests run, not paused (SGLang's writer lock, sglang-rl-api.md 1.1):
+it waits until the running requests end, so every token of theirs is the old weights', requests
+sent meanwhile start under the new ones, and the update succeeds. Updates behind it keep their
+order; an abort or a pause lets it land at once.
+
+Oracles: greedy tokens of the same prompt on an engine that only ever had the old or the new
+weights; the per-token weight_versions spans each answer carries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+LONG = {"max_new_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+SHORT = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def eng(engine_factory):
+    return engine_factory()
+
+
+@pytest.fixture(scope="module")
+def greedy(eng, other_model_dir):
+    """Greedy output ids of (PROMPT, params) under each checkpoint's weights, nothing else running."""
+    out = {}
+    for name, path in (("new", other_model_dir), ("old", eng.server_args.model_path)):
+        ok, message = eng.update_weights_from_disk(path)
+        assert ok, message
+        for key, params in (("long", LONG), ("short", SHORT)):
+            out[name, key] = eng.generate(input_ids=PROMPT, sampling_params=params)["output_ids"]
+    assert out["old", "long"] != out["new", "long"]  # the update is visible in the tokens
+    return out
+
+
+def _in_background(fn) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    return thread, result
+
+
+def _wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def _restore(eng) -> None:
+    ok, message = eng.update_weights_from_disk(eng.server_args.model_path, weight_version="default")
+    assert ok, message
+    eng.check_integrity()
+
+
+def _start_long(eng) -> tuple[threading.Thread, list]:
+    running, result = _in_background(lambda: eng.generate(input_ids=PROMPT, sampling_params=LONG))
+    _wait_for(lambda: eng.local_core.scheduler.running, "the long request to run")
+    return running, result
+
+
+def _versions(out: dict) -> set[str]:
+    return {span["version"] for span in out["meta_info"]["weight_versions"]}
+
+
+def test_an_unpaused_update_waits_for_the_running_request(eng, greedy, other_model_dir):
+    running, first = _start_long(eng)
+    update, reply = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
+    _wait_for(lambda: eng.local_core.scheduler.admission.held, "the update to be held")
+    later, second = _in_background(lambda: eng.generate(input_ids=PROMPT, sampling_params=SHORT))
+    _wait_for(lambda: eng.local_core.scheduler.waiting, "the later request to queue")
+    assert eng.local_core.scheduler.running and not reply  # still generating, the update not applied
+    for thread in (running, update, later):
+        thread.join(timeout=120)
+    assert reply[0] == (True, "Succeeded to update model weights."), reply
+    assert first[0]["output_ids"] == greedy["old", "long"] and _versions(first[0]) == {"default"}
+    assert second[0]["output_ids"] == greedy["new", "short"] and _versions(second[0]) == {"v1"}
+    assert not eng.local_core.scheduler.admission.held
+    _restore(eng)
+
+
+def test_held_updates_land_in_order(eng, greedy, other_model_dir):
+    running, first = _start_long(eng)
+    ahead, reply_ahead = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
+    _wait_for(lambda: eng.local_core.scheduler.admission.held, "the update to be held")
+    # no flush: alone it would land between two steps; behind the held one it waits its turn
+    behind, reply_behind = _in_background(lambda: eng.update_weights_from_disk(
+        eng.server_args.model_path, weight_version="v2", flush_cache=False))
+    for thread in (running, ahead, behind):
+        thread.join(timeout=120)
+    assert reply_ahead[0][0] and reply_behind[0][0], (reply_ahead, reply_behind)
+    assert eng.get_weight_version() == "v2" and first[0]["output_ids"] == greedy["old", "long"]
+    assert eng.generate(input_ids=PROMPT, sampling_params=SHORT)["output_ids"] == greedy["old", "short"]
+    _restore(eng)
+
+
+@pytest.mark.parametrize("how", ["abort", "pause_abort", "pause_retract"])
+def test_ending_the_running_request_lets_a_held_update_land(eng, greedy, other_model_dir, how):
+    running, first = _start_long(eng)
+    update, reply = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
+    _wait_for(lambda: eng.local_core.scheduler.admission.held, "the update to be held")
+    if how == "abort":
+        eng.abort_request(abort_all=True)
+    else:
+        eng.pause_generation(how.removeprefix("pause_"))
+    update.join(timeout=60)
+    assert reply and reply[0][0], reply
+    eng.continue_generation()
+    running.join(timeout=120)
+    out = first[0]
+    if how == "pause_retract":  # back to the queue, then finished under the new weights
+        assert len(out["output_ids"]) == LONG["max_new_tokens"] and _versions(out) == {"default", "v1"}
+    else:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and _versions(out) <= {"default"}
+    assert eng.generate(input_ids=PROMPT, sampling_params=SHORT)["output_ids"] == greedy["new", "short"]
+    _restore(eng)
+
+
+def test_an_update_paused_in_place_is_still_refused(eng, other_model_dir):
+    running, first = _start_long(eng)
+    eng.pause_generation("in_place")
+    try:
+        ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="v1")
+        assert not ok and "paused in_place" in message, message
+    finally:
+        eng.continue_generation()
+    running.join(timeout=120)
+    assert _versions(first[0]) == {"default"} and eng.get_weight_version() == "default"
