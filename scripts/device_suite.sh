@@ -201,7 +201,7 @@ for s in "$@"; do case $s in
   kerneltests) ( kit && step kerneltests 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py \
       tests/gpu/test_triton_attention_gpu.py tests/gpu/test_cuda_graph.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_cascade_gpu.py \
       tests/gpu/test_overlap_gpu.py tests/gpu/test_policy_parity_gpu.py ) ;;  # the decode kernels, attention, graphs and det mode's matmul (gpurest2: the rest of gpurest)
-  detgemv) ( kit  # TANDEM_DET_GEMV (opt-in, 2026-12-06, not run yet): its bitwise GPU tests, the policy-parity and HF-greedy tests and 20 determinism trials under it
+  detgemv) ( kit  # TANDEM_DET_GEMV (the default since 2026-12-06, when this passed on an H100): its bitwise GPU tests, the policy-parity and HF-greedy tests and 20 determinism trials under it
     step detgemvtests 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py -k "det_gemv or chain"
     step detgemvparity 180 env TANDEM_DET_GEMV=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_policy_parity_gpu.py tests/gpu/test_hf_greedy_gpu.py
     step detgemvtrials 180 env TANDEM_DET_GEMV=1 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 20 --max-new-tokens 16 --json "$OUT/determinism-detgemv.json" ) ;;

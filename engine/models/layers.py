@@ -255,7 +255,7 @@ class Linear(nn.Linear):
         None, or the MLP's activation of x = gate | up). A decode batch of 1..8 rows on CUDA in
         normal mode runs the linear's split-K sum, the residual add and the norm as one launch
         (and, opt-in, the activation inside the gemv: engine/kernels/small_m_linear.py);
-        deterministic mode does too under TANDEM_DET_GEMV, with its batch-invariant bits."""
+        deterministic mode does too (TANDEM_DET_GEMV, the default), with its batch-invariant bits."""
         if self.deterministic:
             return self._det_add_norm(x if act is None else act(x), residual, norm, lora)
         kernel = self._fused_epilogue(x, norm, lora, act)

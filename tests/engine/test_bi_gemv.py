@@ -6,6 +6,8 @@ group other ways. Skipped where Triton is not installed and on CUDA machines."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -46,8 +48,8 @@ def test_shapes_it_cannot_split_alike_keep_the_matmul(monkeypatch):
             bi_gemv.bi_gemv(x, w)
 
 
-def test_off_by_default_and_close_to_the_matmul(monkeypatch):
-    assert not bi_gemv.ENABLED
+def test_on_by_default_and_close_to_the_matmul(monkeypatch):
+    assert bi_gemv.ENABLED == (os.environ.get("TANDEM_DET_GEMV", "1") == "1")
     g = torch.Generator().manual_seed(0)
     n, k = 96, 512
     monkeypatch.setattr(triton_ops, "CONFIG_TABLE", {(n, k, "bf16"): triton_ops.MatmulConfig(split_k=256)})

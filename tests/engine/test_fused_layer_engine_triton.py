@@ -58,7 +58,7 @@ def test_fused_layers_keep_the_tokens_and_never_store_kv_apart(engine_factory, m
 
 
 def test_det_gemv_takes_the_linears_and_the_add_norm(engine_factory, monkeypatch):
-    """Deterministic mode under TANDEM_DET_GEMV (engine/kernels/bi_gemv.py): its small decode batches'
+    """Deterministic mode under TANDEM_DET_GEMV (engine/kernels/bi_gemv.py, the default): its small decode batches'
     linears run on the gemv with the matmul's K splits and o_proj / down_proj's add + norm in the
     split-K sum; the tokens are the batch-invariant path's (bit for bit is the GPU's test: on the CPU
     deterministic mode's linears are torch's tiles, which sum otherwise)."""
@@ -77,9 +77,10 @@ def test_det_gemv_takes_the_linears_and_the_add_norm(engine_factory, monkeypatch
     monkeypatch.setattr(bi_gemv, "bi_gemv", lambda *a: calls.__setitem__("linear", calls["linear"] + 1) or real_linear(*a))
     monkeypatch.setattr(bi_gemv, "bi_gemv_add_norm",
                         lambda *a: calls.__setitem__("add_norm", calls["add_norm"] + 1) or real_add_norm(*a))
+    monkeypatch.setattr(bi_gemv, "ENABLED", False)  # TANDEM_DET_GEMV=0: the batch-invariant matmul
     want = _greedy(eng)
-    assert calls == {"linear": 0, "add_norm": 0}  # off by default
-    monkeypatch.setattr(bi_gemv, "ENABLED", True)
+    assert calls == {"linear": 0, "add_norm": 0}
+    monkeypatch.setattr(bi_gemv, "ENABLED", True)  # the default
     got = _greedy(eng)
     assert calls["linear"] > 0 and calls["add_norm"] > 0
     assert got[0] == want[0]

@@ -128,7 +128,7 @@ def test_linear_chain_at_few_rows_reads_finished_inputs(graph):
 
 @pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
 def test_det_gemv_gives_the_matmuls_bits(name, monkeypatch):
-    """engine/kernels/bi_gemv.py (TANDEM_DET_GEMV=1): the small-M gemv run with the matmul's K splits
+    """engine/kernels/bi_gemv.py (TANDEM_DET_GEMV, on by default): the small-M gemv run with the matmul's K splits
     gives bi_linear's rows bit for bit at 1..8 rows, so the rows the M = 4096 matmul gives."""
     from engine.kernels import bi_gemv
 
