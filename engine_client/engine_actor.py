@@ -38,6 +38,7 @@ class EngineActor:
             from engine import Engine as engine_class
 
         self.engine = engine_class(**engine_kwargs)
+        self.engine.freeze_gc()  # the actor's process is ours: its start-up objects are never scanned again
         self._http: Optional[tuple[Any, threading.Thread]] = None
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

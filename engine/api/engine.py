@@ -26,8 +26,9 @@ from engine.api.request_builder import RequestBuilder
 from engine.config import ServerArgs, configure_logging
 from engine.api.engine_lora import EngineLoRA
 from engine.api.engine_weights import EngineWeights
-from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, FlushCacheReq, PauseReq,
-                                  ReqInput, ReqOutput, StatsReq, StatsSnapshot, check_pause_mode)
+from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, FlushCacheReq, FreezeGCReq,
+                                  PauseReq, ReqInput, ReqOutput, StatsReq, StatsSnapshot, check_pause_mode)
+from engine.gc_freeze import freeze_gc
 
 if TYPE_CHECKING:
     from engine.api.core_spawn import SpawnedCore
@@ -231,6 +232,15 @@ class Engine(EngineWeights, EngineLoRA):
     def check_integrity(self) -> None:
         """Asserts free + cached + in use == pool size (checked on the core)."""
         self._call(CheckIntegrityReq())
+
+    def freeze_gc(self) -> None:
+        """SGLang's freeze_gc: the objects alive now are never scanned by the garbage collector
+        again (engine/gc_freeze.py), in this process and in the core's own process when it has one
+        (which froze its start-up objects already). `tandem serve` calls it once ready; an
+        in-process engine leaves the choice to its host program."""
+        if self.local_core is None:
+            self._call(FreezeGCReq())
+        freeze_gc("front end")
 
     def is_alive(self) -> bool:
         return self.client.is_alive()

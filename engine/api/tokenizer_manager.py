@@ -133,6 +133,9 @@ class TokenizerManagerShim:
     async def resume_memory_occupation(self, obj: Any = None, request: Any = None) -> None:
         _raise_if_refused(await asyncio.to_thread(self._engine.resume_memory_occupation, _tags(obj)))
 
+    async def freeze_gc(self) -> None:
+        await asyncio.to_thread(self._engine.freeze_gc)
+
     async def get_internal_state(self) -> list[dict]:
         return (await asyncio.to_thread(self._engine.get_server_info))["internal_states"]
 

@@ -14,6 +14,7 @@ import time
 from typing import Any, Optional
 
 from engine.config import ServerArgs
+from engine.gc_freeze import freeze_gc
 from engine.core.control import GenerationControl
 from engine.core.intake import RequestIntake, grammar_queue
 from engine.core.lora_control import LORA_MESSAGES, LoRAControl
@@ -21,7 +22,7 @@ from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, Core
                                   FlushCacheReq, GetWeightVersionReq, InitWeightsGroupReq, PauseReq, ReleaseMemoryReq,
                                   ReqInput, ReqOutput, ResumeMemoryReq, SetWeightVersionReq, StatsReq, StatsSnapshot,
                                   UpdateWeightsReq)
-from engine.core.messages import WeightsGroupStatusReq
+from engine.core.messages import FreezeGCReq, WeightsGroupStatusReq
 from engine.core.results import StepResults
 from engine.core.setup import CoreParts, build_core_parts
 from engine.core.stats import CoreStats
@@ -77,6 +78,8 @@ class EngineCore:
             return self.snapshot()
         if isinstance(msg, CheckIntegrityReq):
             return self.scheduler.check_integrity()
+        if isinstance(msg, FreezeGCReq):
+            return freeze_gc("engine core")
         if isinstance(msg, WEIGHT_READS):
             return self.weight_reads.handle(msg)
         raise TypeError(f"unknown message type {type(msg).__name__}")

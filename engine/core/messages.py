@@ -169,6 +169,11 @@ class WeightsCheckerReq:
 
 
 @dataclass
+class FreezeGCReq:
+    """SGLang's freeze_gc: the core process freezes its garbage collector (engine/gc_freeze.py)."""
+
+
+@dataclass
 class CheckIntegrityReq:
     """Asserts free + cached + in use == pool size; the AssertionError comes back to the caller."""
 

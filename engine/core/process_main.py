@@ -27,6 +27,7 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions on 
 from engine.config import ServerArgs, configure_logging
 from engine.core.messages import ReqOutput
 from engine.core.worker import STOP, CoreWorker
+from engine.gc_freeze import freeze_gc
 
 logger = logging.getLogger("tandem")
 IDLE_POLL_S = 0.5  # how long an idle core waits for a message before looking again
@@ -133,6 +134,7 @@ def _start_core(server_args: ServerArgs, conn: Any) -> Any:
 
     try:
         core = EngineCore(server_args)
+        freeze_gc("engine core process")  # our process: startup's objects are never scanned again
         conn.send(("info", core.info()))
         return core
     except BaseException as exc:  # every start-up failure goes back to the parent, then we exit

@@ -1,6 +1,6 @@
 """Cache, abort and profiling routes: /flush_cache (GET and POST, as slime polls it with GET),
 /abort_request (by rid with either key; abort_all with the admin key), /start_profile,
-/stop_profile (admin key). Replies follow SGLang's."""
+/stop_profile, /freeze_gc (admin key). Replies follow SGLang's."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields, po
         ok = await asyncio.to_thread(engine.flush_cache)
         return PlainTextResponse(FLUSHED if ok else "Cache not flushed: requests are running or waiting.\n",
                                  status_code=200 if ok else 400)
+
+    @app.api_route("/freeze_gc", methods=["GET", "POST"])
+    async def freeze_gc() -> Response:
+        await asyncio.to_thread(engine.freeze_gc)
+        return PlainTextResponse("Garbage collection frozen.\n")
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest, request: Request) -> Response:
