@@ -134,8 +134,10 @@ def _start_core(server_args: ServerArgs, conn: Any) -> Any:
 
     try:
         core = EngineCore(server_args)
-        freeze_gc("engine core process")  # our process: startup's objects are never scanned again
         conn.send(("info", core.info()))
+        # our process: start-up's objects are never scanned again (its collect, ~0.1 s, runs while
+        # the front end finishes its own start-up)
+        freeze_gc("engine core process")
         return core
     except BaseException as exc:  # every start-up failure goes back to the parent, then we exit
         text = traceback.format_exc()
