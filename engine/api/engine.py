@@ -257,6 +257,9 @@ class Engine(EngineWeights, EngineLoRA):
         if builder is not None:
             builder.grammars.close()  # requests still checking a grammar answer now (GrammarUnavailable: a 503)
         self.client.shutdown()
+        # requests in flight end now, as a core process's do when it stops (a thread core's stop
+        # is quiet: their callers would otherwise wait forever)
+        self.fail_all_requests("the engine core is shut down", status_code=503)
         if self.recorder is not None:
             self.recorder.close()
             self.recorder = None

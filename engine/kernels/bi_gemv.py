@@ -12,8 +12,8 @@ the tile's rows (16 or 64), columns nor k step change a bit of that chain. So th
 matmul's own split boundaries (its table's split_k: `config`) gives the matmul's bits at every
 M: tests/gpu/test_batch_invariant_gpu.py checks it against bi_linear (passed on an H100, as did
 policy parity, HF greedy and 20 determinism trials of the 8B shape under it; 8B deterministic
-batch 1: 159.6 vs 152.5 tok/s without, normal mode 167.6). Shapes whose K the split does not divide evenly keep the matmul. o_proj and down_proj
-also take normal mode's add + norm epilogue (`bi_gemv_add_norm`): the split-K sum kernel's norm
+batch 1: 159.6 vs 152.5 tok/s without, normal mode 167.6). Shapes whose K the split does not
+divide evenly keep the matmul. o_proj and down_proj also take normal mode's add + norm epilogue (`bi_gemv_add_norm`): the split-K sum kernel's norm
 has the batch-invariant norm's launch shape and its operations in its order (x + residual rounded,
 then the sum of squares over the same block, rsqrt, the two roundings), so its bits too (that rests
 on both kernels compiling the sum of squares alike; the GPU test checks it).

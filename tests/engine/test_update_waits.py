@@ -130,3 +130,28 @@ def test_an_update_paused_in_place_is_still_refused(eng, other_model_dir):
         eng.continue_generation()
     running.join(timeout=120)
     assert _versions(first[0]) == {"default"} and eng.get_weight_version() == "default"
+
+
+@pytest.mark.parametrize("core_process", [False, True])
+def test_shutdown_ends_a_held_update_and_the_request_it_waits_for(engine_factory, core_process):
+    """Neither caller waits forever: the update raises CoreDead, the request ends with a 503 abort
+    (a thread core's stop used to leave in-process generate calls waiting)."""
+    from engine.api.core_client import CoreDead
+
+    eng = engine_factory(core_process=core_process)
+    running, first = _in_background(lambda: eng.generate(input_ids=PROMPT, sampling_params=LONG))
+    _wait_for(lambda: eng.get_stats().num_running_reqs, "the long request to run")
+
+    def update():
+        try:
+            return eng.update_weights_from_disk(eng.server_args.model_path)
+        except CoreDead as exc:
+            return exc
+
+    held, reply = _in_background(update)
+    time.sleep(0.3)  # the update reaches the core and is held there
+    eng.shutdown()
+    running.join(timeout=10)
+    held.join(timeout=10)
+    assert isinstance(reply[0], CoreDead), reply
+    assert first[0]["meta_info"]["finish_reason"]["status_code"] == 503, first
