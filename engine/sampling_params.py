@@ -36,6 +36,7 @@ MAX_STOP_REGEX = 64
 # as the longest string
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 512
+MAX_CUSTOM_PARAMS_DEPTH = 64  # custom_params is carried, unused: deeper JSON could not be pickled to the core
 
 
 def carries_grammar(raw_params: Any) -> bool:
@@ -196,6 +197,9 @@ class SamplingParams:
                 _require_int(name, getattr(self, name))
         for name in ("logit_bias", "custom_params"):
             _require_optional(name, getattr(self, name), dict, "a dict")
+        depth = _nesting_depth(self.custom_params)
+        _check(depth <= MAX_CUSTOM_PARAMS_DEPTH, "custom_params", f"nested at most {MAX_CUSTOM_PARAMS_DEPTH} levels",
+               f"{depth} levels")
         if (self.custom_params or {}).get("return_top_p_token_ids"):  # slime's, from its patched SGLang
             raise ValueError("custom_params.return_top_p_token_ids (the top-p nucleus per token, from slime's "
                              "SGLang patch) is not supported: roll out with top_p 1.0 (slime: --rollout-top-p 1)")
@@ -220,12 +224,30 @@ def _str_list(value: Optional[Union[str, list[str]]]) -> Optional[list[str]]:
     return [value] if isinstance(value, str) else list(value)
 
 
+def _nesting_depth(value: Any) -> int:
+    """How many levels of dicts and lists `value` nests (a scalar: 0), walked without recursion:
+    a request's JSON may nest ~1000 levels, more than pickling it to the core can."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level:
+        depth += 1
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return depth
+
+
 def _check_stop_regex(pattern: str) -> None:
     """A regular expression that does not match the empty string (one that does would stop every
-    request at its first token); engine/scheduler/stop_regex.py searches it."""
+    request at its first token), compiled here as engine/scheduler/stop_regex.py compiles it for
+    its searches (the `regex` module, whose parser recurses deeper than re's), so a pattern the
+    core could not compile is this request's 400, never a failed step of everyone's batch."""
+    from engine.scheduler.stop_regex import compile_pattern
+
     try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
+        compiled = compile_pattern(pattern)
+    except RecursionError:
+        raise ValueError(f"stop_regex is nested too deeply to compile ({len(pattern)} characters); "
+                         f"use a flatter pattern") from None
+    except (re.error, ValueError) as exc:  # regex.error is a ValueError
         raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
     if compiled.search("") is not None:
         raise ValueError(f"stop_regex {pattern!r} matches the empty string, so it would stop at the first token")

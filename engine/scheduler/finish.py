@@ -61,7 +61,10 @@ def _match_stop_regex(req: Req) -> Optional[dict]:
     if not patterns or not req.text:
         return None
     checked, req.stop_regex_checked = req.stop_regex_checked, len(req.text)
-    compile_patterns(patterns)  # cached after the first step; not on the search budget
+    try:  # cached after the first step; not on the search budget
+        compile_patterns(patterns)
+    except (RecursionError, ValueError) as exc:  # validate compiled them, on a shallower stack maybe
+        return abort_reason(f"stop_regex could not be compiled here ({type(exc).__name__}); use a flatter pattern")
     deadline = time.perf_counter() + SEARCH_TIMEOUT_S  # one budget for all of the request's patterns
     for pattern in patterns:
         try:

@@ -37,6 +37,12 @@ def compile_patterns(patterns: list[str]) -> None:
         _compiled(pattern)
 
 
+def compile_pattern(pattern: str) -> regex.Pattern:
+    """The pattern as the searches use it (cached); raises what compiling raises (re.error,
+    regex.error, RecursionError for deep nesting): SamplingParams.validate refuses those."""
+    return _compiled(pattern)[0]
+
+
 def new_match(pattern: str, text: str, checked: int, deadline: Optional[float] = None) -> bool:
     """Whether `pattern` matches `text` somewhere a match could not have been before the text
     grew past `checked` characters; StopRegexTooSlow past SEARCH_TIMEOUT_S, or past `deadline`

@@ -86,6 +86,14 @@ def _install_error_handlers(app: FastAPI) -> None:
                                   "less than 1000 levels deep, with integers of at most 4300 digits")
         return await http_exception_handler(request, exc)
 
+    @app.exception_handler(RecursionError)
+    async def on_recursion_error(request: Request, _: RecursionError) -> JSONResponse:
+        """A body json.loads took (under 1000 levels) whose nesting a later step could not walk
+        (pickling it to the core, re-encoding a schema): the client's 400, not a 500."""
+        logger.info("%s: a request nested too deeply to process", request.url.path)
+        return error_response("a field of the request is nested too deeply to process (hundreds of levels); "
+                              "send flatter JSON")
+
     @app.exception_handler(ClientGone)
     async def on_client_gone(request: Request, _: ClientGone) -> Response:
         logger.info("%s: the client left; its requests were aborted", request.url.path)

@@ -125,3 +125,27 @@ def test_an_empty_stop_string_is_refused():
         with pytest.raises(ValueError, match="stop has an empty string"):
             SamplingParams.from_dict({"stop": stop}).validate()
     SamplingParams.from_dict({"stop": ["</s>", " "]}).validate()
+
+
+@pytest.mark.parametrize("depth", [460, 500, 5000])
+def test_a_pattern_nested_too_deeply_to_compile_is_refused_naming_the_field(depth):
+    """460 groups parse in re but not in the `regex` module the searches use (it crashed the
+    core's step and aborted the other requests of its batch); 500 took re's parser past the
+    recursion limit (an HTTP 500). Both are the request's ValueError (its 400) now."""
+    pattern = "(" * depth + "a" + ")" * depth
+    with pytest.raises(ValueError, match="stop_regex is nested too deeply"):
+        SamplingParams.from_dict({"stop_regex": pattern}).validate()
+
+
+def test_a_pattern_the_core_cannot_compile_aborts_only_its_request(monkeypatch):
+    """A core on a deeper stack than validate's: compiling fails there too rarely to bet a
+    batch on, so the request ends with an abort naming stop_regex."""
+    from engine.scheduler import stop_regex
+
+    def too_deep(pattern):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(stop_regex, "_compiled", too_deep)
+    req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=["x1y"]), text="abc", stop_regex_checked=0)
+    reason = finish._match_stop_regex(req)
+    assert reason["type"] == "abort" and "stop_regex could not be compiled" in reason["message"]

@@ -200,3 +200,39 @@ def test_fuzzed_field_types_never_500(raw, engine, case):
 
 def test_after_the_fuzz_the_engine_is_clean(raw, engine):
     _serving(raw, engine)
+
+
+def _nested(depth: int) -> dict:
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("path,body,message", [
+    # 460 groups: re parsed it, the core's `regex` could not (a failed step, its batch aborted);
+    # 500: re's parser itself (a 500)
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "stop_regex": "(" * 460 + "a" + ")" * 460}},
+     "stop_regex is nested too deeply"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stop_regex": "(" * 500 + "a" + ")" * 500},
+     "stop_regex is nested too deeply"),
+    # 600 levels: json.loads took it, pickling it to the core did not (a 500)
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "custom_params": _nested(600)}},
+     "custom_params must be nested at most 64 levels, got 600 levels"),
+])
+def test_deeply_nested_fields_are_400_naming_them(raw, engine, path, body, message):
+    resp = raw.post_bytes(path, json.dumps(body).encode())
+    assert resp.status_code == 400, resp.text
+    assert message in resp.json()["message"]
+    _serving(raw, engine)
+
+
+def test_a_recursion_error_anywhere_in_a_request_is_its_400(raw, engine, monkeypatch):
+    def too_deep(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded while pickling an object")
+
+    monkeypatch.setattr(engine.builder, "build", too_deep)
+    resp = raw.post_bytes("/generate", json.dumps({"input_ids": [5, 6], "sampling_params": GEN}).encode())
+    monkeypatch.undo()
+    assert resp.status_code == 400 and "nested too deeply" in resp.json()["message"], resp.text
+    _serving(raw, engine)
