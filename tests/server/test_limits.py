@@ -4,6 +4,7 @@ before anything runs, and the server keeps serving."""
 from __future__ import annotations
 
 import base64
+import time
 
 import pytest
 import torch
@@ -55,6 +56,17 @@ def test_body_size_limits(small):
                                                              "content-type": "application/json"})
     assert bad_length.status_code == 400
     assert c.post("/generate", json={"input_ids": [5, 6], "sampling_params": GEN}).status_code == 200
+
+
+@pytest.mark.parametrize("body", [{"input_ids": [[5]] * 200_000}, {"text": ["a"] * 200_000}])
+def test_a_batch_over_the_limit_is_refused_before_its_prompts_are_read(client, engine, body):
+    """Counted first (2M one-token prompts, 10 MB of JSON, took 38 s to refuse, the event loop
+    blocked throughout): the refusal costs the body's parse, not a check of every prompt."""
+    start = time.perf_counter()
+    resp = client.post("/generate", json={**body, "sampling_params": GEN})
+    assert resp.status_code == 400 and "asks for 200000 prompts" in resp.json()["message"], resp.text
+    assert time.perf_counter() - start < 5.0
+    assert idle(engine)
 
 
 def test_duplicated_rid_refused_before_anything_runs(client, engine):
