@@ -203,6 +203,9 @@ class RequestBuilder:
     def _checked_params(self, item: Any) -> SamplingParams:
         params = item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item)
         params.validate(self.vocab_size)
+        if params.watches_text and self.tokenizer is None:  # they would never match
+            raise ValueError("stop and stop_regex match the output's text, and this engine was started with "
+                             "skip_tokenizer_init (no tokenizer to build it): use stop_token_ids")
         _check_texts(params)
         self._check_grammar(params)
         return params

@@ -111,9 +111,17 @@ class GrammarCompiler:
             return self._compiler.compile_structural_tag(spec)
         import xgrammar
 
+        structures, triggers = value["structures"], value.get("triggers", [])
+        if not isinstance(structures, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and "schema" in s for s in structures):
+            raise ValueError('structural_tag: "structures" must be a list of {"begin": str, "schema": JSON schema, '
+                             '"end": str}')
+        if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+            raise ValueError('structural_tag: "triggers" must be a list of strings')
         tags = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                for s in value["structures"]]
-        return self._compiler.compile_structural_tag(tags, value.get("triggers", []))
+                for s in structures]
+        return self._compiler.compile_structural_tag(tags, triggers)
 
 
 # xgrammar's character of a string with minLength/maxLength admits control characters (U+0000 to

@@ -34,8 +34,11 @@ class ChatMessage(_Lenient):
         if not isinstance(content, list):
             return content
         for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise ValueError(f"only text content parts are supported; got type {part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f'a text content part needs its text as a string: {{"type": "text", "text": "..."}}; '
+                                 f"got {sorted(part)} with text {part.get('text')!r}")
         return [{"type": "text", "text": part["text"]} for part in content]
 
     def template_dict(self, index: int, content_format: ContentFormat = "string") -> dict[str, Any]:
@@ -89,8 +92,7 @@ def template_tools(tools: Optional[list[ChatTool]], tool_choice: Any) -> Optiona
     if not tools or tool_choice == "none":
         return None
     if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}
-        function = tool_choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
+        name = chosen_tool_name(tool_choice)
         chosen = [t for t in tools if t.function.name == name]
         if not chosen:
             raise ValueError(f"tool_choice names tool {name!r}, which is not in tools")
@@ -98,6 +100,16 @@ def template_tools(tools: Optional[list[ChatTool]], tool_choice: Any) -> Optiona
     elif tool_choice not in (None, "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function; got {tool_choice!r}")
     return [t.model_dump(exclude_unset=True) for t in tools]
+
+
+def chosen_tool_name(tool_choice: dict) -> str:
+    """The function a named tool_choice picks; a ValueError saying the shape when it is another."""
+    function = tool_choice.get("function")
+    if (tool_choice.get("type", "function") != "function" or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)):
+        raise ValueError('a named tool_choice is {"type": "function", "function": {"name": "<a tool\'s name>"}}; '
+                         f"got {json.dumps(tool_choice)[:200]}")
+    return function["name"]
 
 
 def check_nesting(value: Any, what: str, limit: int = MAX_TEMPLATE_NESTING) -> None:

@@ -11,6 +11,7 @@ import uuid
 from typing import Any, Optional
 
 from engine.sampling_params import GRAMMAR_FIELDS
+from engine.server.chat_messages import chosen_tool_name
 
 
 def forced_call_schema(tools: Optional[list], tool_choice: Any, parallel_tool_calls: bool = True) -> Optional[dict]:
@@ -22,7 +23,7 @@ def forced_call_schema(tools: Optional[list], tool_choice: Any, parallel_tool_ca
         chosen = list(tools)
         items: dict = {"type": "object", "anyOf": [_call_schema(t.function) for t in chosen]}
     elif isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        name = chosen_tool_name(tool_choice)
         chosen = [t for t in tools or () if t.function.name == name]
         if not chosen:
             raise ValueError(f"tool_choice names tool {name!r}, which is not in tools")

@@ -91,3 +91,13 @@ def test_abort_with_no_rid_aborts_nothing(engine):
     worker.join(timeout=30)
     assert results["out"]["meta_info"]["finish_reason"]["type"] == "length"
     _clean(engine)
+
+
+@pytest.mark.parametrize("stop", [{"stop": ["a"]}, {"stop_regex": "a+"}])
+def test_stop_text_without_a_tokenizer_is_refused(engine_factory, stop):
+    """skip_tokenizer_init: no text is ever built, so a stop string could never match (it was
+    accepted and ignored)."""
+    eng = engine_factory(skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="skip_tokenizer_init .* use stop_token_ids"):
+        eng.generate(input_ids=[5, 6], sampling_params={**GEN, **stop})
+    assert eng.generate(input_ids=[5, 6], sampling_params={**GEN, "stop_token_ids": [7]})["output_ids"]

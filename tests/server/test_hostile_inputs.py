@@ -236,3 +236,25 @@ def test_a_recursion_error_anywhere_in_a_request_is_its_400(raw, engine, monkeyp
     monkeypatch.undo()
     assert resp.status_code == 400 and "nested too deeply" in resp.json()["message"], resp.text
     _serving(raw, engine)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]}]},
+     'a text content part needs its text as a string: {"type": "text", "text": "..."}; got [\'txt\', \'type\']'),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "with text 5"),
+    ({"tools": [{"type": "function", "function": {"name": "get"}}], "tool_choice": {"type": "function", "function": "get"}},
+     'a named tool_choice is {"type": "function", "function": {"name": '),
+    ({"tools": [{"type": "function", "function": {"name": "get"}}], "tool_choice": {"type": "function"}},
+     'a named tool_choice is'),
+    ({"response_format": {"type": "structural_tag", "structures": "x", "triggers": 5}},
+     'structural_tag: "structures" must be a list of {"begin": str, "schema": JSON schema, "end": str}'),
+    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": [5]}},
+     'structural_tag: "triggers" must be a list of strings'),
+])
+def test_a_misshapen_chat_field_is_named_by_its_shape(raw, engine, extra, message):
+    """These named the wrong problem ("got type 'text'", "names tool None") or leaked a TypeError."""
+    body = {"messages": CHAT, "max_tokens": 2, **extra}
+    resp = raw.post_bytes("/v1/chat/completions", json.dumps(body).encode())
+    assert resp.status_code == 400, resp.text
+    assert message in resp.json()["message"], resp.json()["message"]
+    _serving(raw, engine)
