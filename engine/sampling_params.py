@@ -240,15 +240,15 @@ def _check_stop_regex(pattern: str) -> None:
     request at its first token), compiled here as engine/scheduler/stop_regex.py compiles it for
     its searches (the `regex` module, whose parser recurses deeper than re's), so a pattern the
     core could not compile is this request's 400, never a failed step of everyone's batch."""
-    from engine.scheduler.stop_regex import compile_pattern
+    from engine.scheduler.stop_regex import INVALID, compile_pattern
 
     try:
-        compiled = compile_pattern(pattern)
+        compiled = compile_pattern(pattern)  # ValueError: repeats over the bounds, named there
     except RecursionError:
         raise ValueError(f"stop_regex is nested too deeply to compile ({len(pattern)} characters); "
                          f"use a flatter pattern") from None
-    except (re.error, ValueError) as exc:  # regex.error is a ValueError
-        raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
+    except INVALID as exc:
+        raise ValueError(f"stop_regex {pattern[:200]!r} is not a valid regular expression: {exc}") from None
     if compiled.search("") is not None:
         raise ValueError(f"stop_regex {pattern!r} matches the empty string, so it would stop at the first token")
 

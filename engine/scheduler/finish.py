@@ -9,7 +9,7 @@ from typing import Optional
 
 from engine.finish_reasons import abort_reason
 from engine.scheduler.request import Req
-from engine.scheduler.stop_regex import SEARCH_TIMEOUT_S, StopRegexTooSlow, compile_patterns, new_match
+from engine.scheduler.stop_regex import INVALID, SEARCH_TIMEOUT_S, StopRegexTooSlow, compile_patterns, new_match
 
 
 def check_finished(req: Req, eos_token_ids: tuple[int, ...], context_len: int) -> Optional[dict]:
@@ -63,7 +63,7 @@ def _match_stop_regex(req: Req) -> Optional[dict]:
     checked, req.stop_regex_checked = req.stop_regex_checked, len(req.text)
     try:  # cached after the first step; not on the search budget
         compile_patterns(patterns)
-    except (RecursionError, ValueError) as exc:  # validate compiled them, on a shallower stack maybe
+    except (RecursionError, ValueError, *INVALID) as exc:  # validate compiled them, on a shallower stack maybe
         return abort_reason(f"stop_regex could not be compiled here ({type(exc).__name__}); use a flatter pattern")
     deadline = time.perf_counter() + SEARCH_TIMEOUT_S  # one budget for all of the request's patterns
     for pattern in patterns:

@@ -149,3 +149,22 @@ def test_a_pattern_the_core_cannot_compile_aborts_only_its_request(monkeypatch):
     req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=["x1y"]), text="abc", stop_regex_checked=0)
     reason = finish._match_stop_regex(req)
     assert reason["type"] == "abort" and "stop_regex could not be compiled" in reason["message"]
+
+
+def test_a_pattern_only_the_regex_module_refuses_is_invalid():
+    """`[[:foo:]]` passes re's parser; the regex module's error is no ValueError (it was a 500)."""
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="is not a valid regular expression"):
+        SamplingParams.from_dict({"stop_regex": "[[:foo:]]"}).validate()
+
+
+@pytest.mark.parametrize("pattern", ["a{10000000}", "a{1000000000}", "x{2000,}", "(?:a{200}){200}", "(?>a{3000})",
+                                     "(?=b{5000})c"])
+def test_counted_repeats_past_the_bounds_are_refused_before_compiling(pattern):
+    """The regex module expands counted repeats: a{10000000} took 3.8 s and 2.7 GB to compile."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="counted repeats go up to 1000"):
+        SamplingParams.from_dict({"stop_regex": pattern}).validate()
+    assert time.perf_counter() - start < 0.5
+    SamplingParams.from_dict({"stop_regex": ["a{1000}", "(?:a{100}){100}", "x+y*"]}).validate()
