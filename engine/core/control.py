@@ -115,14 +115,16 @@ class GenerationControl:
             core.scheduler.retract_all()
         return Reply(None, outputs)
 
-    def must_wait(self, msg: UpdateWeightsReq) -> bool:
-        """SGLang's unpaused update: it waits until the requests holding KV have ended (their
-        tokens all the old weights'), and requests not started yet start under the new ones.
-        Paused, it runs at once (refused if in_place KV cannot be flushed); with flush_cache=False
-        it lands between two steps of the running requests."""
+    def must_wait(self, msg: UpdateWeightsReq, cutoff: int) -> bool:
+        """SGLang's unpaused update (its writer lock): it waits until every request queued before
+        it (number < `cutoff`) has ended, all their tokens the old weights'; later ones wait for it
+        (Admission.admit_before). Not while generation is stopped (paused, memory released: those
+        requests could not end; it runs at once and is refused if their KV cannot be flushed), not
+        with flush_cache=False (it lands between two steps), and never a broadcast: the trainer
+        sends it alongside the call and the group's timeout would expire (refused, as before)."""
         core = self.core
-        return (msg.flush_cache and not core.paused and "weights" not in core.memory_released
-                and core.scheduler.num_holding_kv() > 0)
+        return (msg.flush_cache and core.generating and getattr(msg.source, "discard", None) is None
+                and core.scheduler.num_in_flight_before(cutoff) > 0)
 
     def _update_weights(self, msg: UpdateWeightsReq) -> Reply:
         outputs = self.core.drain()  # the drained tokens are the old weights'; delivered whatever follows

@@ -51,7 +51,7 @@ class CoreWorker:
 
     def run(self, next_message: NextMessage) -> None:
         while True:
-            block = not self.core.has_work() and not self.opener.pending
+            block = not self.core.has_work() and not self.opener.pending and not self._held_updates
             self._maybe_report(block)
             item = next_message(block)
             while item is not None:
@@ -96,20 +96,27 @@ class CoreWorker:
                 self._run_or_hold(msg, call_id)
 
     def _run_or_hold(self, msg: Any, call_id: Optional[int]) -> None:
-        if isinstance(msg, UpdateWeightsReq) and (self._held_updates or self.core.control.must_wait(msg)):
-            if not self._held_updates:
-                logger.info("weight update waits for %d running request(s) to end; new ones wait for it "
-                            "(pause_generation first to update at once)", self.core.scheduler.num_holding_kv())
-            self._held_updates.append((msg, call_id))
-            self.core.scheduler.admission.held = True
+        if not isinstance(msg, UpdateWeightsReq):
+            self._run(msg, call_id)
             return
-        self._run(msg, call_id)
+        scheduler = self.core.scheduler
+        cutoff = scheduler.admission.admit_before if self._held_updates else scheduler.arrivals
+        if not self._held_updates and not self.core.control.must_wait(msg, cutoff):
+            self._run(msg, call_id)
+            return
+        if not self._held_updates:
+            logger.info("weight update waits for the %d request(s) sent before it to end; later ones wait for it "
+                        "(pause_generation first to update at once)", scheduler.num_in_flight_before(cutoff))
+        self._held_updates.append((msg, call_id))  # behind a held one: in order, whatever it asks
+        scheduler.admission.admit_before = cutoff
 
     def _run_held_updates(self) -> None:
         """The held updates, in order, once the first need not wait any more; then requests start again."""
-        while self._held_updates and not self.core.control.must_wait(self._held_updates[0][0]):
+        admission = self.core.scheduler.admission
+        while self._held_updates and not self.core.control.must_wait(self._held_updates[0][0], admission.admit_before):
             self._run(*self._held_updates.popleft())
-        self.core.scheduler.admission.held = bool(self._held_updates)
+        if not self._held_updates:
+            admission.admit_before = None
 
     def _refuse_update(self, call_id: Optional[int], refusal: str) -> None:
         """As control refuses an update before writing: (False, reason), weights untouched; a LoRA

@@ -48,11 +48,13 @@ class Admission:
         self.tree_cache = slots.tree_cache
         self.forecast = forecast
         self.pinned_loras: frozenset[int] = frozenset()  # adapters holding a LoRA pool slot while loaded
-        self.held = False  # a weight update waits for the running requests to end: none starts meanwhile
+        # a held weight update's cutoff: only requests queued before it start (None: all may)
+        self.admit_before: Optional[int] = None
 
     def prefill_batch(self) -> Optional[ScheduleBatch]:
         q = self.queues
-        waiting = deque() if self.held else q.waiting  # held: only the chunked request goes on
+        waiting = q.waiting if self.admit_before is None else deque(
+            r for r in q.waiting if r.arrival < self.admit_before)
         if not waiting and q.chunked_req is None:
             return None
         adder = PrefillAdder(self.slots.allocator, self.tree_cache, q.running, self.forecast.value,
@@ -62,6 +64,7 @@ class Admission:
             req.fill_all()
             adder.add_chunked(req)
         ordered, in_queue_order = order_waiting(waiting, self.config.schedule_policy, self.tree_cache)
+        in_queue_order = in_queue_order and waiting is q.waiting  # a filtered queue's prefix is not q.waiting's
         admitted: list[Req] = []  # and refused: both leave the queue
         siblings: set[tuple] = set()
         adapters = {r.lora_id for r in list(q.running) + adder.reqs}  # None, the base model, takes a slot too

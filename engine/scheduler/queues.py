@@ -22,9 +22,17 @@ class RequestQueues:
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
         self.finished_here: list[Req] = []
+        self.arrivals = 0  # requests queued so far; each one's `arrival` is its number
 
     def add_request(self, req: Req) -> None:
+        req.arrival, self.arrivals = self.arrivals, self.arrivals + 1
         self.waiting.append(req)
+
+    def num_in_flight_before(self, cutoff: int) -> int:
+        """Requests queued before number `cutoff` that have not ended: running, half prefilled,
+        or waiting (retracted ones included)."""
+        return (sum(1 for r in self.active() if r.arrival < cutoff)
+                + sum(1 for r in self.waiting if r.arrival < cutoff))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)

@@ -45,6 +45,7 @@ class Req(RequestOptions):
     is_chunked: bool = False  # prefill cut by the chunk budget; continues next round
     cached_tokens: int = 0
     num_retractions: int = 0
+    arrival: int = 0  # its number among the requests queued (RequestQueues.add_request)
     to_abort: Optional[str] = None  # abort message, set by abort_request while running
     finished_reason: Optional[dict] = None
     # engine.grammar.RequestGrammar when the request is constrained (set by the core; opaque here)

@@ -21,6 +21,7 @@ from engine.server.protocol import GetWeightsByNameRequest
 from engine.server.served_model import ServedModel
 
 # keys slime's and Miles' launchers compare against what they asked for (one GPU, one engine)
+PROBE_POLL_S = 1.0  # /health_generate: how often a waiting probe looks whether the core steps
 SINGLE_ENGINE_DEFAULTS = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1,
                           "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1, "num_gpus": 1,
                           "enable_memory_saver": False, "enable_return_routed_experts": False,
@@ -115,15 +116,23 @@ async def _probe(engine: Any, timeout: float) -> bool:
     if not engine.is_alive():
         return False
     rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
-    stream = engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                   rid=rid)
-    try:
-        out = await asyncio.wait_for(asyncio.ensure_future(stream), timeout)
-    except asyncio.TimeoutError:
-        engine.abort_request(rid)
-        return False
-    reason: Optional[dict] = out["meta_info"].get("finish_reason")
-    return reason is not None and reason.get("type") != "abort"
+    steps = (await engine.recent_stats()).num_steps
+    probe = asyncio.ensure_future(engine.async_generate(
+        input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid))
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        done, _ = await asyncio.wait({probe}, timeout=max(min(PROBE_POLL_S, left), 0))
+        if done:
+            reason: Optional[dict] = probe.result()["meta_info"].get("finish_reason")
+            return reason is not None and reason.get("type") != "abort"
+        # as SGLang's: a core that steps is healthy though the probe waits (behind a held weight
+        # update, or a full batch)
+        stepping = (await engine.recent_stats()).num_steps > steps
+        if stepping or left <= 0:
+            engine.abort_request(rid)
+            await asyncio.wait({probe}, timeout=PROBE_POLL_S)
+            return stepping
 
 
 def _loads(stats: Any) -> dict:

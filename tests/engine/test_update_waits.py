@@ -51,6 +51,14 @@ def _wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.002)
 
 
+def _held(eng) -> bool:
+    return eng.local_core.scheduler.admission.admit_before is not None
+
+
+def _held_updates(eng) -> int:
+    return len(eng.client._worker._held_updates)
+
+
 def _restore(eng) -> None:
     ok, message = eng.update_weights_from_disk(eng.server_args.model_path, weight_version="default")
     assert ok, message
@@ -70,7 +78,7 @@ def _versions(out: dict) -> set[str]:
 def test_an_unpaused_update_waits_for_the_running_request(eng, greedy, other_model_dir):
     running, first = _start_long(eng)
     update, reply = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
-    _wait_for(lambda: eng.local_core.scheduler.admission.held, "the update to be held")
+    _wait_for(lambda: _held(eng), "the update to be held")
     later, second = _in_background(lambda: eng.generate(input_ids=PROMPT, sampling_params=SHORT))
     _wait_for(lambda: eng.local_core.scheduler.waiting, "the later request to queue")
     assert eng.local_core.scheduler.running and not reply  # still generating, the update not applied
@@ -79,17 +87,19 @@ def test_an_unpaused_update_waits_for_the_running_request(eng, greedy, other_mod
     assert reply[0] == (True, "Succeeded to update model weights."), reply
     assert len(first[0]["output_ids"]) == LONG["max_new_tokens"] and _versions(first[0]) == {"default"}
     assert second[0]["output_ids"] == greedy["new"] and _versions(second[0]) == {"v1"}
-    assert not eng.local_core.scheduler.admission.held
+    assert not _held(eng)
     _restore(eng)
 
 
 def test_held_updates_land_in_order(eng, greedy, other_model_dir):
     running, first = _start_long(eng)
     ahead, reply_ahead = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
-    _wait_for(lambda: eng.local_core.scheduler.admission.held, "the update to be held")
+    _wait_for(lambda: _held(eng), "the update to be held")
     # no flush: alone it would land between two steps; behind the held one it waits its turn
     behind, reply_behind = _in_background(lambda: eng.update_weights_from_disk(
         eng.server_args.model_path, weight_version="v2", flush_cache=False))
+    _wait_for(lambda: _held_updates(eng) == 2, "the second update to be held behind the first")
+    assert eng.get_weight_version() == "default"
     for thread in (running, ahead, behind):
         thread.join(timeout=120)
     assert reply_ahead[0][0] and reply_behind[0][0], (reply_ahead, reply_behind)
@@ -102,7 +112,7 @@ def test_held_updates_land_in_order(eng, greedy, other_model_dir):
 def test_ending_the_running_request_lets_a_held_update_land(eng, greedy, other_model_dir, how):
     running, first = _start_long(eng)
     update, reply = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
-    _wait_for(lambda: eng.local_core.scheduler.admission.held, "the update to be held")
+    _wait_for(lambda: _held(eng), "the update to be held")
     if how == "abort":
         eng.abort_request(abort_all=True)
     else:
@@ -149,9 +159,78 @@ def test_shutdown_ends_a_held_update_and_the_request_it_waits_for(engine_factory
             return exc
 
     held, reply = _in_background(update)
-    time.sleep(0.3)  # the update reaches the core and is held there
+    if core_process:
+        time.sleep(0.3)  # the update reaches the core and is held there (not visible from here)
+    else:
+        _wait_for(lambda: _held(eng), "the update to be held")
     eng.shutdown()
     running.join(timeout=10)
     held.join(timeout=10)
     assert isinstance(reply[0], CoreDead), reply
     assert first[0]["meta_info"]["finish_reason"]["status_code"] == 503, first
+
+
+def test_a_request_queued_before_the_update_still_runs_on_the_old_weights(engine_factory, other_model_dir):
+    """SGLang's writer lock waits for every request sent before the update, started or not: one
+    waiting for a running slot (max_running_requests=1) runs on the old weights, then the update
+    lands, then the request sent after it runs on the new ones (a GRPO group is never split)."""
+    eng = engine_factory(max_running_requests=1)
+    running, first = _start_long(eng)
+    queued, second = _in_background(lambda: eng.generate(input_ids=PROMPT, sampling_params=SHORT))
+    _wait_for(lambda: eng.local_core.scheduler.waiting, "the second request to queue")
+    update, reply = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
+    _wait_for(lambda: _held(eng), "the update to be held")
+    later, third = _in_background(lambda: eng.generate(input_ids=PROMPT, sampling_params=SHORT))
+    for thread in (running, queued, update, later):
+        thread.join(timeout=120)
+    assert reply[0][0], reply
+    assert _versions(first[0]) == _versions(second[0]) == {"default"}
+    assert _versions(third[0]) == {"v1"}
+
+
+def test_an_update_is_not_held_while_generation_is_stopped(eng, other_model_dir):
+    """Released graph memory stops generation: the running request could not end, so the update
+    is refused at once (it was held until the resume)."""
+    running, first = _start_long(eng)
+    ok, message = eng.release_memory_occupation(["cuda_graph"])
+    assert ok, message
+    try:
+        start = time.monotonic()
+        ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="v1")
+        assert not ok and "still hold KV" in message and time.monotonic() - start < 5, message
+    finally:
+        eng.resume_memory_occupation(["cuda_graph"])
+    running.join(timeout=120)
+    assert _versions(first[0]) == {"default"}
+
+
+def test_a_held_update_lands_as_soon_as_the_last_request_ends(eng, other_model_dir):
+    """Not after the idle loop's half-second wait for a message."""
+    running, first = _start_long(eng)
+    update, reply = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
+    _wait_for(lambda: _held(eng), "the update to be held")
+    running.join(timeout=120)
+    ended = time.monotonic()
+    update.join(timeout=30)
+    assert reply[0][0] and time.monotonic() - ended < 0.3, (reply, time.monotonic() - ended)
+    _restore(eng)
+
+
+def test_health_generate_answers_while_an_update_is_held(eng, other_model_dir):
+    """The probe waits behind the update; the core steps, so it is healthy (as SGLang's probe)."""
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from engine.server.http import create_app
+
+    running, first = _start_long(eng)
+    update, reply = _in_background(lambda: eng.update_weights_from_disk(other_model_dir, weight_version="v1"))
+    _wait_for(lambda: _held(eng), "the update to be held")
+    with TestClient(create_app(eng)) as client:
+        start = time.monotonic()
+        assert client.get("/health_generate").status_code == 200
+        assert time.monotonic() - start < 5
+    for thread in (running, update):
+        thread.join(timeout=120)
+    assert reply[0][0], reply
+    _restore(eng)
