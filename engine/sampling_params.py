@@ -198,8 +198,9 @@ class SamplingParams:
         for name in ("logit_bias", "custom_params"):
             _require_optional(name, getattr(self, name), dict, "a dict")
         depth = _nesting_depth(self.custom_params)
-        _check(depth <= MAX_CUSTOM_PARAMS_DEPTH, "custom_params", f"nested at most {MAX_CUSTOM_PARAMS_DEPTH} levels",
-               f"{depth} levels")
+        if depth > MAX_CUSTOM_PARAMS_DEPTH:
+            raise ValueError(f"custom_params must be nested at most {MAX_CUSTOM_PARAMS_DEPTH} levels deep; "
+                             f"it nests deeper")
         if (self.custom_params or {}).get("return_top_p_token_ids"):  # slime's, from its patched SGLang
             raise ValueError("custom_params.return_top_p_token_ids (the top-p nucleus per token, from slime's "
                              "SGLang patch) is not supported: roll out with top_p 1.0 (slime: --rollout-top-p 1)")
@@ -227,11 +228,12 @@ def _str_list(value: Optional[Union[str, list[str]]]) -> Optional[list[str]]:
 def _nesting_depth(value: Any) -> int:
     """How many levels of dicts and lists `value` nests (a scalar: 0), walked without recursion:
     a request's JSON may nest ~1000 levels, more than pickling it to the core can."""
-    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
-    while level:
-        depth += 1
+    depth, level, seen = 0, [value] if isinstance(value, (dict, list)) else [], set()
+    while level and depth <= MAX_CUSTOM_PARAMS_DEPTH:  # bounded, and each container once: a
+        depth += 1  # self-referencing dict (the Python API's) ends too
+        seen.update(id(item) for item in level)
         level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
-                 if isinstance(child, (dict, list))]
+                 if isinstance(child, (dict, list)) and id(child) not in seen]
     return depth
 
 

@@ -38,7 +38,11 @@ class EngineActor:
             from engine import Engine as engine_class
 
         self.engine = engine_class(**engine_kwargs)
-        self.engine.freeze_gc()  # the actor's process is ours: its start-up objects are never scanned again
+        try:  # the actor's process is ours: its start-up objects are never scanned again
+            self.engine.freeze_gc()
+        except BaseException:
+            self.engine.shutdown()
+            raise
         self._http: Optional[tuple[Any, threading.Thread]] = None
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

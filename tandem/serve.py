@@ -123,9 +123,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, api_key=sa.api_key, admin_api_key=sa.admin_api_key)
     config = uvicorn.Config(app, host=sa.host, port=sa.port, log_level="warning",
                             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S))
-    engine.freeze_gc()  # as SGLang after warm-up: no full collection walks start-up's objects again
     logger.info("serving on http://%s:%d", sa.host, sa.port)
     try:
+        engine.freeze_gc()  # as SGLang after warm-up: no full collection walks start-up's objects again
         GracefulServer(config, engine).run()
     finally:
         _shutdown_bounded(engine, SHUTDOWN_GRACE_S)

@@ -122,7 +122,7 @@ class TokenizerManagerShim:
 
     def _abort_all_first(self, obj: Any) -> None:
         """SGLang's abort_all_requests: what runs ends first (queued ahead of the update), as the
-        HTTP routes do; otherwise flush_cache refuses an update while requests hold KV."""
+        HTTP routes do; otherwise the update waits for the requests sent before it to end."""
         if getattr(obj, "abort_all_requests", False):
             self._engine.abort_request(abort_all=True)
 

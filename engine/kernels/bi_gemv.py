@@ -47,7 +47,7 @@ def config(N: int, K: int, dtype: torch.dtype) -> Optional[GemvConfig]:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
-    """Opted in, a bf16 call the small-M gemv takes (1..8 rows, no autograd; `wide`: qkv or gate_up,
+    """On (TANDEM_DET_GEMV, the default), a bf16 call the small-M gemv takes (1..8 rows, no autograd; `wide`: qkv or gate_up,
     which it takes under TANDEM_PDL=wide only), on a device whose matmul tiles were measured bit for
     bit (sm_90, and in bf16 only; the CPU interpreter for tests), and a shape whose splits the gemv
     can take."""

@@ -238,7 +238,7 @@ class Linear(nn.Linear):
         if self.deterministic:
             det_gemv = fused_kernel("bi_gemv", x) if self.small_m_kernel else None
             if det_gemv is not None and det_gemv.applies(x, self.weight, self.small_m_wide):
-                out = det_gemv.bi_gemv(x, self.weight, self.bias)  # opt-in: the matmul's bits, sooner
+                out = det_gemv.bi_gemv(x, self.weight, self.bias)  # the matmul's bits, sooner
             else:
                 out = bi.linear(x, self.weight, self.bias)
         else:
@@ -268,7 +268,7 @@ class Linear(nn.Linear):
 
     def _det_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm",
                       lora: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Deterministic mode's norm(self(x) + residual): opted in (engine/kernels/bi_gemv.py), a
+        """Deterministic mode's norm(self(x) + residual): under TANDEM_DET_GEMV (bi_gemv.py, the default), a
         small decode batch takes the gemv with the matmul's splits and the add + norm in its
         split-K sum, whose launch shape and arithmetic are the batch-invariant norm's."""
         det = fused_kernel("bi_gemv", x) if self._epilogue_may_fuse(x, norm, lora) else None

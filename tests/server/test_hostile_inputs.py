@@ -218,7 +218,7 @@ def _nested(depth: int) -> dict:
      "stop_regex is nested too deeply"),
     # 600 levels: json.loads took it, pickling it to the core did not (a 500)
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "custom_params": _nested(600)}},
-     "custom_params must be nested at most 64 levels, got 600 levels"),
+     "custom_params must be nested at most 64 levels deep; it nests deeper"),
 ])
 def test_deeply_nested_fields_are_400_naming_them(raw, engine, path, body, message):
     resp = raw.post_bytes(path, json.dumps(body).encode())
