@@ -374,7 +374,7 @@ def test_an_http_update_waits_for_a_running_request_of_a_core_process(proc_engin
     runner.join(timeout=60)
     assert resp.status_code == 200 and resp.json()["success"] is True, resp.json()
     out, ended = result[0]
-    assert answered >= ended  # the update waited for the request
+    assert answered > ended - 0.5  # the update waited for the request (seconds long; 0.5 s: thread wake-ups)
     assert len(out["output_ids"]) == 1000 and [s["version"] for s in out["meta_info"]["weight_versions"]] == ["default"]
     assert proc_engine.get_weight_version() == "v1"
     ok, message = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
