@@ -239,10 +239,10 @@ def _nesting_depth(value: Any) -> int:
 
 def _check_stop_regex(pattern: str) -> None:
     """A regular expression that does not match the empty string (one that does would stop every
-    request at its first token), compiled here as engine/scheduler/stop_regex.py compiles it for
+    request at its first token), compiled here as engine/stop_regex.py compiles it for
     its searches (the `regex` module, whose parser recurses deeper than re's), so a pattern the
     core could not compile is this request's 400, never a failed step of everyone's batch."""
-    from engine.scheduler.stop_regex import INVALID, compile_pattern
+    from engine.stop_regex import INVALID, compile_pattern
 
     try:
         compiled = compile_pattern(pattern)  # ValueError: repeats over the bounds, named there

@@ -259,7 +259,7 @@ class Engine(EngineWeights, EngineLoRA):
         self.client.shutdown()
         # requests in flight end now, as a core process's do when it stops (a thread core's stop
         # is quiet: their callers would otherwise wait forever)
-        self.fail_all_requests("the engine core is shut down", status_code=503)
+        self._fail_in_flight("the engine core is shut down", status_code=503)
         if self.recorder is not None:
             self.recorder.close()
             self.recorder = None
@@ -312,6 +312,9 @@ class Engine(EngineWeights, EngineLoRA):
         builder = getattr(self, "builder", None)
         if builder is not None:
             builder.grammars.close(message)
+        self._fail_in_flight(message, status_code)
+
+    def _fail_in_flight(self, message: str, status_code: Optional[int]) -> None:
         with self._lock:
             rids = list(self._sinks)
         self._dispatch([ReqOutput.error(rid, message, status_code) for rid in rids])

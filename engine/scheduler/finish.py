@@ -9,7 +9,7 @@ from typing import Optional
 
 from engine.finish_reasons import abort_reason
 from engine.scheduler.request import Req
-from engine.scheduler.stop_regex import INVALID, SEARCH_TIMEOUT_S, StopRegexTooSlow, compile_patterns, new_match
+from engine.stop_regex import INVALID, SEARCH_TIMEOUT_S, StopRegexTooSlow, compile_patterns, new_match
 
 
 def check_finished(req: Req, eos_token_ids: tuple[int, ...], context_len: int) -> Optional[dict]:
@@ -56,7 +56,7 @@ def _match_stop_string(req: Req) -> Optional[str]:
 def _match_stop_regex(req: Req) -> Optional[dict]:
     """The finish reason of the first stop_regex the new text completes (the text is kept
     whole, as SGLang keeps it: its trim looks for the pattern itself in the text), or an abort
-    when a pattern is too slow to search (engine/scheduler/stop_regex.py)."""
+    when a pattern is too slow to search (engine/stop_regex.py)."""
     patterns = req.sampling_params.stop_regex
     if not patterns or not req.text:
         return None

@@ -1,4 +1,4 @@
-"""stop_regex search (engine/scheduler/stop_regex.py): only where a new match can be, within a
+"""stop_regex search (engine/stop_regex.py): only where a new match can be, within a
 time limit. Oracle: re.search over the whole text, as SGLang searches it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.scheduler import finish
-from engine.scheduler.stop_regex import LOOKBACK, new_match
+from engine.stop_regex import LOOKBACK, new_match
 
 
 def checkpoints(text: str, step: int) -> list[int]:
@@ -57,7 +57,7 @@ def test_a_requests_patterns_share_one_search_budget(monkeypatch):
     it ends the request, whatever its pattern."""
     import time
 
-    from engine.scheduler.stop_regex import StopRegexTooSlow
+    from engine.stop_regex import StopRegexTooSlow
 
     deadlines = []
     monkeypatch.setattr(finish, "new_match", lambda p, t, c, deadline: deadlines.append(deadline) or False)
@@ -102,7 +102,7 @@ def test_compiling_patterns_is_not_on_the_search_budget(monkeypatch):
     before the step's searches are timed: it is no slow search."""
     import time
 
-    from engine.scheduler import stop_regex
+    from engine import stop_regex
 
     real, seen = stop_regex._compiled, set()
 
@@ -140,7 +140,7 @@ def test_a_pattern_nested_too_deeply_to_compile_is_refused_naming_the_field(dept
 def test_a_pattern_the_core_cannot_compile_aborts_only_its_request(monkeypatch):
     """A core on a deeper stack than validate's: compiling fails there too rarely to bet a
     batch on, so the request ends with an abort naming stop_regex."""
-    from engine.scheduler import stop_regex
+    from engine import stop_regex
 
     def too_deep(pattern):
         raise RecursionError("maximum recursion depth exceeded")
