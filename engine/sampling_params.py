@@ -197,8 +197,7 @@ class SamplingParams:
                 _require_int(name, getattr(self, name))
         for name in ("logit_bias", "custom_params"):
             _require_optional(name, getattr(self, name), dict, "a dict")
-        depth = _nesting_depth(self.custom_params)
-        if depth > MAX_CUSTOM_PARAMS_DEPTH:
+        if nests_deeper(self.custom_params, MAX_CUSTOM_PARAMS_DEPTH):
             raise ValueError(f"custom_params must be nested at most {MAX_CUSTOM_PARAMS_DEPTH} levels deep; "
                              f"it nests deeper")
         if (self.custom_params or {}).get("return_top_p_token_ids"):  # slime's, from its patched SGLang
@@ -225,16 +224,20 @@ def _str_list(value: Optional[Union[str, list[str]]]) -> Optional[list[str]]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _nesting_depth(value: Any) -> int:
-    """How many levels of dicts and lists `value` nests (a scalar: 0), walked without recursion:
-    a request's JSON may nest ~1000 levels, more than pickling it to the core can."""
-    depth, level, seen = 0, [value] if isinstance(value, (dict, list)) else [], set()
-    while level and depth <= MAX_CUSTOM_PARAMS_DEPTH:  # bounded, and each container once: a
-        depth += 1  # self-referencing dict (the Python API's) ends too
-        seen.update(id(item) for item in level)
-        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
-                 if isinstance(child, (dict, list)) and id(child) not in seen]
-    return depth
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether objects and arrays in `value` nest more than `limit` levels deep (client JSON may nest
+    ~1000 levels; what walks it recursively later, a chat template or pickling, fails far sooner).
+    Level by level, each container once (a self-referencing dict ends too), stopping past `limit`."""
+    level, seen, depth = [value], set(), 0
+    while True:
+        containers = [v for v in level if isinstance(v, (dict, list, tuple)) and id(v) not in seen]
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        seen.update(id(v) for v in containers)
+        level = [child for v in containers for child in (v.values() if isinstance(v, dict) else v)]
 
 
 def _check_stop_regex(pattern: str) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import field_validator
 
+from engine.sampling_params import nests_deeper
 from engine.server.protocol import _Lenient
 from engine.server.template_content import ContentFormat, joined_text
 
@@ -114,15 +115,7 @@ def chosen_tool_name(tool_choice: dict) -> str:
 
 def check_nesting(value: Any, what: str, limit: int = MAX_TEMPLATE_NESTING) -> None:
     """A ValueError when objects and arrays in `value` nest deeper than `limit`: the template
-    library walks them recursively (700 levels were a RecursionError, a 500). Iterative, so any
-    depth is measured without recursing."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
-        if children is None:
-            continue
-        if depth > limit:
-            raise ValueError(f"{what}: objects and arrays nest deeper than {limit} levels, more than a chat "
-                             "template takes")
-        stack.extend((child, depth + 1) for child in children)
+    library walks them recursively (700 levels were a RecursionError, a 500)."""
+    if nests_deeper(value, limit):
+        raise ValueError(f"{what}: objects and arrays nest deeper than {limit} levels, more than a chat "
+                         "template takes")

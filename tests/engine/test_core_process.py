@@ -372,33 +372,3 @@ def test_an_empty_batch_sends_nothing_and_the_cores_serve_on(proc_engine, thread
         eng.client.send_all([])
         assert eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["output_ids"]
 
-
-def test_an_http_update_waits_for_a_running_request_of_a_core_process(proc_engine, other_model_dir, tiny_model_dir):
-    """SGLang's unpaused update over HTTP: 200 once the running request has ended, every one of its
-    tokens the old weights' (the route used to answer 400 while a request held KV)."""
-    pytest.importorskip("httpx")
-    from fastapi.testclient import TestClient
-
-    from engine.server.http import create_app
-
-    params = dict(GREEDY, max_new_tokens=1000)  # seconds on a CPU: the update arrives while it runs
-    result: list = []
-    runner = threading.Thread(target=lambda: result.append((proc_engine.generate(
-        input_ids=[5, 6, 7], sampling_params=params), time.monotonic())))
-    runner.start()
-    deadline = time.monotonic() + 30
-    while proc_engine.get_stats().num_running_reqs == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    with TestClient(create_app(proc_engine)) as client:
-        assert proc_engine.get_stats().num_running_reqs == 1  # still generating as the update is sent
-        resp = client.post("/update_weights_from_disk", json={"model_path": other_model_dir, "weight_version": "v1"})
-        answered = time.monotonic()
-    runner.join(timeout=60)
-    assert resp.status_code == 200 and resp.json()["success"] is True, resp.json()
-    out, ended = result[0]
-    assert answered > ended - 0.5  # the update waited for the request (seconds long; 0.5 s: thread wake-ups)
-    assert len(out["output_ids"]) == 1000 and [s["version"] for s in out["meta_info"]["weight_versions"]] == ["default"]
-    assert proc_engine.get_weight_version() == "v1"
-    ok, message = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
-    assert ok, message
