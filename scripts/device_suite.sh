@@ -44,7 +44,7 @@ for s in "$@"; do case $s in
   grammarbench) ( kit && step grammarbench 240 python3 scripts/grammar_bench.py --batch 64 --runs 3 --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-bench.json" ) ;;
   gatetests) ( kit && step gatetests 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_stream_gate_gpu.py tests/gpu/test_grammar_gpu.py ) ;;
   grammargate) ( kit && step grammargate 400 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,nogate,prefetch2,nogate2} --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-gate.json" ) ;;
-  grammarproc) ( kit && step grammarproc 300 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,prefetch2} --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-proc.json" ) ;;
+  grammarproc) ( kit && step grammarproc 300 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-5} --variants ${VARIANTS:-prefetch,prefetch2} --profile ${PROFILE:-0} --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-proc.json" ) ;;
   hostprobe) ( kit && step hostprobe 150 python3 scripts/grammar_host_probe.py ) ;;
   grammarab) ( kit && step grammarab 420 python3 scripts/grammar_bench.py --batch 64 --runs 5 --variants prefetch,noprefetch,prefetch2 --engine-args '{"grammar_backend": "thread"}' --json "$OUT/grammar-ab.json" ) ;;
   train06*|train4b*)  # train06 | train06det | train4b | train4bdet (| train06keepdet: graphs kept; | train06z2det: ZeRO-2, not the recipe's 3, on one GPU; | train06lora[det]: LoRA RL, rank 16 on all linears): the qwen3_gpu recipe, 5 steps, peak device memory sampled

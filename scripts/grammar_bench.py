@@ -304,6 +304,29 @@ def measure(eng, timers, prompts, free, constrained, runs: int) -> dict:
             "outputs": valid(outs), "sample": outs[0]["text"][:300]}
 
 
+def profile_pair(eng, prompts, free, constrained, top: int) -> dict:
+    """One constrained run, then a free run of its lengths, each under torch.profiler: their top
+    kernels (the device's share of the wall time: below 1.0 it waited for the host)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tandem.bench.profile import format_profile, kernel_table
+
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA"}
+    out, outs = {}, None
+    for name in ("json_schema", "free"):
+        params = constrained if outs is None else [
+            {**p, "max_new_tokens": len(o["output_ids"]), "ignore_eos": True} for p, o in zip(free, outs)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rate, run_outs = run(eng, prompts, params)
+        outs = outs or run_outs
+        wall = sum(len(o["output_ids"]) for o in run_outs) / rate
+        out[name] = {**kernel_table(prof, wall, top), "output_tok_s": rate}
+        print(name, format_profile(out[name]), sep="\n", flush=True)
+    return out
+
+
 def main() -> None:
     global _PREFETCH, _TORCH_THREADS
     parser = argparse.ArgumentParser()
@@ -314,6 +337,9 @@ def main() -> None:
     parser.add_argument("--model-dir", default="/tmp/q06-bigvocab")
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine-args", default="{}", help="JSON of extra Engine kwargs")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the last variant, one constrained run and one free run of its lengths under "
+                             "torch.profiler (CUDA): the top N kernels of each")
     parser.add_argument("--variants", default="prefetch",
                         help="comma-separated, measured in turn on one engine: prefetch | nogate | noprefetch "
                              "(the A/B of engine/grammar/mask_prefetch.py) | threadsN (xgrammar's fill threads)")
@@ -342,6 +368,8 @@ def main() -> None:
             result = measure(eng, timers, prompts, free, constrained, args.runs)
             report["variants"][name] = result
             print(name, {k: result[k] for k in ("tok_s", "ratio", "outputs")}, flush=True)
+        if args.profile:
+            report["profile"] = profile_pair(eng, prompts, free, constrained, args.profile)
     finally:
         eng.shutdown()
     print(json.dumps({k: v for k, v in report.items() if k != "schema"}, indent=1))

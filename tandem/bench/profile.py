@@ -25,7 +25,12 @@ def profile_run(engine: Any, workload: Workload, device: torch.device, mode: str
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=activities) as prof:
         outcome = measure(engine, workload, device, mode)
-    wall_s = outcome.metrics["wall_s"]
+    return {**kernel_table(prof, outcome.metrics["wall_s"], top), "output_tok_s": outcome.metrics["output_tok_s"]}
+
+
+def kernel_table(prof: Any, wall_s: float, top: int) -> dict[str, Any]:
+    """A finished torch.profiler run's top `top` kernels by device time, and the device's busy
+    share of `wall_s`."""
     # kernels and copies: CPU-side ops have no self device time
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
@@ -34,8 +39,7 @@ def profile_run(engine: Any, workload: Workload, device: torch.device, mode: str
              "mean_us": e.self_device_time_total / max(e.count, 1),
              "share": e.self_device_time_total / max(total_us, 1e-9)}
             for e in events[:top]]
-    return {"wall_s": wall_s, "busy_s": total_us / 1e6, "busy_share": total_us / 1e6 / wall_s,
-            "output_tok_s": outcome.metrics["output_tok_s"], "top": rows}
+    return {"wall_s": wall_s, "busy_s": total_us / 1e6, "busy_share": total_us / 1e6 / wall_s, "top": rows}
 
 
 def format_profile(p: dict[str, Any]) -> str:
