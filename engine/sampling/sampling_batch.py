@@ -77,24 +77,23 @@ class SamplingBatch:
         need_rep = any(p != 1.0 for p in rep)
         need_fp = any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
 
-        def f32(values: list) -> torch.Tensor:
-            return h2d(torch.tensor(values, dtype=torch.float32), device)
-
-        def i64(values: list) -> torch.Tensor:
-            return h2d(torch.tensor(values, dtype=torch.int64), device)
-
+        # two host -> device copies a step, not one per field (each is a pinned staging copy and
+        # a launch on a host-bound decode loop)
+        floats = h2d(torch.tensor([temps, top_ps, min_ps, rep, freq, pres], dtype=torch.float32), device)
+        ints = h2d(torch.tensor([top_ks, [to_int64(r.seed) for r in rows], [r.position for r in rows], greedy],
+                                dtype=torch.int64), device)
         return cls(
             vocab_size=vocab_size,
-            temperatures=f32(temps).view(-1, 1),
-            top_ks=i64(top_ks),
-            top_ps=f32(top_ps),
-            min_ps=f32(min_ps),
-            repetition_penalties=f32(rep),
-            frequency_penalties=f32(freq),
-            presence_penalties=f32(pres),
-            seeds=i64([to_int64(r.seed) for r in rows]),
-            positions=i64([r.position for r in rows]),
-            is_greedy=h2d(torch.tensor(greedy, dtype=torch.bool), device),
+            temperatures=floats[0].view(-1, 1),
+            top_ks=ints[0],
+            top_ps=floats[1],
+            min_ps=floats[2],
+            repetition_penalties=floats[3],
+            frequency_penalties=floats[4],
+            presence_penalties=floats[5],
+            seeds=ints[1],
+            positions=ints[2],
+            is_greedy=ints[3].bool(),
             output_counts=_output_counts(rows, vocab_size, device) if need_fp else None,
             seen_mask=_seen_mask(rows, vocab_size, device) if need_rep else None,
             suppress_mask=_suppress_mask(rows, vocab_size, device),
