@@ -208,6 +208,11 @@ for s in "$@"; do case $s in
   detgemvab) for bs in 1 8; do  # 8B batch 1 / 8: normal, deterministic without and with TANDEM_DET_GEMV
       step detgemv-normal-bs$bs 60 $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detgemv-normal-bs$bs.json"
       for v in 0 1; do step detgemv-det$v-bs$bs 60 env TANDEM_DET_GEMV=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detgemv-det$v-bs$bs.json"; done; done ;;
+  grammarab) ( kit && for tree in ab_base .; do  # the grammar process's ratio on $tree (ab_base: the base tree, copied in by the caller), 3 runs
+      (cd $tree && step grammar-$(basename $(pwd)) 240 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-3} --variants prefetch $([ $tree = . ] && echo --profile ${PROFILE:-0}) --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-$(basename $(pwd)).json"); done ) ;;
+  t1treeab) for tree in ab_base .; do  # sampled decoding (T = 1), 0.6B, 256 x (512, 256) on the base tree then this one
+      (cd $tree && step t1-$(basename $(pwd)) 80 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/t1-$(basename $(pwd)).json"); done ;;
+  masktests) ( kit && step masktests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k "masked or greedy" tests/gpu/test_grammar_gpu.py ) ;;
   gpurest2) ( kit && step gpurest2 300 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu/test_lora_gpu.py \
       tests/gpu/test_memory_saver_gpu.py tests/gpu/test_stream_gate_gpu.py tests/gpu/test_sampler_warmup_gpu.py tests/gpu/test_routes_gpu.py \
       tests/gpu/test_weight_sync_gpu.py tests/gpu/test_server_gpu.py ) ;;  # gpurest less kerneltests' files

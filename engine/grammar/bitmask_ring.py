@@ -24,7 +24,6 @@ class BitmaskRing:
         self._slots: list[Optional[torch.Tensor]] = [None] * depth
         self._copied: list[Optional[torch.cuda.Event]] = [None] * depth
         self._next = 0
-        self._bits = bit_values(self.device)  # made once: each op a step is a launch on the host's clock
 
     @torch.inference_mode(False)  # written both inside the runner's inference mode and outside it
     def take(self, rows: int) -> torch.Tensor:
@@ -50,18 +49,19 @@ class BitmaskRing:
         return torch.empty((max(rows, 64), self.words), dtype=torch.int32, pin_memory=pinned)
 
     def to_device(self, bitmask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """[B, V] bool on the device, True = forbidden, from a bitmask this ring handed out."""
+        """The packed [B, words] int32 bitmask on the device (bit set = allowed; the sampler applies
+        it: engine/sampling/token_mask.py), from a buffer this ring handed out."""
         if bitmask is None:
             return None
         if self.device.type != "cuda":
-            return unpack_forbidden(bitmask, self.vocab_size, self._bits)  # reads the buffer before returning
+            return bitmask.clone()  # the buffer is handed out again a few steps on
         on_device = bitmask.to(self.device, non_blocking=True)  # pinned: no staging copy
         slot = self._slot_of(bitmask)
         if slot is not None:
             if self._copied[slot] is None:
                 self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
-        return unpack_forbidden(on_device, self.vocab_size, self._bits)
+        return on_device
 
     def _slot_of(self, bitmask: torch.Tensor) -> Optional[int]:
         for slot, buffer in enumerate(self._slots):
@@ -69,14 +69,3 @@ class BitmaskRing:
                 return slot
         return None
 
-
-def unpack_forbidden(bitmask: torch.Tensor, vocab_size: int, bits: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[B, ceil(V/32)] int32 (bit set = allowed) -> [B, V] bool (True = forbidden), on bitmask's
-    device. `bits`: bit_values on that device, if made already."""
-    bits = bit_values(bitmask.device) if bits is None else bits
-    return ((bitmask.unsqueeze(-1) & bits) == 0).reshape(bitmask.shape[0], -1)[:, :vocab_size]
-
-
-def bit_values(device: torch.device | str) -> torch.Tensor:
-    """[32] int32: 1 << k for each bit k (bit 31 is int32's sign bit)."""
-    return torch.tensor([(1 << k) - (1 << 32 if k == 31 else 0) for k in range(32)], dtype=torch.int32, device=device)

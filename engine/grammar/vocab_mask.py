@@ -1,9 +1,9 @@
 """The grammar mask of a batch: fill_bitmask (host, packed, into a BitmaskRing buffer), then
-BitmaskRing.to_device ([B, V] bool, True = the row's grammar forbids that token next).
+BitmaskRing.to_device (the packed mask on the device; the sampler applies it: engine/sampling/token_mask.py).
 
 xgrammar fills a packed int32 bitmask on the host (one bit per token; the rows of a batch in
 parallel on its thread pool); the packed mask (1/32 of the unpacked bytes: 19 KB a row at a
-152k vocabulary) goes to the device in one transfer and is unpacked there. Rows without a
+152k vocabulary) goes to the device in one transfer and is applied there. Rows without a
 grammar forbid nothing.
 """
 

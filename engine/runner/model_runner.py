@@ -230,7 +230,7 @@ class ModelRunner(RunnerMemory):
         seq_lens = batch.seq_lens()
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
-        sampling.grammar_mask = self.grammar_bitmasks.to_device(self._grammar_bitmask(batch))
+        sampling.grammar_bitmask = self.grammar_bitmasks.to_device(self._grammar_bitmask(batch))
         out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
         if not wants_ids:  # [B, V] each: not held while prompt or top logprobs take their memory
             original = processed_all = None

@@ -25,6 +25,7 @@ from engine.kernels import optional_kernel
 from engine.sampling.logprobs import LogSoftmax, gather_token_logprobs, original_logprobs
 from engine.sampling.sampling_batch import SamplingBatch
 from engine.sampling.seeds import gumbel_argmax
+from engine.sampling.token_mask import masked_logits, unpack_forbidden
 
 logger = logging.getLogger(__name__)
 
@@ -138,18 +139,20 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = x - batch.presence_penalties.unsqueeze(1) * (counts > 0).float()
     if batch.logit_bias is not None:  # before the bans: a biased token stays banned
         x = x + batch.logit_bias
-    banned = _banned_ids(batch)
-    if banned is not None:
-        x = x.masked_fill(banned, float("-inf"))
+    if batch.suppress_mask is not None:
+        return x.masked_fill(_banned_ids(batch), float("-inf"))
+    if batch.grammar_bitmask is not None:  # one pass on CUDA (engine/sampling/token_mask.py)
+        return masked_logits(x, batch.grammar_bitmask)
     return x
 
 
-def _banned_ids(batch: SamplingBatch) -> Optional[torch.Tensor]:
+def _banned_ids(batch: SamplingBatch) -> torch.Tensor:
     """min_new_tokens' ban and the grammar's mask; where together they leave a row nothing (the
     grammar allows only a stop token), the grammar wins: its output is complete."""
-    suppress, grammar = batch.suppress_mask, batch.grammar_mask
-    if suppress is None or grammar is None:
-        return suppress if grammar is None else grammar
+    suppress = batch.suppress_mask
+    if batch.grammar_bitmask is None:
+        return suppress
+    grammar = unpack_forbidden(batch.grammar_bitmask, suppress.shape[-1])
     both = suppress | grammar
     return torch.where(both.all(dim=-1, keepdim=True), grammar, both)
 

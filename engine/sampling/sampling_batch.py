@@ -46,7 +46,7 @@ class SamplingBatch:
     output_counts: Optional[torch.Tensor]  # [B, V] float32 count of each id in the output so far
     seen_mask: Optional[torch.Tensor]  # [B, V] bool, id occurs in prompt or output
     suppress_mask: Optional[torch.Tensor]  # [B, V] bool, ids banned by min_new_tokens
-    grammar_mask: Optional[torch.Tensor]  # [B, V] bool, ids the row's grammar forbids next
+    grammar_bitmask: Optional[torch.Tensor]  # [B, ceil(V/32)] int32, xgrammar's packed mask: bit set = allowed next
     logit_bias: Optional[torch.Tensor]  # [B, V] float32 added to the logits (SGLang's logit_bias)
     all_greedy: bool
     any_greedy: bool
@@ -64,7 +64,7 @@ class SamplingBatch:
     def build(
         cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",
     ) -> SamplingBatch:
-        """The batch's sampling tensors; grammar_mask is None here: the runner sets it after,
+        """The batch's sampling tensors; grammar_bitmask is None here: the runner sets it after,
         once the grammar fill (on a worker thread) is in."""
         greedy = [r.params.is_greedy for r in rows]
         temps = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
@@ -97,7 +97,7 @@ class SamplingBatch:
             output_counts=_output_counts(rows, vocab_size, device) if need_fp else None,
             seen_mask=_seen_mask(rows, vocab_size, device) if need_rep else None,
             suppress_mask=_suppress_mask(rows, vocab_size, device),
-            grammar_mask=None,
+            grammar_bitmask=None,
             logit_bias=_logit_bias(rows, vocab_size, device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),

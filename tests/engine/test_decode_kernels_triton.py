@@ -16,6 +16,7 @@ triton = import_triton_or_skip()
 
 from engine.kernels import greedy_logprob as gl  # noqa: E402
 from engine.kernels import gumbel_argmax as ga  # noqa: E402
+from engine.kernels import token_bitmask as tb  # noqa: E402
 from engine.kernels.small_m_linear import GemvConfig, choose_config, small_m_linear  # noqa: E402
 
 
@@ -186,3 +187,22 @@ def test_sampler_takes_the_triton_gumbel_kernel_unless_told_not_to(monkeypatch):
     assert sampler_mod._triton_gumbel_argmax() is ga.gumbel_argmax  # the default (measured, docs/benchmarks.md)
     monkeypatch.setenv("TANDEM_TRITON_GUMBEL", "0")
     assert sampler_mod._triton_gumbel_argmax() is None  # torch.compile's
+
+
+@pytest.mark.parametrize("vocab", [70, 4096 + 33])  # within one word row's end; past one program's block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_logits_equals_the_torch_path(vocab, dtype):
+    """The Triton pass gives the unpack + masked_fill path's values exactly, the sign bit (token
+    31 of a word) included, on a strided logits view and a wider-than-needed bitmask."""
+    from engine.sampling.token_mask import masked_logits_torch
+
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32 + 2
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int32)
+    bitmask[0, 0] = -(2**31)  # only bit 31 of the first word: token 31 allowed, 0..30 not
+    logits = torch.randn(3, vocab + 5, generator=g).to(dtype)[:, :vocab]
+    out = tb.masked_logits(logits, bitmask)
+    assert out.dtype == dtype and torch.equal(out, masked_logits_torch(logits, bitmask[:, : (vocab + 31) // 32]))
+    assert out[0, 31] == logits[0, 31] and torch.isinf(out[0, :31]).all()
+    with pytest.raises(ValueError, match="does not cover"):
+        tb.masked_logits(logits, bitmask[:, :1])

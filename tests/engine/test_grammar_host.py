@@ -14,7 +14,7 @@ import torch
 
 xgrammar = pytest.importorskip("xgrammar")
 
-from engine.grammar.bitmask_ring import unpack_forbidden  # noqa: E402
+from engine.sampling.token_mask import masked_logits, unpack_forbidden  # noqa: E402
 from tests.engine.test_grammar import SCHEMA  # noqa: E402
 
 
@@ -29,6 +29,7 @@ def test_unpacked_mask_matches_xgrammar_apply():
     xgrammar.apply_token_bitmask_inplace(expected, bitmask)
     ours = logits.masked_fill(unpack_forbidden(bitmask, vocab), float("-inf"))
     assert torch.equal(ours, expected)
+    assert torch.equal(masked_logits(logits, bitmask), expected)  # what the sampler applies
 
 
 def _walked_grammars(engine, n: int, seed: int = 0) -> list:
@@ -44,7 +45,7 @@ def _walked_grammars(engine, n: int, seed: int = 0) -> list:
     for i in range(n):
         grammar = RequestGrammar(compiled)
         for _ in range(int(torch.randint(0, 12, (1,), generator=gen))):
-            allowed = (~ring.to_device(fill_bitmask([grammar], ring))[0]).nonzero().flatten()
+            allowed = (~unpack_forbidden(ring.to_device(fill_bitmask([grammar], ring)), vocab)[0]).nonzero().flatten()
             if grammar.is_terminated() or len(allowed) == 0:
                 break
             assert grammar.accept(int(allowed[torch.randint(len(allowed), (1,), generator=gen)]))
@@ -70,7 +71,7 @@ def test_reused_bitmask_buffers_give_fresh_masks(engine):
         got = fill_bitmask(rows, ring)
         want = fresh if rows is grammars else fresh.flip(0)
         assert torch.equal(got, want)
-        assert torch.equal(ring.to_device(got), unpack_forbidden(want, vocab))
+        assert torch.equal(ring.to_device(got), want)
 
 
 def test_batched_accept_and_termination_match_the_matcher(engine):
@@ -92,7 +93,7 @@ def test_batched_accept_and_termination_match_the_matcher(engine):
         rows = [i for i, t in enumerate(streams) if step < len(t)]
         tokens = [streams[i][step] for i in rows]
         if step == 3:  # row 1 samples a token its grammar forbids
-            forbidden = ring.to_device(fill_bitmask([grammars[1]], ring))[0]
+            forbidden = unpack_forbidden(ring.to_device(fill_bitmask([grammars[1]], ring)), vocab)[0]
             tokens[1] = int(forbidden.nonzero().flatten()[0])
         got = accept_tokens([grammars[i] for i in rows], tokens)
         want = [twins[i].accept_token(t) for i, t in zip(rows, tokens)]

@@ -18,6 +18,7 @@ if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
 from engine.kernels.greedy_logprob import greedy_logprob  # noqa: E402
 from engine.kernels.gumbel_argmax import gumbel_argmax  # noqa: E402
 from engine.kernels.small_m_linear import small_m_linear, small_m_linear_add_norm  # noqa: E402
+from engine.kernels.token_bitmask import masked_logits  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)]
 
@@ -165,3 +166,16 @@ def test_engine_sampled_tokens_with_the_triton_gumbel_kernel(tmp_path, monkeypat
     compiled = run()
     monkeypatch.delenv("TANDEM_TRITON_GUMBEL")
     assert run(gumbel_argmax) == compiled
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_masked_logits_equals_unpack_and_masked_fill(batch):
+    """The grammar mask's one pass gives the torch path's values exactly at the Qwen vocabulary."""
+    from engine.sampling.token_mask import masked_logits_torch
+
+    vocab = 151936
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    logits = torch.randn(batch, vocab, device="cuda", generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (batch, (vocab + 31) // 32), device="cuda", generator=g,
+                            dtype=torch.int32)
+    assert torch.equal(masked_logits(logits, bitmask), masked_logits_torch(logits, bitmask))

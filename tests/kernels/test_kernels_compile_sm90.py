@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import greedy_logprob, gumbel_argmax
+from engine.kernels import greedy_logprob, gumbel_argmax, token_bitmask
 
 KERNELS = [
     (gumbel_argmax._chunk_kernel, {"x_ptr": "*fp32", "seed_ptr": "*i64", "pos_ptr": "*i64", "max_ptr": "*fp64",
@@ -36,6 +36,9 @@ KERNELS = [
      {"CHUNK": greedy_logprob.CHUNK}),
     (greedy_logprob._merge_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "ids_ptr": "*i64",
                                     "logprob_ptr": "*fp32", "NUM_CHUNKS": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}),
+    (token_bitmask._masked_kernel, {"x_ptr": "*fp32", "mask_ptr": "*i32", "out_ptr": "*fp32", "V": "i32",
+                                    "stride_x": "i32", "stride_m": "i32", "stride_o": "i32", "BLOCK": "constexpr"},
+     {"BLOCK": token_bitmask.BLOCK}),
 ]
 for fn, signature, constexprs in KERNELS:
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
@@ -47,4 +50,4 @@ for fn, signature, constexprs in KERNELS:
 
 def test_sampling_kernels_compile_for_sm90():
     done = run_for_sm90(SCRIPT)
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 5
