@@ -135,6 +135,8 @@ class RequestBuilder:
         return [shared] * n_prompts
 
     def _checked_token_ids(self, ids: Any, what: str) -> list[int]:
+        if len(ids) > 2 * self.vocab_size:  # each id is a value per position of the reply: millions stalled it
+            raise ValueError(f"token_ids_logprob has {len(ids)} ids, more than twice the vocabulary's {self.vocab_size}")
         ids = list(ids)
         kinds = {type(t) for t in ids}
         if not kinds <= {int}:  # bool is its own type: refused, as are floats and strings

@@ -184,6 +184,16 @@ def test_bad_values_are_refused_naming_the_argument(engine, bad):
         engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True, token_ids_logprob=bad)
 
 
+def test_more_ids_than_the_vocabulary_are_refused_before_they_are_read(engine):
+    """Millions of ids (each a value per position of the reply) are refused by their count."""
+    vocab = engine.local_core.parts.vocab_size
+    too_many = 2 * vocab + 1
+    with pytest.raises(ValueError, match=f"token_ids_logprob has {too_many} ids, more than twice the vocabulary's {vocab}"):
+        engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True, token_ids_logprob=[1] * too_many)
+    out = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True, token_ids_logprob=[1] * 2 * vocab)
+    assert len(out["meta_info"]["output_token_ids_logprobs"][0]) == 2 * vocab
+
+
 def test_list_per_prompt_must_match_the_prompts(engine):
     with pytest.raises(ValueError, match="token_ids_logprob has 3 lists for 2 prompts"):
         engine.generate(input_ids=[PROMPT, [5, 6]], sampling_params=GREEDY, return_logprob=True,
