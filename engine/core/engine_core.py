@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from engine.config import ServerArgs
 from engine.gc_freeze import freeze_gc
@@ -151,9 +151,10 @@ class EngineCore:
             if ahead.sample_after_commit:  # forward now; sampling once the tokens it reads are in
                 self._uncommitted.append(ahead)
                 forward = self.runner.forward(ahead, inflight)
-                outputs = self._process(inflight, then=ahead)
-                self._inflight = self.runner.sample(forward)
-                return outputs
+
+                def sample_ahead() -> None:
+                    self._inflight = self.runner.sample(forward)
+                return self._process(inflight, then=ahead, sample_then=sample_ahead)
             self._inflight = self._launch(ahead, inflight)
             return self._process(inflight)
         outputs = self._process(inflight) if inflight is not None else []
@@ -171,8 +172,9 @@ class EngineCore:
         self._uncommitted.append(batch)
         return self.runner.launch(batch, inflight)
 
-    def _process(self, pending: PendingResult, then: Optional[ScheduleBatch] = None) -> list[ReqOutput]:
-        """Commit a step's tokens and answer for them (`then`: see StepResults.answer)."""
+    def _process(self, pending: PendingResult, then: Optional[ScheduleBatch] = None,
+                 sample_then: Optional[Callable[[], None]] = None) -> list[ReqOutput]:
+        """Commit a step's tokens and answer for them (`then`, `sample_then`: see StepResults.answer)."""
         batch = pending.batch
         # joins the mask worker: the device may wait on its gate, and nothing reads a matcher while it advances
         self.runner.grammar_masks.drop()
@@ -181,7 +183,7 @@ class EngineCore:
         grown = self.scheduler.commit(batch, result.next_token_ids)
         self._uncommitted.remove(batch)
         self._processing = batch
-        outputs = self.results.answer(batch, result, grown, then)
+        outputs = self.results.answer(batch, result, grown, then, sample_then)
         self._processing = None
         return outputs
 

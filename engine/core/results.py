@@ -9,7 +9,7 @@ streaming one gets a partial answer.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.core.messages import ReqOutput
 from engine.core.output import CoreView, req_output
@@ -35,14 +35,20 @@ class StepResults:
         self._route_reader = RouteReader()
 
     def answer(self, batch: ScheduleBatch, result: BatchResult, grown: list[Req],
-               then: Optional[ScheduleBatch] = None) -> list[ReqOutput]:
+               then: Optional[ScheduleBatch] = None, sample_then: Optional[Callable[[], None]] = None
+               ) -> list[ReqOutput]:
         """`grown`: the requests the step gave a token. `then`: the lookahead batch launched
         meanwhile, whose grammar mask is filled in the background once the matchers have these
-        tokens."""
+        tokens. `sample_then`: launches `then`'s sampling; called as soon as what it reads is in
+        (the tokens committed, the mask's fill posted) where the device, not the host, waits for
+        the fill, so the device samples while the host answers; else after the answers."""
         constrained = [req for req in grown if req.grammar is not None]
         grammar_stops = self._advance_grammars(constrained)
         if then is not None and constrained:
             self.runner.prefetch_grammar_mask(then)
+        if sample_then is not None and (not constrained or self.runner.grammar_masks.gate is not None):
+            sample_then, launch = None, sample_then
+            launch()
         record_logprobs(batch, result)
         outputs: list[ReqOutput] = []
         for req in grown:
@@ -53,6 +59,8 @@ class StepResults:
             self._release(req)
             outputs.append(self.finish(req))
         self._attach_routes(outputs)
+        if sample_then is not None:
+            sample_then()
         return outputs
 
     def _after_token(self, req: Req, grammar_stop: Optional[dict] = None) -> list[ReqOutput]:

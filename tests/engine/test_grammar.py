@@ -195,26 +195,6 @@ def test_deterministic_mode_same_alone_and_batched(engine_factory):
         check_schema(out["text"])
 
 
-def test_grammar_rows_run_ahead_with_sampling_after_the_commit(engine_factory):
-    """Overlap (forced on the CPU): a grammar row's forward is launched before the previous token
-    is read; its mask, which needs that token, is filled in the background once the commit has
-    advanced the matchers. Same outputs as the plain loop, and the lookahead and the prefetched
-    masks really ran."""
-    prompts = [[5 + i, 9, 12 + 2 * i] for i in range(6)]
-    params = [{"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": i,
-               **({"regex": "[0-9]{3}-[a-z]{2}"} if i % 2 else {})} for i in range(6)]
-    plain = engine_factory(enable_deterministic_inference=True)
-    overlapped = engine_factory(enable_deterministic_inference=True)
-    overlapped.local_core.overlap = True
-    want = plain.generate(input_ids=prompts, sampling_params=params)
-    got = overlapped.generate(input_ids=prompts, sampling_params=params)
-    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
-    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", o["text"]) for o in got[1::2]), [o["text"] for o in got]
-    assert overlapped.local_core.stats.num_lookahead_steps > 5
-    assert overlapped.local_core.runner.grammar_masks.num_taken >= 4  # steps with a live grammar row, bar the first
-    overlapped.check_integrity()
-
-
 def test_sampling_params_grammar_fields():
     assert SamplingParams.from_dict({"json_schema": "{}"}).validate().json_schema == "{}"
     with pytest.raises(ValueError, match=r"at most one of .*\['json_schema', 'regex'\]"):
