@@ -32,6 +32,8 @@ class GenerateRequest:
     return_routed_experts: Union[bool, list[bool]] = False  # MoE: needs --enable-return-routed-experts
     # a LoRA adapter's name (or path) for every prompt, or one per prompt (None: the base model)
     lora_path: Union[str, list[Optional[str]], None] = None
+    # the first position whose routes come back (SGLang's: a continued rollout holds the earlier ones)
+    routed_experts_start_len: Union[int, list[int]] = 0
 
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":
@@ -55,4 +57,4 @@ class GenerateRequest:
 
 # sglang.Engine.generate's defaults are None for these (verl's adapters pass them so)
 NONE_MEANS_DEFAULT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0, "stream": False,
-                      "return_routed_experts": False}
+                      "return_routed_experts": False, "routed_experts_start_len": 0}

@@ -59,11 +59,13 @@ class RequestBuilder:
         distribution = self._distribution(request.logprob_distribution)
         id_lists = self._token_ids_logprob(request.token_ids_logprob, n)
         routes = _per_prompt("return_routed_experts", request.return_routed_experts, n, self._checked_routes)
+        route_starts = _per_prompt("routed_experts_start_len", request.routed_experts_start_len, n, lambda v: v)
         adapters = _per_prompt("lora_path", request.lora_path, n, self.lora.check)
         out: list[ReqInput] = []
-        for ids, p, base_rid, wanted, lp, start, top, route, adapter in zip(prompts, params, rids, id_lists, want,
-                                                                            starts, tops, routes, adapters):
+        for ids, p, base_rid, wanted, lp, start, top, route, route_start, adapter in zip(
+                prompts, params, rids, id_lists, want, starts, tops, routes, route_starts, adapters):
             self._check_logprob_start(start, len(ids))
+            _check_route_start(route_start, len(ids))
             p = self._bounded(p, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
@@ -73,7 +75,8 @@ class RequestBuilder:
                     seed=base_seed if p.n == 1 else derive_seed(base_seed, i), return_logprob=lp,
                     logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
                     token_ids_logprob=wanted if lp else None, logprob_distribution=distribution,
-                    stream=request.stream, return_routed_experts=route, lora_path=adapter,
+                    stream=request.stream, return_routed_experts=route, routed_experts_start_len=route_start,
+                    lora_path=adapter,
                 ))
         self._check_unique_rids(out)
         return out, single and params[0].n == 1
@@ -283,6 +286,11 @@ class RequestBuilder:
     def _check_logprob_start(start: int, prompt_len: int) -> None:
         if not _is_int(start) or not -1 <= start < prompt_len:
             raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {prompt_len}), got {start!r}")
+
+
+def _check_route_start(start: Any, prompt_len: int) -> None:
+    if not _is_int(start) or not 0 <= start <= prompt_len:  # SGLang's range: up to the whole prompt
+        raise ValueError(f"routed_experts_start_len must be in [0, {prompt_len}] (the prompt's tokens), got {start!r}")
 
 
 def _check_return_logprob(value: Any) -> bool:

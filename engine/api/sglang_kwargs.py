@@ -20,6 +20,7 @@ REFUSED = {
     "input_embeds": "tandem takes token ids (input_ids) or text, not embeddings",
     "return_hidden_states": "tandem does not return hidden states; leave it False",
     "return_entropy": "tandem does not return entropies; leave it False",
+    "return_indexer_topk": "tandem serves no sparse-attention indexer (DeepSeek V3.2's); leave it False",
     "custom_logit_processor": "tandem runs no client-supplied code; use sampling_params logit_bias, or leave it None",
     "session_params": "tandem has no sessions; send each turn's whole prompt",
     "priority": "tandem has no priority scheduling; leave it None",

@@ -21,7 +21,8 @@ from typing import Any, AsyncIterator, Optional
 # GenerateReqInput's fields Engine.async_generate takes (text is its prompt); the refused ones
 # are refused there when set (engine/api/sglang_kwargs.py)
 GENERATE_FIELDS = ("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                   "token_ids_logprob", "stream", "rid", "lora_path", "return_routed_experts")
+                   "token_ids_logprob", "stream", "rid", "lora_path", "return_routed_experts",
+                   "routed_experts_start_len")
 
 
 @dataclass

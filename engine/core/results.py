@@ -31,7 +31,7 @@ class StepResults:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
-        self._pending_routes: list[tuple[str, object]] = []  # (rid, KV slots) released this step
+        self._pending_routes: list[tuple[str, int, object]] = []  # (rid, first position, KV slots) released this step
         self._route_reader = RouteReader()
 
     def answer(self, batch: ScheduleBatch, result: BatchResult, grown: list[Req],
@@ -81,7 +81,8 @@ class StepResults:
         live at its KV slots; _attach_routes reads those of the whole step at once)."""
         if (req.return_routed_experts and req.req_pool_idx is not None
                 and self.runner.kv_pool.routed_experts is not None):
-            self._pending_routes.append((req.rid, route_slots(self.runner.req_to_token_pool.req_to_token, req)))
+            self._pending_routes.append((req.rid, req.routed_experts_start_len,
+                                         route_slots(self.runner.req_to_token_pool.req_to_token, req)))
         self.scheduler.release(req)
 
     def _attach_routes(self, outputs: list[ReqOutput]) -> None:
@@ -90,11 +91,12 @@ class StepResults:
         if not self._pending_routes:
             return
         pending, self._pending_routes = self._pending_routes, []
-        routes = self._route_reader.read(self.runner.kv_pool.routed_experts, [slots for _, slots in pending])
-        by_rid = {rid: ids for (rid, _), ids in zip(pending, routes)}
+        routes = self._route_reader.read(self.runner.kv_pool.routed_experts, [slots for _, _, slots in pending])
+        by_rid = {rid: (start, ids) for (rid, start, _), ids in zip(pending, routes)}
         for out in outputs:
             if out.finished and out.rid in by_rid:
-                out.output["meta_info"]["routed_experts"] = by_rid[out.rid]
+                meta = out.output["meta_info"]
+                meta["routed_experts_start_len"], meta["routed_experts"] = by_rid[out.rid]
 
     def _advance_grammars(self, reqs: list[Req]) -> dict[int, Optional[dict]]:
         """Feed each request's committed token to its grammar, one call for the batch. By request

@@ -1,7 +1,8 @@
 """A finished request's routed experts, as SGLang sends them: meta_info["routed_experts"] is the
 base64 of little-endian int32 [tokens, layers, top_k] (encoded where the core reads it), tokens =
-prompt + output - 1 (every token that went through the model; the last sampled one never does),
-layers = every hidden layer (-1 on dense ones).
+prompt + output - 1 (every token that went through the model; the last sampled one never does)
+less the request's routed_experts_start_len (echoed in meta_info: a continued rollout asks only
+for the positions it does not hold), layers = every hidden layer (-1 on dense ones).
 
 The MoE layers store each token's ids at its KV slot (engine/models/moe.py), so tokens whose KV
 came from the radix cache still have the routes computed when that KV was written, under the same
@@ -18,9 +19,10 @@ import numpy as np
 
 
 def route_slots(req_to_token: Any, req: Any) -> Any:
-    """The KV slots of the tokens whose routes a finished request returns (before its row is freed)."""
+    """The KV slots of the tokens whose routes a finished request returns (before its row is
+    freed): positions [routed_experts_start_len, seq_len - 1), as SGLang's."""
     n = max(min(req.seq_len - 1, req.kv_committed_len), 0)
-    return req_to_token[req.req_pool_idx, :n].clone()
+    return req_to_token[req.req_pool_idx, min(req.routed_experts_start_len, n):n].clone()
 
 
 class RouteReader:

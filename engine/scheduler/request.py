@@ -27,6 +27,7 @@ class RequestOptions:
     logprob_distribution: str = "original"
     stream: bool = False
     return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (needs the server flag)
+    routed_experts_start_len: int = 0  # the routes returned are positions [this, seq_len - 1)
     lora_path: Optional[str] = None  # the LoRA adapter's name (or path); None: the base model
 
 

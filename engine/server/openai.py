@@ -70,7 +70,8 @@ class OpenAIServing:
             **{key: prompt}, sampling_params=openai_sampling_params(req, req.max_tokens),
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
             top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream,
-            return_routed_experts=req.return_routed_experts, lora_path=req.adapter(self.lora_enabled))
+            return_routed_experts=req.return_routed_experts, lora_path=req.adapter(self.lora_enabled),
+            routed_experts_start_len=req.routed_experts_start_len or 0)
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:
         prompt = req.prompt
@@ -149,7 +150,7 @@ class OpenAIServing:
             input_ids=ids, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             rid=req.rid, stream=req.stream, return_routed_experts=req.return_routed_experts,
-            lora_path=req.adapter(self.lora_enabled))
+            lora_path=req.adapter(self.lora_enabled), routed_experts_start_len=req.routed_experts_start_len or 0)
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]

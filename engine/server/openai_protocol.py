@@ -92,6 +92,7 @@ class _OpenAISampling(_NullsAsDefaults):
     custom_logit_processor: Optional[str] = None
     lora_path: Any = None  # SGLang's: the adapter for the request (or one per prompt)
     return_routed_experts: bool = False  # SGLang's: first choice's routes as sglext.routed_experts
+    routed_experts_start_len: Optional[StrictInt] = None  # SGLang's: the routes from this position on
     custom_params: Any = None  # SGLang's: passed on in the sampling params (which check it)
 
     def adapter(self, lora_enabled: bool) -> Any:

@@ -65,6 +65,7 @@ class GenerateBody(_NullsAsDefaults):
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
     return_routed_experts: Union[bool, list[bool]] = False
+    routed_experts_start_len: Union[StrictInt, list[StrictInt], None] = 0
     lora_path: Any = None  # an adapter name, or one per prompt (None: the base): checked by the RequestBuilder
     # SGLang refuses these unless started for them (--enable-return-hidden-states,
     # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
@@ -86,7 +87,8 @@ class GenerateBody(_NullsAsDefaults):
             return_logprob=self.return_logprob, logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num or 0, token_ids_logprob=self.token_ids_logprob,
             logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream,
-            return_routed_experts=self.return_routed_experts, lora_path=self.lora_path)
+            return_routed_experts=self.return_routed_experts, lora_path=self.lora_path,
+            routed_experts_start_len=self.routed_experts_start_len or 0)
 
 
 def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:

@@ -12,8 +12,9 @@ from engine.api.sglang_kwargs import REFUSED, given
 # /generate's body: the multimodal, embedding, session and entropy fields (return_hidden_states
 # and custom_logit_processor have the body's own check, engine/server/protocol.py)
 REFUSED_GENERATE_FIELDS = {name: REFUSED[name] for name in (
-    "image_data", "video_data", "audio_data", "input_embeds", "session_params", "return_entropy")}
-REFUSED_OPENAI_FIELDS = {name: REFUSED[name] for name in ("session_params",)}
+    "image_data", "video_data", "audio_data", "input_embeds", "session_params", "return_entropy",
+    "return_indexer_topk")}
+REFUSED_OPENAI_FIELDS = {name: REFUSED[name] for name in ("session_params", "return_indexer_topk")}
 
 
 def refuse_given(values: dict[str, Any], reasons: dict[str, str]) -> None:

@@ -77,6 +77,24 @@ def test_only_when_asked_and_per_prompt(routes_engine):
     assert len(_routes(outs[0])) == len(prompts[0]) + len(outs[0]["output_ids"]) - 1
 
 
+def test_start_len_returns_the_routes_from_that_position(routes_engine):
+    """SGLang's routed_experts_start_len (miles' continued rollouts): positions [start, prompt +
+    output - 1), the start echoed in meta_info; per prompt, up to the whole prompt; others refused."""
+    prompts = random_prompts(2, 1000, lengths=(8, 8), seed=14)
+    whole = routes_engine.generate(input_ids=prompts, sampling_params=GREEDY, return_routed_experts=True)
+    parts = routes_engine.generate(input_ids=prompts, sampling_params=GREEDY, return_routed_experts=True,
+                                   routed_experts_start_len=[5, 8])
+    for full, part, start in zip(whole, parts, (5, 8)):
+        assert full["meta_info"]["routed_experts_start_len"] == 0
+        assert part["meta_info"]["routed_experts_start_len"] == start
+        assert torch.equal(_routes(part), _routes(full)[start:])
+        assert len(_routes(part)) == 8 + GREEDY["max_new_tokens"] - 1 - start
+    for bad in (9, -1, True, 2.0):
+        with pytest.raises(ValueError, match=r"routed_experts_start_len must be in \[0, 8\]"):
+            routes_engine.generate(input_ids=prompts[0], sampling_params=GREEDY, return_routed_experts=True,
+                                   routed_experts_start_len=bad)
+
+
 def test_a_core_process_returns_the_same_routes(routes_engine, moe_mixed_model_dir):
     """The core encodes a step's routes; with --core-process they cross the pipe as the same strings.
     Requests of different lengths finish in one step: one gather for them all, split per request."""
@@ -128,6 +146,18 @@ def test_http_generate_returns_and_refuses(routes_engine, moe_mixed_model_dir):
         direct = routes_engine.generate(input_ids=body["input_ids"], sampling_params=body["sampling_params"],
                                         return_routed_experts=True)
         assert reply.json()["meta_info"]["routed_experts"] == direct["meta_info"]["routed_experts"]
+        part = client.post("/generate", json={**body, "routed_experts_start_len": 3}).json()["meta_info"]
+        assert part["routed_experts_start_len"] == 3
+        assert torch.equal(_routes({"meta_info": part}), _routes(direct)[3:])
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "return_routed_experts": True, "routed_experts_start_len": 2, "return_meta_info": True})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["meta_info"]["routed_experts_start_len"] == 2
+        for bad in ({"routed_experts_start_len": 5}, {"routed_experts_start_len": "1"}, {"return_indexer_topk": True}):
+            reply = client.post("/generate", json={**body, **bad})
+            assert reply.status_code == 400 and next(iter(bad)) in reply.text, reply.text
+        assert client.post("/generate", json={**body, "return_indexer_topk": False}).status_code == 200
     plain = Engine(model_path=moe_mixed_model_dir, dtype="float32", device="cpu")
     try:
         with TestClient(create_app(plain)) as client:
