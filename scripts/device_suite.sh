@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -208,8 +208,8 @@ for s in "$@"; do case $s in
   detgemvab) for bs in 1 8; do  # 8B batch 1 / 8: normal, deterministic without and with TANDEM_DET_GEMV
       step detgemv-normal-bs$bs 60 $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/detgemv-normal-bs$bs.json"
       for v in 0 1; do step detgemv-det$v-bs$bs 60 env TANDEM_DET_GEMV=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detgemv-det$v-bs$bs.json"; done; done ;;
-  grammarab) ( kit && for tree in ab_base .; do  # the grammar process's ratio on $tree (ab_base: the base tree, copied in by the caller), 3 runs
-      (cd $tree && step grammar-$(basename $(pwd)) 240 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-3} --variants prefetch $([ $tree = . ] && echo --profile ${PROFILE:-0}) --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-$(basename $(pwd)).json"); done ) ;;
+  grammarprocab) ( kit && for tree in ab_base .; do  # the grammar process's ratio on the base tree (ab_base: copied in and carried by the caller) then this one; this one profiled
+      (cd $tree && step grammarproc-$(basename $(pwd)) 200 python3 scripts/grammar_bench.py --batch 64 --runs ${RUNS:-3} --variants prefetch,prefetch2 $([ $tree = . ] && echo --profile ${PROFILE:-25}) --engine-args '{"grammar_backend": "process"}' --json "$OUT/grammar-proc-$(basename $(pwd)).json"); done ) ;;
   t1treeab) for tree in ab_base .; do  # sampled decoding (T = 1), 0.6B, 256 x (512, 256) on the base tree then this one
       (cd $tree && step t1-$(basename $(pwd)) 80 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/t1-$(basename $(pwd)).json"); done ;;
   masktests) ( kit && step masktests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py -k "masked or greedy" tests/gpu/test_grammar_gpu.py ) ;;
