@@ -24,6 +24,11 @@ from engine.sampling.seeds import derive_seed
 from engine.sampling_params import GRAMMAR_FIELDS, SamplingParams
 from engine.tokenizer import check_text
 
+# token_ids_logprob's values a request may ask for: ids x (prompt positions + new tokens). Each is a
+# float gathered on the device and a Python float in the reply (~16M: ~64 MB on the device, ~0.5 GB
+# of reply); past it one request's prompt chunk could take the whole batch's memory.
+MAX_ID_LOGPROBS = 1 << 24
+
 
 class RequestBuilder:
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, server_args: ServerArgs,
@@ -68,6 +73,8 @@ class RequestBuilder:
             _check_route_start(route_start, len(ids))
             p = self._bounded(p, len(ids))
             self._check_fits(len(ids), p.max_new_tokens)
+            if lp and wanted:
+                _check_id_logprob_count(len(wanted), (len(ids) - start if start >= 0 else 0) + p.max_new_tokens)
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
             for i in range(p.n):
                 out.append(ReqInput(
@@ -286,6 +293,13 @@ class RequestBuilder:
     def _check_logprob_start(start: int, prompt_len: int) -> None:
         if not _is_int(start) or not -1 <= start < prompt_len:
             raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {prompt_len}), got {start!r}")
+
+
+def _check_id_logprob_count(ids: int, positions: int) -> None:
+    if ids * positions > MAX_ID_LOGPROBS:
+        raise ValueError(f"token_ids_logprob asks for {ids} ids at {positions} positions (prompt logprobs + "
+                         f"max_new_tokens) = {ids * positions:,} values; the limit is {MAX_ID_LOGPROBS:,} a request: "
+                         "ask for fewer ids, a later logprob_start_len or fewer new tokens")
 
 
 def _check_route_start(start: Any, prompt_len: int) -> None:

@@ -32,6 +32,30 @@ def test_unpacked_mask_matches_xgrammar_apply():
     assert torch.equal(masked_logits(logits, bitmask), expected)  # what the sampler applies
 
 
+def test_a_failing_mask_kernel_falls_back_to_torch_for_good(monkeypatch, caplog):
+    """The Triton pass compiles at its first call; where it cannot, that call and every later one
+    are served by the torch path (one warning), never a failed step."""
+    import engine.sampling.token_mask as token_mask
+
+    calls = []
+
+    class Broken:
+        @staticmethod
+        def masked_logits(logits, bitmask):
+            calls.append(1)
+            raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(token_mask, "_FAILED", [])
+    monkeypatch.setattr(token_mask, "_kernel", lambda: Broken)
+    monkeypatch.setattr(token_mask, "_on_gpu", lambda logits: True)
+    bitmask = torch.tensor([[0b1010]], dtype=torch.int32)
+    logits = torch.arange(4, dtype=torch.float32).unsqueeze(0)
+    for _ in range(3):
+        out = token_mask.masked_logits(logits, bitmask)
+        assert torch.equal(out, torch.tensor([[float("-inf"), 1.0, float("-inf"), 3.0]]))
+    assert calls == [1] and "masking with torch ops instead" in caplog.text
+
+
 def _walked_grammars(engine, n: int, seed: int = 0) -> list:
     """n RequestGrammars over SCHEMA, each advanced by a random number of allowed tokens."""
     from engine.grammar import BitmaskRing, GrammarCompiler, RequestGrammar, fill_bitmask

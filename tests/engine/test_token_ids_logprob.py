@@ -194,6 +194,21 @@ def test_more_ids_than_the_vocabulary_are_refused_before_they_are_read(engine):
     assert len(out["meta_info"]["output_token_ids_logprobs"][0]) == 2 * vocab
 
 
+def test_ids_times_positions_are_bounded(engine, monkeypatch):
+    """The work a request asks for (ids x (prompt logprob rows + new tokens)) is bounded: past it a
+    400 naming the three knobs; at it the request runs."""
+    import engine.api.request_builder as builder
+
+    monkeypatch.setattr(builder, "MAX_ID_LOGPROBS", 5 * (len(PROMPT) + 4))
+    ids = [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"token_ids_logprob asks for 5 ids at .* positions .* fewer ids"):
+        engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 5}, return_logprob=True,
+                        token_ids_logprob=ids, logprob_start_len=0)
+    out = engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 4}, return_logprob=True,
+                          token_ids_logprob=ids, logprob_start_len=0)
+    assert len(out["meta_info"]["output_token_ids_logprobs"]) == 4
+
+
 def test_list_per_prompt_must_match_the_prompts(engine):
     with pytest.raises(ValueError, match="token_ids_logprob has 3 lists for 2 prompts"):
         engine.generate(input_ids=[PROMPT, [5, 6]], sampling_params=GREEDY, return_logprob=True,
