@@ -46,9 +46,9 @@ class StepResults:
         grammar_stops = self._advance_grammars(constrained)
         if then is not None and constrained:
             self.runner.prefetch_grammar_mask(then)
-        if sample_then is not None and (not constrained or self.runner.grammar_masks.gate is not None):
-            sample_then, launch = None, sample_then
-            launch()
+        early = sample_then is not None and (not constrained or self.runner.grammar_masks.gate is not None)
+        if early:
+            sample_then()
         record_logprobs(batch, result)
         outputs: list[ReqOutput] = []
         for req in grown:
@@ -59,7 +59,7 @@ class StepResults:
             self._release(req)
             outputs.append(self.finish(req))
         self._attach_routes(outputs)
-        if sample_then is not None:
+        if sample_then is not None and not early:
             sample_then()
         return outputs
 
