@@ -12,7 +12,8 @@ The rule every kernel taking PDL keeps: `await_inputs(PDL)` first, before any st
 what a kernel writes, and any early return of any program. A kernel that touched such memory
 before it, or exited without it, could complete before its predecessor and let its own successor
 read unfinished results. Weights are the one thing read before it (the small-M gemv's first
-tile): no kernel writes them during a step (updates land between steps, the engine paused).
+tile, and an L2 prefetch of the rest of its slice, `prefetch_l2`): no kernel writes them during a
+step (updates land between steps, the engine paused).
 
 Only for batches of up to MAX_ROWS rows (decode at small batch, where latency is the cost; a
 large grid's programs waiting early would hold SM slots the running kernel's later waves need),
@@ -43,6 +44,12 @@ MODE = env_choice(ENV, "wide", ("0", "1", "wide"), "1 (programmatic dependent la
                   "linears on the small-M gemv) or 0 (off)")
 ENABLED = MODE != "0"
 WIDE = MODE == "wide"  # the small-M gemv takes qkv and gate_up too (no cuBLAS link in the chain)
+# Before its wait a PDL gemv asks L2 for the rest of its weight slice (`prefetch_l2`), up to
+# PREFETCH_BUDGET bytes over all its programs: a hint that fills the gap while the previous kernel
+# finishes, never a change in what is computed.
+PREFETCH = env_choice("TANDEM_GEMV_PREFETCH", "1", ("0", "1"), "1 (on, the default) or 0 (off)") == "1"
+PREFETCH_BUDGET = 16 << 20  # a third of the H100's / H200's 50 MB L2: the running kernel keeps the rest
+L2_LINE = 128
 
 
 def use_pdl(rows: int, device: torch.device) -> bool:
@@ -58,6 +65,25 @@ def launch_options(pdl: bool) -> dict:
 @functools.lru_cache(maxsize=None)
 def hopper_or_later(index) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def prefetch_lines(programs: int, rows: int, row_bytes: int) -> int:
+    """How many L2 lines of each of its `rows` weight rows (`row_bytes` each, past its first tile)
+    a gemv program asks for, as a power of two (0: none): all of them rounded up (the kernel clamps
+    the extra addresses to the row's last), or as many as PREFETCH_BUDGET over `programs` allows."""
+    needed = -(-row_bytes // L2_LINE)
+    allowed = PREFETCH_BUDGET // (programs * rows * L2_LINE)
+    if not PREFETCH or needed == 0 or allowed == 0:
+        return 0
+    return 1 << (needed - 1).bit_length() if needed <= allowed else 1 << (allowed.bit_length() - 1)
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at `ptrs` (any shape): no registers held, nothing waited for. Only on
+    CUDA (inline PTX): callers reach it under PDL, which the interpreter never takes."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton.language as tl
 from engine.kernels import env_choice
 from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK, _norm_launch, rms_norm
 from engine.kernels.pdl import WIDE as WIDE_PDL
-from engine.kernels.pdl import hopper_or_later, await_inputs, launch_options, use_pdl
+from engine.kernels.pdl import L2_LINE, hopper_or_later, await_inputs, launch_options, prefetch_l2, prefetch_lines, use_pdl
 from engine.kernels.qk_norm_rope import round_to
 
 MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
@@ -159,8 +159,9 @@ def _row_dot(x_ptr, w_ptr, offs_n, n_mask, k0, K, stride_wn, K_PER_SPLIT: tl.con
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
                  GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                 ROW: tl.constexpr = False):
-    """ROW: M == 1 on the CUDA cores (_row_dot); else x's rows padded to 16 for tl.dot."""
+                 ROW: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+    """ROW: M == 1 on the CUDA cores (_row_dot); else x's rows padded to 16 for tl.dot. PF_LINES
+    (PDL only): L2 lines of LINE elements of each weight row past the first tile asked for early."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,8 +174,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
                        BLOCK_K)[None, :]
     else:
         offs_m = tl.arange(0, 16)
-        acc = _tile_dot(x_ptr, w_ptr, offs_m, offs_n, offs_m < M, n_mask, k0, K, stride_xm, stride_wn,
-                        K_PER_SPLIT, GATED, BLOCK_N, BLOCK_K, PDL)
+        acc = _tile_dot(x_ptr, w_ptr, offs_m, offs_n, offs_m < M, n_mask, k0, N, K, stride_xm, stride_wn,
+                        K_PER_SPLIT, GATED, BLOCK_N, BLOCK_K, PDL, PF_LINES, LINE)
     m_mask = offs_m < M
     mask = m_mask[:, None] & n_mask[None, :]
     if DIRECT:
@@ -187,15 +188,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
 
 
 @triton.jit
-def _tile_dot(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k0, K, stride_xm, stride_wn, K_PER_SPLIT: tl.constexpr,
-              GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _tile_dot(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k0, N, K, stride_xm, stride_wn,
+              K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):
     """x's rows (padded to 16) by W's [BLOCK_N, K_PER_SPLIT] slice on the tensor cores -> [16, BLOCK_N]."""
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    if PDL:  # the first weight tile streams in while the previous kernel finishes: no kernel
-        # writes weights during a step, so only x waits (the same sums, in the same order)
+    if PDL:  # the first weight tile streams in while the previous kernel finishes, and L2 is asked
+        # for more of the slice: no kernel writes weights during a step, so only x waits (the same
+        # sums, in the same order)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = _w_tile(w_ptr, offs_n, offs_k, n_mask, k_mask, stride_wn)
+        if PF_LINES > 0:
+            last_k = tl.minimum(k0 + K_PER_SPLIT, K) - 1  # a power of two of lines may run past the slice
+            pf_k = tl.minimum(k0 + BLOCK_K + tl.arange(0, PF_LINES) * LINE, last_k)
+            prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + pf_k[None, :])
         await_inputs(PDL)
         x = _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED)
         acc += tl.dot(x, tl.trans(w))
@@ -307,10 +314,16 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     part = None if direct else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     pdl = use_pdl(M, x.device)
+    line = L2_LINE // weight.element_size()
+    programs = triton.cdiv(N, cfg.block_n) * cfg.split_k
+    row = gated and M == 1  # the CUDA-core path (opt-in) takes no prefetch
+    pf_lines = prefetch_lines(programs, cfg.block_n, (k_per_split - cfg.block_k) * weight.element_size()) \
+        if pdl and not row else 0
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x, weight, _bias_arg(bias, weight), out, out if direct else part, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None,
-        DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, ROW=gated and M == 1,
+        DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, ROW=row,
+        PF_LINES=pf_lines, LINE=line,
         num_warps=cfg.num_warps * (2 if gated else 1), num_stages=cfg.num_stages,  # gated at 4 warps spilled
         **launch_options(pdl))
     return out, part, cfg

@@ -129,6 +129,22 @@ def test_wide_linears_take_the_gemv_only_under_wide_pdl(monkeypatch):
                                    rtol=1e-2, atol=1e-2)
 
 
+def test_gemv_prefetch_lines_cover_the_slice_within_the_l2_budget(monkeypatch):
+    """Each program asks for its whole slice past the first tile (rounded up to a power of two of
+    lines: the kernel clamps the extra addresses) while the grid stays within PREFETCH_BUDGET; past
+    it, the largest power of two that fits; nothing when off or with nothing past the first tile."""
+    from engine.kernels import pdl
+
+    monkeypatch.setattr(pdl, "PREFETCH", True)
+    assert pdl.prefetch_lines(128, 32, (1024 - 128) * 2) == 16  # 0.6B qkv: 14 lines, all of them
+    assert pdl.prefetch_lines(64, 64, 384 * 2) == 8  # 6 lines
+    lines = pdl.prefetch_lines(384, 64, (4096 - 128) * 2)  # 8B gate_up: 62 lines a row, 201 MB in all
+    assert lines == 4 and 384 * 64 * lines * pdl.L2_LINE <= pdl.PREFETCH_BUDGET < 384 * 64 * 2 * lines * pdl.L2_LINE
+    assert pdl.prefetch_lines(64, 64, 0) == 0 and pdl.prefetch_lines(1 << 20, 64, 4096) == 0
+    monkeypatch.setattr(pdl, "PREFETCH", False)
+    assert pdl.prefetch_lines(128, 32, 1792) == 0
+
+
 SEEDS = [0, -1, 2**62 + 12345, -(2**63), 7]  # both 32-bit halves, negative int64 patterns
 POSITIONS = [0, 5, 2**40 + 3, 17, 2**31]
 

@@ -1,6 +1,7 @@
 """TANDEM_PDL's kernels (engine/kernels/pdl.py) compile for the H200 (sm_90) on a machine without a
 GPU, each with `griddepcontrol.wait` before its first global store and before every load but the
-small-M gemv's first weight tile (weights are not written during a step), and the launch flag set.
+small-M gemv's first weight tile (weights are not written during a step) and its L2 prefetch of the
+rest of its slice, and the launch flag set.
 Deterministic mode's batch-invariant matmul takes it too (its arithmetic is the same either way).
 The decode wrappers run under CompileAhead's dry pass (engine/kernels/compile_ahead.py) with a
 stand-in driver and PDL forced on: what they would launch at batch 1 is compiled, not launched
@@ -70,8 +71,11 @@ for name, kernel in kernels:
     assert wait, f"{name}: no griddepcontrol.wait"
     loads = len(re.findall(r"ld\.global", before))
     assert not re.search(r"st\.global|cp\.async|atom\.", before), f"{name}: a store before the wait"
-    # only the gemv reads before its wait: its first weight tile, which no kernel writes in a step
+    # only the gemv reads before its wait: its first weight tile, which no kernel writes in a step,
+    # and it asks L2 for the rest of its slice (6 lines of each of 64 rows, rounded up to 8: 4 a thread)
     assert loads == (W_TILE_LOADS if name == "_gemv_kernel" else 0), f"{name}: {loads} loads before the wait"
+    assert before.count("prefetch.global.L2") == (4 if name == "_gemv_kernel" else 0), name
+    assert "prefetch" not in after, name
     assert re.search(r"ld\.global|cp\.async", after), name  # x, after the wait
     assert "griddepcontrol.launch_dependents" in after, name
     assert kernel.metadata.launch_pdl, name
