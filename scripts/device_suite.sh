@@ -219,9 +219,10 @@ for s in "$@"; do case $s in
   pdlab) for v in 0 1 wide; do  # programmatic dependent launch for batches <= 8 (wide: qkv, gate_up on the small-M gemv too): the batch-1 step (graph alone) and streamed ITL
       step stepprobe-pdl$v 80 env TANDEM_PDL=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pdl$v 45 env TANDEM_PDL=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pdl$v.json"; done ;;
-  pfab) for v in 0 1; do  # the small-M gemv's L2 prefetch before its PDL wait: off (0) vs on (1), 0.6B: the graph alone at bs 1 and 8, streamed ITL
-      step stepprobe-pf$v 80 env TANDEM_GEMV_PREFETCH=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
-      step itl-pf$v 45 env TANDEM_GEMV_PREFETCH=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pf$v.json"; done ;;
+  pfab) for v in 0 1 early; do  # the small-M gemv's L2 prefetch before its PDL wait: off (0), on (1), on with each kernel's trigger before its wait (early); 0.6B: the graph alone at bs 1 and 8, streamed ITL
+      e="TANDEM_GEMV_PREFETCH=$v"; [[ $v == early ]] && e="TANDEM_GEMV_PREFETCH=1 TANDEM_PDL_EARLY=1"
+      step stepprobe-pf$v 80 env $e python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
+      step itl-pf$v 45 env $e $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pf$v.json"; done ;;
   pfab8) for v in 0 1; do  # the same, 8B: the graph alone at bs 1 (its gate_up's slices past the L2 budget: part of each)
       step stepprobe8-pf$v 120 env TANDEM_GEMV_PREFETCH=$v python3 scripts/step_time_probe.py --preset qwen3-8b --bs 1; done ;;
   pdltests)  # PDL's GPU tests: bitwise against the plain engine; the kernels' own tests with PDL on; wide against cuBLAS's engine

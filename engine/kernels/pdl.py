@@ -50,6 +50,9 @@ WIDE = MODE == "wide"  # the small-M gemv takes qkv and gate_up too (no cuBLAS l
 PREFETCH = env_choice("TANDEM_GEMV_PREFETCH", "1", ("0", "1"), "1 (on, the default) or 0 (off)") == "1"
 PREFETCH_BUDGET = 16 << 20  # a third of the H100's / H200's 50 MB L2: the running kernel keeps the rest
 L2_LINE = 128
+# 1: a kernel lets the next one be scheduled before its own wait, not after (A/B: a deeper chain of
+# waiting programs, each prefetching earlier; still ordered: a kernel completes only after its wait)
+EARLY_TRIGGER = tl.constexpr(env_choice("TANDEM_PDL_EARLY", "0", ("0", "1"), "0 (the default) or 1") == "1")
 
 
 def use_pdl(rows: int, device: torch.device) -> bool:
@@ -91,5 +94,9 @@ def await_inputs(PDL: tl.constexpr):
     """First in a kernel that may be launched with PDL: wait for the previous kernel to complete
     (its writes visible), then let the next kernel's programs be scheduled."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
