@@ -223,6 +223,7 @@ for s in "$@"; do case $s in
       e="TANDEM_GEMV_PREFETCH=$v"; [[ $v == early ]] && e="TANDEM_GEMV_PREFETCH=1 TANDEM_PDL_EARLY=1"
       step stepprobe-pf$v 80 env $e python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pf$v 45 env $e $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pf$v.json"; done ;;
+  pftests) step pftests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "engine_batch_one or small_m or chain or det_gemv" ;;  # the gemv (its prefetch on) bitwise, the bs-1 engine
   pfab8) for v in 0 1; do  # the same, 8B: the graph alone at bs 1 (its gate_up's slices past the L2 budget: part of each)
       step stepprobe8-pf$v 120 env TANDEM_GEMV_PREFETCH=$v python3 scripts/step_time_probe.py --preset qwen3-8b --bs 1; done ;;
   pdltests)  # PDL's GPU tests: bitwise against the plain engine; the kernels' own tests with PDL on; wide against cuBLAS's engine
