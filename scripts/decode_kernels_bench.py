@@ -1,15 +1,15 @@
 """Benchmark + check the small-batch decode kernels on one CUDA GPU against what they replace.
 
 small_m_linear vs F.linear (cuBLAS) on the Qwen3-0.6B and Qwen3-8B layer shapes at M in
-{1, 2, 4, 8}: a sweep of tiles at M = 1 (block_n x block_k x programs per SM), then the default
-choice and the sweep's best at every M; error vs a float32 reference. greedy_logprob vs the torch
+--ms (1, 2, 4, 8): a sweep of tiles at M = 1 (block_n x block_k x programs per SM), then the
+engine's choice and the sweep's best at every M; error vs a float32 reference. greedy_logprob vs the torch
 path it replaces (argmax + float32 log_softmax + gather) at B in {1, 32, 256}, V = 151,936: ids
 equal, logprob difference, time.
 
 Timing: CUDA graphs of R back-to-back calls, each on its own weight copy (all copies >= 3x the
 L2, so weights come from HBM as in a model's step), median of --reps replays / R.
 
-    python scripts/decode_kernels_bench.py [--quick] [--json PATH]
+    python scripts/decode_kernels_bench.py [--quick] [--ms 1,8,16,32] [--json PATH]
 Writes $OUT/decode_kernels.json when OUT is set.
 """
 
@@ -82,8 +82,8 @@ def bench_linear(args, sms: int) -> list[dict]:
             rows.append({"shape": name, "m": 1, "config": cfg.__dict__, "us": us, "sweep": True})
             if us < best_us:
                 best, best_us = cfg, us
-        default = sml.choose_config(n, k, sms)
-        for m in (1, 2, 4, 8):
+        default = sml.wide_config(n, sms) if n > k else sml.choose_config(n, k, sms)  # the engine's choice
+        for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ ws[0].float().T
             err = (sml.small_m_linear(x, ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
@@ -129,6 +129,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="the default tile only, no sweep")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8],
+                   help="rows of x to time (comma-separated; at most small_m_linear.MAX_M)")
     args = p.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result = {"device": torch.cuda.get_device_name(0), "greedy": bench_greedy(args),

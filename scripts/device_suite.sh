@@ -224,6 +224,16 @@ for s in "$@"; do case $s in
       step stepprobe-pf$v 80 env $e python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pf$v 45 env $e $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pf$v.json"; done ;;
   pftests) step pftests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "engine_batch_one or small_m or chain or det_gemv" ;;  # the gemv (its prefetch on) bitwise, the bs-1 engine
+  gemvk) step gemvk 150 python3 scripts/decode_kernels_bench.py --quick --ms 1,8,16,32 --reps 10 ;;  # the small-M gemv vs cuBLAS up to 32 rows
+  gemvtests) step gemvtests 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "small_m or det_gemv or chain" ;;
+  gemvab*)  # gemvab[16|32]: 8B at that batch (32 unless named), normal and deterministic, the gemv up to 8 rows (the default) vs 32
+    bs=${s#gemvab}; bs=${bs:-32}
+    for v in 8 32; do
+      step gemvab-normal-bs$bs-$v 100 env TANDEM_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemvab-normal-bs$bs-$v.json"
+      step gemvab-det-bs$bs-$v 100 env TANDEM_DET_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/gemvab-det-bs$bs-$v.json"; done ;;
+  gemv06) for v in 8 32; do  # 0.6B at 32 rows, normal mode
+      step gemv06-$v 80 env TANDEM_GEMV_MAX_M=$v $B --preset qwen3-0.6b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemv06-$v.json"; done ;;
+  gemvdet) step gemvdet 200 env TANDEM_DET_GEMV_MAX_M=32 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 10 --max-new-tokens 16 --json "$OUT/determinism-gemv32.json" ;;
   pfab8) for v in 0 1; do  # the same, 8B: the graph alone at bs 1 (its gate_up's slices past the L2 budget: part of each)
       step stepprobe8-pf$v 120 env TANDEM_GEMV_PREFETCH=$v python3 scripts/step_time_probe.py --preset qwen3-8b --bs 1; done ;;
   pdltests)  # PDL's GPU tests: bitwise against the plain engine; the kernels' own tests with PDL on; wide against cuBLAS's engine

@@ -33,6 +33,8 @@ from engine.kernels.small_m_linear import GemvConfig, small_m_linear, small_m_li
 from engine.kernels.small_m_linear import applies as gemv_applies, applies_add_norm as gemv_applies_add_norm
 
 ENABLED = env_choice("TANDEM_DET_GEMV", "1", ("0", "1"), "1 (on, the default) or 0 (off: the batch-invariant matmul)") == "1"
+# the most rows taken (more: the matmul); an A/B: past 16 rows the gemv pads x to a 32-row tile
+ROWS = int(env_choice("TANDEM_DET_GEMV_MAX_M", "8", ("8", "16", "32"), "8 (the default), 16 or 32"))
 BLOCK_K = 128  # the gemv's k step; a split must be a whole number of them
 
 
@@ -51,14 +53,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
     which it takes under TANDEM_PDL=wide only), on a device whose matmul tiles were measured bit for
     bit (sm_90, and in bf16 only; the CPU interpreter for tests), and a shape whose splits the gemv
     can take."""
-    return (ENABLED and x.dtype == torch.bfloat16 and gemv_applies(x, weight, wide=wide)
+    return (ENABLED and x.dtype == torch.bfloat16 and gemv_applies(x, weight, wide=wide, max_rows=ROWS)
             and triton_ops._tiers_measured_on(x.device) and config(weight.shape[0], weight.shape[1], x.dtype) is not None)
 
 
 def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """`applies`, and where normal mode's epilogue would (small_m_linear.applies_add_norm: an output
     row one norm program holds, TANDEM_SMALL_M_EPILOGUE not 0)."""
-    return applies(x, weight) and gemv_applies_add_norm(x, weight)
+    return applies(x, weight) and gemv_applies_add_norm(x, weight, max_rows=ROWS)
 
 
 def bi_gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,

@@ -5,7 +5,7 @@ on a Qwen3-0.6B o_proj (4 MB: 1 us of bandwidth), with a tile that leaves most S
 (scripts/decode_kernels_bench.py). This kernel streams W once, in [BLOCK_N, BLOCK_K] tiles spread over enough programs to
 keep every SM reading: N is cut into BLOCK_N rows per program and, when that leaves too few
 programs, K into SPLIT_K ranges whose float32 partials a second launch adds in a fixed order (no
-atomics: the same inputs give the same bits run to run). x's rows are padded to 16 inside the
+atomics: the same inputs give the same bits run to run). x's rows are padded to 16 (32 past 16) inside the
 tile for tl.dot; they cost registers, not bandwidth.
 
 Fusions (each launch saved is a few microseconds at batch 1): `small_m_linear_add_norm` ends the
@@ -40,7 +40,10 @@ from engine.kernels.pdl import WIDE as WIDE_PDL
 from engine.kernels.pdl import L2_LINE, hopper_or_later, await_inputs, launch_options, prefetch_l2, prefetch_lines, use_pdl
 from engine.kernels.qk_norm_rope import round_to
 
-MAX_M = 8  # decode batches up to this many rows; larger ones are cuBLAS's
+MAX_M = 32  # the most rows the kernel takes: x padded to a 16- or 32-row MMA tile
+# the most rows a normal-mode linear sends here (more: cuBLAS's). TANDEM_GEMV_MAX_M, an A/B: at 9..32
+# rows no PDL (engine/kernels/pdl.py's MAX_ROWS) and a 32-row tile
+ROWS = int(env_choice("TANDEM_GEMV_MAX_M", "8", ("8", "16", "32"), "8 (the default), 16 or 32"))
 MAX_WEIGHT_ELEMENTS = 1 << 27  # 256 MiB of bf16: an LM head is already at bandwidth in cuBLAS
 DISABLED = bool(os.environ.get("TANDEM_DISABLE_SMALL_M_LINEAR"))  # A/B benchmarks: cuBLAS at every M
 # "norm" (the default): the add + norm epilogue; "1": also the activation prologue; "0": neither.
@@ -80,15 +83,15 @@ def wide_config(n: int, num_sms: int = 132) -> GemvConfig:
     return GemvConfig(32 if triton.cdiv(n, 64) < num_sms else 64, 128, 1)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False, max_rows: int = ROWS) -> bool:
     """Whether a linear of x by weight takes this kernel: a CUDA, half-precision call with grad
-    mode off (the engine runs under inference mode; the kernel records no autograd graph), 1..MAX_M
-    rows, a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj, down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
+    mode off (the engine runs under inference mode; the kernel records no autograd graph), 1..max_rows
+    rows (normal mode's ROWS unless a caller says), a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj, down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
     fast or faster there (0.6B gate_up 6.4 vs 6.4 us, qkv 5.5 vs 6.1), and 1.5-2.4x slower on
     o_proj (12.8 vs 5.3 us) and down_proj (7.5 vs 6.1). TANDEM_PDL=wide takes them too (engine/kernels/pdl.py):
     `wide` says the caller is one of them (never an LM head); they pay only as links of a PDL
     chain, so not on a GPU before Hopper (the CPU interpreter takes them, for the tests)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    return (x.dim() == 2 and 0 < x.shape[0] <= min(max_rows, MAX_M) and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and (weight.shape[0] <= weight.shape[1] or (wide and _wide_pays(x)))
             and weight.numel() <= MAX_WEIGHT_ELEMENTS and weight.is_contiguous()
             and not torch.is_grad_enabled() and not DISABLED)  # no autograd graph: the engine's inference
@@ -98,15 +101,15 @@ def _wide_pays(x: torch.Tensor) -> bool:
     return WIDE_PDL and (x.device.type != "cuda" or hopper_or_later(x.device.index))
 
 
-def applies_add_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies_add_norm(x: torch.Tensor, weight: torch.Tensor, max_rows: int = ROWS) -> bool:
     """Whether small_m_linear_add_norm may replace the linear and the norm after it: `applies`,
     the epilogue on (TANDEM_SMALL_M_EPILOGUE) and an output row that one norm program holds."""
-    return EPILOGUE_ENABLED and weight.shape[0] <= _MAX_BLOCK and applies(x, weight)
+    return EPILOGUE_ENABLED and weight.shape[0] <= _MAX_BLOCK and applies(x, weight, max_rows=max_rows)
 
 
 @triton.jit
 def _x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GATED: tl.constexpr):
-    """x's [16, BLOCK_K] tile; GATED: silu(gate) * up from x's halves, rounded to x's dtype."""
+    """x's [BLOCK_M, BLOCK_K] tile; GATED: silu(gate) * up from x's halves, rounded to x's dtype."""
     ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     mask = m_mask[:, None] & k_mask[None, :]
     if GATED:
@@ -159,8 +162,9 @@ def _row_dot(x_ptr, w_ptr, offs_n, n_mask, k0, K, stride_wn, K_PER_SPLIT: tl.con
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
                  GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                 ROW: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64):
-    """ROW: M == 1 on the CUDA cores (_row_dot); else x's rows padded to 16 for tl.dot. PF_LINES
+                 ROW: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
+                 BLOCK_M: tl.constexpr = 16):
+    """ROW: M == 1 on the CUDA cores (_row_dot); else x's rows padded to BLOCK_M for tl.dot. PF_LINES
     (PDL only): L2 lines of LINE elements of each weight row past the first tile asked for early."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -173,9 +177,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
         acc = _row_dot(x_ptr, w_ptr, offs_n, n_mask, k0, K, stride_wn, K_PER_SPLIT, GATED, BLOCK_N,
                        BLOCK_K)[None, :]
     else:
-        offs_m = tl.arange(0, 16)
+        offs_m = tl.arange(0, BLOCK_M)
         acc = _tile_dot(x_ptr, w_ptr, offs_m, offs_n, offs_m < M, n_mask, k0, N, K, stride_xm, stride_wn,
-                        K_PER_SPLIT, GATED, BLOCK_N, BLOCK_K, PDL, PF_LINES, LINE)
+                        K_PER_SPLIT, GATED, BLOCK_M, BLOCK_N, BLOCK_K, PDL, PF_LINES, LINE)
     m_mask = offs_m < M
     mask = m_mask[:, None] & n_mask[None, :]
     if DIRECT:
@@ -189,10 +193,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
 
 @triton.jit
 def _tile_dot(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k0, N, K, stride_xm, stride_wn,
-              K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):
-    """x's rows (padded to 16) by W's [BLOCK_N, K_PER_SPLIT] slice on the tensor cores -> [16, BLOCK_N]."""
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+              K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):
+    """x's rows (padded to BLOCK_M) by W's [BLOCK_N, K_PER_SPLIT] slice on the tensor cores -> [BLOCK_M, BLOCK_N]."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PDL:  # the first weight tile streams in while the previous kernel finishes, and L2 is asked
         # for more of the slice: no kernel writes weights during a step, so only x waits (the same
         # sums, in the same order)
@@ -323,7 +327,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         x, weight, _bias_arg(bias, weight), out, out if direct else part, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None,
         DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, ROW=row,
-        PF_LINES=pf_lines, LINE=line,
+        PF_LINES=pf_lines, LINE=line, BLOCK_M=16 if M <= 16 else 32,
         num_warps=cfg.num_warps * (2 if gated else 1), num_stages=cfg.num_stages,  # gated at 4 warps spilled
         **launch_options(pdl))
     return out, part, cfg

@@ -20,7 +20,7 @@ from engine.kernels import token_bitmask as tb  # noqa: E402
 from engine.kernels.small_m_linear import GemvConfig, choose_config, small_m_linear  # noqa: E402
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 20, 32])  # past 16 rows: the 32-row tile
 @pytest.mark.parametrize("config", [None, GemvConfig(32, 32, 1), GemvConfig(16, 32, 4)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_m_linear_matches_float64(m, config, bias):
@@ -41,7 +41,7 @@ def test_small_m_linear_strided_rows_and_refusals():
     w = torch.randn(48, 64).to(torch.float16)
     torch.testing.assert_close(small_m_linear(x, w).double(), x.double() @ w.double().T, atol=0.02, rtol=0.01)
     with pytest.raises(ValueError, match="small_m_linear"):
-        small_m_linear(torch.randn(9, 64).half(), w)
+        small_m_linear(torch.randn(33, 64).half(), w)  # past MAX_M
     with pytest.raises(ValueError, match="small_m_linear"):
         small_m_linear(torch.randn(1, 32).half(), w)
 
@@ -82,7 +82,7 @@ def test_engine_linear_takes_small_m_kernel_and_trainer_keeps_cublas(monkeypatch
         torch.testing.assert_close(out.double(), torch.nn.functional.linear(x, lin.weight, lin.bias).double(),
                                    atol=0.05, rtol=0.01)
         assert calls == [(2, 64)]
-        lin(torch.randn(9, 64).to(torch.bfloat16))  # over MAX_M: cuBLAS
+        lin(torch.randn(sml.ROWS + 1, 64).to(torch.bfloat16))  # over normal mode's rows: cuBLAS
         layers.Linear(48, 64).to(torch.bfloat16)(torch.randn(2, 48).to(torch.bfloat16))  # wider out: cuBLAS
         lin(torch.randn(64, 2).to(torch.bfloat16).T)  # a transposed view: cuBLAS takes any strides
         assert len(calls) == 1
@@ -110,6 +110,21 @@ def test_small_m_linear_not_under_grad_mode(monkeypatch):
     assert not sml.applies(x, w)  # grad mode on: a trainable bias would lose its gradient
     with torch.no_grad():
         assert sml.applies(x, w)
+
+
+def test_rows_taken_follow_each_modes_limit():
+    """Normal mode sends up to TANDEM_GEMV_MAX_M rows, deterministic mode up to TANDEM_DET_GEMV_MAX_M
+    (each 8 unless set); the kernel takes 32 at most, and a row's bits do not depend on the tile."""
+    from engine.kernels import small_m_linear as sml
+
+    x, w = torch.randn(32, 64).to(torch.bfloat16), torch.randn(48, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert sml.applies(x[:sml.ROWS], w) and not sml.applies(x[:sml.ROWS + 1], w)
+        assert sml.applies(x, w, max_rows=32) and not sml.applies(torch.cat([x, x[:1]]), w, max_rows=33)
+        full, few = sml.small_m_linear(x, w), sml.small_m_linear(x[:5], w)  # 32- and 16-row tiles
+    assert torch.equal(full[:5], few)
+    with pytest.raises(ValueError, match="small_m_linear"):
+        sml.small_m_linear(torch.cat([x, x[:1]]), w)
 
 
 def test_wide_linears_take_the_gemv_only_under_wide_pdl(monkeypatch):

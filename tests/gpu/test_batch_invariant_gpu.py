@@ -129,10 +129,12 @@ def test_linear_chain_at_few_rows_reads_finished_inputs(graph):
 @pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
 def test_det_gemv_gives_the_matmuls_bits(name, monkeypatch):
     """engine/kernels/bi_gemv.py (TANDEM_DET_GEMV, on by default): the small-M gemv run with the matmul's K splits
-    gives bi_linear's rows bit for bit at 1..8 rows, so the rows the M = 4096 matmul gives."""
+    gives bi_linear's rows bit for bit at 1..32 rows (past 16 its 32-row tile), so the rows the
+    M = 4096 matmul gives."""
     from engine.kernels import bi_gemv
 
     ops = _ops()
+    monkeypatch.setattr(bi_gemv, "ROWS", 32)
     N, K = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(2)
     w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).bfloat16()
@@ -141,7 +143,7 @@ def test_det_gemv_gives_the_matmuls_bits(name, monkeypatch):
     full = ops.bi_linear(x, w, b)
     monkeypatch.setattr(bi_gemv, "ENABLED", True)
     with torch.inference_mode():
-        for M in (1, 2, 3, 5, 8):
+        for M in (1, 2, 3, 5, 8, 12, 16, 17, 24, 32):
             assert bi_gemv.applies(x[:M], w, wide=name in ("qkv", "gate_up")), (name, M)  # (wide: under TANDEM_PDL=wide)
             assert torch.equal(bi_gemv.bi_gemv(x[:M], w, b), full[:M]), (name, M)
 
@@ -149,19 +151,21 @@ def test_det_gemv_gives_the_matmuls_bits(name, monkeypatch):
 @pytest.mark.parametrize("name", ["o", "down"])
 def test_det_gemv_add_norm_gives_the_batch_invariant_bits(name, monkeypatch):
     """bi_gemv_add_norm: o_proj's / down_proj's gemv with the add + norm in its split-K sum gives
-    bi_rms_norm(bi_linear(x), residual)'s two outputs bit for bit at 1..8 rows."""
+    bi_rms_norm(bi_linear(x), residual)'s two outputs bit for bit at 1..32 rows."""
     from engine.kernels import bi_gemv
 
     ops = _ops()
+    monkeypatch.setattr(bi_gemv, "ROWS", 32)
     N, K = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(3)
     w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).bfloat16()
-    x = torch.randn(8, K, device="cuda", generator=g).bfloat16()
-    residual = torch.randn(8, N, device="cuda", generator=g).bfloat16() * 4
+    x = torch.randn(32, K, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(32, N, device="cuda", generator=g).bfloat16() * 4
     norm_w = torch.rand(N, device="cuda", generator=g).bfloat16() + 0.5
     monkeypatch.setattr(bi_gemv, "ENABLED", True)
     with torch.inference_mode():
-        for M in (1, 3, 8):
+        for M in (1, 3, 8, 20, 32):
+            assert bi_gemv.applies_add_norm(x[:M], w), (name, M)
             want = ops.bi_rms_norm(ops.bi_linear(x[:M], w), norm_w, 1e-6, residual[:M])
             got = bi_gemv.bi_gemv_add_norm(x[:M], w, None, residual[:M], norm_w, 1e-6)
             assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (name, M)

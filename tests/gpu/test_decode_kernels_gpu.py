@@ -24,7 +24,7 @@ SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), 
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 20, 32])  # past 16 rows: the 32-row tile, no PDL
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_small_m_linear_close_to_float32_and_cublas(n, k, m, dtype):
     g = torch.Generator(device="cuda").manual_seed(n + k + m)
@@ -46,7 +46,7 @@ EPILOGUE_SHAPES = [(1024, 2048), (1024, 3072), (4096, 4096), (4096, 12288)]
 
 
 @pytest.mark.parametrize("n,k", EPILOGUE_SHAPES)
-@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8, 32])
 @pytest.mark.parametrize("gated", [False, True])
 def test_small_m_fused_epilogue_against_the_unfused_launches(n, k, m, gated):
     """small_m_linear_add_norm (+ the activation in the prologue) against silu_and_mul,
