@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: pfab pfab8 pftests gemvk gemvtests gemvab gemvab16 gemv06 gemvdet (2026-12-06, third session) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -219,8 +219,8 @@ for s in "$@"; do case $s in
   pdlab) for v in 0 1 wide; do  # programmatic dependent launch for batches <= 8 (wide: qkv, gate_up on the small-M gemv too): the batch-1 step (graph alone) and streamed ITL
       step stepprobe-pdl$v 80 env TANDEM_PDL=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pdl$v 45 env TANDEM_PDL=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pdl$v.json"; done ;;
-  pfab) for v in 0 1 early; do  # the small-M gemv's L2 prefetch before its PDL wait: off (0), on (1), on with each kernel's trigger before its wait (early); 0.6B: the graph alone at bs 1 and 8, streamed ITL
-      e="TANDEM_GEMV_PREFETCH=$v"; [[ $v == early ]] && e="TANDEM_GEMV_PREFETCH=1 TANDEM_PDL_EARLY=1"
+  pfab) for v in 0 1; do  # the small-M gemv's L2 prefetch before its PDL wait: off (0), on (1); 0.6B: the graph alone at bs 1 and 8, streamed ITL
+      e="TANDEM_GEMV_PREFETCH=$v"
       step stepprobe-pf$v 80 env $e python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pf$v 45 env $e $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pf$v.json"; done ;;
   pftests) step pftests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "engine_batch_one or small_m or chain or det_gemv" ;;  # the gemv (its prefetch on) bitwise, the bs-1 engine

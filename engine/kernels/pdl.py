@@ -46,13 +46,11 @@ ENABLED = MODE != "0"
 WIDE = MODE == "wide"  # the small-M gemv takes qkv and gate_up too (no cuBLAS link in the chain)
 # Before its wait a PDL gemv asks L2 for the rest of its weight slice (`prefetch_l2`), up to
 # PREFETCH_BUDGET bytes over all its programs: a hint that fills the gap while the previous kernel
-# finishes, never a change in what is computed.
+# finishes, never a change in what is computed. H100, bs-1 graph alone: 0.6B 1.028 -> 1.021 ms,
+# 8B 5.867 -> 5.845 ms (docs/benchmarks.md).
 PREFETCH = env_choice("TANDEM_GEMV_PREFETCH", "1", ("0", "1"), "1 (on, the default) or 0 (off)") == "1"
 PREFETCH_BUDGET = 16 << 20  # a third of the H100's / H200's 50 MB L2: the running kernel keeps the rest
 L2_LINE = 128
-# 1: a kernel lets the next one be scheduled before its own wait, not after (A/B: a deeper chain of
-# waiting programs, each prefetching earlier; still ordered: a kernel completes only after its wait)
-EARLY_TRIGGER = tl.constexpr(env_choice("TANDEM_PDL_EARLY", "0", ("0", "1"), "0 (the default) or 1") == "1")
 
 
 def use_pdl(rows: int, device: torch.device) -> bool:
@@ -93,10 +91,7 @@ def prefetch_l2(ptrs):
 def await_inputs(PDL: tl.constexpr):
     """First in a kernel that may be launched with PDL: wait for the previous kernel to complete
     (its writes visible), then let the next kernel's programs be scheduled."""
-    if PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        else:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+    if PDL:  # (the trigger before the wait, letting a deeper chain of programs wait: bs-1 graph
+        # 1.021 -> 1.202 ms on an H100)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
