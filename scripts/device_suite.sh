@@ -231,6 +231,9 @@ for s in "$@"; do case $s in
     for v in 8 32; do
       step gemvab-normal-bs$bs-$v 100 env TANDEM_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemvab-normal-bs$bs-$v.json"
       step gemvab-det-bs$bs-$v 100 env TANDEM_DET_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/gemvab-det-bs$bs-$v.json"; done ;;
+  gemvlean) step gemvlean-tests 60 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py -k "det_gemv" -x  # det mode's gemv bitwise up to 32 rows, then det at 32 vs 8 rows and normal mode, 8B bs 32
+    for v in 32 8; do step gemvlean-det-$v 60 env TANDEM_DET_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/gemvlean-det-$v.json"; done
+    step gemvlean-normal 60 $B --preset qwen3-8b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemvlean-normal.json" ;;
   gemv06) for v in 8 32; do  # 0.6B at 32 rows, normal mode
       step gemv06-$v 80 env TANDEM_GEMV_MAX_M=$v $B --preset qwen3-0.6b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemv06-$v.json"; done ;;
   gemvdet) step gemvdet 200 env TANDEM_DET_GEMV_MAX_M=32 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 10 --max-new-tokens 16 --json "$OUT/determinism-gemv32.json" ;;
