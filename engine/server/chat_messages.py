@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from engine.sampling_params import nests_deeper
 from engine.server.protocol import _Lenient
@@ -41,6 +41,23 @@ class ChatMessage(_Lenient):
                 raise ValueError(f'a text content part needs its text as a string: {{"type": "text", "text": "..."}}; '
                                  f"got {sorted(part)} with text {part.get('text')!r}")
         return [{"type": "text", "text": part["text"]} for part in content]
+
+    @model_validator(mode="after")
+    def _typed_extras(self) -> "ChatMessage":
+        """The fields SGLang types besides role and content: a wrong type is the client's error,
+        not something for the template to trip over (or render) later."""
+        extra = self.model_extra or {}
+        for name in ("tool_call_id", "name", "reasoning_content"):
+            if extra.get(name) is not None and not isinstance(extra[name], str):
+                raise ValueError(f"{name} must be a string; got {type(extra[name]).__name__}")
+        calls = extra.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ValueError('tool_calls must be a list of objects ({"id": ..., "type": "function", '
+                             '"function": {"name": ..., "arguments": "<JSON>"}})')
+        for call in calls or []:
+            if call.get("function") is not None and not isinstance(call["function"], dict):
+                raise ValueError('a tool call\'s function must be an object ({"name": ..., "arguments": ...})')
+        return self
 
     def template_dict(self, index: int, content_format: ContentFormat = "string") -> dict[str, Any]:
         """The message as the template gets it: parts joined into one string for a template of

@@ -84,6 +84,15 @@ def test_tool_call_history_reaches_the_template(chat):
     call["function"]["arguments"] = "not json"
     bad = c.post("/v1/chat/completions", json={"messages": sent})
     assert bad.status_code == 400 and "messages[1].tool_calls" in bad.json()["message"]
+    for field, value, says in (("tool_calls", "x", "tool_calls must be a list of objects"),
+                               ("tool_calls", [1], "tool_calls must be a list of objects"),
+                               ("tool_calls", [{"function": "f"}], "function must be an object"),
+                               ("tool_call_id", 7, "tool_call_id must be a string"),
+                               ("name", ["a"], "name must be a string")):
+        wrong = USER + [{"role": "assistant", "content": "hi", field: value}]
+        bad = c.post("/v1/chat/completions", json={"messages": wrong, "max_tokens": 1})
+        assert bad.status_code == 400 and says in bad.json()["message"], (field, value, bad.json())
+    assert c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
 
 
 def test_continue_final_message_continues_the_assistant_text(chat):
