@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: pfab pfab8 pftests gemvk gemvtests gemvab gemvab16 gemv06 gemvdet (2026-12-06, third session) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: pfab pfab8 pftests (2026-12-06, third session) gemvlean gemvk gemvtests gemvab gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -231,7 +231,7 @@ for s in "$@"; do case $s in
     for v in 8 32; do
       step gemvab-normal-bs$bs-$v 100 env TANDEM_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemvab-normal-bs$bs-$v.json"
       step gemvab-det-bs$bs-$v 100 env TANDEM_DET_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/gemvab-det-bs$bs-$v.json"; done ;;
-  gemvlean) step gemvlean-tests 60 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py -k "det_gemv" -x  # det mode's gemv bitwise up to 32 rows, then det at 32 vs 8 rows and normal mode, 8B bs 32
+  gemvlean) step gemvlean-tests 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py -k "det_gemv" -x  # det mode's gemv bitwise up to 32 rows, then det at 32 vs 8 rows and normal mode, 8B bs 32
     for v in 32 8; do step gemvlean-det-$v 60 env TANDEM_DET_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/gemvlean-det-$v.json"; done
     step gemvlean-normal 60 $B --preset qwen3-8b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemvlean-normal.json" ;;
   gemv06) for v in 8 32; do  # 0.6B at 32 rows, normal mode
@@ -259,6 +259,8 @@ for s in "$@"; do case $s in
   prof06) step prof06 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
   profitlold) step profitlold 60 $OFF $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
   profitl) step profitl 60 $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 1 --stream-mode stream --profile 25 ;;
+  prof8_32) for f in "" --enable-deterministic-inference; do  # 8B at bs 32, normal then deterministic: the top kernels
+      step prof8_32$f 90 $B --preset qwen3-8b --num-prompts 32 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 30 $f; done ;;
   prof8) step prof8 100 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 25 ;;
   detcost*)  # detcost[-quick|-det]: det vs normal (-det: det runs only), Qwen3-8B shape, random 512/256, at bs 1, 32, 256
     runs=3; [[ $s == *quick ]] && runs=1; modes="normal det"; [[ $s == *det ]] && modes=det

@@ -1,4 +1,4 @@
-"""bi_gemv: deterministic mode's linears at a decode batch of 1..8 rows on the small-M gemv, with
+"""bi_gemv: deterministic mode's linears at a decode batch of 1..ROWS rows on the small-M gemv, with
 the batch-invariant matmul's bits (on by default; TANDEM_DET_GEMV=0 keeps the matmul).
 
 At batch 1 deterministic mode keeps its batch-invariant matmul (engine/kernels/batch_invariant/
@@ -49,7 +49,7 @@ def config(N: int, K: int, dtype: torch.dtype) -> Optional[GemvConfig]:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> bool:
-    """On (TANDEM_DET_GEMV, the default), a bf16 call the small-M gemv takes (1..8 rows, no autograd; `wide`: qkv or gate_up,
+    """On (TANDEM_DET_GEMV, the default), a bf16 call the small-M gemv takes (1..ROWS rows, no autograd; `wide`: qkv or gate_up,
     which it takes under TANDEM_PDL=wide only), on a device whose matmul tiles were measured bit for
     bit (sm_90, and in bf16 only; the CPU interpreter for tests), and a shape whose splits the gemv
     can take."""

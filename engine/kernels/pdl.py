@@ -72,9 +72,11 @@ def prefetch_lines(programs: int, rows: int, row_bytes: int) -> int:
     """How many L2 lines of each of its `rows` weight rows (`row_bytes` each, past its first tile)
     a gemv program asks for, as a power of two (0: none): all of them rounded up (the kernel clamps
     the extra addresses to the row's last), or as many as PREFETCH_BUDGET over `programs` allows."""
+    if not PREFETCH or row_bytes <= 0 or programs * rows <= 0:
+        return 0
     needed = -(-row_bytes // L2_LINE)
     allowed = PREFETCH_BUDGET // (programs * rows * L2_LINE)
-    if not PREFETCH or needed == 0 or allowed == 0:
+    if allowed == 0:
         return 0
     return 1 << (needed - 1).bit_length() if needed <= allowed else 1 << (allowed.bit_length() - 1)
 

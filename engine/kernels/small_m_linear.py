@@ -36,6 +36,7 @@ import triton.language as tl
 
 from engine.kernels import env_choice
 from engine.kernels.batch_invariant.triton_norm import _MAX_BLOCK, _norm_launch, rms_norm
+from engine.kernels.pdl import MAX_ROWS as PDL_ROWS
 from engine.kernels.pdl import WIDE as WIDE_PDL
 from engine.kernels.pdl import L2_LINE, hopper_or_later, await_inputs, launch_options, prefetch_l2, prefetch_lines, use_pdl
 from engine.kernels.qk_norm_rope import round_to
@@ -83,14 +84,16 @@ def wide_config(n: int, num_sms: int = 132) -> GemvConfig:
     return GemvConfig(32 if triton.cdiv(n, 64) < num_sms else 64, 128, 1)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False, max_rows: int = ROWS) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False, max_rows: Optional[int] = None) -> bool:
     """Whether a linear of x by weight takes this kernel: a CUDA, half-precision call with grad
     mode off (the engine runs under inference mode; the kernel records no autograd graph), 1..max_rows
-    rows (normal mode's ROWS unless a caller says), a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj, down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
+    rows (max_rows: normal mode's ROWS unless a caller says), a weight under MAX_WEIGHT_ELEMENTS and no wider out than in (o_proj, down_proj). Wider outputs (qkv, gate_up) stay with cuBLAS: at M = 1 on the H200 it was as
     fast or faster there (0.6B gate_up 6.4 vs 6.4 us, qkv 5.5 vs 6.1), and 1.5-2.4x slower on
     o_proj (12.8 vs 5.3 us) and down_proj (7.5 vs 6.1). TANDEM_PDL=wide takes them too (engine/kernels/pdl.py):
     `wide` says the caller is one of them (never an LM head); they pay only as links of a PDL
-    chain, so not on a GPU before Hopper (the CPU interpreter takes them, for the tests)."""
+    chain, so not on a GPU before Hopper and not past PDL's MAX_ROWS (the CPU interpreter takes
+    them, for the tests)."""
+    max_rows = ROWS if max_rows is None else max_rows
     return (x.dim() == 2 and 0 < x.shape[0] <= min(max_rows, MAX_M) and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and (weight.shape[0] <= weight.shape[1] or (wide and _wide_pays(x)))
             and weight.numel() <= MAX_WEIGHT_ELEMENTS and weight.is_contiguous()
@@ -98,10 +101,10 @@ def applies(x: torch.Tensor, weight: torch.Tensor, wide: bool = False, max_rows:
 
 
 def _wide_pays(x: torch.Tensor) -> bool:
-    return WIDE_PDL and (x.device.type != "cuda" or hopper_or_later(x.device.index))
+    return WIDE_PDL and x.shape[0] <= PDL_ROWS and (x.device.type != "cuda" or hopper_or_later(x.device.index))
 
 
-def applies_add_norm(x: torch.Tensor, weight: torch.Tensor, max_rows: int = ROWS) -> bool:
+def applies_add_norm(x: torch.Tensor, weight: torch.Tensor, max_rows: Optional[int] = None) -> bool:
     """Whether small_m_linear_add_norm may replace the linear and the norm after it: `applies`,
     the epilogue on (TANDEM_SMALL_M_EPILOGUE) and an output row that one norm program holds."""
     return EPILOGUE_ENABLED and weight.shape[0] <= _MAX_BLOCK and applies(x, weight, max_rows=max_rows)

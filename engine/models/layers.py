@@ -225,7 +225,7 @@ class Linear(nn.Linear):
     adapter delta to this layer's output, found by `lora_name` (the module's name in the model,
     set by the model once built; empty for layers no adapter may target)."""
     lora_name: str = ""
-    small_m_kernel: bool = True  # normal mode, 1..8 rows on CUDA: engine.kernels.small_m_linear
+    small_m_kernel: bool = True  # normal mode, a few rows on CUDA: engine.kernels.small_m_linear
     small_m_epilogue: bool = True  # forward_add_norm may fuse (off where the output is summed over ranks)
     small_m_wide: bool = False  # a wide output the small-M kernel takes only under TANDEM_PDL=wide (qkv, gate_up)
 
@@ -252,7 +252,7 @@ class Linear(nn.Linear):
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm", lora: Any = None,
                          act: Optional["SiluAndMul"] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(act(x)) + residual) and the sum, as `norm(out, residual)` returns them (act:
-        None, or the MLP's activation of x = gate | up). A decode batch of 1..8 rows on CUDA in
+        None, or the MLP's activation of x = gate | up). A decode batch of a few rows (1..8 by default) on CUDA in
         normal mode runs the linear's split-K sum, the residual add and the norm as one launch
         (and, opt-in, the activation inside the gemv: engine/kernels/small_m_linear.py);
         deterministic mode does too (TANDEM_DET_GEMV, the default), with its batch-invariant bits."""

@@ -112,19 +112,27 @@ def test_small_m_linear_not_under_grad_mode(monkeypatch):
         assert sml.applies(x, w)
 
 
-def test_rows_taken_follow_each_modes_limit():
+def test_rows_taken_follow_each_modes_limit(monkeypatch):
     """Normal mode sends up to TANDEM_GEMV_MAX_M rows, deterministic mode up to TANDEM_DET_GEMV_MAX_M
-    (each 8 unless set); the kernel takes 32 at most, and a row's bits do not depend on the tile."""
+    (each 8 unless set); the kernel takes 32 at most, a wide linear (qkv, gate_up) only as far as
+    PDL goes, and a row's bits do not depend on the tile."""
+    from engine.kernels import bi_gemv
     from engine.kernels import small_m_linear as sml
 
-    x, w = torch.randn(32, 64).to(torch.bfloat16), torch.randn(48, 64).to(torch.bfloat16)
+    x, w = torch.randn(sml.MAX_M + 1, 64).to(torch.bfloat16), torch.randn(48, 64).to(torch.bfloat16)
+    wide = torch.randn(192, 64).to(torch.bfloat16)
+    monkeypatch.setattr(sml, "WIDE_PDL", True)
     with torch.no_grad():
         assert sml.applies(x[:sml.ROWS], w) and not sml.applies(x[:sml.ROWS + 1], w)
-        assert sml.applies(x, w, max_rows=32) and not sml.applies(torch.cat([x, x[:1]]), w, max_rows=33)
-        full, few = sml.small_m_linear(x, w), sml.small_m_linear(x[:5], w)  # 32- and 16-row tiles
+        assert bi_gemv.applies(x[:bi_gemv.ROWS], w) and not bi_gemv.applies(x[:bi_gemv.ROWS + 1], w)
+        assert sml.applies(x[:32], w, max_rows=32) and not sml.applies(x, w, max_rows=33)
+        assert sml.applies(x[:8], wide, wide=True, max_rows=32) and not sml.applies(x[:9], wide, wide=True, max_rows=32)
+        monkeypatch.setattr(sml, "ROWS", 16)  # read at each call, as bi_gemv's
+        assert sml.applies(x[:16], w) and not sml.applies(x[:17], w)
+        full, few = sml.small_m_linear(x[:32], w), sml.small_m_linear(x[:5], w)  # 32- and 16-row tiles
     assert torch.equal(full[:5], few)
     with pytest.raises(ValueError, match="small_m_linear"):
-        sml.small_m_linear(torch.cat([x, x[:1]]), w)
+        sml.small_m_linear(x, w)
 
 
 def test_wide_linears_take_the_gemv_only_under_wide_pdl(monkeypatch):
@@ -156,6 +164,7 @@ def test_gemv_prefetch_lines_cover_the_slice_within_the_l2_budget(monkeypatch):
     lines = pdl.prefetch_lines(384, 64, (4096 - 128) * 2)  # 8B gate_up: 62 lines a row, 201 MB in all
     assert lines == 4 and 384 * 64 * lines * pdl.L2_LINE <= pdl.PREFETCH_BUDGET < 384 * 64 * 2 * lines * pdl.L2_LINE
     assert pdl.prefetch_lines(64, 64, 0) == 0 and pdl.prefetch_lines(1 << 20, 64, 4096) == 0
+    assert pdl.prefetch_lines(0, 64, 4096) == 0 and pdl.prefetch_lines(64, 64, -256) == 0  # empty shapes
     monkeypatch.setattr(pdl, "PREFETCH", False)
     assert pdl.prefetch_lines(128, 32, 1792) == 0
 
