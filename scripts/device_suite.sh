@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: pfab pfab8 pftests (2026-12-06, third session) gemvlean gemvk gemvtests gemvab gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -220,9 +220,10 @@ for s in "$@"; do case $s in
       step stepprobe-pdl$v 80 env TANDEM_PDL=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
       step itl-pdl$v 45 env TANDEM_PDL=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pdl$v.json"; done ;;
   pfab) for v in 0 1; do  # the small-M gemv's L2 prefetch before its PDL wait: off (0), on (1); 0.6B: the graph alone at bs 1 and 8, streamed ITL
-      e="TANDEM_GEMV_PREFETCH=$v"
-      step stepprobe-pf$v 80 env $e python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
-      step itl-pf$v 45 env $e $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pf$v.json"; done ;;
+      step stepprobe-pf$v 80 env TANDEM_GEMV_PREFETCH=$v python3 scripts/step_time_probe.py --preset qwen3-0.6b --bs 1 --bs 8
+      step itl-pf$v 45 env TANDEM_GEMV_PREFETCH=$v $B --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream --json "$OUT/itl-pf$v.json"; done ;;
+  pfab8) for v in 0 1; do  # the same, 8B: the graph alone at bs 1 (its gate_up's slices past the L2 budget: part of each)
+      step stepprobe8-pf$v 120 env TANDEM_GEMV_PREFETCH=$v python3 scripts/step_time_probe.py --preset qwen3-8b --bs 1; done ;;
   pftests) step pftests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "engine_batch_one or small_m or chain or det_gemv" ;;  # the gemv (its prefetch on) bitwise, the bs-1 engine
   gemvk) step gemvk 150 python3 scripts/decode_kernels_bench.py --quick --ms 1,8,16,32 --reps 10 ;;  # the small-M gemv vs cuBLAS up to 32 rows
   gemvtests) step gemvtests 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "small_m or det_gemv or chain" ;;
@@ -231,14 +232,9 @@ for s in "$@"; do case $s in
     for v in 8 32; do
       step gemvab-normal-bs$bs-$v 100 env TANDEM_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemvab-normal-bs$bs-$v.json"
       step gemvab-det-bs$bs-$v 100 env TANDEM_DET_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts $bs --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/gemvab-det-bs$bs-$v.json"; done ;;
-  gemvlean) step gemvlean-tests 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py -k "det_gemv" -x  # det mode's gemv bitwise up to 32 rows, then det at 32 vs 8 rows and normal mode, 8B bs 32
-    for v in 32 8; do step gemvlean-det-$v 60 env TANDEM_DET_GEMV_MAX_M=$v $B --preset qwen3-8b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/gemvlean-det-$v.json"; done
-    step gemvlean-normal 60 $B --preset qwen3-8b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemvlean-normal.json" ;;
   gemv06) for v in 8 32; do  # 0.6B at 32 rows, normal mode
       step gemv06-$v 80 env TANDEM_GEMV_MAX_M=$v $B --preset qwen3-0.6b --num-prompts 32 --input-len 512 --output-len 256 --runs 3 --stream-mode final --json "$OUT/gemv06-$v.json"; done ;;
   gemvdet) step gemvdet 200 env TANDEM_DET_GEMV_MAX_M=32 python3 -m tandem.main determinism --preset qwen3-8b --dtype bfloat16 --skip-tokenizer-init --enable-deterministic-inference --chunked-prefill-size 1024 --mode all --trials 10 --max-new-tokens 16 --json "$OUT/determinism-gemv32.json" ;;
-  pfab8) for v in 0 1; do  # the same, 8B: the graph alone at bs 1 (its gate_up's slices past the L2 budget: part of each)
-      step stepprobe8-pf$v 120 env TANDEM_GEMV_PREFETCH=$v python3 scripts/step_time_probe.py --preset qwen3-8b --bs 1; done ;;
   pdltests)  # PDL's GPU tests: bitwise against the plain engine; the kernels' own tests with PDL on; wide against cuBLAS's engine
     step pdltests-switch 540 python3 -m pytest -q -s -rfE -p no:cacheprovider tests/gpu/test_opt_in_switches_gpu.py
     step pdltests-kernels 200 env TANDEM_PDL=1 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_triton_attention_gpu.py

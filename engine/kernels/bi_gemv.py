@@ -29,12 +29,12 @@ import torch
 
 from engine.kernels import env_choice
 from engine.kernels.batch_invariant import triton_ops
-from engine.kernels.small_m_linear import GemvConfig, small_m_linear, small_m_linear_add_norm
+from engine.kernels.small_m_linear import GemvConfig, rows_switch, small_m_linear, small_m_linear_add_norm
 from engine.kernels.small_m_linear import applies as gemv_applies, applies_add_norm as gemv_applies_add_norm
 
 ENABLED = env_choice("TANDEM_DET_GEMV", "1", ("0", "1"), "1 (on, the default) or 0 (off: the batch-invariant matmul)") == "1"
 # the most rows taken (more: the matmul); an A/B: past 16 rows the gemv pads x to a 32-row tile
-ROWS = int(env_choice("TANDEM_DET_GEMV_MAX_M", "8", ("8", "16", "32"), "8 (the default), 16 or 32"))
+ROWS = rows_switch("TANDEM_DET_GEMV_MAX_M")
 BLOCK_K = 128  # the gemv's k step; a split must be a whole number of them
 
 

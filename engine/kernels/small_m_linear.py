@@ -42,9 +42,16 @@ from engine.kernels.pdl import L2_LINE, hopper_or_later, await_inputs, launch_op
 from engine.kernels.qk_norm_rope import round_to
 
 MAX_M = 32  # the most rows the kernel takes: x padded to a 16- or 32-row MMA tile
+
+
+def rows_switch(name: str) -> int:
+    """A mode's most rows for this kernel, from switch `name`: 8 (the default), 16 or 32."""
+    return int(env_choice(name, "8", ("8", "16", "32"), "8 (the default), 16 or 32"))
+
+
 # the most rows a normal-mode linear sends here (more: cuBLAS's). TANDEM_GEMV_MAX_M, an A/B: at 9..32
 # rows no PDL (engine/kernels/pdl.py's MAX_ROWS) and a 32-row tile
-ROWS = int(env_choice("TANDEM_GEMV_MAX_M", "8", ("8", "16", "32"), "8 (the default), 16 or 32"))
+ROWS = rows_switch("TANDEM_GEMV_MAX_M")
 MAX_WEIGHT_ELEMENTS = 1 << 27  # 256 MiB of bf16: an LM head is already at bandwidth in cuBLAS
 DISABLED = bool(os.environ.get("TANDEM_DISABLE_SMALL_M_LINEAR"))  # A/B benchmarks: cuBLAS at every M
 # "norm" (the default): the add + norm epilogue; "1": also the activation prologue; "0": neither.
@@ -321,16 +328,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     part = None if direct else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     pdl = use_pdl(M, x.device)
-    line = L2_LINE // weight.element_size()
-    programs = triton.cdiv(N, cfg.block_n) * cfg.split_k
     row = gated and M == 1  # the CUDA-core path (opt-in) takes no prefetch
-    pf_lines = prefetch_lines(programs, cfg.block_n, (k_per_split - cfg.block_k) * weight.element_size()) \
-        if pdl and not row else 0
+    pf_lines = prefetch_lines(triton.cdiv(N, cfg.block_n) * cfg.split_k, cfg.block_n,
+                              (k_per_split - cfg.block_k) * weight.element_size()) if pdl and not row else 0
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x, weight, _bias_arg(bias, weight), out, out if direct else part, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None,
         DIRECT=direct, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, ROW=row,
-        PF_LINES=pf_lines, LINE=line, BLOCK_M=16 if M <= 16 else 32,
+        PF_LINES=pf_lines, LINE=L2_LINE // weight.element_size(), BLOCK_M=16 if M <= 16 else 32,
         num_warps=cfg.num_warps * (2 if gated else 1), num_stages=cfg.num_stages,  # gated at 4 warps spilled
         **launch_options(pdl))
     return out, part, cfg
