@@ -30,7 +30,11 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
       && python3 -m compileall -q -j 0 /tmp/devkit-site/transformers > /dev/null && touch /tmp/devkit-site/.transformers
   fi  # bytecode compiled here, as pip does at install: a fresh machine's start-up is timed after the install
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 for s in "$@"; do case $s in
+  auto)  # what this card is for: an H200 measures the rows first, an H100 the gemv's A/B
+    echo "card: $card" | tee -a "$OUT/suite.log"
+    if [[ $card == *H200* ]]; then bash "$0" itl bench06q bench8q gemvtests; else bash "$0" gemvtests gemvab; fi ;;
   gpuall) ( kit && files=$(ls tests/gpu/test_*.py | grep -v -e flashinfer -e test_train_gpu)  # every GPU test but training; flashinfer's JIT-compiling ones last
     step gpuall 540 python3 -m pytest -q -p no:cacheprovider -rfE --durations=30 $files tests/weight_sync/test_nccl_gpu.py \
       tests/engine_client/test_engine_actor.py tests/gpu/test_flashinfer_attention_gpu.py ) ;;
