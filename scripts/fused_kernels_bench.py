@@ -9,7 +9,8 @@ Eager per-call times: CUDA events around each call, median of --reps after warm-
 per call from torch.profiler. `same` = fused output bitwise equal to the unfused one.
 --dry-run: the same on the CPU in Triton's interpreter at tiny sizes (checks the script only).
 
-    python scripts/fused_kernels_bench.py [--reps 50] [--json out.json] [--dry-run]
+    python scripts/fused_kernels_bench.py [--reps 50] [--inner 1] [--ops qk_norm_rope,...] [--json out.json]
+                                          [--dry-run]
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ SHAPES = {"qwen3-0.6b": (16, 8, 128, 3072), "qwen3-8b": (32, 8, 128, 12288)}  # 
 TS = (1, 256, 4096)
 
 
-def time_call(fn, reps: int, dev: str) -> float:
-    """Median microseconds of one call."""
+def time_call(fn, reps: int, dev: str, inner: int = 1) -> float:
+    """Median microseconds of one call (of `inner` calls back to back between the events, so the
+    launches queue ahead of the GPU and a short kernel's time is not its launch latency)."""
     for _ in range(5):
         fn()
     times = []
@@ -40,10 +42,11 @@ def time_call(fn, reps: int, dev: str) -> float:
         if dev == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+            times.append(start.elapsed_time(end) * 1e3 / inner)
         else:
             t0 = time.perf_counter()
             fn()
@@ -108,6 +111,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json", default=None)
+    p.add_argument("--inner", type=int, default=1, help="calls back to back per timed sample")
+    p.add_argument("--ops", default=None, help="comma-separated ops to time (default: all)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     dev, ts = "cuda", TS
@@ -124,9 +129,11 @@ def main() -> None:
         for shape in SHAPES:
             for T in ts:
                 for op, unfused, fused, same in cases(shape, T, dev):
+                    if args.ops and op not in args.ops.split(","):
+                        continue
                     r = dict(op=op, shape=shape, T=T, same=same(),
-                             unfused_us=time_call(unfused, args.reps, dev),
-                             fused_us=time_call(fused, args.reps, dev),
+                             unfused_us=time_call(unfused, args.reps, dev, args.inner),
+                             fused_us=time_call(fused, args.reps, dev, args.inner),
                              unfused_kernels=count_kernels(unfused, dev),
                              fused_kernels=count_kernels(fused, dev))
                     rows.append(r)

@@ -24,9 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import env_choice
 from engine.kernels.batch_invariant.triton_norm import _norm_launch
 from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 from engine.kernels.torch_backward import needs_grad, reference_grads
+
+ROWS_ENV = "TANDEM_QK_ROWS"
+ROWS_CHOICES = ("1", "2", "4", "8")
 
 
 @triton.jit
@@ -49,64 +53,72 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr,
                          stride_kot, stride_koh, stride_ct, eps,
                          v_ptr, kc_ptr, vc_ptr, loc_ptr, stride_vt, stride_vh, stride_kct, stride_kch,
                          stride_vct, stride_vch, HAS_NORM: tl.constexpr, IN_PLACE: tl.constexpr,
-                         STORE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         STORE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
     await_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)  # q heads 0..H-1, then the k heads, then (STORE) the v heads
+    g = tl.program_id(1)  # ROWS heads of one kind: q heads' groups, then k heads', then (STORE) v heads'
+    q_groups = tl.cdiv(H, ROWS)
+    k_groups = tl.cdiv(HKV, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    if h < H + HKV:
-        y = _norm_rope_row(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, t, h, H, D,
-                           stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot,
-                           stride_koh, stride_ct, eps, cols, mask, HAS_NORM, IN_PLACE, BLOCK)
-        if STORE:
-            if h >= H:  # a k head: its pool slot too, cast to the pool's dtype
-                slot = tl.load(loc_ptr + t).to(tl.int64)
-                tl.store(kc_ptr + slot * stride_kct + (h - H) * stride_kch + cols,
-                         y.to(kc_ptr.dtype.element_ty), mask=mask)
-    else:  # STORE only: a v head goes to its pool slot unchanged
-        slot = tl.load(loc_ptr + t).to(tl.int64)
-        v = tl.load(v_ptr + t * stride_vt + (h - H - HKV) * stride_vh + cols, mask=mask)
-        tl.store(vc_ptr + slot * stride_vct + (h - H - HKV) * stride_vch + cols, v.to(vc_ptr.dtype.element_ty),
-                 mask=mask)
+    if g < q_groups:
+        _norm_rope_rows(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, qw_ptr, g * ROWS, H,
+                        cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, D, eps, cols, mask, kc_ptr, 0,
+                        HAS_NORM, IN_PLACE, False, ROWS)
+    elif g < q_groups + k_groups:
+        kc_row = kc_ptr
+        if STORE:  # the k heads' pool slot too, cast to the pool's dtype
+            kc_row = kc_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_kct
+        _norm_rope_rows(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, kw_ptr,
+                        (g - q_groups) * ROWS, HKV, cos_ptr + t * stride_ct,
+                        sin_ptr + t * stride_ct, D, eps, cols, mask, kc_row,
+                        stride_kch, HAS_NORM, IN_PLACE, STORE, ROWS)
+    else:  # STORE only: v heads go to their pool slot unchanged
+        vc_row = vc_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_vct
+        h0 = (g - q_groups - k_groups) * ROWS
+        for i in tl.static_range(ROWS):
+            row_mask = cols < tl.where(h0 + i < HKV, D, 0)
+            v = tl.load(v_ptr + t * stride_vt + (h0 + i) * stride_vh + cols, mask=row_mask)
+            tl.store(vc_row + (h0 + i) * stride_vch + cols, v.to(vc_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
-def _norm_rope_row(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, t, h, H, D,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot,
-                   stride_koh, stride_ct, eps, cols, mask, HAS_NORM: tl.constexpr, IN_PLACE: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """One (token, head) row of q or k normed and rotated, written to its output; -> the row."""
-    if h < H:
-        x_row = q_ptr + t * stride_qt + h * stride_qh
-        o_row = qo_ptr + t * stride_qot + h * stride_qoh
-        w_ptr = qw_ptr
-    else:
-        x_row = k_ptr + t * stride_kt + (h - H) * stride_kh
-        o_row = ko_ptr + t * stride_kot + (h - H) * stride_koh
-        w_ptr = kw_ptr
-    dt = qo_ptr.dtype.element_ty
+def _norm_rope_rows(x_tok, o_tok, stride_xh, stride_oh, w_ptr, h0, n_heads, cos_row, sin_row, D, eps, cols, mask,
+                    kc_row, stride_kch, HAS_NORM: tl.constexpr, IN_PLACE: tl.constexpr, STORE: tl.constexpr,
+                    ROWS: tl.constexpr):
+    """Heads h0..h0+ROWS-1 (those < n_heads) of one token normed and rotated, each row's
+    arithmetic that of a one-row program: every row read before any is written (in place), so a
+    program's loads are in flight together."""
+    dt = o_tok.dtype.element_ty
     half = D // 2
     first = cols < half
     # rotate_half's partner lane is loaded (L1 hit) rather than shuffled across threads
     partner = tl.where(first, cols + half, cols - half)
-    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(x_row + partner, mask=mask, other=0.0).to(tl.float32)
+    c = round_to(tl.load(cos_row + cols, mask=mask, other=0.0), dt)
+    s = round_to(tl.load(sin_row + cols, mask=mask, other=0.0), dt)
     if HAS_NORM:
-        # triton_norm's reduction, verbatim (x * x == its fma(x, x, 0) for a one-chunk row)
-        inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-        x = round_to(round_to(x * inv, dt) * w, dt)  # normalise, cast, then weight: HF order
-        p = round_to(round_to(p * inv, dt) * wp, dt)  # the partner lane's own value, same ops
-    c = round_to(tl.load(cos_ptr + t * stride_ct + cols, mask=mask, other=0.0), dt)
-    s = round_to(tl.load(sin_ptr + t * stride_ct + cols, mask=mask, other=0.0), dt)
-    rotated = tl.where(first, -p, p)
-    y = round_to(round_to(x * c, dt) + round_to(rotated * s, dt), dt)
+    ys = ()
+    for i in tl.static_range(ROWS):
+        row_mask = cols < tl.where(h0 + i < n_heads, D, 0)  # past the last head: none
+        x_row = x_tok + (h0 + i) * stride_xh
+        x = tl.load(x_row + cols, mask=row_mask, other=0.0).to(tl.float32)
+        p = tl.load(x_row + partner, mask=row_mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # triton_norm's reduction, verbatim (x * x == its fma(x, x, 0) for a one-chunk row)
+            inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            x = round_to(round_to(x * inv, dt) * w, dt)  # normalise, cast, then weight: HF order
+            p = round_to(round_to(p * inv, dt) * wp, dt)  # the partner lane's own value, same ops
+        rotated = tl.where(first, -p, p)
+        ys = ys + (round_to(round_to(x * c, dt) + round_to(rotated * s, dt), dt),)
     if IN_PLACE:
-        tl.debug_barrier()  # every partner read of this row lands before any lane overwrites it
-    tl.store(o_row + cols, y.to(dt), mask=mask)
-    return y
+        tl.debug_barrier()  # every partner read of these rows lands before any lane overwrites one
+    for i in tl.static_range(ROWS):
+        row_mask = cols < tl.where(h0 + i < n_heads, D, 0)  # past the last head: none
+        tl.store(o_tok + (h0 + i) * stride_oh + cols, ys[i].to(dt), mask=row_mask)
+        if STORE:
+            tl.store(kc_row + (h0 + i) * stride_kch + cols, ys[i].to(kc_row.dtype.element_ty), mask=row_mask)
 
 
 def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None) -> None:
@@ -134,13 +146,22 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None
     kw = k_weight.contiguous() if has_norm else k
     block, warps = _norm_launch(D)  # triton_norm's: same tile, same reduction tree
     pdl = use_pdl(T, q.device)
-    _qk_norm_rope_kernel[(T, H + Hkv * (2 if kv_cache is not None else 1))](
+    rows = heads_per_program()
+    groups = triton.cdiv(H, rows) + triton.cdiv(Hkv, rows) * (2 if kv_cache is not None else 1)
+    _qk_norm_rope_kernel[(T, groups)](
         q, k, q_out, k_out, cos, sin, qw, kw, H, Hkv, D, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), float(eps), v, k_cache, v_cache, loc, v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HAS_NORM=has_norm,
         IN_PLACE=q_out.data_ptr() == q.data_ptr(), STORE=kv_cache is not None,
-        BLOCK=block, PDL=pdl, num_warps=warps, enable_fp_fusion=False, **launch_options(pdl))
+        BLOCK=block, ROWS=rows, PDL=pdl, num_warps=warps, enable_fp_fusion=False, **launch_options(pdl))
+
+
+def heads_per_program() -> int:
+    """TANDEM_QK_ROWS: heads one program norms and rotates (a token's q heads, k heads or v heads
+    in groups of this many). Each head's arithmetic is the same at any value: only how many
+    programs the launch has and how many rows each has in flight change."""
+    return int(env_choice(ROWS_ENV, "1", ROWS_CHOICES, "1, 2, 4 or 8 heads a program"))
 
 
 def _check_kv_cache(k, v, k_cache, v_cache, loc) -> None:
