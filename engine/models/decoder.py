@@ -273,10 +273,11 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], written into `out` when given (the
-        float32 cast is that copy, so a caller's buffer costs nothing extra)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+        """hidden [N, hidden] -> float32 logits [N, vocab]; with `out`, written into it in its
+        dtype (float32: the cast is that copy; the model's dtype: the LM head's GEMM writes it)."""
+        if out is not None:
+            return self.lm_head.forward_into(hidden, out)
+        return self.lm_head(hidden).float()
 
     # ---- weight loading: HF names come from the one map (engine/models/hf_names.py) ----
 

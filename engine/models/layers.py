@@ -249,6 +249,23 @@ class Linear(nn.Linear):
                 out = F.linear(x, self.weight, self.bias)
         return out if lora is None else lora.apply(self.lora_name, x, out)
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """self(x) written into `out` (a wider dtype: the cast). Where self(x) would be cuBLAS's
+        x @ W.T in out's dtype, cuBLAS writes it there itself: the same GEMM without a temporary
+        and a copy (the CUDA graphs' logits, [bs, vocab] a step)."""
+        recorded = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)  # out= has no grad
+        if out.dtype == x.dtype and not recorded and self._cublas_output(x):
+            return torch.mm(x, self.weight.t(), out=out)
+        return out.copy_(self(x))
+
+    def _cublas_output(self, x: torch.Tensor) -> bool:
+        """Whether self(x) is F.linear's bias-free x @ W.T (not deterministic mode's kernels, not
+        the small-M gemv)."""
+        if self.deterministic or self.bias is not None or x.dim() != 2:
+            return False
+        small_m = fused_kernel("small_m_linear", x) if self.small_m_kernel else None
+        return small_m is None or not small_m.applies(x, self.weight, wide=self.small_m_wide)
+
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm", lora: Any = None,
                          act: Optional["SiluAndMul"] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(act(x)) + residual) and the sum, as `norm(out, residual)` returns them (act:

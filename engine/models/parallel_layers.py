@@ -170,3 +170,6 @@ class ParallelLMHead(VocabSlice, Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = _linear(x, self.weight, None, self.deterministic)
         return self.tp.all_gather(local, dim=-1)[..., : self.vocab_size]
+
+    def _cublas_output(self, x: torch.Tensor) -> bool:
+        return False  # a slice's logits, all-gathered: forward_into copies the gathered whole

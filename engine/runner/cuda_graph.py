@@ -14,11 +14,14 @@ LoRA kernels, reading a static per-token slot buffer the replay refills (padding
 batches: slot -1, which no kernel reads or writes); the pool's buffers have fixed addresses, so
 what is resident at capture does not matter. The torch path's passes run eagerly.
 
-Memory: every graph writes its float32 logits into one shared [max_bs, vocab] buffer (a graph per
+Memory: every graph writes its logits into one shared [max_bs, vocab] buffer (a graph per
 size keeping its own output would hold ~6 GB at max_bs 512 and a 152k vocabulary). Sharing is
 safe because everything runs on one stream: a step's sampling reads the buffer before the next
 replay, enqueued after it, writes it. The shared pool can be the memory saver's "cuda_graph"
 region (MemorySaver.graph_pool): a colocated release unmaps it and the graphs replay after resume.
+The buffer is float32 (the LM head's output copied and cast in the graph), or under
+TANDEM_GRAPH_LOGITS=model the model's dtype, which the LM head's GEMM writes itself (no copy at
+all; every reader widens to float32 exactly, so the same tokens and logprobs, bit for bit).
 """
 
 from __future__ import annotations
@@ -31,11 +34,19 @@ import time
 
 import torch
 
+from engine.kernels import env_choice
 from engine.kernels.compile_ahead import compile_ahead_wanted, graphs_marker, mark_compiled
 from engine.models.decoder import head_dim_of
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+LOGITS_ENV = "TANDEM_GRAPH_LOGITS"
+
+
+def logits_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The graphs' logits buffer: float32, or (TANDEM_GRAPH_LOGITS=model) the LM head's dtype."""
+    choice = env_choice(LOGITS_ENV, "float32", ("float32", "model"), "float32 or model (the LM head's dtype)")
+    return model.lm_head.weight.dtype if choice == "model" else torch.float32
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -82,7 +93,7 @@ class CudaGraphRunner:
             self.max_bs, req_to_token.shape[1], cfg.num_attention_heads,
             getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim_of(cfg), device)
-        self.logits = torch.empty(self.max_bs, cfg.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.empty(self.max_bs, cfg.vocab_size, dtype=logits_dtype(model), device=device)
         self.num_replays = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
@@ -102,8 +113,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """-> float32 logits [bs, vocab] of the batch's rows (a view of the shared buffer, valid
-        until the next replay)."""
+        """-> logits [bs, vocab] of the batch's rows (a view of the shared buffer, valid until the
+        next replay; float32, or the model's dtype under TANDEM_GRAPH_LOGITS=model)."""
         fb = forward_batch
         bs = fb.batch_size
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]

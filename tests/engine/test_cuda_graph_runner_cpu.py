@@ -45,8 +45,10 @@ def test_capture_batch_sizes():
     assert capture_batch_sizes(300)[-4:] == [256, 272, 288, 300]
 
 
+@pytest.mark.parametrize("logits", ["float32", "model"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "normal"])
-def test_replayed_decode_equals_eager(engine_factory, deterministic):
+def test_replayed_decode_equals_eager(engine_factory, deterministic, logits, monkeypatch):
+    monkeypatch.setenv("TANDEM_GRAPH_LOGITS", logits)  # model: the LM head writes the buffer (its GEMM's out=)
     eng = engine_factory(attention_backend="triton", enable_deterministic_inference=deterministic)
     prompts = random_prompts(5, eng.local_core.parts.vocab_size, lengths=(3, 40), seed=3)
     params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
@@ -72,3 +74,35 @@ def test_replayed_decode_equals_eager(engine_factory, deterministic):
         else:
             assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= 1e-5
     eng.check_integrity()
+
+
+def test_linear_forward_into_writes_its_output_where_told():
+    """forward_into: cuBLAS-shaped (bias-free, normal mode, no small-M kernel) in out's dtype the
+    GEMM writes `out` itself, else the output is copied (and cast) there; the same values."""
+    from engine.models.layers import Linear
+    from engine.runner.cuda_graph import logits_dtype
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 16).bfloat16()
+    for bias, det in ((False, False), (True, False), (False, True)):
+        lin = Linear(16, 40, bias=bias, deterministic=det).bfloat16()
+        want = lin(x)
+        assert lin._cublas_output(x) == (not bias and not det)
+        for dtype in (torch.bfloat16, torch.float32):
+            for grad in (False, True):  # recorded by autograd: the copy (out= takes no gradient)
+                out = torch.full((8, 40), float("nan"), dtype=dtype)
+                with torch.set_grad_enabled(grad):
+                    got = lin.forward_into(x, out[:5])
+                assert got.data_ptr() == out.data_ptr() and torch.equal(got, want.to(dtype))
+                assert out[5:].isnan().all()
+    model = torch.nn.Module()
+    model.lm_head = Linear(16, 40, bias=False).bfloat16()
+    assert logits_dtype(model) == torch.float32  # the default
+    os.environ["TANDEM_GRAPH_LOGITS"] = "model"
+    try:
+        assert logits_dtype(model) == torch.bfloat16
+        os.environ["TANDEM_GRAPH_LOGITS"] = "half"
+        with pytest.raises(ValueError, match="TANDEM_GRAPH_LOGITS"):
+            logits_dtype(model)
+    finally:
+        del os.environ["TANDEM_GRAPH_LOGITS"]
