@@ -53,6 +53,7 @@ class GenerationControl:
         self.groups = WeightGroups()  # broadcast groups, formed off the core loop
         self.num_updates = 0  # successful loads (a bucket each), for /metrics
         self.update_seconds = 0.0  # time in them: receive + load + flush
+        self._told_waiting = False  # a request's wait on released memory logged since the release
 
     def handle(self, msg: Any) -> Reply:
         if isinstance(msg, PauseReq):
@@ -98,10 +99,19 @@ class GenerationControl:
         logger.info("released %s in %.3f s (%s)", ",".join(tags), clock.elapsed(), clock.breakdown(3))
         return Reply((True, f"released {', '.join(tags)}"), outputs)
 
+    def note_request_while_released(self, rid: str) -> None:
+        """Once per release: a request arrived that waits until everything is resumed (said in
+        the log, or a client that forgot the resume would see only a request that never ends)."""
+        if not self._told_waiting:
+            self._told_waiting = True
+            logger.warning("request %s waits: %s released; resume_memory_occupation() lets it run", rid,
+                           ", ".join(sorted(self.core.memory_released)))
+
     def _resume(self, tags: list[str]) -> Reply:
         core, clock = self.core, PhaseClock()
         core.runner.resume_memory(tags, clock)
         core.memory_released.difference_update(tags)
+        self._told_waiting = self._told_waiting and bool(core.memory_released)
         logger.info("resumed %s in %.3f s (%s)", ",".join(tags), clock.elapsed(), clock.breakdown(3))
         return Reply((True, f"resumed {', '.join(tags)}"))
 

@@ -63,6 +63,8 @@ class EngineCore:
     # ---- messages ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> Any:
         if isinstance(msg, ReqInput):
+            if self.memory_released:
+                self.control.note_request_while_released(msg.rid)
             return self.intake.add(msg)
         if isinstance(msg, AbortReq):
             return self.abort(msg)

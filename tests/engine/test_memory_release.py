@@ -15,7 +15,7 @@ from tests.engine.conftest import random_prompts
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 
-def test_requests_wait_while_released_and_weights_refuse_updates(engine_factory, other_model_dir):
+def test_requests_wait_while_released_and_weights_refuse_updates(engine_factory, other_model_dir, caplog):
     eng = engine_factory(enable_memory_saver=True)  # no effect off the GPU, but accepted
     prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(4, 20), seed=3)
     before = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
@@ -25,14 +25,20 @@ def test_requests_wait_while_released_and_weights_refuse_updates(engine_factory,
     assert not ok and "weights are released" in message
     done: list = []
     waiter = threading.Thread(target=lambda: done.append(eng.generate(input_ids=prompts, sampling_params=GREEDY)))
-    waiter.start()
-    waiter.join(0.5)
-    assert waiter.is_alive() and not done  # queued, not run, while anything is released
+    second = threading.Thread(target=lambda: eng.generate(input_ids=prompts[0], sampling_params=GREEDY))
+    with caplog.at_level("WARNING", logger="engine.core.control"):
+        waiter.start()
+        second.start()  # a second request while released: no second line
+        waiter.join(0.5)
+    assert waiter.is_alive() and second.is_alive() and not done  # queued, not run, while anything is released
+    said = [r.getMessage() for r in caplog.records if "waits" in r.getMessage()]
+    assert len(said) == 1 and "cuda_graph, kv_cache, weights released" in said[0], said
     assert eng.resume_memory_occupation(["weights"]) == (True, "resumed weights")
     waiter.join(0.3)
     assert waiter.is_alive()  # kv_cache and cuda_graph still released
     eng.resume_memory_occupation(["kv_cache", "cuda_graph"])
     waiter.join(60)
+    second.join(60)
     assert [o["output_ids"] for o in done[0]] == before  # weights kept on the CPU: same tokens
     assert sorted(eng.get_stats().memory_released) == []
     eng.check_integrity()
