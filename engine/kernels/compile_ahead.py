@@ -53,7 +53,8 @@ _KERNEL_DIR = Path(__file__).resolve().parent  # every Triton kernel of the engi
 # make a start with them set miss the marker a default start wrote)
 KERNEL_SWITCHES = ("TANDEM_PDL", "TANDEM_SMALL_M_EPILOGUE", "TANDEM_DISABLE_SMALL_M_LINEAR", "TANDEM_DISABLE_FUSED_KV_STORE",
                    "TANDEM_DISABLE_FUSED_GREEDY", "TANDEM_TABLE_OUTSIDE_GRAPH", "TANDEM_DET_GEMV", "TANDEM_GEMV_PREFETCH",
-                   "TANDEM_GEMV_MAX_M", "TANDEM_DET_GEMV_MAX_M", "TANDEM_QK_ROWS")
+                   "TANDEM_GEMV_MAX_M", "TANDEM_DET_GEMV_MAX_M", "TANDEM_QK_ROWS",
+                   "TANDEM_GRAPH_LOGITS", "TANDEM_PHASE_A_PROGRAMS")
 
 
 def compile_ahead_wanted(marker: Optional[Path]) -> bool:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import env_choice
 from engine.kernels.split_kv_attention import _LOG2E, _next_pow2, _split_partial
 from engine.kernels.split_kv_tile import Tile
 
@@ -24,6 +25,12 @@ PB_START = tl.constexpr(0)  # first index into Rows
 PB_COUNT = tl.constexpr(1)  # member rows (0: an unused column)
 PB_SEQ = tl.constexpr(2)  # a member's batch row: its req_to_token row holds the prefix's slots
 PB_LEN = tl.constexpr(3)  # shared keys
+# Programs per kv head, each taking every MAX_PROGRAMS-th block: a CUDA graph's table has a column
+# per batch row, mostly empty (a graph of 256 rows launched 2048 programs a layer to read a count
+# of 0 each when the batch shared nothing); 32 a head still fill the GPU when groups do share.
+# TANDEM_PHASE_A_PROGRAMS=0: a program per block (the launch before; A/B).
+MAX_PROGRAMS = int(env_choice("TANDEM_PHASE_A_PROGRAMS", "32", ("0", "8", "16", "32", "64"),
+                              "32 (the default), 8, 16, 64, or 0 (a program per block)")) or 1 << 30
 
 
 def shared_prefix_partials(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -37,9 +44,9 @@ def shared_prefix_partials(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         return
     _, num_heads, head_dim = q.shape
     cfg = tile.config
-    shared_prefix_kernel[(num_blocks, k_buf.shape[1])](
+    shared_prefix_kernel[(min(num_blocks, MAX_PROGRAMS), k_buf.shape[1])](
         q, k_buf, v_buf, part_ml, part_acc, req_to_token, req_pool_indices, blocks, rows,
-        blocks.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        num_blocks, blocks.stride(0), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0), num_heads, scaling * _LOG2E,
         GROUP=tile.group, G_PAD=tile.g_pad, BLOCK_T=tile.block_t, BLOCK_N=tile.block_n,
         BLOCK_D=_next_pow2(max(head_dim, 16)), HEAD_DIM=head_dim,
@@ -48,20 +55,33 @@ def shared_prefix_partials(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     )
 
 
-@triton.jit(do_not_specialize=["blk_stride", "num_heads"])
+@triton.jit(do_not_specialize=["num_blocks", "blk_stride", "num_heads"])
 def shared_prefix_kernel(
     Q, K, V, PartML, PartAcc, ReqToToken, ReqPoolIdx, Blocks, Rows,
-    blk_stride, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+    num_blocks, blk_stride, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     num_heads, qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """grid (blocks, kv heads); a block of 0 members (CUDA-graph padding) returns at once."""
-    blk = tl.program_id(0)
+    """grid (<= MAX_PROGRAMS, kv heads): program p takes blocks p, p + programs, ...; a block of
+    0 members (CUDA-graph padding) is skipped."""
     kvh = tl.program_id(1)
-    count = tl.load(Blocks + PB_COUNT * blk_stride + blk)
-    if count == 0:
-        return
+    for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+        count = tl.load(Blocks + PB_COUNT * blk_stride + blk)
+        if count > 0:
+            _block_partials(Q, K, V, PartML, PartAcc, ReqToToken, ReqPoolIdx, Blocks, Rows, blk, kvh, count,
+                            blk_stride, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_r2t, num_heads, qk_scale, GROUP, G_PAD, BLOCK_T, BLOCK_N, BLOCK_D, HEAD_DIM,
+                            DOT_PRECISION)
+
+
+@triton.jit
+def _block_partials(Q, K, V, PartML, PartAcc, ReqToToken, ReqPoolIdx, Blocks, Rows, blk, kvh, count,
+                    blk_stride, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+                    num_heads, qk_scale, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """One block's member rows x one kv head's query heads against the block's shared keys."""
     start = tl.load(Blocks + PB_START * blk_stride + blk)
     seq = tl.load(Blocks + PB_SEQ * blk_stride + blk)
     length = tl.load(Blocks + PB_LEN * blk_stride + blk)

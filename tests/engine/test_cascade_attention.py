@@ -68,17 +68,25 @@ def test_cascade_decode_matches_torch(num_sms, heads, kv_heads):
     assert_matches_torch(scene, scene.forward(backend, items, fb), items)
 
 
-def test_groups_wider_than_a_block():
-    """16 query heads on one kv head: 4 rows a block, so the group of five is cut in two."""
+def test_groups_wider_than_a_block(monkeypatch):
+    """16 query heads on one kv head: 4 rows a block, so the group of five is cut in two. Phase A
+    with a program per block, then with one program taking all three in turn: the same bits."""
+    import engine.kernels.shared_prefix_attention as phase_a
+
     scene = shared_scene(16, 1)
-    backend = TritonAttentionBackend(num_sms=1)
-    backend.cascade.group = 16
-    assert backend.cascade.members() == 4
     items = decode_items()
-    fb = with_plan(scene, backend, items)
-    backend.init_forward_metadata(fb)
-    assert backend.cascade_tables.num_blocks == 3  # 3 + 2 rows, then the pair
-    assert_matches_torch(scene, scene.forward(backend, items, fb), items)
+    outs = []
+    for programs in (phase_a.MAX_PROGRAMS, 1):
+        monkeypatch.setattr(phase_a, "MAX_PROGRAMS", programs)
+        backend = TritonAttentionBackend(num_sms=1)
+        backend.cascade.group = 16
+        assert backend.cascade.members() == 4
+        fb = with_plan(scene, backend, items)
+        backend.init_forward_metadata(fb)
+        assert backend.cascade_tables.num_blocks == 3  # 3 + 2 rows, then the pair
+        outs.append(scene.forward(backend, items, fb))
+        assert_matches_torch(scene, outs[-1], items)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def test_without_a_plan_or_in_deterministic_mode_nothing_changes():
@@ -97,9 +105,12 @@ def test_without_a_plan_or_in_deterministic_mode_nothing_changes():
         assert torch.equal(g, p)
 
 
+@pytest.mark.parametrize("programs", [2, 32], ids=["strided", "one_each"])
 @pytest.mark.parametrize("num_sms", [1, 64], ids=["merge", "partials"])
-def test_graph_tables_with_padding_rows(num_sms):
-    """A graph of GRAPH_MIN_BS rows replayed for 8 rows, with the plan, then without one."""
+def test_graph_tables_with_padding_rows(num_sms, programs, monkeypatch):
+    """A graph of GRAPH_MIN_BS rows replayed for 8 rows, with the plan, then without one (phase
+    A's programs: 2 taking every other of the table's 16 columns, or one a column)."""
+    monkeypatch.setattr("engine.kernels.shared_prefix_attention.MAX_PROGRAMS", programs)
     scene = shared_scene()
     backend = TritonAttentionBackend(num_sms=num_sms)
     padded = GRAPH_MIN_BS
