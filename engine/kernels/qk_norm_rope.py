@@ -31,6 +31,12 @@ from engine.kernels.torch_backward import needs_grad, reference_grads
 
 ROWS_ENV = "TANDEM_QK_ROWS"
 ROWS_CHOICES = ("1", "2", "4", "8")
+# A launch of one-head programs takes ~(T x heads) / (132 SMs x 32 resident) waves of a short
+# load-reduce-store chain: at 256 tokens of the 0.6B shape 8192 programs. Fewer programs of 4
+# heads each, all loads in flight together, pay off there; below ~a wave they add latency.
+# H100, 0.6B (2026-12-07): bs 1 streamed ITL 1.043 ms with 1 head vs 1.088 with 4; bs 16 8,397
+# vs 8,261 tok/s; bs 64 level; bs 256 25,145 vs 25,009.
+MIN_TOKENS_FOR_ROWS = 128
 
 
 @triton.jit
@@ -146,7 +152,7 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None
     kw = k_weight.contiguous() if has_norm else k
     block, warps = _norm_launch(D)  # triton_norm's: same tile, same reduction tree
     pdl = use_pdl(T, q.device)
-    rows = heads_per_program()
+    rows = heads_per_program() if T >= MIN_TOKENS_FOR_ROWS else 1
     groups = triton.cdiv(H, rows) + triton.cdiv(Hkv, rows) * (2 if kv_cache is not None else 1)
     _qk_norm_rope_kernel[(T, groups)](
         q, k, q_out, k_out, cos, sin, qw, kw, H, Hkv, D, q.stride(0), q.stride(1), k.stride(0),
@@ -159,9 +165,9 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None
 
 def heads_per_program() -> int:
     """TANDEM_QK_ROWS: heads one program norms and rotates (a token's q heads, k heads or v heads
-    in groups of this many). Each head's arithmetic is the same at any value: only how many
-    programs the launch has and how many rows each has in flight change."""
-    return int(env_choice(ROWS_ENV, "1", ROWS_CHOICES, "1, 2, 4 or 8 heads a program"))
+    in groups of this many) from MIN_TOKENS_FOR_ROWS tokens. Each head's arithmetic is the same at
+    any value: only how many programs the launch has and how many rows each has in flight change."""
+    return int(env_choice(ROWS_ENV, "4", ROWS_CHOICES, "4 (the default), 1, 2 or 8 heads a program"))
 
 
 def _check_kv_cache(k, v, k_cache, v_cache, loc) -> None:

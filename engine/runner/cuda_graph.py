@@ -19,9 +19,10 @@ size keeping its own output would hold ~6 GB at max_bs 512 and a 152k vocabulary
 safe because everything runs on one stream: a step's sampling reads the buffer before the next
 replay, enqueued after it, writes it. The shared pool can be the memory saver's "cuda_graph"
 region (MemorySaver.graph_pool): a colocated release unmaps it and the graphs replay after resume.
-The buffer is float32 (the LM head's output copied and cast in the graph), or under
-TANDEM_GRAPH_LOGITS=model the model's dtype, which the LM head's GEMM writes itself (no copy at
-all; every reader widens to float32 exactly, so the same tokens and logprobs, bit for bit).
+The buffer is in the model's dtype, which the LM head's GEMM writes itself where it is cuBLAS's
+(no copy; every reader widens to float32 exactly, so the same tokens and logprobs, bit for bit);
+TANDEM_GRAPH_LOGITS=float32 copies and casts the output in the graph instead (the layout before;
+H100, 0.6B 256 x (512, 256): 25,009 tok/s with it, 25,328 without).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ LOGITS_ENV = "TANDEM_GRAPH_LOGITS"
 
 
 def logits_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The graphs' logits buffer: float32, or (TANDEM_GRAPH_LOGITS=model) the LM head's dtype."""
-    choice = env_choice(LOGITS_ENV, "float32", ("float32", "model"), "float32 or model (the LM head's dtype)")
+    """The graphs' logits buffer: the LM head's dtype, or (TANDEM_GRAPH_LOGITS=float32) float32."""
+    choice = env_choice(LOGITS_ENV, "model", ("model", "float32"), "model (the LM head's dtype, the default) or float32")
     return model.lm_head.weight.dtype if choice == "model" else torch.float32
 
 
@@ -114,7 +115,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """-> logits [bs, vocab] of the batch's rows (a view of the shared buffer, valid until the
-        next replay; float32, or the model's dtype under TANDEM_GRAPH_LOGITS=model)."""
+        next replay; the model's dtype, or float32 under TANDEM_GRAPH_LOGITS=float32)."""
         fb = forward_batch
         bs = fb.batch_size
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]

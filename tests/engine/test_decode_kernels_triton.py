@@ -5,6 +5,8 @@ Skipped where triton is absent and on CUDA machines."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -114,11 +116,13 @@ def test_small_m_linear_not_under_grad_mode(monkeypatch):
 
 def test_rows_taken_follow_each_modes_limit(monkeypatch):
     """Normal mode sends up to TANDEM_GEMV_MAX_M rows, deterministic mode up to TANDEM_DET_GEMV_MAX_M
-    (each 8 unless set); the kernel takes 32 at most, a wide linear (qkv, gate_up) only as far as
+    (8 and 32 unless set); the kernel takes 32 at most, a wide linear (qkv, gate_up) only as far as
     PDL goes, and a row's bits do not depend on the tile."""
     from engine.kernels import bi_gemv
     from engine.kernels import small_m_linear as sml
 
+    if "TANDEM_GEMV_MAX_M" not in os.environ and "TANDEM_DET_GEMV_MAX_M" not in os.environ:
+        assert (sml.ROWS, bi_gemv.ROWS) == (8, 32)
     x, w = torch.randn(sml.MAX_M + 1, 64).to(torch.bfloat16), torch.randn(48, 64).to(torch.bfloat16)
     wide = torch.randn(192, 64).to(torch.bfloat16)
     monkeypatch.setattr(sml, "WIDE_PDL", True)

@@ -119,6 +119,38 @@ def test_kv_cache_store_in_the_same_launch(with_norm, pool_dtype):
         qk_norm_rope(q, k, cos, sin, *weights, EPS, kv_cache=(v, pools[0], pools[1], loc[:3]))
 
 
+@pytest.mark.parametrize("rows", [2, 3, 8])
+def test_heads_a_program_change_no_bit(rows, monkeypatch):
+    """TANDEM_QK_ROWS (from MIN_TOKENS_FOR_ROWS tokens): each program takes `rows` heads of one kind
+    (3: a last group past the q / k / v heads' end, masked; 8: more than there are): q, k and the
+    pool slots bit for bit as at one head a program; below the token threshold one head a program."""
+    from engine.kernels import qk_norm_rope as qk_mod
+
+    T, D, dtype = 5, 64, torch.bfloat16
+    cos, sin = _rope(T, D)
+    weights = _weights(D, dtype, seed=5)
+    loc = torch.tensor([3, 8, 1, 6, 10])
+    runs = []
+    for r in (1, rows):
+        monkeypatch.setattr(qk_mod, "heads_per_program", lambda r=r: r)
+        monkeypatch.setattr(qk_mod, "MIN_TOKENS_FOR_ROWS", 1)
+        qkv, q, k = _qkv(T, D, dtype, seed=21)
+        v = qkv[:, (H + HKV) * D:].view(T, HKV, D)
+        pools = [torch.full((12, HKV, D), 7.0, dtype=dtype) for _ in range(2)]
+        out_q, out_k = qk_norm_rope(q, k, cos, sin, *weights, EPS, kv_cache=(v, *pools, loc))
+        runs.append((out_q, out_k, *pools, qkv))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    launched = []
+    monkeypatch.setattr(qk_mod, "MIN_TOKENS_FOR_ROWS", T + 1)
+    real = qk_mod._qk_norm_rope_kernel
+    monkeypatch.setattr(qk_mod, "_qk_norm_rope_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    _, q, k = _qkv(T, D, dtype, seed=21)
+    qk_norm_rope(q, k, cos, sin, *weights, EPS)
+    assert launched == [(T, H + HKV)]  # one program a head: below the threshold
+
+
 @pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 3, 17])
