@@ -97,10 +97,11 @@ def test_linear_forward_into_writes_its_output_where_told():
                 assert out[5:].isnan().all()
     model = torch.nn.Module()
     model.lm_head = Linear(16, 40, bias=False).bfloat16()
-    assert logits_dtype(model) == torch.float32  # the default
-    os.environ["TANDEM_GRAPH_LOGITS"] = "model"
+    os.environ.pop("TANDEM_GRAPH_LOGITS", None)
+    assert logits_dtype(model) == torch.bfloat16  # the default: the LM head's
+    os.environ["TANDEM_GRAPH_LOGITS"] = "float32"
     try:
-        assert logits_dtype(model) == torch.bfloat16
+        assert logits_dtype(model) == torch.float32
         os.environ["TANDEM_GRAPH_LOGITS"] = "half"
         with pytest.raises(ValueError, match="TANDEM_GRAPH_LOGITS"):
             logits_dtype(model)
