@@ -50,7 +50,7 @@ class RequestSlots:
 
     def abort(self, rid: Optional[str], abort_all: bool) -> None:
         """Marks the waiting requests an abort names: its rid, or a request whose sample it names
-        (the engine's rid for sample i of a request with n is "{rid}_{i}", as SGLang names it)."""
+        (the engine's rid for sample i of a request with n is "{rid}-{i}")."""
         with self._lock:
             for request_rid, flag in self._waiting.values():
                 if abort_all or (request_rid is not None and rid is not None and _names(rid, request_rid)):
@@ -58,7 +58,7 @@ class RequestSlots:
 
 
 def _names(aborted: str, request_rid: str) -> bool:
-    head, _, tail = aborted.rpartition("_")
+    head, _, tail = aborted.rpartition("-")
     return aborted == request_rid or (head == request_rid and tail.isdigit())
 
 

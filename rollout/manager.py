@@ -150,7 +150,7 @@ class RolloutManager:
         HttpClient's cancelled request closes its connection, which aborts it on the server too)."""
         ended.update(tasks[t] for t in pending)
         rids = [(where[tasks[t]], rid) for t in pending
-                for rid in ([f"{batch}-{tasks[t]}"] if n == 1 else [f"{batch}-{tasks[t]}_{i}" for i in range(n)])]
+                for rid in ([f"{batch}-{tasks[t]}"] if n == 1 else [f"{batch}-{tasks[t]}-{i}" for i in range(n)])]
         failed = await asyncio.gather(*[_abort_rid(self.engines[i], rid) for i, rid in rids])
         for i in sorted({i for (i, _), exc in zip(rids, failed) if exc is not None}):
             first = next(exc for (j, _), exc in zip(rids, failed) if j == i and exc is not None)

@@ -78,7 +78,7 @@ class RequestBuilder:
             base_seed = p.sampling_seed if p.sampling_seed is not None else self._seed_rng.getrandbits(63)
             for i in range(p.n):
                 out.append(ReqInput(
-                    rid=base_rid if p.n == 1 else f"{base_rid}_{i}", input_ids=ids, sampling_params=p,
+                    rid=base_rid if p.n == 1 else f"{base_rid}-{i}", input_ids=ids, sampling_params=p,
                     seed=base_seed if p.n == 1 else derive_seed(base_seed, i), return_logprob=lp,
                     logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
                     token_ids_logprob=wanted if lp else None, logprob_distribution=distribution,

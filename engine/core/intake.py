@@ -80,7 +80,7 @@ class RequestIntake:
 
     def _rids_named(self, rid: str) -> list[str]:
         """rid itself; or, when no request has it, the requests it was expanded into: the n
-        samples (rid_0, rid_1, ..., as SGLang names them) or the batch's prompts (rid_0, ...), as a client knows only
+        samples (rid-0, rid-1, ...) or the batch's prompts (rid_0, ...), as a client knows only
         the rid it sent (SGLang's abort matches rid prefixes)."""
         rids = self._all_rids()
         if rid in rids:

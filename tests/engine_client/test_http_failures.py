@@ -219,7 +219,7 @@ def test_an_abort_by_rid_reaches_a_waiting_request_and_its_samples():
         async with slots.slot("first") as go_first:
             waiting = {rid: asyncio.ensure_future(_enter(slots, rid)) for rid in ("b-1", "b-12", "b-2")}
             await asyncio.sleep(0)
-            slots.abort("b-1_0", abort_all=False)  # sample 0 of "b-1": not "b-12"
+            slots.abort("b-1-0", abort_all=False)  # sample 0 of "b-1": not "b-12"
             slots.abort("b-2", abort_all=False)
         return go_first, {rid: await task for rid, task in waiting.items()}
 

@@ -116,7 +116,7 @@ def test_a_cancelled_rollout_aborts_its_requests_and_leaves_nothing_running():
 
     assert _run(cancel_midway()) == []  # no group task left behind
     assert sorted(rid for e in engines for rid in e.aborted) == sorted(
-        f"{rid}_{i}" for e in engines for rid in e.sent for i in range(3))  # every sample of every group
+        f"{rid}-{i}" for e in engines for rid in e.sent for i in range(3))  # every sample of every group
     assert manager.router.load == [0, 0]
 
 
