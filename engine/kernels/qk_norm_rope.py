@@ -8,9 +8,12 @@ Replaces, per layer on CUDA: two row copies (q/k views are not reshapeable), two
 Same bits as the unfused CUDA path (bi.rms_norm per head, then rotary.apply_rotary): each value is
 rounded to the model dtype where a torch op rounds (norm cast, weight multiply, cos/sin cast, each
 rotary product, their sum), fp contraction is off, and the sum of squares is triton_norm's
-expression at triton_norm's block and warp count, one program per (token, head) row as triton_norm
-has one per row, so it compiles to the same reduction tree (compared in the sm_90 PTX for D in
-{64, 128, 256} x fp32/bf16/fp16; tests/gpu check the bits). Against torch's own mean (CPU or CUDA,
+expression at triton_norm's block and warp count over one (token, head) row at a time, as
+triton_norm's program has one row, so it compiles to the same reduction tree (compared in the sm_90
+PTX for D in {64, 128, 256} x fp32/bf16/fp16; tests/gpu check the bits). A program takes one head,
+or from MIN_TOKENS_FOR_ROWS tokens ROWS heads of one kind, each reduced as a row of its own
+(tests/kernels/test_qk_rows_compile_sm90.py compares the sequences; Triton with tuples in jit
+code, 3.3 or later). Against torch's own mean (CPU or CUDA,
 another summation order) the fp32 sum can differ by an ulp or two; everything after it matches.
 
 Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
@@ -37,6 +40,7 @@ ROWS_CHOICES = ("1", "2", "4", "8")
 # H100, 0.6B (2026-12-07): bs 1 streamed ITL 1.043 ms with 1 head vs 1.088 with 4; bs 16 8,397
 # vs 8,261 tok/s; bs 64 level; bs 256 25,145 vs 25,009.
 MIN_TOKENS_FOR_ROWS = 128
+ROWS = int(env_choice(ROWS_ENV, "4", ROWS_CHOICES, "4 (the default), 1, 2 or 8 heads a program"))
 
 
 @triton.jit
@@ -167,7 +171,7 @@ def heads_per_program() -> int:
     """TANDEM_QK_ROWS: heads one program norms and rotates (a token's q heads, k heads or v heads
     in groups of this many) from MIN_TOKENS_FOR_ROWS tokens. Each head's arithmetic is the same at
     any value: only how many programs the launch has and how many rows each has in flight change."""
-    return int(env_choice(ROWS_ENV, "4", ROWS_CHOICES, "4 (the default), 1, 2 or 8 heads a program"))
+    return ROWS
 
 
 def _check_kv_cache(k, v, k_cache, v_cache, loc) -> None:

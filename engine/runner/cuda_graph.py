@@ -20,7 +20,10 @@ safe because everything runs on one stream: a step's sampling reads the buffer b
 replay, enqueued after it, writes it. The shared pool can be the memory saver's "cuda_graph"
 region (MemorySaver.graph_pool): a colocated release unmaps it and the graphs replay after resume.
 The buffer is in the model's dtype, which the LM head's GEMM writes itself where it is cuBLAS's
-(no copy; every reader widens to float32 exactly, so the same tokens and logprobs, bit for bit);
+(no copy). The tokens are the same; readers that widen to float32 first (sampling, top logprobs,
+deterministic mode's log_softmax) see the same bits, while normal mode's fused greedy kernel sums a
+bf16 chunk in another order than a float32 one, so a greedy logprob can differ in its last float32
+bits from an eager step's (normal mode promises no bits across batch shapes anyway);
 TANDEM_GRAPH_LOGITS=float32 copies and casts the output in the graph instead (the layout before;
 H100, 0.6B 256 x (512, 256): 25,009 tok/s with it, 25,328 without).
 """

@@ -45,11 +45,12 @@ def test_capture_batch_sizes():
     assert capture_batch_sizes(300)[-4:] == [256, 272, 288, 300]
 
 
-@pytest.mark.parametrize("logits", ["float32", "model"])
+@pytest.mark.parametrize("dtype,logits", [("float32", "float32"), ("bfloat16", "model"), ("bfloat16", "float32")])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "normal"])
-def test_replayed_decode_equals_eager(engine_factory, deterministic, logits, monkeypatch):
-    monkeypatch.setenv("TANDEM_GRAPH_LOGITS", logits)  # model: the LM head writes the buffer (its GEMM's out=)
-    eng = engine_factory(attention_backend="triton", enable_deterministic_inference=deterministic)
+def test_replayed_decode_equals_eager(engine_factory, deterministic, dtype, logits, monkeypatch):
+    """model: the graphs' logits in the model's dtype (bf16), which the LM head's GEMM writes."""
+    monkeypatch.setenv("TANDEM_GRAPH_LOGITS", logits)
+    eng = engine_factory(attention_backend="triton", enable_deterministic_inference=deterministic, dtype=dtype)
     prompts = random_prompts(5, eng.local_core.parts.vocab_size, lengths=(3, 40), seed=3)
     params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
     runs = []
@@ -63,6 +64,7 @@ def test_replayed_decode_equals_eager(engine_factory, deterministic, logits, mon
         runs.append([o for batch in outs for o in batch])
         if graphs:
             assert runner.cuda_graph.num_replays == 3 * 4
+            assert runner.cuda_graph.logits.dtype == (torch.bfloat16 if logits == "model" else torch.float32)
             runner.cuda_graph = None
     eager, replayed = runs
     assert [o["output_ids"] for o in replayed] == [o["output_ids"] for o in eager]
@@ -76,9 +78,10 @@ def test_replayed_decode_equals_eager(engine_factory, deterministic, logits, mon
     eng.check_integrity()
 
 
-def test_linear_forward_into_writes_its_output_where_told():
+def test_linear_forward_into_writes_its_output_where_told(monkeypatch):
     """forward_into: cuBLAS-shaped (bias-free, normal mode, no small-M kernel) in out's dtype the
-    GEMM writes `out` itself, else the output is copied (and cast) there; the same values."""
+    GEMM writes `out` itself (no temporary: `self(x)` is not called), else the output is copied
+    (and cast) there; the same values."""
     from engine.models.layers import Linear
     from engine.runner.cuda_graph import logits_dtype
 
@@ -91,19 +94,21 @@ def test_linear_forward_into_writes_its_output_where_told():
         for dtype in (torch.bfloat16, torch.float32):
             for grad in (False, True):  # recorded by autograd: the copy (out= takes no gradient)
                 out = torch.full((8, 40), float("nan"), dtype=dtype)
+                direct = dtype == torch.bfloat16 and not grad and lin._cublas_output(x)
+                calls = []
+                monkeypatch.setattr(lin, "forward", lambda *a, _f=lin.forward: calls.append(1) or _f(*a))
                 with torch.set_grad_enabled(grad):
                     got = lin.forward_into(x, out[:5])
+                monkeypatch.undo()
+                assert calls == ([] if direct else [1])
                 assert got.data_ptr() == out.data_ptr() and torch.equal(got, want.to(dtype))
                 assert out[5:].isnan().all()
     model = torch.nn.Module()
     model.lm_head = Linear(16, 40, bias=False).bfloat16()
-    os.environ.pop("TANDEM_GRAPH_LOGITS", None)
+    monkeypatch.delenv("TANDEM_GRAPH_LOGITS", raising=False)
     assert logits_dtype(model) == torch.bfloat16  # the default: the LM head's
-    os.environ["TANDEM_GRAPH_LOGITS"] = "float32"
-    try:
-        assert logits_dtype(model) == torch.float32
-        os.environ["TANDEM_GRAPH_LOGITS"] = "half"
-        with pytest.raises(ValueError, match="TANDEM_GRAPH_LOGITS"):
-            logits_dtype(model)
-    finally:
-        del os.environ["TANDEM_GRAPH_LOGITS"]
+    monkeypatch.setenv("TANDEM_GRAPH_LOGITS", "float32")
+    assert logits_dtype(model) == torch.float32
+    monkeypatch.setenv("TANDEM_GRAPH_LOGITS", "half")
+    with pytest.raises(ValueError, match="TANDEM_GRAPH_LOGITS"):
+        logits_dtype(model)

@@ -5,6 +5,7 @@ for torch-memory-saver."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -29,7 +30,10 @@ def test_requests_wait_while_released_and_weights_refuse_updates(engine_factory,
     with caplog.at_level("WARNING", logger="engine.core.control"):
         waiter.start()
         second.start()  # a second request while released: no second line
-        waiter.join(0.5)
+        deadline = time.monotonic() + 30
+        while eng.get_stats().num_waiting_reqs < 3 and time.monotonic() < deadline:  # both in the core's queue
+            time.sleep(0.05)
+    assert eng.get_stats().num_waiting_reqs == 3
     assert waiter.is_alive() and second.is_alive() and not done  # queued, not run, while anything is released
     said = [r.getMessage() for r in caplog.records if "waits" in r.getMessage()]
     assert len(said) == 1 and "cuda_graph, kv_cache, weights released" in said[0], said
@@ -39,7 +43,7 @@ def test_requests_wait_while_released_and_weights_refuse_updates(engine_factory,
     eng.resume_memory_occupation(["kv_cache", "cuda_graph"])
     waiter.join(60)
     second.join(60)
-    assert [o["output_ids"] for o in done[0]] == before  # weights kept on the CPU: same tokens
+    assert not second.is_alive() and [o["output_ids"] for o in done[0]] == before  # weights kept on the CPU: same tokens
     assert sorted(eng.get_stats().memory_released) == []
     eng.check_integrity()
 
