@@ -78,7 +78,11 @@ class Sampler:
         penalised = apply_penalties(raw, batch)
         processed = log_softmax_processed(penalised, batch, self._log_softmax)
         tokens = self._pick(penalised, processed, batch)
-        original = original_logprobs(raw, self._log_softmax)
+        # nothing reshaped the distribution (T = 1, no penalties or truncation: GRPO's rollouts):
+        # the processed logprobs are the original ones, the same function of the same tensor
+        unchanged = penalised is raw and not (batch.need_temperature or batch.need_top_k or batch.need_top_p
+                                               or batch.need_min_p)
+        original = processed if unchanged else original_logprobs(raw, self._log_softmax)
         out = SampleOutput(
             next_token_ids=tokens,
             original_logprobs=gather_token_logprobs(original, tokens),
@@ -161,7 +165,7 @@ def log_softmax_processed(penalised: torch.Tensor, batch: SamplingBatch,
                           log_softmax: Optional[LogSoftmax] = None) -> torch.Tensor:
     """Temperature and top-k/top-p/min-p on penalised logits -> [B, V] float32 logprobs."""
     x = penalised
-    if not batch.all_greedy:
+    if batch.need_temperature:  # x / 1.0 is x, bit for bit: no pass over [B, V] for it
         x = x / batch.temperatures
     if batch.need_top_k or batch.need_top_p or batch.need_min_p:
         x = x.masked_fill(_truncation_mask(x, batch), float("-inf"))

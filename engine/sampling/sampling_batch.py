@@ -50,6 +50,7 @@ class SamplingBatch:
     logit_bias: Optional[torch.Tensor]  # [B, V] float32 added to the logits (SGLang's logit_bias)
     all_greedy: bool
     any_greedy: bool
+    need_temperature: bool  # a row's temperature is not 1 (greedy rows count as 1)
     need_repetition: bool
     need_freq_presence: bool
     need_top_k: bool
@@ -101,6 +102,7 @@ class SamplingBatch:
             logit_bias=_logit_bias(rows, vocab_size, device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
+            need_temperature=any(t != 1.0 for t in temps),
             need_repetition=need_rep,
             need_freq_presence=need_fp,
             need_top_k=any(k < vocab_size for k in top_ks),

@@ -278,6 +278,33 @@ def test_original_logprobs_exact_and_unchanged_by_processing():
     assert torch.allclose(hot.processed_logprobs, expected)
 
 
+def test_unit_temperature_takes_one_log_softmax_with_the_same_tokens_and_bits(monkeypatch):
+    """T = 1 with nothing else reshaping the distribution (GRPO's rollouts): no division and one
+    [B, V] log_softmax serves as both distributions, where a temperature, a penalty or a cut still
+    takes its own; tokens and logprobs bit for bit what dividing by 1 and a second log_softmax give
+    (a batch with a greedy row too)."""
+    import engine.sampling.sampler as sampler_mod
+
+    torch.manual_seed(5)
+    logits = torch.randn(4, V) * 3
+    calls = []
+    real = torch.log_softmax
+    monkeypatch.setattr(sampler_mod.torch, "log_softmax", lambda x, dim: calls.append(1) or real(x, dim=dim))
+    cases = [([SamplingParams()] * 3 + [SamplingParams(temperature=0.0)], 1),
+             ([SamplingParams(temperature=0.7)] * 4, 2), ([SamplingParams(top_k=5)] * 4, 2),
+             ([SamplingParams(frequency_penalty=0.5)] * 4, 2)]
+    for params, log_softmaxes in cases:
+        batch = _batch(params)
+        calls.clear()
+        out, original, processed = Sampler().sample_with_distributions(logits, batch)
+        assert len(calls) == log_softmaxes and (original is processed) == (log_softmaxes == 1)
+        ref_processed = real(apply_penalties(logits, batch) / batch.temperatures, dim=-1)
+        if log_softmaxes == 1:
+            assert torch.equal(processed, ref_processed) and torch.equal(original, real(logits, dim=-1))
+            assert torch.equal(out.next_token_ids, Sampler()._pick(logits, ref_processed, batch))
+        assert torch.equal(out.original_logprobs, real(logits, dim=-1).gather(1, out.next_token_ids[:, None])[:, 0])
+
+
 def test_repetition_penalty_matches_hf():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
