@@ -292,7 +292,8 @@ def test_unit_temperature_takes_one_log_softmax_with_the_same_tokens_and_bits(mo
     monkeypatch.setattr(sampler_mod.torch, "log_softmax", lambda x, dim: calls.append(1) or real(x, dim=dim))
     cases = [([SamplingParams()] * 3 + [SamplingParams(temperature=0.0)], 1),
              ([SamplingParams(temperature=0.7)] * 4, 2), ([SamplingParams(top_k=5)] * 4, 2),
-             ([SamplingParams(frequency_penalty=0.5)] * 4, 2)]
+             ([SamplingParams(frequency_penalty=0.5)] * 4, 2), ([SamplingParams(top_p=0.9)] * 4, 2),
+             ([SamplingParams(min_p=0.1)] * 4, 2), ([SamplingParams(logit_bias={"3": 2.0})] * 4, 2)]
     for params, log_softmaxes in cases:
         batch = _batch(params)
         calls.clear()
