@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) qkab logitsab t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -231,8 +231,6 @@ for s in "$@"; do case $s in
   pftests) step pftests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "engine_batch_one or small_m or chain or det_gemv" ;;  # the gemv (its prefetch on) bitwise, the bs-1 engine
   gemvk) step gemvk 150 python3 scripts/decode_kernels_bench.py --quick --ms 1,8,16,32 --reps 10 ;;  # the small-M gemv vs cuBLAS up to 32 rows
   logitstests) step logitstests 240 env TANDEM_GRAPH_LOGITS=model python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_graph.py tests/gpu/test_hf_greedy_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_sampler_warmup_gpu.py ;;  # the graphs' logits in the model's dtype
-  logitsab) for v in float32 model; do  # the graphs' logits: float32 (copied, cast) vs the model's dtype (the LM head's GEMM writes them)
-      step logitsab-$v 80 env TANDEM_GRAPH_LOGITS=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/logitsab-06-$v.json"; done ;;
   phaseab) for v in 0 32; do  # cascade phase A's programs a kv head: one a block (0) vs 32 taking blocks in turn; 0.6B 256 (nothing shared), 8B GRPO (shared)
       step phaseab-06-$v 80 env TANDEM_PHASE_A_PROGRAMS=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/phaseab-06-$v.json"
       step phaseab-grpo-$v 100 env TANDEM_PHASE_A_PROGRAMS=$v $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --json "$OUT/phaseab-grpo-$v.json"; done ;;
@@ -243,9 +241,6 @@ for s in "$@"; do case $s in
     for v in "1 float32 0" "4 float32 0" "1 model 0" "1 float32 32" "4 model 32"; do set -- $v
       step "ab06-qk$1-$2-pa$3" 80 env TANDEM_QK_ROWS=$1 TANDEM_GRAPH_LOGITS=$2 TANDEM_PHASE_A_PROGRAMS=$3 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/ab06-qk$1-$2-pa$3.json"; done ;;
   qktests) step qktests 200 env TANDEM_QK_ROWS=4 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_hf_greedy_gpu.py ;;  # 4 heads a program: bitwise against the unfused path
-  qkab) for r in 1 2 4 8; do  # heads a program of the q/k norm + rope kernel: the kernel alone (20 calls back to back a sample)
-      step qkab-$r 60 env TANDEM_QK_ROWS=$r python3 scripts/fused_kernels_bench.py --ops qk_norm_rope --inner 20 --reps 30; done
-    for r in 1 4; do step qkab-bench06q-$r 80 env TANDEM_QK_ROWS=$r $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --roofline --stream-mode final --json "$OUT/qkab-06-$r.json"; done ;;
   gemvtests) step gemvtests 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_batch_invariant_gpu.py -k "small_m or det_gemv or chain" ;;
   gemvab*)  # gemvab[16|32]: 8B at that batch (32 unless named), normal and deterministic, the gemv up to 8 rows vs 32 (the defaults: normal 8, deterministic 32)
     bs=${s#gemvab}; bs=${bs:-32}

@@ -40,6 +40,8 @@ ROWS_CHOICES = ("1", "2", "4", "8")
 # H100, 0.6B (2026-12-07): bs 1 streamed ITL 1.043 ms with 1 head vs 1.088 with 4; bs 16 8,397
 # vs 8,261 tok/s; bs 64 level; bs 256 25,145 vs 25,009.
 MIN_TOKENS_FOR_ROWS = 128
+# TANDEM_QK_ROWS: heads a program (a token's q, k or v heads in groups of this many) from
+# MIN_TOKENS_FOR_ROWS tokens; each head's arithmetic is the same at any value
 ROWS = int(env_choice(ROWS_ENV, "4", ROWS_CHOICES, "4 (the default), 1, 2 or 8 heads a program"))
 
 
@@ -156,7 +158,7 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None
     kw = k_weight.contiguous() if has_norm else k
     block, warps = _norm_launch(D)  # triton_norm's: same tile, same reduction tree
     pdl = use_pdl(T, q.device)
-    rows = heads_per_program() if T >= MIN_TOKENS_FOR_ROWS else 1
+    rows = ROWS if T >= MIN_TOKENS_FOR_ROWS else 1
     groups = triton.cdiv(H, rows) + triton.cdiv(Hkv, rows) * (2 if kv_cache is not None else 1)
     _qk_norm_rope_kernel[(T, groups)](
         q, k, q_out, k_out, cos, sin, qw, kw, H, Hkv, D, q.stride(0), q.stride(1), k.stride(0),
@@ -166,12 +168,6 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, kv_cache=None
         IN_PLACE=q_out.data_ptr() == q.data_ptr(), STORE=kv_cache is not None,
         BLOCK=block, ROWS=rows, PDL=pdl, num_warps=warps, enable_fp_fusion=False, **launch_options(pdl))
 
-
-def heads_per_program() -> int:
-    """TANDEM_QK_ROWS: heads one program norms and rotates (a token's q heads, k heads or v heads
-    in groups of this many) from MIN_TOKENS_FOR_ROWS tokens. Each head's arithmetic is the same at
-    any value: only how many programs the launch has and how many rows each has in flight change."""
-    return ROWS
 
 
 def _check_kv_cache(k, v, k_cache, v_cache, loc) -> None:

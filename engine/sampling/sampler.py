@@ -80,8 +80,7 @@ class Sampler:
         tokens = self._pick(penalised, processed, batch)
         # nothing reshaped the distribution (T = 1, no penalties or truncation: GRPO's rollouts):
         # the processed logprobs are the original ones, the same function of the same tensor
-        unchanged = penalised is raw and not (batch.need_temperature or batch.need_top_k or batch.need_top_p
-                                               or batch.need_min_p)
+        unchanged = penalised is raw and not (batch.need_temperature or batch.need_truncation)
         original = processed if unchanged else original_logprobs(raw, self._log_softmax)
         out = SampleOutput(
             next_token_ids=tokens,
@@ -167,7 +166,7 @@ def log_softmax_processed(penalised: torch.Tensor, batch: SamplingBatch,
     x = penalised
     if batch.need_temperature:  # x / 1.0 is x, bit for bit: no pass over [B, V] for it
         x = x / batch.temperatures
-    if batch.need_top_k or batch.need_top_p or batch.need_min_p:
+    if batch.need_truncation:
         x = x.masked_fill(_truncation_mask(x, batch), float("-inf"))
     if log_softmax is not None:
         return log_softmax(x)

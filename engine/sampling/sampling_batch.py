@@ -61,6 +61,11 @@ class SamplingBatch:
     def batch_size(self) -> int:
         return self.seeds.shape[0]
 
+    @property
+    def need_truncation(self) -> bool:
+        """A row cuts its distribution: top-k, top-p or min-p."""
+        return self.need_top_k or self.need_top_p or self.need_min_p
+
     @classmethod
     def build(
         cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",

@@ -132,7 +132,7 @@ def test_heads_a_program_change_no_bit(rows, monkeypatch):
     loc = torch.tensor([3, 8, 1, 6, 10])
     runs = []
     for r in (1, rows):
-        monkeypatch.setattr(qk_mod, "heads_per_program", lambda r=r: r)
+        monkeypatch.setattr(qk_mod, "ROWS", r)
         monkeypatch.setattr(qk_mod, "MIN_TOKENS_FOR_ROWS", 1)
         qkv, q, k = _qkv(T, D, dtype, seed=21)
         v = qkv[:, (H + HKV) * D:].view(T, HKV, D)
