@@ -34,7 +34,14 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1
 for s in "$@"; do case $s in
   auto)  # what this card is for: an H200 measures the rows first, an H100 the gemv's A/B
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" itl bench06q bench8q gemvtests; else bash "$0" gemvtests gemvab; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q; else bash "$0" proft1 prof06 grpot1; fi ;;
+  auto2)  # the second call: an H200 the rest of the rows, an H100 the sampling pass's A/B
+    if [[ $card == *H200* ]]; then bash "$0" detcost256 grpot1; else bash "$0" t1ab2 grpot1; fi ;;
+  grpot1) for f in "" --disable-radix-cache; do  # the GRPO row as it is written: T = 1, radix cache on vs off
+      step grpot1$f 120 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 $f --json "$OUT/grpo-t1$f.json"; done ;;
+  proft1) step proft1 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --temperature 1.0 --profile 25 ;;
+  detcost256) for f in "" --enable-deterministic-inference; do  # the det-cost row at bs 256
+      step detcost256$f 150 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final $f --json "$OUT/detcost256$f.json"; done ;;
   gpuall) ( kit && files=$(ls tests/gpu/test_*.py | grep -v -e flashinfer -e test_train_gpu)  # every GPU test but training; flashinfer's JIT-compiling ones last
     step gpuall 540 python3 -m pytest -q -p no:cacheprovider -rfE --durations=30 $files tests/weight_sync/test_nccl_gpu.py \
       tests/engine_client/test_engine_actor.py tests/gpu/test_flashinfer_attention_gpu.py ) ;;
