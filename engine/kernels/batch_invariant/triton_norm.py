@@ -19,6 +19,12 @@ _MAX_BLOCK = 8192  # an RMSNorm row up to this long is read once and kept in reg
 _SOFTMAX_BLOCK = 4096  # log_softmax chunk width
 
 
+def softmax_launch(V: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a log_softmax row of V: the reduction's shape, so its bits."""
+    block = min(triton.next_power_of_2(max(V, 16)), _SOFTMAX_BLOCK)
+    return block, max(1, min(16, block // 256))
+
+
 def _norm_launch(n: int) -> tuple[int, int]:
     block = min(triton.next_power_of_2(max(n, 16)), _MAX_BLOCK)
     return block, max(1, min(16, block // 256))
@@ -63,23 +69,33 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, str
 
 
 @triton.jit
+def softmax_lanes_step(m, s, x):
+    """Fold a BLOCK of a row into per-lane (max, sum of exp(x - max)): one read for both, online
+    rescaling. engine/kernels/gumbel_sample.py folds with it too, for the same bits."""
+    m_new = tl.maximum(m, x)
+    # a lane that has only seen -inf rescales against 0, keeping s = 0 instead of NaN
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    return m_new, s * tl.exp(m - m_ref) + tl.exp(x - m_ref)
+
+
+@triton.jit
+def softmax_lanes_finish(m, s):
+    """The lanes combined once: (the row's max, log of its sum of exp(x - max))."""
+    m_row = tl.max(m, axis=0)
+    s_row = tl.sum(s * tl.exp(m - m_row), axis=0)  # an all -inf row gives NaN, as torch does
+    return m_row, tl.log(s_row)
+
+
+@triton.jit
 def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((BLOCK,), dtype=tl.float32)
-    # One read for max and sum: per-lane online rescaling, lanes combined once at the end.
     for off in range(0, V, BLOCK):
         cols = off + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        # a lane that has only seen -inf rescales against 0, keeping s = 0 instead of NaN
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-        s = s * tl.exp(m - m_ref) + tl.exp(x - m_ref)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    s_row = tl.sum(s * tl.exp(m - m_row), axis=0)  # an all -inf row gives NaN, as torch does
-    log_z = tl.log(s_row)
+        m, s = softmax_lanes_step(m, s, tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32))
+    m_row, log_z = softmax_lanes_finish(m, s)
     for off in range(0, V, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < V
@@ -119,7 +135,6 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     M, V = x2.shape
     out = torch.empty((M, V), dtype=torch.float32, device=x.device)
     if M:
-        block = min(triton.next_power_of_2(max(V, 16)), _SOFTMAX_BLOCK)
-        _log_softmax_kernel[(M,)](x2, out, V, x2.stride(0), out.stride(0), BLOCK=block,
-                                  num_warps=max(1, min(16, block // 256)))
+        block, warps = softmax_launch(V)
+        _log_softmax_kernel[(M,)](x2, out, V, x2.stride(0), out.stride(0), BLOCK=block, num_warps=warps)
     return out.view(shape)
