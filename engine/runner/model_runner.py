@@ -88,7 +88,8 @@ class ModelRunner(RunnerMemory):
         self.lora_adapters: Optional[dict] = None  # id -> engine.lora.LoRAAdapter, with --enable-lora
         self.lora_pool = lora_pool  # the Triton path's adapter slots (None: the torch path), graphs read it
         self.cuda_graph = self._capture_graphs() if self._graphs_wanted() else None
-        self.sampler.warmup(self.device, config.vocab_size)
+        graph_logits = (self.cuda_graph.logits.dtype,) if self.cuda_graph is not None else ()
+        self.sampler.warmup(self.device, config.vocab_size, (torch.float32, *graph_logits))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduleBatch, inflight: Optional[PendingResult] = None) -> PendingResult:
@@ -231,9 +232,10 @@ class ModelRunner(RunnerMemory):
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
         sampling.grammar_bitmask = self.grammar_bitmasks.to_device(self._grammar_bitmask(batch))
-        out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
-        if not wants_ids:  # [B, V] each: not held while prompt or top logprobs take their memory
-            original = processed_all = None
+        if wants_ids:
+            out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
+        else:  # no [B, V] held while prompt or top logprobs take their memory; RL's case fused
+            out = self.sampler.sample(last, sampling)
         chosen = out.original_logprobs
         if any(r.logprob_distribution == "processed" for r in batch.reqs):
             processed = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)

@@ -21,8 +21,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from engine.kernels import optional_kernel
+from engine.kernels import batch_invariant, optional_kernel
 from engine.sampling.logprobs import LogSoftmax, gather_token_logprobs, original_logprobs
+from engine.sampling.sampler_warmup import compile_side_by_side, fused_calls, noise_calls, warms
 from engine.sampling.sampling_batch import SamplingBatch
 from engine.sampling.seeds import gumbel_argmax
 from engine.sampling.token_mask import masked_logits, unpack_forbidden
@@ -51,24 +52,45 @@ class Sampler:
         self._compile = compile
         self._compiled: Optional[Callable] = None
         self._log_softmax = log_softmax
+        # the fused kernel's logprobs are the batch-invariant log_softmax's: its bits, or normal mode's
+        self._fused_ok = compile and (log_softmax is None or log_softmax is batch_invariant.log_softmax)
 
-    def warmup(self, device: torch.device, vocab_size: int) -> None:
-        """Compile the fused noise kernel now rather than on the first sampled request (a
-        rollout's first step would stall for seconds). Batch 1 and 2: compile specialises 1.
-        A Triton kernel that fails falls back to torch.compile's, that one to eager (the same
-        tokens, slower)."""
+    def warmup(self, device: torch.device, vocab_size: int,
+               logits_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+        """Compile the sampling kernels now rather than on the first sampled request (a rollout's
+        first step would stall for seconds), side by side (engine/sampling/sampler_warmup.py).
+        `logits_dtypes`: what the forward passes hand over (float32 eager, the model's from the
+        CUDA graphs). A fused kernel that fails leaves the log_softmax path; a Triton noise kernel
+        that fails falls back to torch.compile's, that one to eager (the same tokens, slower)."""
         if not self._compile or device.type != "cuda":
             return
-        fn = self._gumbel_argmax(device)
-        if fn is _triton_gumbel_argmax():
-            if _warms(fn, device, vocab_size, "the Triton noise kernel", "torch.compile's instead"):
+        fused, noise = self._fused_kernel(), self._gumbel_argmax(device)
+        fused_warmup = fused_calls(fused, device, vocab_size, logits_dtypes) if fused is not None else []
+        triton_noise = noise is _triton_gumbel_argmax()
+        compile_side_by_side(fused_warmup + (noise_calls(noise, device, vocab_size) if triton_noise else []))
+        if fused is not None and not warms(fused_warmup, "the fused sampling kernel", "log_softmax's path instead"):
+            self._fused_ok = False
+        if triton_noise:
+            if warms(noise_calls(noise, device, vocab_size), "the Triton noise kernel", "torch.compile's instead"):
                 return
-            self._compiled = fn = torch.compile(gumbel_argmax, dynamic=True)
-        if not _warms(fn, device, vocab_size, "torch.compile", "sampling runs eager"):
-            self._compile, self._compiled = False, None
+            self._compiled = noise = torch.compile(gumbel_argmax, dynamic=True)
+        if not warms(noise_calls(noise, device, vocab_size), "torch.compile", "sampling runs eager"):
+            self._compile, self._compiled, self._fused_ok = False, None, False
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        return self.sample_with_distributions(logits, batch)[0]
+        fused = self._fused_kernel() if logits.is_cuda and batch.plain_sampled else None
+        if fused is None:
+            return self.sample_with_distributions(logits, batch)[0]
+        temperatures = batch.temperatures.view(-1) if batch.need_temperature else None
+        return SampleOutput(*fused(logits, temperatures, batch.seeds, batch.positions))
+
+    def _fused_kernel(self) -> Optional[Callable]:
+        """engine.kernels.gumbel_sample (two reads of the logits, no [B, V] written) where it
+        applies, unless TANDEM_FUSED_SAMPLE=0."""
+        if not self._fused_ok or os.environ.get("TANDEM_FUSED_SAMPLE", "1") != "1":
+            return None
+        module = optional_kernel("gumbel_sample")
+        return None if module is None else module.gumbel_sample
 
     def sample_with_distributions(self, logits: torch.Tensor, batch: SamplingBatch
                                   ) -> tuple[SampleOutput, torch.Tensor, torch.Tensor]:
@@ -108,18 +130,6 @@ class Sampler:
         if self._compiled is None:
             self._compiled = _triton_gumbel_argmax() or torch.compile(gumbel_argmax, dynamic=True)
         return self._compiled
-
-
-def _warms(fn: Callable, device: torch.device, vocab_size: int, what: str, instead: str) -> bool:
-    """Run fn at batch 1 and 2 (its compiles); False, with a warning, when it fails."""
-    try:
-        for bs in (1, 2):
-            zeros = torch.zeros(bs, dtype=torch.int64, device=device)
-            fn(torch.zeros(bs, vocab_size, device=device), zeros, zeros)
-        return True
-    except Exception as exc:  # no working compiler here
-        logger.warning("sampler: %s failed (%s: %s); %s", what, type(exc).__name__, exc, instead)
-        return False
 
 
 def _triton_gumbel_argmax() -> Optional[Callable]:

@@ -66,6 +66,14 @@ class SamplingBatch:
         """A row cuts its distribution: top-k, top-p or min-p."""
         return self.need_top_k or self.need_top_p or self.need_min_p
 
+    @property
+    def plain_sampled(self) -> bool:
+        """Every row sampled, from its logits at its temperature alone (RL's rollouts): no greedy
+        row, penalty, bias, ban, grammar mask or truncation."""
+        return not (self.any_greedy or self.need_repetition or self.need_freq_presence or self.need_truncation
+                    or self.logit_bias is not None or self.suppress_mask is not None
+                    or self.grammar_bitmask is not None)
+
     @classmethod
     def build(
         cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str = "cpu",

@@ -383,11 +383,50 @@ def test_sampler_warmup_falls_back_from_the_triton_kernel_to_torch_compile(monke
     kernel = object()
     monkeypatch.setattr(sampler_mod, "_triton_gumbel_argmax", lambda: kernel)
     monkeypatch.setattr(sampler_mod.torch, "compile", lambda fn, dynamic: "compiled")
+    monkeypatch.setattr(sampler_mod, "compile_side_by_side", lambda calls: None)
+    monkeypatch.setenv("TANDEM_FUSED_SAMPLE", "0")
     tried = []
     for works in ({"torch.compile"}, set()):
         tried.clear()
-        monkeypatch.setattr(sampler_mod, "_warms", lambda fn, d, v, what, instead: tried.append(what) or what in works)
+        monkeypatch.setattr(sampler_mod, "warms", lambda calls, what, instead: tried.append(what) or what in works)
         s = sampler_mod.Sampler()
         s.warmup(SimpleNamespace(type="cuda"), 100)
         assert tried == ["the Triton noise kernel", "torch.compile"]
         assert (s._compile, s._compiled) == ((True, "compiled") if works else (False, None))
+
+
+def test_sampler_warmup_drops_a_failing_fused_kernel(monkeypatch):
+    """The fused sampling kernel warms first, with every logits dtype handed over; one that fails
+    leaves the log_softmax path (plain sampled batches too), the noise kernel unaffected."""
+    from types import SimpleNamespace
+
+    from engine.sampling import sampler as sampler_mod
+
+    fused = object()
+    monkeypatch.setattr(sampler_mod.Sampler, "_fused_kernel", lambda self: fused if self._fused_ok else None)
+    monkeypatch.setattr(sampler_mod, "_triton_gumbel_argmax", lambda: None)
+    monkeypatch.setattr(sampler_mod.torch, "compile", lambda fn, dynamic: "compiled")
+    handed = []
+    monkeypatch.setattr(sampler_mod, "compile_side_by_side", handed.extend)
+    monkeypatch.setattr(sampler_mod, "warms", lambda calls, what, instead: "fused" not in what)
+    s = sampler_mod.Sampler()
+    s.warmup(SimpleNamespace(type="cuda"), 100, (torch.float32, torch.bfloat16, torch.float32))
+    assert len(handed) == 4  # two dtypes, each at T = 1 and tempered
+    assert s._fused_ok is False and s._fused_kernel() is None and s._compiled == "compiled"
+    assert sampler_mod.Sampler(log_softmax=lambda x: x)._fused_ok is False  # another log_softmax: other bits
+
+
+def test_plain_sampled_batches_are_the_fused_kernels():
+    """Rows sampled at their temperatures and nothing else: the fused kernel's case (on CUDA);
+    a greedy row, a penalty, a bias, a min_new_tokens ban, a grammar mask or a truncation is not."""
+    assert _batch([SamplingParams(temperature=1.0)] * 2).plain_sampled
+    assert _batch([SamplingParams(temperature=1.0), SamplingParams(temperature=0.3)]).plain_sampled
+    for other in (SamplingParams(temperature=0.0), SamplingParams(top_p=0.9), SamplingParams(top_k=5),
+                  SamplingParams(min_p=0.1), SamplingParams(repetition_penalty=1.2),
+                  SamplingParams(frequency_penalty=0.5), SamplingParams(logit_bias={"3": 1.0})):
+        assert not _batch([SamplingParams(temperature=1.0), other]).plain_sampled, other
+    banned = _batch([SamplingParams(min_new_tokens=4)], suppress_ids=[2], output_ids=[1])
+    assert banned.suppress_mask is not None and not banned.plain_sampled
+    masked = _batch([SamplingParams()])
+    masked.grammar_bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    assert not masked.plain_sampled

@@ -23,7 +23,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import greedy_logprob, gumbel_argmax, token_bitmask
+from engine.kernels import greedy_logprob, gumbel_argmax, gumbel_sample, token_bitmask
+
+TYPES = {"x_ptr": "*bf16", "t_ptr": "*fp32", "stats_ptr": "*fp32", "seed_ptr": "*i64", "pos_ptr": "*i64",
+         "max_ptr": "*fp64", "idx_ptr": "*i32", "ids_ptr": "*i64", "original_ptr": "*fp32", "processed_ptr": "*fp32",
+         "V": "i32", "stride_x": "i32", "NUM_CHUNKS": "i32"}
+
+
+def signature(fn):
+    return {name: TYPES.get(name, "constexpr") for name in fn.arg_names}
 
 KERNELS = [
     (gumbel_argmax._chunk_kernel, {"x_ptr": "*fp32", "seed_ptr": "*i64", "pos_ptr": "*i64", "max_ptr": "*fp64",
@@ -40,6 +48,11 @@ KERNELS = [
                                     "stride_x": "i32", "stride_m": "i32", "stride_o": "i32", "BLOCK": "constexpr"},
      {"BLOCK": token_bitmask.BLOCK}),
 ]
+for tempered in (False, True):
+    KERNELS += [(gumbel_sample._stats_kernel, {"TEMPERED": tempered, "BLOCK": 4096}),
+                (gumbel_sample._chunk_kernel, {"TEMPERED": tempered, "CHUNK": gumbel_sample.CHUNK}),
+                (gumbel_sample._merge_kernel, {"TEMPERED": tempered, "BLOCK": 128})]
+    KERNELS[-3:] = [(fn, signature(fn), constexprs) for fn, constexprs in KERNELS[-3:]]
 for fn, signature, constexprs in KERNELS:
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32))
@@ -50,4 +63,4 @@ for fn, signature, constexprs in KERNELS:
 
 def test_sampling_kernels_compile_for_sm90():
     done = run_for_sm90(SCRIPT)
-    assert done.stdout.count("compiled") == 5
+    assert done.stdout.count("compiled") == 11
