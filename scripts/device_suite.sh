@@ -34,9 +34,13 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1
 for s in "$@"; do case $s in
   auto)  # what this card is for: an H200 measures the rows first, an H100 the gemv's A/B
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q; else bash "$0" proft1 prof06 grpot1; fi ;;
-  auto2)  # the second call: an H200 the rest of the rows, an H100 the sampling pass's A/B
-    if [[ $card == *H200* ]]; then bash "$0" detcost256 grpot1; else bash "$0" t1ab2 grpot1; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q; else bash "$0" t1tests t1ab2 proft1; fi ;;
+  auto2)  # the second call: an H200 the rest of the rows, an H100 the GRPO row at T = 1 and the profile
+    if [[ $card == *H200* ]]; then bash "$0" t1tests detcost256; else bash "$0" grpot1 prof06; fi ;;
+  auto3) bash "$0" t1ab2 grpot1 ;;
+  t1tests) step t1tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_gumbel_sample_gpu.py tests/gpu/test_decode_kernels_gpu.py -k "gumbel or sample" ;;  # the fused sampling kernel bitwise, engines fused vs not
+  t1ab2) for v in 0 1; do  # sampled decoding (T = 1), 0.6B, 256 x (512, 256): log_softmax + the noise kernel (0) vs gumbel_sample (1)
+      step t1ab2-$v 100 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/t1-fused-$v.json"; done ;;
   grpot1) for f in "" --disable-radix-cache; do  # the GRPO row as it is written: T = 1, radix cache on vs off
       step grpot1$f 120 $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 $f --json "$OUT/grpo-t1$f.json"; done ;;
   proft1) step proft1 90 $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --temperature 1.0 --profile 25 ;;
