@@ -59,7 +59,7 @@ def gumbel_noise(key_a, key_b, offs):
     return -tl.log(-tl.log(u))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])  # rows of one [4, B] tensor: odd B misaligns seeds
 def _chunk_kernel(x_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, V, stride_x, NUM_CHUNKS,
                   CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -13,10 +13,12 @@ Here the logits are read twice and nothing of [B, V] is written:
          log_softmax writes it, add gumbel_argmax's noise (its helpers) and keep the first maximum;
   merge  a row's chunk maxima in order -> the token; both logprobs rebuilt from its logit.
 
-So the tokens and logprobs are, bit for bit, the batch-invariant log_softmax's followed by
-gumbel_argmax: deterministic mode keeps its bits, and normal mode takes them too (torch's
-log_softmax sums in another order: its logprobs differ in the last float32 bits). A row's result
-never depends on its batch.
+On float32 logits the tokens and logprobs are, bit for bit, the batch-invariant log_softmax's
+followed by gumbel_argmax, and a row's result never depends on its batch: deterministic mode
+hands float32 over and keeps its bits. The lanes' final sum follows the load's register layout,
+which Triton picks by element width, so bf16 logits (the CUDA graphs' in normal mode) give
+log_z in another order: the same function, its last float32 bits apart, as torch's log_softmax
+is from both.
 
 Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
 """
@@ -67,7 +69,7 @@ def _stats_kernel(x_ptr, t_ptr, stats_ptr, V, stride_x, TEMPERED: tl.constexpr, 
     tl.store(stats_ptr + row * 4 + 3, log_zt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])  # rows of one [4, B] tensor: odd B misaligns seeds
 def _chunk_kernel(x_ptr, t_ptr, stats_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, V, stride_x, NUM_CHUNKS,
                   TEMPERED: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -234,8 +234,10 @@ class ModelRunner(RunnerMemory):
         sampling.grammar_bitmask = self.grammar_bitmasks.to_device(self._grammar_bitmask(batch))
         if wants_ids:
             out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
-        else:  # no [B, V] held while prompt or top logprobs take their memory; RL's case fused
-            out = self.sampler.sample(last, sampling)
+        else:  # no [B, V] held while prompt or top logprobs take their memory; RL's case fused, except
+            # where normal mode's top logprobs (torch's log_softmax) must hold the token's value bit for bit
+            fused = self.log_softmax is not None or not any(r.top_logprobs_num for r in batch.reqs)
+            out = self.sampler.sample(last, sampling, fused=fused)
         chosen = out.original_logprobs
         if any(r.logprob_distribution == "processed" for r in batch.reqs):
             processed = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)

@@ -52,7 +52,7 @@ class Sampler:
         self._compile = compile
         self._compiled: Optional[Callable] = None
         self._log_softmax = log_softmax
-        # the fused kernel's logprobs are the batch-invariant log_softmax's: its bits, or normal mode's
+        # the fused kernel's logprobs on float32 are the batch-invariant log_softmax's bits
         self._fused_ok = compile and (log_softmax is None or log_softmax is batch_invariant.log_softmax)
 
     def warmup(self, device: torch.device, vocab_size: int,
@@ -65,6 +65,8 @@ class Sampler:
         if not self._compile or device.type != "cuda":
             return
         fused, noise = self._fused_kernel(), self._gumbel_argmax(device)
+        if self._log_softmax is not None:  # deterministic mode hands the fused kernel float32 only
+            logits_dtypes = (torch.float32,)
         fused_warmup = fused_calls(fused, device, vocab_size, logits_dtypes) if fused is not None else []
         triton_noise = noise is _triton_gumbel_argmax()
         compile_side_by_side(fused_warmup + (noise_calls(noise, device, vocab_size) if triton_noise else []))
@@ -77,12 +79,15 @@ class Sampler:
         if not warms(noise_calls(noise, device, vocab_size), "torch.compile", "sampling runs eager"):
             self._compile, self._compiled, self._fused_ok = False, None, False
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        fused = self._fused_kernel() if logits.is_cuda and batch.plain_sampled else None
-        if fused is None:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, fused: bool = True) -> SampleOutput:
+        """`fused`: engine.kernels.gumbel_sample where it applies (CUDA, a plain sampled batch)."""
+        kernel = self._fused_kernel() if fused and logits.is_cuda and batch.plain_sampled else None
+        if kernel is None:
             return self.sample_with_distributions(logits, batch)[0]
+        if self._log_softmax is not None:  # deterministic: float32 in, for the batch-invariant bits
+            logits = logits.float()
         temperatures = batch.temperatures.view(-1) if batch.need_temperature else None
-        return SampleOutput(*fused(logits, temperatures, batch.seeds, batch.positions))
+        return SampleOutput(*kernel(logits, temperatures, batch.seeds, batch.positions))
 
     def _fused_kernel(self) -> Optional[Callable]:
         """engine.kernels.gumbel_sample (two reads of the logits, no [B, V] written) where it

@@ -40,7 +40,7 @@ def compile_side_by_side(calls: list[Callable]) -> None:
     try:
         from engine.kernels.compile_ahead import CompileAhead
 
-        ahead = CompileAhead(workers=len(calls) * 3)  # up to three kernels a call
+        ahead = CompileAhead()
         with ahead.dry_pass():
             for call in calls:
                 ahead.run(call)

@@ -40,8 +40,13 @@ def test_gumbel_sample_is_log_softmax_then_gumbel_argmax(batch, dtype, tempered)
     seeds = torch.randint(-2**63, 2**63 - 1, (batch,), device="cuda", generator=g)
     positions = torch.randint(0, 2**40, (batch,), device="cuda", generator=g)
     got = gumbel_sample(logits, temperatures, seeds, positions)
-    for a, b in zip(got, reference(logits, temperatures, seeds, positions)):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    want = reference(logits, temperatures, seeds, positions)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        if dtype == torch.float32:  # deterministic mode's input: bit for bit
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        else:  # bf16 loads lay the lanes out otherwise: log_z summed in another order
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     last = gumbel_sample(logits[-1:], None if temperatures is None else temperatures[-1:], seeds[-1:], positions[-1:])
     assert all(torch.equal(a, b[-1:]) for a, b in zip(last, got))  # batch-invariant
 
@@ -72,6 +77,21 @@ def test_engine_samples_through_the_fused_kernel(tmp_path, monkeypatch, determin
             eng.shutdown()
 
     fused_ids, fused_lp = run()
+    if not deterministic:  # a token's logprob is its entry among the top logprobs, bit for bit
+        eng = Engine(model_path=path, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096)
+        try:
+            out = eng.generate(input_ids=[list(range(3, 20 + i)) for i in range(5)], return_logprob=True,
+                               top_logprobs_num=5, sampling_params={"max_new_tokens": 16, "temperature": 1.0,
+                                                                    "ignore_eos": True, "sampling_seed": 3})
+        finally:
+            eng.shutdown()
+        seen = 0
+        for o in out:
+            for (lp, tok, _), top in zip(o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_top_logprobs"]):
+                entry = [v for v, t, _ in top if t == tok]
+                seen += bool(entry)
+                assert not entry or entry[0] == lp
+        assert seen > 0
     monkeypatch.setenv("TANDEM_FUSED_SAMPLE", "0")
     ids, lp = run()
     assert fused_ids == ids
