@@ -11,6 +11,9 @@ Pipeline per row (every step vectorised over the batch and skipped when no row n
 Greedy rows take argmax of the penalised (and biased) logits. Sampled rows take
 argmax(processed + Gumbel(seed, position, id)): the noise is a counter-based hash, so a row's
 token depends only on its own logits, seed and position, never on the batch.
+On CUDA a batch of rows sampled at their temperatures with nothing else reshaping them (RL's
+rollouts: `SamplingBatch.plain_sampled`) takes engine/kernels/gumbel_sample.py instead: the same
+function in two reads of the logits, no [B, V] written (TANDEM_FUSED_SAMPLE=0: this pipeline).
 """
 
 from __future__ import annotations
