@@ -34,7 +34,7 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1
 for s in "$@"; do case $s in
   auto)  # what this card is for: an H200 measures the rows first, an H100 the gemv's A/B
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q; else bash "$0" t1tests t1ab2 proft1; fi ;;
+    bash "$0" t1tests t1ab2; if [[ $card == *H200* ]]; then bash "$0" itl bench06q; else bash "$0" proft1; fi ;;
   auto2)  # the second call: an H200 the rest of the rows, an H100 the GRPO row at T = 1 and the profile
     if [[ $card == *H200* ]]; then bash "$0" t1tests detcost256; else bash "$0" grpot1 prof06; fi ;;
   auto3) bash "$0" t1ab2 grpot1 ;;
