@@ -38,6 +38,9 @@ for s in "$@"; do case $s in
   auto2)  # the second call: an H200 the rest of the rows, an H100 the GRPO row at T = 1 and the profile
     if [[ $card == *H200* ]]; then bash "$0" t1tests detcost256; else bash "$0" grpot1 prof06; fi ;;
   auto3) bash "$0" t1ab2 grpot1 ;;
+  t1tiny)  # t1last at its smallest: the tests, then each side of the A/B at 2 runs
+    step t1tiny-tests 110 python3 -m pytest -q -x -rfE -p no:cacheprovider tests/gpu/test_gumbel_sample_gpu.py
+    for v in 1 0; do step t1tiny-$v 55 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 2 --stream-mode final --temperature 1.0 --json "$OUT/t1-fused-$v.json"; done ;;
   t1last)  # the fused sampler's GPU tests and its A/B in one short call (the device budget's last minutes)
     step t1last-tests 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_gumbel_sample_gpu.py
     for v in 1 0; do step t1last-$v 80 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/t1-fused-$v.json"; done ;;
