@@ -1,7 +1,7 @@
 """gumbel_argmax: one seeded sample per row, argmax(logprobs + Gumbel(seed, position, id)), in Triton.
 
 The same function as engine.sampling.seeds.gumbel_argmax, element for element: the noise of
-(seed, position, vocab id) is the same lowbias32 chain (in uint32, wrapping as the reference's masked int64 does) and float64 -log(-log(u)), added to
+(seed, position, vocab id) is the same int64 lowbias32 chain and float64 -log(-log(u)), added to
 the row's float32 logprobs in float64, so the tokens are the eager reference's. The engine ran
 that reference under torch.compile, whose first calls compiled for ~6 s per shape class at
 start-up and imported torch._dynamo; this kernel is compiled and cached as the engine's other
@@ -22,16 +22,21 @@ import triton.language as tl
 
 from engine.kernels.first_max import NO_INDEX, first_max
 
-CHUNK = 2048  # vocab ids per stage-1 program (float64 logs per id: register heavy)
+CHUNK = 2048  # vocab ids per stage-1 program (int64 hash + float64 log per id: register heavy)
+
+
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    # (x * c) mod 2^32 for 0 <= x < 2^32, c split in 16-bit halves so int64 never overflows
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
 
 @triton.jit
 def _lowbias32(x):
-    # uint32 arithmetic wraps mod 2^32: the reference's int64 products, masked, in one multiply each
     x = x ^ (x >> 16)
-    x = x * tl.full((), 0x7FEB352D, tl.uint32)
+    x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
-    x = x * tl.full((), 0x846CA68B, tl.uint32)
+    x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
 
 
@@ -40,26 +45,24 @@ def row_keys(seed_ptr, pos_ptr, row):
     """seeds.py's _row_keys for one row: seed hi, lo, position hi, lo chained, then two keys."""
     seed = tl.load(seed_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    h = _lowbias32(((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-    h = _lowbias32(h ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-    h = _lowbias32(h ^ ((pos >> 32) & 0xFFFFFFFF).to(tl.uint32))
-    h = _lowbias32(h ^ (pos & 0xFFFFFFFF).to(tl.uint32))
-    return _lowbias32(h ^ tl.full((), 0x9E3779B9, tl.uint32)), _lowbias32(h ^ tl.full((), 0x85EBCA6B, tl.uint32))
+    h = _lowbias32((seed >> 32) & 0xFFFFFFFF)
+    h = _lowbias32(h ^ (seed & 0xFFFFFFFF))
+    h = _lowbias32(h ^ ((pos >> 32) & 0xFFFFFFFF))
+    h = _lowbias32(h ^ (pos & 0xFFFFFFFF))
+    return _lowbias32(h ^ 0x9E3779B9), _lowbias32(h ^ 0x85EBCA6B)
 
 
 @triton.jit
 def gumbel_noise(key_a, key_b, offs):
-    """float64 Gumbel noise of the vocab ids offs (< 2^31) under a row's keys: seeds.py's
-    gumbel_noise element for element (compile without fp fusion: its rounding is the reference's)."""
-    vocab = offs.to(tl.uint32)
-    a = _lowbias32(key_a ^ vocab).to(tl.uint64)
-    b = _lowbias32(key_b ^ vocab).to(tl.uint64)
-    bits = (a << 20) | (b >> 12)  # 52 random bits
+    """float64 Gumbel noise of the vocab ids offs under a row's keys: seeds.py's gumbel_noise
+    element for element (compile without fp fusion: its rounding is the reference's)."""
+    vocab = offs.to(tl.int64)
+    bits = (_lowbias32(key_a ^ vocab) << 20) | (_lowbias32(key_b ^ vocab) >> 12)  # 52 random bits
     u = (bits.to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52: (0, 1), exact
     return -tl.log(-tl.log(u))
 
 
-@triton.jit(do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])  # rows of one [4, B] tensor: odd B misaligns seeds
+@triton.jit
 def _chunk_kernel(x_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, V, stride_x, NUM_CHUNKS,
                   CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -20,7 +20,8 @@ which Triton picks by element width, so bf16 logits (the CUDA graphs' in normal 
 log_z in another order: the same function, its last float32 bits apart, as torch's log_softmax
 is from both.
 
-Imports triton: import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
+The sampler takes it under TANDEM_FUSED_SAMPLE=1 (engine/sampling/sampler.py). Imports triton:
+import this module only where the kernels can run (CUDA or TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ Pipeline per row (every step vectorised over the batch and skipped when no row n
 Greedy rows take argmax of the penalised (and biased) logits. Sampled rows take
 argmax(processed + Gumbel(seed, position, id)): the noise is a counter-based hash, so a row's
 token depends only on its own logits, seed and position, never on the batch.
-On CUDA a batch of rows sampled at their temperatures with nothing else reshaping them (RL's
-rollouts: `SamplingBatch.plain_sampled`) takes engine/kernels/gumbel_sample.py instead: the same
-function in two reads of the logits, no [B, V] written (TANDEM_FUSED_SAMPLE=0: this pipeline).
+On CUDA, with TANDEM_FUSED_SAMPLE=1, a batch of rows sampled at their temperatures with nothing
+else reshaping them (RL's rollouts: `SamplingBatch.plain_sampled`) takes
+engine/kernels/gumbel_sample.py instead: the same function in two reads of the logits, no [B, V]
+written. Off by default until its speed and its current tests are measured on a GPU.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class Sampler:
 
     def _fused_kernel(self) -> Optional[Callable]:
         """engine.kernels.gumbel_sample (two reads of the logits, no [B, V] written) where it
-        applies, unless TANDEM_FUSED_SAMPLE=0."""
-        if not self._fused_ok or os.environ.get("TANDEM_FUSED_SAMPLE", "1") != "1":
+        applies, under TANDEM_FUSED_SAMPLE=1 (off by default: not yet measured on a GPU)."""
+        if not self._fused_ok or os.environ.get("TANDEM_FUSED_SAMPLE", "0") != "1":
             return None
         module = optional_kernel("gumbel_sample")
         return None if module is None else module.gumbel_sample

@@ -53,8 +53,8 @@ def test_gumbel_sample_is_log_softmax_then_gumbel_argmax(batch, dtype, tempered)
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_engine_samples_through_the_fused_kernel(tmp_path, monkeypatch, deterministic):
-    """Seeded samples at T = 1 and T = 0.7, batch 1 and 5, fused (the default) vs the log_softmax
-    path (TANDEM_FUSED_SAMPLE=0): deterministic mode the same tokens and logprobs bit for bit;
+    """Seeded samples at T = 1 and T = 0.7, batch 1 and 5, fused (TANDEM_FUSED_SAMPLE=1) vs the
+    log_softmax path (=0, the default): deterministic mode the same tokens and logprobs bit for bit;
     normal mode (torch's log_softmax sums in another order) the same tokens, logprobs within 1e-5."""
     from engine import Engine
     from engine.testing.tiny_model import build_tiny_model
@@ -76,6 +76,7 @@ def test_engine_samples_through_the_fused_kernel(tmp_path, monkeypatch, determin
         finally:
             eng.shutdown()
 
+    monkeypatch.setenv("TANDEM_FUSED_SAMPLE", "1")
     fused_ids, fused_lp = run()
     if not deterministic:  # a token's logprob is its entry among the top logprobs, bit for bit
         eng = Engine(model_path=path, device="cuda", cuda_graph_max_bs=8, max_total_tokens=4096)
