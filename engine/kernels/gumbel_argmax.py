@@ -63,29 +63,45 @@ def gumbel_noise(key_a, key_b, offs):
 
 
 @triton.jit
-def _chunk_kernel(x_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, V, stride_x, NUM_CHUNKS,
-                  CHUNK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
+def chunk_noise(seed_ptr, pos_ptr, row, offs):
     key_a, key_b = row_keys(seed_ptr, pos_ptr, row)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    noise = gumbel_noise(key_a, key_b, offs)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float64)
-    m, idx = first_max(tl.where(offs < V, x + noise, float("-inf")), offs)
+    return gumbel_noise(key_a, key_b, offs)
+
+
+@triton.jit
+def store_chunk_max(noisy, max_ptr, idx_ptr, row, c, offs, V, NUM_CHUNKS):
+    """Stage 1's result for chunk c of a row: the first maximum of its logprobs + noise."""
+    m, idx = first_max(tl.where(offs < V, noisy, float("-inf")), offs)
     out = row * NUM_CHUNKS + c
     tl.store(max_ptr + out, m)
     tl.store(idx_ptr + out, idx)
 
 
 @triton.jit
-def _merge_kernel(max_ptr, idx_ptr, ids_ptr, NUM_CHUNKS, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def chunks_winner(max_ptr, idx_ptr, row, NUM_CHUNKS, BLOCK: tl.constexpr):
+    """Stage 2: the row's token, its chunks' maxima taken in order."""
     offs = tl.arange(0, BLOCK)
     valid = offs < NUM_CHUNKS
     m = tl.load(max_ptr + row * NUM_CHUNKS + offs, mask=valid, other=float("-inf"))
     idx = tl.load(idx_ptr + row * NUM_CHUNKS + offs, mask=valid, other=NO_INDEX)
-    _, best = first_max(m, idx)
-    tl.store(ids_ptr + row, best.to(tl.int64))
+    return first_max(m, idx)[1]
+
+
+@triton.jit
+def _chunk_kernel(x_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, V, stride_x, NUM_CHUNKS,
+                  CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    noise = chunk_noise(seed_ptr, pos_ptr, row, offs)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float64)
+    store_chunk_max(x + noise, max_ptr, idx_ptr, row, c, offs, V, NUM_CHUNKS)
+
+
+@triton.jit
+def _merge_kernel(max_ptr, idx_ptr, ids_ptr, NUM_CHUNKS, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(ids_ptr + row, chunks_winner(max_ptr, idx_ptr, row, NUM_CHUNKS, BLOCK).to(tl.int64))
 
 
 def gumbel_argmax(logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

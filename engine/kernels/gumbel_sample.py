@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.batch_invariant.triton_norm import softmax_lanes_finish, softmax_lanes_step, softmax_launch
-from engine.kernels.first_max import NO_INDEX, first_max
-from engine.kernels.gumbel_argmax import gumbel_noise, row_keys
+from engine.kernels.gumbel_argmax import chunk_noise, chunks_winner, store_chunk_max
 
 CHUNK = 2048  # vocab ids per chunk program: gumbel_argmax's (float64 logs per id: register heavy)
 STATS = 4  # per row: raw max, raw log_z, processed max, processed log_z
@@ -75,26 +74,18 @@ def _chunk_kernel(x_ptr, t_ptr, stats_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, 
                   TEMPERED: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    key_a, key_b = row_keys(seed_ptr, pos_ptr, row)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    noise = gumbel_noise(key_a, key_b, offs)
+    noise = chunk_noise(seed_ptr, pos_ptr, row, offs)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     logprob = (_processed(x, t_ptr, row, TEMPERED) - tl.load(stats_ptr + row * 4 + 2)) - tl.load(stats_ptr + row * 4 + 3)
-    m, idx = first_max(tl.where(offs < V, logprob.to(tl.float64) + noise, float("-inf")), offs)
-    out = row * NUM_CHUNKS + c
-    tl.store(max_ptr + out, m)
-    tl.store(idx_ptr + out, idx)
+    store_chunk_max(logprob.to(tl.float64) + noise, max_ptr, idx_ptr, row, c, offs, V, NUM_CHUNKS)
 
 
 @triton.jit
 def _merge_kernel(x_ptr, t_ptr, stats_ptr, max_ptr, idx_ptr, ids_ptr, original_ptr, processed_ptr, stride_x,
                   NUM_CHUNKS, TEMPERED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    valid = offs < NUM_CHUNKS
-    m = tl.load(max_ptr + row * NUM_CHUNKS + offs, mask=valid, other=float("-inf"))
-    idx = tl.load(idx_ptr + row * NUM_CHUNKS + offs, mask=valid, other=NO_INDEX)
-    _, best = first_max(m, idx)
+    best = chunks_winner(max_ptr, idx_ptr, row, NUM_CHUNKS, BLOCK)
     x = tl.load(x_ptr + row * stride_x + best.to(tl.int64)).to(tl.float32)
     tl.store(ids_ptr + row, best.to(tl.int64))
     tl.store(original_ptr + row, (x - tl.load(stats_ptr + row * 4)) - tl.load(stats_ptr + row * 4 + 1))
