@@ -73,7 +73,8 @@ class Sampler:
             logits_dtypes = (torch.float32,)
         fused_warmup = fused_calls(fused, device, vocab_size, logits_dtypes) if fused is not None else []
         triton_noise = noise is _triton_gumbel_argmax()
-        compile_side_by_side(fused_warmup + (noise_calls(noise, device, vocab_size) if triton_noise else []))
+        if fused_warmup:  # up to twelve compiles: side by side (the noise kernel's two alone: one by one, as before)
+            compile_side_by_side(fused_warmup + (noise_calls(noise, device, vocab_size) if triton_noise else []))
         if fused is not None and not warms(fused_warmup, "the fused sampling kernel", "log_softmax's path instead"):
             self._fused_ok = False
         if triton_noise:
