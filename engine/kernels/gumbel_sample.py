@@ -36,7 +36,7 @@ from engine.kernels.batch_invariant.triton_norm import softmax_lanes_finish, sof
 from engine.kernels.gumbel_argmax import chunk_noise, chunks_winner, store_chunk_max
 
 CHUNK = 2048  # vocab ids per chunk program: gumbel_argmax's (float64 logs per id: register heavy)
-STATS = 4  # per row: raw max, raw log_z, processed max, processed log_z
+STATS = tl.constexpr(4)  # per row: raw max, raw log_z, processed max, processed log_z (a jit global)
 
 
 @triton.jit
@@ -63,13 +63,14 @@ def _stats_kernel(x_ptr, t_ptr, stats_ptr, V, stride_x, TEMPERED: tl.constexpr, 
         mt_row, log_zt = softmax_lanes_finish(mt, st)
     else:
         mt_row, log_zt = m_row, log_z
-    tl.store(stats_ptr + row * 4, m_row)
-    tl.store(stats_ptr + row * 4 + 1, log_z)
-    tl.store(stats_ptr + row * 4 + 2, mt_row)
-    tl.store(stats_ptr + row * 4 + 3, log_zt)
+    tl.store(stats_ptr + row * STATS, m_row)
+    tl.store(stats_ptr + row * STATS + 1, log_z)
+    tl.store(stats_ptr + row * STATS + 2, mt_row)
+    tl.store(stats_ptr + row * STATS + 3, log_zt)
 
 
-@triton.jit(do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])  # rows of one [4, B] tensor: odd B misaligns seeds
+# seeds and positions are rows of one [4, B] tensor: an odd B misaligns the seeds' row
+@triton.jit(do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])
 def _chunk_kernel(x_ptr, t_ptr, stats_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, V, stride_x, NUM_CHUNKS,
                   TEMPERED: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -77,7 +78,8 @@ def _chunk_kernel(x_ptr, t_ptr, stats_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, 
     offs = c * CHUNK + tl.arange(0, CHUNK)
     noise = chunk_noise(seed_ptr, pos_ptr, row, offs)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    logprob = (_processed(x, t_ptr, row, TEMPERED) - tl.load(stats_ptr + row * 4 + 2)) - tl.load(stats_ptr + row * 4 + 3)
+    m, log_z = tl.load(stats_ptr + row * STATS + 2), tl.load(stats_ptr + row * STATS + 3)
+    logprob = (_processed(x, t_ptr, row, TEMPERED) - m) - log_z
     store_chunk_max(logprob.to(tl.float64) + noise, max_ptr, idx_ptr, row, c, offs, V, NUM_CHUNKS)
 
 
@@ -88,9 +90,9 @@ def _merge_kernel(x_ptr, t_ptr, stats_ptr, max_ptr, idx_ptr, ids_ptr, original_p
     best = chunks_winner(max_ptr, idx_ptr, row, NUM_CHUNKS, BLOCK)
     x = tl.load(x_ptr + row * stride_x + best.to(tl.int64)).to(tl.float32)
     tl.store(ids_ptr + row, best.to(tl.int64))
-    tl.store(original_ptr + row, (x - tl.load(stats_ptr + row * 4)) - tl.load(stats_ptr + row * 4 + 1))
-    processed = (_processed(x, t_ptr, row, TEMPERED) - tl.load(stats_ptr + row * 4 + 2)) - tl.load(stats_ptr + row * 4 + 3)
-    tl.store(processed_ptr + row, processed)
+    tl.store(original_ptr + row, (x - tl.load(stats_ptr + row * STATS)) - tl.load(stats_ptr + row * STATS + 1))
+    m, log_z = tl.load(stats_ptr + row * STATS + 2), tl.load(stats_ptr + row * STATS + 3)
+    tl.store(processed_ptr + row, (_processed(x, t_ptr, row, TEMPERED) - m) - log_z)
 
 
 def gumbel_sample(logits: torch.Tensor, temperatures: Optional[torch.Tensor], seeds: torch.Tensor,
@@ -109,7 +111,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: Optional[torch.Tensor], se
         return ids, original, processed
     tempered = temperatures is not None
     t = temperatures.reshape(B).float().contiguous() if tempered else original  # unread when not tempered
-    stats = torch.empty((B, STATS), dtype=torch.float32, device=device)
+    stats = torch.empty((B, STATS.value), dtype=torch.float32, device=device)
     block, warps = softmax_launch(V)
     _stats_kernel[(B,)](logits, t, stats, V, logits.stride(0), TEMPERED=tempered, BLOCK=block, num_warps=warps)
     chunks = triton.cdiv(V, CHUNK)

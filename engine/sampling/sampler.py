@@ -68,12 +68,12 @@ class Sampler:
         that fails falls back to torch.compile's, that one to eager (the same tokens, slower)."""
         if not self._compile or device.type != "cuda":
             return
-        fused, noise = self._fused_kernel(), self._gumbel_argmax(device)
+        fused, noise = self._fused_kernel(device), self._gumbel_argmax(device)
         if self._log_softmax is not None:  # deterministic mode hands the fused kernel float32 only
             logits_dtypes = (torch.float32,)
         fused_warmup = fused_calls(fused, device, vocab_size, logits_dtypes) if fused is not None else []
         triton_noise = noise is _triton_gumbel_argmax()
-        if fused_warmup:  # up to twelve compiles: side by side (the noise kernel's two alone: one by one, as before)
+        if fused_warmup:  # up to fourteen compiles: side by side (the noise kernel's two alone: one by one, as before)
             compile_side_by_side(fused_warmup + (noise_calls(noise, device, vocab_size) if triton_noise else []))
         if fused is not None and not warms(fused_warmup, "the fused sampling kernel", "log_softmax's path instead"):
             self._fused_ok = False
@@ -86,7 +86,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, fused: bool = True) -> SampleOutput:
         """`fused`: engine.kernels.gumbel_sample where it applies (CUDA, a plain sampled batch)."""
-        kernel = self._fused_kernel() if fused and logits.is_cuda and batch.plain_sampled else None
+        kernel = self._fused_kernel(logits.device) if fused and batch.plain_sampled else None
         if kernel is None:
             return self.sample_with_distributions(logits, batch)[0]
         if self._log_softmax is not None:  # deterministic: float32 in, for the batch-invariant bits
@@ -94,10 +94,10 @@ class Sampler:
         temperatures = batch.temperatures.view(-1) if batch.need_temperature else None
         return SampleOutput(*kernel(logits, temperatures, batch.seeds, batch.positions))
 
-    def _fused_kernel(self) -> Optional[Callable]:
-        """engine.kernels.gumbel_sample (two reads of the logits, no [B, V] written) where it
-        applies, under TANDEM_FUSED_SAMPLE=1 (off by default: not yet measured on a GPU)."""
-        if not self._fused_ok or os.environ.get("TANDEM_FUSED_SAMPLE", "0") != "1":
+    def _fused_kernel(self, device: torch.device) -> Optional[Callable]:
+        """engine.kernels.gumbel_sample (two reads of the logits, no [B, V] written) on CUDA,
+        under TANDEM_FUSED_SAMPLE=1 (off by default: not yet measured on a GPU)."""
+        if device.type != "cuda" or not self._fused_ok or os.environ.get("TANDEM_FUSED_SAMPLE", "0") != "1":
             return None
         module = optional_kernel("gumbel_sample")
         return None if module is None else module.gumbel_sample

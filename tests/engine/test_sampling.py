@@ -403,7 +403,7 @@ def test_sampler_warmup_drops_a_failing_fused_kernel(monkeypatch):
     from engine.sampling import sampler as sampler_mod
 
     fused = object()
-    monkeypatch.setattr(sampler_mod.Sampler, "_fused_kernel", lambda self: fused if self._fused_ok else None)
+    monkeypatch.setattr(sampler_mod.Sampler, "_fused_kernel", lambda self, device: fused if self._fused_ok else None)
     monkeypatch.setattr(sampler_mod, "_triton_gumbel_argmax", lambda: None)
     monkeypatch.setattr(sampler_mod.torch, "compile", lambda fn, dynamic: "compiled")
     handed = []
@@ -412,7 +412,7 @@ def test_sampler_warmup_drops_a_failing_fused_kernel(monkeypatch):
     s = sampler_mod.Sampler()
     s.warmup(SimpleNamespace(type="cuda"), 100, (torch.float32, torch.bfloat16, torch.float32))
     assert len(handed) == 4  # two dtypes, each at T = 1 and tempered
-    assert s._fused_ok is False and s._fused_kernel() is None and s._compiled == "compiled"
+    assert s._fused_ok is False and s._compiled == "compiled"
     assert sampler_mod.Sampler(log_softmax=lambda x: x)._fused_ok is False  # another log_softmax: other bits
 
 
@@ -430,3 +430,28 @@ def test_plain_sampled_batches_are_the_fused_kernels():
     masked = _batch([SamplingParams()])
     masked.grammar_bitmask = torch.zeros(1, 2, dtype=torch.int32)
     assert not masked.plain_sampled
+
+
+def test_plain_sampled_batches_go_to_the_fused_kernel_as_it_takes_them(monkeypatch):
+    """What Sampler.sample hands the fused kernel (stood in for here; the kernel's own tests are
+    tests/engine/test_gumbel_sample_triton.py): no temperatures at T = 1, one per row otherwise,
+    float32 logits in deterministic mode, the model's dtype in normal mode; other batches and
+    fused=False keep the log_softmax path."""
+    from engine.kernels import batch_invariant
+
+    calls = []
+
+    def kernel(logits, temperatures, seeds, positions):
+        calls.append((logits.dtype, None if temperatures is None else temperatures.tolist()))
+        n = logits.shape[0]
+        return torch.zeros(n, dtype=torch.int64), torch.zeros(n), torch.zeros(n)
+
+    monkeypatch.setattr(Sampler, "_fused_kernel", lambda self, device: kernel)
+    logits = torch.randn(2, V).to(torch.bfloat16)
+    Sampler().sample(logits, _batch([SamplingParams(temperature=1.0)] * 2))
+    Sampler().sample(logits, _batch([SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)]))
+    Sampler(log_softmax=batch_invariant.log_softmax).sample(logits, _batch([SamplingParams(temperature=1.0)] * 2))
+    assert calls == [(torch.bfloat16, None), (torch.bfloat16, [1.0, 0.5]), (torch.float32, None)]
+    Sampler().sample(logits, _batch([SamplingParams(temperature=1.0), SamplingParams(top_p=0.5)]))
+    Sampler().sample(logits, _batch([SamplingParams(temperature=1.0)] * 2), fused=False)
+    assert len(calls) == 3

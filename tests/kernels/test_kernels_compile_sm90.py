@@ -30,7 +30,7 @@ TYPES = {"x_ptr": "*bf16", "t_ptr": "*fp32", "stats_ptr": "*fp32", "seed_ptr": "
          "V": "i32", "stride_x": "i32", "NUM_CHUNKS": "i32"}
 
 
-def signature(fn):
+def signature_of(fn):
     return {name: TYPES.get(name, "constexpr") for name in fn.arg_names}
 
 KERNELS = [
@@ -48,11 +48,11 @@ KERNELS = [
                                     "stride_x": "i32", "stride_m": "i32", "stride_o": "i32", "BLOCK": "constexpr"},
      {"BLOCK": token_bitmask.BLOCK}),
 ]
-for tempered in (False, True):
-    KERNELS += [(gumbel_sample._stats_kernel, {"TEMPERED": tempered, "BLOCK": 4096}),
-                (gumbel_sample._chunk_kernel, {"TEMPERED": tempered, "CHUNK": gumbel_sample.CHUNK}),
-                (gumbel_sample._merge_kernel, {"TEMPERED": tempered, "BLOCK": 128})]
-    KERNELS[-3:] = [(fn, signature(fn), constexprs) for fn, constexprs in KERNELS[-3:]]
+KERNELS += [(fn, signature_of(fn), {"TEMPERED": tempered, **constexprs})
+            for tempered in (False, True)
+            for fn, constexprs in [(gumbel_sample._stats_kernel, {"BLOCK": 4096}),
+                                   (gumbel_sample._chunk_kernel, {"CHUNK": gumbel_sample.CHUNK}),
+                                   (gumbel_sample._merge_kernel, {"BLOCK": 128})]]
 for fn, signature, constexprs in KERNELS:
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32))
