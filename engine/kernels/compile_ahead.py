@@ -57,10 +57,15 @@ KERNEL_SWITCHES = ("TANDEM_PDL", "TANDEM_SMALL_M_EPILOGUE", "TANDEM_DISABLE_SMAL
                    "TANDEM_GRAPH_LOGITS", "TANDEM_PHASE_A_PROGRAMS")
 
 
+def compile_ahead_mode() -> str:
+    """TANDEM_COMPILE_AHEAD: auto, 1 or 0."""
+    return env_choice(ENV, "auto", ("0", "1", "auto"),
+                      "auto (where no earlier start compiled these kernels), 1 (always) or 0 (never)")
+
+
 def compile_ahead_wanted(marker: Optional[Path]) -> bool:
     """Whether to compile ahead: TANDEM_COMPILE_AHEAD, and under auto whether `marker` is missing."""
-    mode = env_choice(ENV, "auto", ("0", "1", "auto"),
-                      "auto (where no earlier start compiled these kernels), 1 (always) or 0 (never)")
+    mode = compile_ahead_mode()
     if mode == "auto":
         return marker is not None and not marker.exists()
     return mode == "1"

@@ -47,6 +47,13 @@ def _processed(x, t_ptr, row, TEMPERED: tl.constexpr):
 
 
 @triton.jit
+def _processed_logprob(x, t_ptr, stats_ptr, row, TEMPERED: tl.constexpr):
+    """(x / T - max) - log_z under the processed distribution's stats, as log_softmax writes it."""
+    m, log_z = tl.load(stats_ptr + row * STATS + 2), tl.load(stats_ptr + row * STATS + 3)
+    return (_processed(x, t_ptr, row, TEMPERED) - m) - log_z
+
+
+@triton.jit
 def _stats_kernel(x_ptr, t_ptr, stats_ptr, V, stride_x, TEMPERED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -78,8 +85,7 @@ def _chunk_kernel(x_ptr, t_ptr, stats_ptr, seed_ptr, pos_ptr, max_ptr, idx_ptr, 
     offs = c * CHUNK + tl.arange(0, CHUNK)
     noise = chunk_noise(seed_ptr, pos_ptr, row, offs)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    m, log_z = tl.load(stats_ptr + row * STATS + 2), tl.load(stats_ptr + row * STATS + 3)
-    logprob = (_processed(x, t_ptr, row, TEMPERED) - m) - log_z
+    logprob = _processed_logprob(x, t_ptr, stats_ptr, row, TEMPERED)
     store_chunk_max(logprob.to(tl.float64) + noise, max_ptr, idx_ptr, row, c, offs, V, NUM_CHUNKS)
 
 
@@ -91,8 +97,7 @@ def _merge_kernel(x_ptr, t_ptr, stats_ptr, max_ptr, idx_ptr, ids_ptr, original_p
     x = tl.load(x_ptr + row * stride_x + best.to(tl.int64)).to(tl.float32)
     tl.store(ids_ptr + row, best.to(tl.int64))
     tl.store(original_ptr + row, (x - tl.load(stats_ptr + row * STATS)) - tl.load(stats_ptr + row * STATS + 1))
-    m, log_z = tl.load(stats_ptr + row * STATS + 2), tl.load(stats_ptr + row * STATS + 3)
-    tl.store(processed_ptr + row, (_processed(x, t_ptr, row, TEMPERED) - m) - log_z)
+    tl.store(processed_ptr + row, _processed_logprob(x, t_ptr, stats_ptr, row, TEMPERED))
 
 
 def gumbel_sample(logits: torch.Tensor, temperatures: Optional[torch.Tensor], seeds: torch.Tensor,

@@ -72,13 +72,14 @@ class Sampler:
         if self._log_softmax is not None:  # deterministic mode hands the fused kernel float32 only
             logits_dtypes = (torch.float32,)
         fused_warmup = fused_calls(fused, device, vocab_size, logits_dtypes) if fused is not None else []
+        noise_warmup = noise_calls(noise, device, vocab_size)
         triton_noise = noise is _triton_gumbel_argmax()
         if fused_warmup:  # up to fourteen compiles: side by side (the noise kernel's two alone: one by one, as before)
-            compile_side_by_side(fused_warmup + (noise_calls(noise, device, vocab_size) if triton_noise else []))
+            compile_side_by_side(fused_warmup + (noise_warmup if triton_noise else []))
         if fused is not None and not warms(fused_warmup, "the fused sampling kernel", "log_softmax's path instead"):
             self._fused_ok = False
         if triton_noise:
-            if warms(noise_calls(noise, device, vocab_size), "the Triton noise kernel", "torch.compile's instead"):
+            if warms(noise_warmup, "the Triton noise kernel", "torch.compile's instead"):
                 return
             self._compiled = noise = torch.compile(gumbel_argmax, dynamic=True)
         if not warms(noise_calls(noise, device, vocab_size), "torch.compile", "sampling runs eager"):

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.kernels import env_choice
+from engine.kernels.compile_ahead import CompileAhead, compile_ahead_mode
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,9 @@ def fused_calls(fn: Callable, device: torch.device, vocab_size: int,
 def compile_side_by_side(calls: list[Callable]) -> None:
     """The calls' Triton compiles on a pool (unless TANDEM_COMPILE_AHEAD=0); what fails here
     compiles, or fails, at its real launch."""
-    if not calls or env_choice("TANDEM_COMPILE_AHEAD", "auto", ("0", "1", "auto"), "auto, 1 or 0") == "0":
+    if not calls or compile_ahead_mode() == "0":
         return
     try:
-        from engine.kernels.compile_ahead import CompileAhead
-
         ahead = CompileAhead()
         with ahead.dry_pass():
             for call in calls:
