@@ -32,6 +32,16 @@ def import_triton_or_skip() -> ModuleType:
     return triton
 
 
+def import_compiled_triton_or_skip() -> ModuleType:
+    """triton for a GPU test module, or a module-level skip: not installed, or already imported in
+    interpreter mode by another module of this session (nothing would compile)."""
+    triton = pytest.importorskip("triton")
+    if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
+        pytest.skip("Triton runs in interpreter mode in this session; run tests/gpu on its own",
+                    allow_module_level=True)
+    return triton
+
+
 def _bf16_as_fp32(x):
     """The interpreter keeps bf16 as raw uint16 bits (its own dot multiplies those): widen exactly."""
     import numpy as np

@@ -11,12 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.testing.triton_for_tests import import_compiled_triton_or_skip
+
 pytestmark = pytest.mark.gpu
-triton = pytest.importorskip("triton")
-if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
-    # another test module set TRITON_INTERPRET=1 before triton's first import: nothing compiles
-    pytest.skip("Triton runs in interpreter mode in this session; run tests/gpu on its own",
-                allow_module_level=True)
+triton = import_compiled_triton_or_skip()
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}

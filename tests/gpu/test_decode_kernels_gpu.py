@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.testing.triton_for_tests import import_compiled_triton_or_skip
+
 pytestmark = pytest.mark.gpu
-triton = pytest.importorskip("triton")
-if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
-    pytest.skip("Triton runs in interpreter mode in this session; run tests/gpu on its own",
-                allow_module_level=True)
+triton = import_compiled_triton_or_skip()
 
 from engine.kernels.greedy_logprob import greedy_logprob  # noqa: E402
 from engine.kernels.gumbel_argmax import gumbel_argmax  # noqa: E402

@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.testing.triton_for_tests import import_compiled_triton_or_skip
+
 pytestmark = pytest.mark.gpu
-triton = pytest.importorskip("triton")
-if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
-    pytest.skip("Triton runs in interpreter mode in this session; run tests/gpu on its own",
-                allow_module_level=True)
+triton = import_compiled_triton_or_skip()
 
 HEADS = {"qwen3-0.6b": (16, 8), "qwen3-8b": (32, 8)}  # (q heads, kv heads), head_dim 128
 INTERMEDIATE = {"qwen3-0.6b": 3072, "qwen3-8b": 12288}

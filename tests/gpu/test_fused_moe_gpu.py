@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.testing.triton_for_tests import import_compiled_triton_or_skip
+
 pytestmark = pytest.mark.gpu
-triton = pytest.importorskip("triton")
-if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
-    pytest.skip("Triton runs in interpreter mode in this session; run tests/gpu on its own",
-                allow_module_level=True)
+triton = import_compiled_triton_or_skip()
 
 H, I, E, K = 2048, 768, 128, 8
 TS = (1, 3, 8, 64, 257, 1024, 4096)  # crosses every normal-mode tile tier

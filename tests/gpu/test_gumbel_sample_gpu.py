@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.testing.triton_for_tests import import_compiled_triton_or_skip
+
 pytestmark = pytest.mark.gpu
-triton = pytest.importorskip("triton")
-if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
-    pytest.skip("Triton runs in interpreter mode in this session; run tests/gpu on its own",
-                allow_module_level=True)
+triton = import_compiled_triton_or_skip()
 
 from engine.kernels.batch_invariant.triton_norm import log_softmax as bi_log_softmax  # noqa: E402
 from engine.kernels.gumbel_argmax import gumbel_argmax  # noqa: E402

@@ -12,12 +12,10 @@ import random
 import pytest
 import torch
 
+from engine.testing.triton_for_tests import import_compiled_triton_or_skip
+
 pytestmark = pytest.mark.gpu
-triton = pytest.importorskip("triton")
-if type(triton.language.standard.cdiv).__name__ == "InterpretedFunction":
-    # another test module set TRITON_INTERPRET=1 before triton's first import: nothing compiles
-    pytest.skip("Triton runs in interpreter mode in this session; run tests/gpu on its own",
-                allow_module_level=True)
+triton = import_compiled_triton_or_skip()
 
 MAX_NEW = 40
 # prompts past 256 tokens cross a key split in prefill, others only while decoding or never
