@@ -2,7 +2,8 @@
 req_output: the ReqOutput that carries it. A streamed request's answers carry each output
 position's logprobs once (and its prompt's with the first): re-sending all so far at every token
 cost O(tokens^2) here (300 tokens x 1024 top logprobs: minutes of core time); the front end
-joins them (engine/api/streamed_logprobs.py)."""
+joins them (engine/api/streamed_logprobs.py). A stream's text holds back a tail that may begin a
+stop string (`streamable_text`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from typing import Any, Protocol
 
 from engine.core.messages import ReqOutput
+from engine.scheduler.finish import stop_prefix_len
 from engine.scheduler.request import Req
 
 
@@ -20,10 +22,22 @@ class CoreView(Protocol):
 
 def req_output(req: Req, core: CoreView, finished: bool) -> ReqOutput:
     since = req.streamed_logprobs if req.stream else 0
-    out = ReqOutput(req.rid, finished, build_output(req, core, since), logprobs_from=since)
+    output = build_output(req, core, since)
+    if not finished:  # a stream's chunk: without the tail a stop string may yet take back
+        output["text"] = streamable_text(req)
+    out = ReqOutput(req.rid, finished, output, logprobs_from=since)
     if req.stream:
         req.streamed_logprobs = len(req.output_ids)
     return out
+
+
+def streamable_text(req: Req) -> str:
+    """The text a stream may send before the request ends: all of it but a tail that could still
+    grow into a stop string (which the final text leaves out, unless no_stop_trim keeps it)."""
+    params = req.sampling_params
+    if not params.stop or params.no_stop_trim:
+        return req.text
+    return req.text[: len(req.text) - stop_prefix_len(req.text, params.stop)]
 
 
 def build_output(req: Req, core: CoreView, since: int = 0) -> dict[str, Any]:

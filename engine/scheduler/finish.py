@@ -53,6 +53,21 @@ def _match_stop_string(req: Req) -> Optional[str]:
     return best[1]
 
 
+def stop_prefix_len(text: str, stops: Optional[list[str]]) -> int:
+    """The length of the text's longest tail that begins a stop string without completing it: a
+    stream holds it back until the text completes the string (and is trimmed before it) or leaves
+    it, so no client ever receives text the final answer takes back (OpenAI's and SGLang's rule)."""
+    held = 0
+    for stop in stops or ():
+        start = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
+        while start >= 0 and len(text) - start > held:
+            if stop.startswith(text[start:]):
+                held = len(text) - start  # the longest tail for this string; the others must beat it
+                break
+            start = text.find(stop[0], start + 1)
+    return held
+
+
 def _match_stop_regex(req: Req) -> Optional[dict]:
     """The finish reason of the first stop_regex the new text completes (the text is kept
     whole, as SGLang keeps it: its trim looks for the pattern itself in the text), or an abort
