@@ -166,3 +166,26 @@ def test_custom_params_reach_the_sampling_params(client, path, body):
     assert refused.status_code == 400 and "return_top_p_token_ids" in refused.json()["message"]
     wrong = client.post(path, json={**body, "max_tokens": 1, "custom_params": [1]})
     assert wrong.status_code == 400 and "custom_params" in wrong.json()["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_streamed_answer_with_stop_strings_joins_to_the_unstreamed_one(client, engine, path):
+    """Every stop string made of the greedy text's own characters (two to four of them, from each
+    position): the deltas of a stream join to exactly the text the same body answers unstreamed
+    (the start of a stop string is held back, never sent and then trimmed)."""
+    body = {"max_tokens": 24, **GREEDY}
+    body.update({"prompt": "The quick brown fox"} if "chat" not in path else
+                {"messages": [{"role": "user", "content": "The quick brown fox"}]})
+    free = client.post(path, json=body).json()["choices"][0]
+    text = free["text"] if "chat" not in path else free["message"]["content"]
+    stops = sorted({text[i:i + n] for n in (2, 3, 4) for i in range(0, len(text) - n, 3)} - {""})[:12]
+    assert stops, text
+    for stop in stops:
+        whole = client.post(path, json={**body, "stop": [stop]}).json()["choices"][0]
+        events = sse(client, path, {**body, "stop": [stop], "stream": True})
+        if "chat" in path:
+            want = whole["message"]["content"] or ""
+            got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        else:
+            want, got = whole["text"], "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert got == want, (stop, got, want)
