@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
@@ -20,6 +21,7 @@ from engine.sampling_params import GRAMMAR_FIELDS
 
 GRAMMAR_KINDS = GRAMMAR_FIELDS  # the sampling params that carry a grammar
 DEFAULT_CACHE_BYTES = 256 << 20
+_LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] [^\s:]+:\d+: ")  # xgrammar's C++ log lines
 RSS_PER_COUNTED_BYTE = 1.5  # RSS a kept grammar costs per byte of its memory_size_bytes (measured: 1.33-1.45)
 
 
@@ -40,6 +42,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int
                          "skip_tokenizer_init")
     return xgrammar.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+
 
 
 class GrammarCompiler:
@@ -73,7 +76,7 @@ class GrammarCompiler:
             except ValueError:
                 raise
             except Exception as exc:  # xgrammar raises RuntimeError and its own types on bad input
-                raise ValueError(f"invalid {kind} grammar: {type(exc).__name__}: {exc}") from None
+                raise ValueError(f"invalid {kind} grammar: {_reason(exc)}") from None
             finally:
                 release_freed_memory()  # a compile's scratch is several times what it keeps
             self._keep((kind, spec), compiled)
@@ -173,3 +176,9 @@ def _import_xgrammar() -> Any:
         raise ValueError("structured output (json_schema, regex, ebnf, structural_tag) needs xgrammar: "
                          "pip install xgrammar") from None
     return xgrammar
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without the C++ log prefix it carries ("[05:50:33] /project/cpp/x.cc:5082: "):
+    the client reads what is wrong with its grammar, not where xgrammar noticed it."""
+    return _LOG_PREFIX.sub("", str(exc)).strip() or type(exc).__name__

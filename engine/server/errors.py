@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-_KINDS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 413: "Payload Too Large",
+# 400's type as SGLang's OpenAI routes name it (serving_base.create_error_response); the others the HTTP phrase
+_KINDS = {400: "BadRequestError", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 413: "Payload Too Large",
           503: "Service Unavailable"}
 
 

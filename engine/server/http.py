@@ -59,6 +59,13 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     return app
 
 
+def _validation_problem(error: dict) -> str:
+    """One of pydantic's errors: where in the request ("body.max_tokens") and the problem, without
+    pydantic's "Value error, " before our validators' own text."""
+    where = ".".join(str(p) for p in error.get("loc", ()))
+    return f"{where}: {str(error.get('msg', '')).removeprefix('Value error, ')}"
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     from engine.api.core_client import CoreDead
     from engine.api.request_builder import GrammarUnavailable
@@ -69,7 +76,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
+        parts = [_validation_problem(e) for e in exc.errors()]
         content_type = request.headers.get("content-type", "")
         if request.method == "POST" and not _is_json(content_type):  # curl -d sends a form's type
             parts.insert(0, f"send the body as JSON with Content-Type: application/json (got "

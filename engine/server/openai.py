@@ -185,7 +185,7 @@ class OpenAIServing:
         return choice
 
     def chat_events(self, req: ChatCompletionRequest, stream: Any) -> AsyncIterator[str]:
-        def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> dict:
+        def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> Optional[dict]:
             message = {"role": "assistant", "content": text} if first else {"content": text}
             choice: dict = {"delta": message}
             if req._forced_calls:  # the calls in one delta once the array is whole; no content before
@@ -193,6 +193,8 @@ class OpenAIServing:
                 reason = _finish_reason(chunk["meta_info"])
                 if reason is not None:
                     choice["finish_reason"] = forced_tool_calls.as_tool_calls(message, chunk["text"], reason)
+                elif not first and not req.logprobs:
+                    return None  # an empty delta: nothing to send while the array grows
             if req.logprobs:
                 choice["logprobs"] = chat_logprobs(*output_entries(chunk["meta_info"], sent_tokens), self.decode)
             return choice
@@ -201,8 +203,9 @@ class OpenAIServing:
 
     # ---- streaming -----------------------------------------------------------------------------
     async def _events(self, chunks: Any, req: Any, prefix: str, kind: str,
-                      delta: Callable[[int, str, dict, int, bool], dict]) -> AsyncIterator[str]:
-        """Cumulative engine chunks -> one event per chunk with only what is new; then, with
+                      delta: Callable[[int, str, dict, int, bool], Optional[dict]]) -> AsyncIterator[str]:
+        """Cumulative engine chunks -> one event per chunk with only what is new (none where `delta`
+        has nothing to send); then, with
         stream_options.include_usage, a usage event with no choices (and with continuous_usage_stats,
         each chunk's choice's usage so far); then [DONE]."""
         unnamed, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
@@ -215,9 +218,11 @@ class OpenAIServing:
             rid = _reply_id(meta, unnamed)
             first = index not in sent_chars
             text = chunk["text"][sent_chars.get(index, 0):]
-            choice = {"index": index, "finish_reason": _finish_reason(meta),  # (a delta may name its own)
-                      **delta(index, text, chunk, sent_tokens.get(index, 0), first)}
+            new = delta(index, text, chunk, sent_tokens.get(index, 0), first)
             sent_chars[index], sent_tokens[index] = len(chunk["text"]), len(chunk["output_ids"])
+            if new is None:
+                continue
+            choice = {"index": index, "finish_reason": _finish_reason(meta), **new}  # (a delta may name its own)
             if choice["finish_reason"] is not None:
                 choice["matched_stop"] = None if choice["finish_reason"] == "tool_calls" else _matched_stop(meta)
                 finals[index] = meta

@@ -83,6 +83,8 @@ def test_streamed_forced_calls_arrive_in_one_delta(client):
     calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
     assert len(calls) == 1 and deltas[-1]["finish_reason"] == "tool_calls"
     _check_calls(calls, {"get_weather", "get_time"})
+    # the role, then the calls: no empty deltas while the array was generated
+    assert len(deltas) == 2 and deltas[0]["delta"]["role"] == "assistant" and not deltas[0]["delta"].get("tool_calls")
 
 
 def test_required_without_tools_is_refused(client):

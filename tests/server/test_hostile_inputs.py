@@ -38,6 +38,8 @@ def _serving(client, engine) -> None:
      "body.max_completion_tokens: Input should be greater than or equal to 0"),
     ("/v1/completions", b'{"prompt": "x", "logprobs": -1}', "body.logprobs: Input should be greater than or equal to 0"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', "body.max_tokens: Input should be greater than or equal to 0"),
+    # a validator's own text, without pydantic's "Value error, " before it
+    ("/v1/completions", b'{"prompt": "x", "suffix": "y"}', "body: suffix is not supported: tandem does no fill-in"),
 ])
 def test_bad_text_and_non_finite_floats_are_400(raw, engine, path, body, message):
     resp = raw.post_bytes(path, body)
