@@ -205,9 +205,8 @@ class OpenAIServing:
     async def _events(self, chunks: Any, req: Any, prefix: str, kind: str,
                       delta: Callable[[int, str, dict, int, bool], Optional[dict]]) -> AsyncIterator[str]:
         """Cumulative engine chunks -> one event per chunk with only what is new (none where `delta`
-        has nothing to send); then, with
-        stream_options.include_usage, a usage event with no choices (and with continuous_usage_stats,
-        each chunk's choice's usage so far); then [DONE]."""
+        has nothing to send); then, with stream_options.include_usage, a usage event with no choices
+        (and with continuous_usage_stats, each chunk's choice's usage so far); then [DONE]."""
         unnamed, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         rid = unnamed  # each chunk's id is its request's rid; the closing chunks take the last one
         sent_chars: dict[int, int] = {}
