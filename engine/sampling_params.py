@@ -36,7 +36,7 @@ MAX_STOP_REGEX = 64
 # as the longest string
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 512
-MAX_CUSTOM_PARAMS_DEPTH = 64  # custom_params is carried, unused: deeper JSON could not be pickled to the core
+MAX_CUSTOM_PARAMS_DEPTH = 64  # custom_params is carried to the core: deeper JSON could not be pickled there
 
 
 def carries_grammar(raw_params: Any) -> bool:
@@ -73,7 +73,7 @@ class SamplingParams:
     structural_tag: Optional[str] = None
     stop_regex: Optional[Union[str, list[str]]] = None  # normalised to list[str] | None (engine/scheduler/finish.py)
     logit_bias: Optional[dict] = None  # {str(token id): bias added to the logit}, normalised from int keys
-    custom_params: Optional[dict] = None  # accepted for client compatibility, unused
+    custom_params: Optional[dict] = None  # carried; read: return_top_p_token_ids (slime's top-p replay)
     stream_interval: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -105,6 +105,11 @@ class SamplingParams:
     def watches_text(self) -> bool:
         """Stop strings or stop regexes: the core must detokenize as it generates."""
         return bool(self.stop or self.stop_regex)
+
+    @property
+    def return_top_p_token_ids(self) -> bool:
+        """slime's custom_params flag: each output token's kept ids come back (engine/sampling/nucleus.py)."""
+        return isinstance(self.custom_params, dict) and bool(self.custom_params.get("return_top_p_token_ids"))
 
     @property
     def is_greedy(self) -> bool:
@@ -200,9 +205,10 @@ class SamplingParams:
         if nests_deeper(self.custom_params, MAX_CUSTOM_PARAMS_DEPTH):
             raise ValueError(f"custom_params must be nested at most {MAX_CUSTOM_PARAMS_DEPTH} levels deep; "
                              f"it nests deeper")
-        if (self.custom_params or {}).get("return_top_p_token_ids"):  # slime's, from its patched SGLang
-            raise ValueError("custom_params.return_top_p_token_ids (the top-p nucleus per token, from slime's "
-                             "SGLang patch) is not supported: roll out with top_p 1.0 (slime: --rollout-top-p 1)")
+        if self.return_top_p_token_ids and not (self.is_greedy or self.top_p < 1 or self.top_k != -1 or self.min_p > 0):
+            raise ValueError("custom_params.return_top_p_token_ids returns each token's kept set under top_p, top_k "
+                             "or min_p, and this request sets none of them (every id would be kept): set top_p < 1, "
+                             "or leave the flag out")
         self._check_list_types()
 
     def _check_list_types(self) -> None:

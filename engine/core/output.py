@@ -11,6 +11,7 @@ import time
 from typing import Any, Protocol
 
 from engine.core.messages import ReqOutput
+from engine.sampling.nucleus import nucleus_fields
 from engine.scheduler.finish import stop_prefix_len
 from engine.scheduler.request import Req
 
@@ -58,6 +59,8 @@ def build_output(req: Req, core: CoreView, since: int = 0) -> dict[str, Any]:
     }
     if req.return_logprob:
         meta.update(_logprob_fields(req, since))
+    if req.sampling_params.return_top_p_token_ids and req.finished_reason is not None:  # once, at the end
+        meta.update(nucleus_fields(req.output_kept_ids))
     return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 

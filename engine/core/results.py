@@ -50,6 +50,7 @@ class StepResults:
         if early:
             sample_then()
         record_logprobs(batch, result)
+        record_kept_ids(batch, result)
         outputs: list[ReqOutput] = []
         for req in grown:
             req.note_weight_version(self.core.weight_version)
@@ -125,6 +126,14 @@ class StepResults:
         if req.finished_reason is None or req.finished_reason.get("type") != "abort":
             req.finished_reason = abort_reason(message)
         return req_output(req, self.core, finished=True)
+
+
+def record_kept_ids(batch: ScheduleBatch, result: BatchResult) -> None:
+    """custom_params.return_top_p_token_ids: each kept sample's kept set (a greedy row's: its token)."""
+    for i, (req, kept) in enumerate(zip(batch.reqs, batch.samples_kept())):
+        if kept and req.sampling_params.return_top_p_token_ids:
+            greedy = req.sampling_params.is_greedy
+            req.output_kept_ids.append([result.next_token_ids[i]] if greedy else result.kept_ids[i])
 
 
 def record_logprobs(batch: ScheduleBatch, result: BatchResult) -> None:

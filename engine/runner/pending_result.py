@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from engine.sampling.nucleus import kept_lists
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 
 
@@ -26,6 +27,7 @@ class PendingResult:
     input_top: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # top-k at prompt positions
     token_ids: Optional[torch.Tensor] = None  # [B, W] token_ids_logprob values (padded rows)
     input_token_ids: Optional[torch.Tensor] = None  # [P, W] the same at prompt positions
+    kept: Optional[tuple[list[int], torch.Tensor, torch.Tensor]] = None  # (rows, ids, counts): nucleus.kept_ids
 
     @classmethod
     def start(cls, batch: ScheduleBatch, next_ids: torch.Tensor, logprobs: torch.Tensor) -> "PendingResult":
@@ -51,6 +53,9 @@ class PendingResult:
             result.token_ids_logprobs = self._token_ids_lists()
         if self.input_token_ids is not None:
             result.input_token_ids_logprobs = self._input_token_ids_lists()
+        if self.kept is not None:
+            rows, ids, counts = self.kept
+            result.kept_ids = dict(zip(rows, kept_lists(ids, counts)))
         return result
 
     def _token_ids_lists(self) -> list[Optional[list[float]]]:

@@ -31,8 +31,8 @@ def test_non_finite_sampling_floats_are_refused(field, value):
     ("temperature=0", "sampling_params must be a dict .* got str"),
     (5, "sampling_params must be a dict .* got int"),
     ([1], "sampling_params must be a dict .* got int"),
-    # slime's top-p replay (its patched SGLang) is refused, not ignored: its trainer needs the ids
-    ({"max_new_tokens": 2, "custom_params": {"return_top_p_token_ids": True}}, "return_top_p_token_ids .* not supported"),
+    # slime's top-p replay with nothing truncated: every id of the vocab, every token (set top_p < 1)
+    ({"max_new_tokens": 2, "custom_params": {"return_top_p_token_ids": True}}, "sets none of them .* top_p < 1"),
 ])
 def test_sampling_params_of_the_wrong_type(engine, sampling_params, message):
     with pytest.raises(ValueError, match=message):

@@ -160,7 +160,8 @@ def test_a_reply_id_is_its_rid_which_aborts_it(client, path, body):
     ("/v1/completions", {"prompt": "Hi"}),
 ])
 def test_custom_params_reach_the_sampling_params(client, path, body):
-    """As SGLang's to_sampling_params: checked there, so slime's top-p replay is refused here too."""
+    """As SGLang's to_sampling_params: checked there, so slime's top-p replay without a top-p is
+    refused here too (tests/engine/test_top_p_replay.py: with one)."""
     assert client.post(path, json={**body, "max_tokens": 1, "custom_params": {"a": 1}}).status_code == 200
     refused = client.post(path, json={**body, "max_tokens": 1, "custom_params": {"return_top_p_token_ids": True}})
     assert refused.status_code == 400 and "return_top_p_token_ids" in refused.json()["message"]
