@@ -157,17 +157,18 @@ class Engine(EngineWeights, EngineLoRA):
             raise
 
     # ---- control -------------------------------------------------------------------------------
-    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        """Abort the request `rid` (an unknown one is a no-op), or every request with abort_all.
-        No rid and no abort_all aborts nothing, as in SGLang (an empty /abort_request body must
-        not end every rollout in flight)."""
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False, prefix: bool = False) -> None:
+        """Abort the request `rid` (an unknown one is a no-op; with `prefix`, every request whose rid
+        starts with it), or every request with abort_all. No rid and no abort_all aborts nothing, as
+        in SGLang (an empty /abort_request body must not end every rollout in flight)."""
         if not abort_all and not rid:
             return
-        self.client.send(AbortReq(None if abort_all else str(rid)))
+        self.client.send(AbortReq(None if abort_all else str(rid), prefix=bool(prefix) and not abort_all))
 
-    async def async_abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+    async def async_abort_request(self, rid: Optional[str] = None, abort_all: bool = False,
+                                  prefix: bool = False) -> None:
         """abort_request from an event loop: a message to the core, so it never blocks."""
-        self.abort_request(rid, abort_all)
+        self.abort_request(rid, abort_all, prefix)
 
     def flush_cache(self) -> bool:
         return self._call(FlushCacheReq())

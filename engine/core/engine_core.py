@@ -87,7 +87,7 @@ class EngineCore:
         raise TypeError(f"unknown message type {type(msg).__name__}")
 
     def abort(self, msg: AbortReq) -> list[ReqOutput]:
-        outputs = self.intake.abort(msg.rid, msg.message)
+        outputs = self.intake.abort(msg.rid, msg.message, msg.prefix)
         if not self.generating:  # no step will release the running ones
             outputs += self.drain()
         return outputs

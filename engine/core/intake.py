@@ -64,10 +64,15 @@ class RequestIntake:
                 self.scheduler.add_request(req)
         return outputs
 
-    def abort(self, rid: Optional[str], message: str) -> list[ReqOutput]:
-        """Abort one request, or every one when rid is None; answers those that ended now."""
+    def abort(self, rid: Optional[str], message: str, prefix: bool = False) -> list[ReqOutput]:
+        """Abort one request (with `prefix`, every one whose rid starts with rid), or every one when
+        rid is None; answers those that ended now."""
         outputs: list[ReqOutput] = []
-        for rid in self._rids_named(rid) if rid is not None else self._all_rids():
+        if rid is None:
+            named = self._all_rids()
+        else:
+            named = [r for r in self._all_rids() if r.startswith(rid)] if prefix else self._rids_named(rid)
+        for rid in named:
             req = self.grammars.remove(rid)
             if req is not None:  # still compiling its grammar: it never reached the scheduler
                 req.finished_reason = abort_reason(ABORT_BEFORE_PREFILL)

@@ -55,6 +55,7 @@ class ReqInput(RequestOptions):
 class AbortReq:
     rid: Optional[str] = None  # None: abort everything
     message: str = "aborted by request"
+    prefix: bool = False  # every request whose rid starts with rid (Miles aborts a LoRA adapter's "name::")
 
 
 @dataclass

@@ -66,8 +66,10 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        info = engine.server_info(await engine.recent_stats())
-        return {**SINGLE_ENGINE_DEFAULTS, **info, "model_path": served.model_path}
+        info = {**SINGLE_ENGINE_DEFAULTS, **engine.server_info(await engine.recent_stats())}
+        # the GPUs this server holds: slime and Miles size the weight-sync group and rank offsets by it
+        info["num_gpus"] = info["tp_size"] * info["pp_size"]
+        return {**info, "model_path": served.model_path}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -46,7 +46,7 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields, po
         if req.abort_all:
             engine.abort_request(abort_all=True)
         for rid in [] if req.abort_all else req.rids():  # no rid and no abort_all aborts nothing
-            engine.abort_request(rid)
+            engine.abort_request(rid, prefix=req.prefix)
         return Response(status_code=200)
 
     @app.post("/start_profile")

@@ -116,6 +116,7 @@ def _nulls_dropped(params: Any) -> Any:
 class AbortRequest(_Lenient):
     rid: Optional[Union[str, list[str]]] = ""  # SGLang's BaseReq rid: null means none, a list aborts each
     abort_all: bool = False
+    prefix: bool = False  # Miles: every request whose rid starts with rid (an adapter's "name::")
 
     def rids(self) -> list[str]:
         rids = self.rid if isinstance(self.rid, list) else [self.rid]

@@ -205,3 +205,24 @@ def test_hidden_states_and_custom_logit_processors_are_refused_not_ignored(clien
             resp = client.post(route, json={**body, field: value})
             assert resp.status_code == 400 and field in resp.text, (route, field, resp.text)
         assert client.post(route, json={**body, "return_hidden_states": False}).status_code == 200
+
+
+def test_abort_request_by_rid_prefix(client, engine):
+    """Miles aborts a LoRA adapter's requests with {"rid": "<adapter>::", "prefix": true}; without
+    prefix the same rid names no request."""
+    outs: dict[str, list] = {rid: [] for rid in ("lora-a::1", "lora-a::2", "lora-b::1")}
+    threads = [_long_request(engine, rid, out) for rid, out in outs.items()]
+    deadline = time.monotonic() + 20
+    while engine.get_stats().num_running_reqs < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.post("/abort_request", json={"rid": "lora-a::"}).status_code == 200
+    time.sleep(0.1)
+    assert engine.get_stats().num_running_reqs == 3
+    assert client.post("/abort_request", json={"rid": "lora-a::", "prefix": True}).status_code == 200
+    for thread in threads[:2]:
+        thread.join(30)
+    assert all(outs[r][0]["meta_info"]["finish_reason"]["type"] == "abort" for r in ("lora-a::1", "lora-a::2"))
+    assert not outs["lora-b::1"] and engine.get_stats().num_running_reqs == 1
+    client.post("/abort_request", json={"rid": "lora-b::1"})
+    threads[2].join(30)
+    assert outs["lora-b::1"][0]["meta_info"]["finish_reason"]["type"] == "abort"

@@ -91,6 +91,15 @@ def test_info_routes(client, engine, tiny_model_dir):
     assert server["enable_memory_saver"] is False and server["tp_size"] == 1 and server["dp_size"] == 1
     assert server["context_len"] == engine.info.context_len and server["dtype"] == "float32"
     assert server["api_key"] is None and "admin_api_key" in server
+    assert server["num_gpus"] == 1
+
+
+def test_server_info_counts_the_gpus_of_tensor_parallel_ranks(client, engine, monkeypatch):
+    """slime's external-engine setup takes num_gpus first to size the weight-sync group."""
+    real = engine.server_info
+    monkeypatch.setattr(engine, "server_info", lambda stats: {**real(stats), "tp_size": 4})
+    server = client.get("/server_info").json()
+    assert server["tp_size"] == 4 and server["num_gpus"] == 4
 
 
 def test_v1_models_and_card(client, engine, tiny_model_dir):
