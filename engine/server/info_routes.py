@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from engine.server.errors import error_response
-from engine.server.metrics import metrics_text
+from engine.server.metrics import GenThroughput, metrics_text
 from engine.server.protocol import GetWeightsByNameRequest
 from engine.server.served_model import ServedModel
 
@@ -92,9 +92,12 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
         """SGLang's legacy load route (ROLL waits until every num_reqs and num_waiting_reqs is 0)."""
         return engine.load_report(await engine.recent_stats())
 
+    throughput = GenThroughput()
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(metrics_text(await engine.recent_stats()), media_type="text/plain; version=0.0.4")
+        stats = await engine.recent_stats()
+        return Response(metrics_text(stats, throughput.update(stats)), media_type="text/plain; version=0.0.4")
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(req: GetWeightsByNameRequest) -> Any:

@@ -1,8 +1,10 @@
-"""Prometheus metrics for /metrics, from the core's counters at scrape time (a StatsSnapshot)."""
+"""Prometheus metrics for /metrics, from the core's counters at scrape time (a StatsSnapshot): tandem's
+own families, and the SGLang names dashboards built for SGLang read (Miles' dashboard, Grafana's
+SGLang boards: `sglang:num_running_reqs`, `sglang:gen_throughput`, `sglang:token_usage`, ...)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -43,7 +45,52 @@ class EngineCollector:
                                 value=stats.kv_tokens_used / max(stats.kv_tokens_total, 1))
 
 
-def metrics_text(stats: Any) -> bytes:
+class SGLangNamesCollector:
+    """The snapshot under SGLang's metric names (their values computed as SGLang does)."""
+
+    def __init__(self, stats: Any, gen_throughput: float):
+        self.stats, self.gen_throughput = stats, gen_throughput
+
+    def collect(self):
+        s = self.stats
+        prompt_tokens = s.num_prefill_tokens + s.num_cached_tokens
+        yield GaugeMetricFamily("sglang:num_running_reqs", "The number of running requests.", value=s.num_running_reqs)
+        yield GaugeMetricFamily("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
+                                value=s.num_waiting_reqs)
+        yield GaugeMetricFamily("sglang:token_usage", "The token usage.",
+                                value=s.kv_tokens_used / max(s.kv_tokens_total, 1))
+        yield GaugeMetricFamily("sglang:num_used_tokens", "The number of used tokens.", value=s.kv_tokens_used)
+        yield GaugeMetricFamily("sglang:cache_hit_rate", "The prefix cache hit rate.",
+                                value=s.num_cached_tokens / max(prompt_tokens, 1))
+        yield GaugeMetricFamily("sglang:gen_throughput", "The generation throughput (token/s).",
+                                value=self.gen_throughput)
+        yield CounterMetricFamily("sglang:prompt_tokens", "Number of prefill tokens processed.", value=prompt_tokens)
+        yield CounterMetricFamily("sglang:generation_tokens", "Number of generation tokens processed (decode steps').",
+                                  value=s.num_generated_tokens)
+        yield CounterMetricFamily("sglang:cached_tokens", "Number of cached prompt tokens.", value=s.num_cached_tokens)
+
+
+class GenThroughput:
+    """Generated tokens a second between two scrapes (SGLang's gen_throughput: its last interval)."""
+
+    MIN_INTERVAL_S = 1.0  # scrapes closer than this keep the last rate (two scrapers would halve the window)
+
+    def __init__(self) -> None:
+        self._last: Optional[tuple[float, int]] = None
+        self._rate = 0.0
+
+    def update(self, stats: Any) -> float:
+        now, tokens = stats.uptime_s, stats.num_generated_tokens
+        if self._last is None or tokens < self._last[1]:  # first scrape, or a restarted core's counters
+            self._last = (now, tokens)
+        elif now - self._last[0] >= self.MIN_INTERVAL_S:
+            self._rate = (tokens - self._last[1]) / (now - self._last[0])
+            self._last = (now, tokens)
+        return self._rate
+
+
+def metrics_text(stats: Any, gen_throughput: float = 0.0) -> bytes:
     registry = CollectorRegistry()
     registry.register(EngineCollector(stats))
+    registry.register(SGLangNamesCollector(stats, gen_throughput))
     return generate_latest(registry)

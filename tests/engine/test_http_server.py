@@ -207,3 +207,43 @@ def test_update_with_abort_all_requests_ends_them_and_flushes(engine_factory, ot
     assert resp.status_code == 200 and resp.json()["success"] is True, resp.json()  # flushed: nothing runs
     assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
     eng.check_integrity()
+
+
+def _samples(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_carry_sglangs_names_for_its_dashboards(client, engine):
+    """Miles' dashboard (and SGLang's Grafana boards) read sglang:* families; the values are the
+    snapshot's, as tandem's own families report them."""
+    before = _samples(client.get("/metrics").text)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10]
+    for _ in range(2):  # the second prefill hits the radix cache
+        client.post("/generate", json={"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 4}})
+    after = _samples(client.get("/metrics").text)
+    # tokens of decode steps, as tandem's own counter (each request's first token comes from its prefill)
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 2 * 3
+    assert after["sglang:generation_tokens_total"] == after["tandem_generation_tokens_total"]
+    assert after["sglang:prompt_tokens_total"] == after["tandem_prompt_tokens_total"] + after["tandem_cached_tokens_total"]
+    assert after["sglang:cached_tokens_total"] > before.get("sglang:cached_tokens_total", 0)
+    assert 0 < after["sglang:cache_hit_rate"] < 1
+    assert after["sglang:token_usage"] == after["tandem_kv_token_usage"]
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput", "sglang:num_used_tokens"):
+        assert name in after
+
+
+def test_gen_throughput_is_the_rate_between_scrapes():
+    from types import SimpleNamespace
+
+    from engine.server.metrics import GenThroughput
+
+    meter = GenThroughput()
+    at = lambda t, n: SimpleNamespace(uptime_s=t, num_generated_tokens=n)  # noqa: E731
+    assert meter.update(at(10.0, 100)) == 0.0  # the first scrape: no interval yet
+    assert meter.update(at(10.5, 400)) == 0.0  # too soon: the last rate stands
+    assert meter.update(at(12.0, 700)) == 300.0
+    assert meter.update(at(14.0, 700)) == 0.0  # idle
+    assert meter.update(at(15.0, 50)) == 0.0  # counters went back (a new core): start again
+    assert meter.update(at(17.0, 250)) == 100.0
