@@ -29,6 +29,9 @@ class CoreStats:
         else:
             n = batch.num_prefill_rows
             self.num_prefill_tokens += sum(batch.extend_lens[:n])
-            self.num_cached_tokens += sum(batch.prefix_lens[:n])
+            # a row's prefix is the radix cache's only in its request's first chunk: later chunks'
+            # prefixes are the request's own earlier chunks (prefix_len > cached_tokens there)
+            self.num_cached_tokens += sum(p for r, p in zip(batch.reqs[:n], batch.prefix_lens[:n])
+                                          if p == r.cached_tokens)
             self.num_generated_tokens += batch.num_decode_rows
             self.num_mixed_steps += batch.num_decode_rows > 0

@@ -247,3 +247,20 @@ def test_gen_throughput_is_the_rate_between_scrapes():
     assert meter.update(at(14.0, 700)) == 0.0  # idle
     assert meter.update(at(15.0, 50)) == 0.0  # counters went back (a new core): start again
     assert meter.update(at(17.0, 250)) == 100.0
+
+
+def test_chunked_prefill_counts_only_the_radix_caches_prefix_as_cached(engine_factory):
+    """A later chunk's prefix is the request's own earlier chunks, not a cache hit (it inflated
+    cached_tokens and the cache hit rate dashboards read)."""
+    eng = engine_factory(chunked_prefill_size=16)
+    prompt = list(range(3, 67))  # 64 tokens: four chunks
+    base = eng.get_stats()
+    eng.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 1})
+    cold = eng.get_stats()
+    assert cold.num_prefill_tokens - base.num_prefill_tokens == 64
+    assert cold.num_cached_tokens - base.num_cached_tokens == 0
+    again = eng.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 1})
+    warm = eng.get_stats()
+    hit = again["meta_info"]["cached_tokens"]
+    assert hit > 0 and warm.num_cached_tokens - cold.num_cached_tokens == hit
+    assert warm.num_prefill_tokens - cold.num_prefill_tokens == 64 - hit
