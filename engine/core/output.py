@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from engine.core.messages import ReqOutput
 from engine.sampling.nucleus import nucleus_fields
-from engine.scheduler.finish import stop_prefix_len
+from engine.scheduler.finish import first_stop_in_tail, stop_prefix_len
 from engine.scheduler.request import Req
 
 
@@ -34,11 +34,17 @@ def req_output(req: Req, core: CoreView, finished: bool) -> ReqOutput:
 
 def streamable_text(req: Req) -> str:
     """The text a stream may send before the request ends: all of it but a tail that could still
-    grow into a stop string (which the final text leaves out, unless no_stop_trim keeps it)."""
-    params = req.sampling_params
+    grow into a stop string (which the final text leaves out, unless no_stop_trim keeps it). Before
+    min_new_tokens a whole stop string is not checked yet: once it is, one still in the searched
+    tail ends the text there, so that is held too."""
+    params, text = req.sampling_params, req.text
     if not params.stop or params.no_stop_trim:
-        return req.text
-    return req.text[: len(req.text) - stop_prefix_len(req.text, params.stop)]
+        return text
+    end = len(text) - stop_prefix_len(text, params.stop)
+    if len(req.output_ids) < params.min_new_tokens:
+        whole = first_stop_in_tail(text, params.stop)
+        end = min(end, whole[0]) if whole is not None else end
+    return text[:end]
 
 
 def build_output(req: Req, core: CoreView, since: int = 0) -> dict[str, Any]:

@@ -38,19 +38,25 @@ def _match_stop_string(req: Req) -> Optional[str]:
     stops = req.sampling_params.stop
     if not stops or not req.text:
         return None
-    window = max(len(s) for s in stops) + 16  # new text of one token is short; look a bit further
-    tail_start = max(len(req.text) - window, 0)
-    best: Optional[tuple[int, str]] = None
-    for stop in stops:
-        idx = req.text.find(stop, tail_start)
-        if idx >= 0 and (best is None or idx < best[0]):
-            best = (idx, stop)
+    best = first_stop_in_tail(req.text, stops)
     if best is None:
         return None
     req.stop_text_len = best[0]
     if not req.sampling_params.no_stop_trim:
         req.text = req.text[: best[0]]
     return best[1]
+
+
+def first_stop_in_tail(text: str, stops: list[str]) -> Optional[tuple[int, str]]:
+    """(where, which) of the first stop string in the tail the stop check searches: as long as the
+    longest string, and a bit more (new text of one token is short)."""
+    tail_start = max(len(text) - (max(len(s) for s in stops) + 16), 0)
+    best: Optional[tuple[int, str]] = None
+    for stop in stops:
+        idx = text.find(stop, tail_start)
+        if idx >= 0 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
 
 
 def stop_prefix_len(text: str, stops: Optional[list[str]]) -> int:

@@ -106,3 +106,16 @@ def _tokens_ending(texts: list[str], length: int) -> int:
 
 def _chunk_with(chunks: list[dict], num_tokens: int):
     return next((c for c in chunks if len(c["output_ids"]) == num_tokens), None)
+
+
+@pytest.mark.parametrize("min_new_tokens", [0, 3, 5, 8])
+def test_a_stop_string_before_min_new_tokens_is_held_until_the_check_passes_it(engine, min_new_tokens):
+    """Before min_new_tokens a whole stop string is not matched; once the check runs it still finds
+    one in the tail it searches and trims there: the stream must not have sent it meanwhile."""
+    _, texts = _token_texts(engine)
+    stop, at = _stop_across_two_tokens(texts)
+    params = {**GREEDY, "stop": [stop], "min_new_tokens": min_new_tokens}
+    chunks = asyncio.run(_stream(engine, params))
+    whole = engine.generate(prompt=PROMPT, sampling_params=params)
+    assert chunks[-1]["text"] == whole["text"]
+    assert all(whole["text"].startswith(c["text"]) for c in chunks), [c["text"] for c in chunks]
