@@ -65,8 +65,8 @@ class TokenizerManagerShim:
                 self._engine.abort_request(rid)
             stream.close()
 
-    def abort_request(self, rid: str = "", abort_all: bool = False, **_: Any) -> None:
-        self._engine.abort_request(rid or None, abort_all)
+    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False, **_: Any) -> None:
+        self._engine.abort_request(rid or None, abort_all, prefix)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return FlushCacheReqOutput(bool(await asyncio.to_thread(self._engine.flush_cache)))

@@ -66,8 +66,15 @@ def build_output(req: Req, core: CoreView, since: int = 0) -> dict[str, Any]:
     if req.return_logprob:
         meta.update(_logprob_fields(req, since))
     if req.sampling_params.return_top_p_token_ids and req.finished_reason is not None:  # once, at the end
-        meta.update(nucleus_fields(req.output_kept_ids))
+        meta.update(nucleus_fields(_kept_per_token(req)))
     return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _kept_per_token(req: Req) -> list:
+    """One kept set per output token, as slime checks: an answer built after a step failed between
+    taking its token and recording the set gives that token itself (it was certainly kept)."""
+    kept = req.output_kept_ids[: len(req.output_ids)]
+    return kept + [[token] for token in req.output_ids[len(kept):]]
 
 
 def _logprob_fields(req: Req, since: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ streaming one gets a partial answer.
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Callable, Optional
 
 from engine.core.messages import ReqOutput
@@ -16,6 +17,7 @@ from engine.core.output import CoreView, req_output
 from engine.core.routed_experts import RouteReader, route_slots
 from engine.finish_reasons import abort_reason
 from engine.runner.model_runner import ModelRunner
+from engine.sampling.nucleus import replay_rows
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 from engine.scheduler.finish import check_finished
 from engine.scheduler.request import Req
@@ -130,10 +132,15 @@ class StepResults:
 
 def record_kept_ids(batch: ScheduleBatch, result: BatchResult) -> None:
     """custom_params.return_top_p_token_ids: each kept sample's kept set (a greedy row's: its token)."""
-    for i, (req, kept) in enumerate(zip(batch.reqs, batch.samples_kept())):
-        if kept and req.sampling_params.return_top_p_token_ids:
+    rows = replay_rows(batch.reqs)
+    if not rows:
+        return
+    kept = batch.samples_kept()
+    for i in rows:
+        req = batch.reqs[i]
+        if kept[i]:
             greedy = req.sampling_params.is_greedy
-            req.output_kept_ids.append([result.next_token_ids[i]] if greedy else result.kept_ids[i])
+            req.output_kept_ids.append(array("i", [result.next_token_ids[i]]) if greedy else result.kept_ids[i])
 
 
 def record_logprobs(batch: ScheduleBatch, result: BatchResult) -> None:

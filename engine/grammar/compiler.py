@@ -44,7 +44,6 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int
         tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
 
 
-
 class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = (),
                  cache_bytes: int = DEFAULT_CACHE_BYTES, info: Any = None) -> None:

@@ -16,7 +16,7 @@ from engine.runner.logits_plan import LogitsPlan
 from engine.runner.pending_result import PendingResult
 from engine.sampling.logprobs import (gather_token_logprobs, greedy_with_logprobs, original_logprobs, top_k_of,
                                       top_logprobs)
-from engine.sampling.nucleus import kept_ids
+from engine.sampling.nucleus import kept_ids, replay_rows
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
 from engine.scheduler.batch import ScheduleBatch
@@ -52,7 +52,7 @@ class RunnerOutputs:
         rows = [self._sampling_row(r, pos) for r, pos in zip(batch.reqs, seq_lens)]
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
         sampling.grammar_bitmask = self.grammar_bitmasks.to_device(self._grammar_bitmask(batch))
-        kept_rows = _kept_rows(batch)
+        kept_rows = [i for i in replay_rows(batch.reqs) if not batch.reqs[i].sampling_params.is_greedy]
         if wants_ids or kept_rows:
             out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
         else:  # no [B, V] held while prompt or top logprobs take their memory; RL's case fused, except
@@ -67,7 +67,7 @@ class RunnerOutputs:
         pending = self._finish_sample(batch, plan, logits, last, out.next_token_ids, chosen)
         if wants_ids:
             pending.token_ids = self._token_ids_logprobs(batch, original, processed_all)
-        if kept_rows:
+        if kept_rows:  # a greedy row keeps its token: the host records that
             pending.kept = (kept_rows, *kept_ids(processed_all, h2d(torch.tensor(kept_rows), self.device)))
         return pending
 
@@ -154,9 +154,3 @@ def _plain_greedy(req) -> bool:
     return (p.is_greedy and req.grammar is None and not p.logit_bias and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)
 
-
-def _kept_rows(batch: ScheduleBatch) -> list[int]:
-    """Rows whose kept set slime asked for and the sampler must report (a greedy row keeps its token:
-    the host records that)."""
-    return [i for i, r in enumerate(batch.reqs)
-            if r.sampling_params.return_top_p_token_ids and not r.sampling_params.is_greedy]

@@ -64,4 +64,4 @@ class BatchResult:
     # token_ids_logprob (empty when no request of the batch asks): per request, one value per id
     token_ids_logprobs: list[Optional[list[float]]] = field(default_factory=list)
     input_token_ids_logprobs: list[list[list[float]]] = field(default_factory=list)  # per prompt row
-    kept_ids: dict[int, list[int]] = field(default_factory=dict)  # by batch row: its sampled token's kept set
+    kept_ids: dict = field(default_factory=dict)  # by batch row: its sampled token's kept set (array("i"))

@@ -64,7 +64,7 @@ class Req(RequestOptions):
     output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     # custom_params.return_top_p_token_ids: per output token, the ids its sampler kept (engine/sampling/nucleus.py)
-    output_kept_ids: list[list[int]] = field(default_factory=list)
+    output_kept_ids: list = field(default_factory=list)  # of array("i")
     streamed_logprobs: int = 0  # output positions whose logprobs a streamed answer already carried
 
     # text, for stop strings and streaming (set by the core)

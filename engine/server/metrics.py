@@ -81,7 +81,7 @@ class GenThroughput:
 
     def update(self, stats: Any) -> float:
         now, tokens = stats.uptime_s, stats.num_generated_tokens
-        if self._last is None or tokens < self._last[1]:  # first scrape, or a restarted core's counters
+        if self._last is None or tokens < self._last[1] or now < self._last[0]:  # first scrape, or a new core
             self._last = (now, tokens)
         elif now - self._last[0] >= self.MIN_INTERVAL_S:
             self._rate = (tokens - self._last[1]) / (now - self._last[0])

@@ -247,6 +247,8 @@ def test_gen_throughput_is_the_rate_between_scrapes():
     assert meter.update(at(14.0, 700)) == 0.0  # idle
     assert meter.update(at(15.0, 50)) == 0.0  # counters went back (a new core): start again
     assert meter.update(at(17.0, 250)) == 100.0
+    assert meter.update(at(3.0, 900)) == 100.0  # a new core, younger but with more tokens: start again
+    assert meter.update(at(5.0, 1100)) == 100.0
 
 
 def test_chunked_prefill_counts_only_the_radix_caches_prefix_as_cached(engine_factory):

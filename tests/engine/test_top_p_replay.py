@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from array import array
 
 import pytest
 import torch
@@ -82,7 +83,24 @@ def test_kept_ids_orders_by_logprob_and_counts_the_finite():
                               [float("-inf"), -0.1, float("-inf"), float("-inf")],
                               [-2.0, -2.0, -2.0, -2.0]])
     ids, counts = kept_ids(processed, torch.tensor([0, 1, 2]))
-    assert kept_lists(ids, counts) == [[2, 0, 3], [1], [0, 1, 2, 3]]  # ties by id
+    assert [list(row) for row in kept_lists(ids, counts)] == [[2, 0, 3], [1], [0, 1, 2, 3]]  # ties by id
     fields = nucleus_fields([[2, 0, 3], [1], []])
     assert _decode(fields) == [[2, 0, 3], [1], []]
     assert base64.b64decode(fields["top_p_token_offsets"]) == bytes([0, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0])
+
+
+def test_an_answer_after_a_failed_step_still_has_one_set_per_token():
+    """results.error() may answer a request whose last token was taken but whose set was not
+    recorded: the token stands for its own set, so the offsets stay tokens + 1 long."""
+    from types import SimpleNamespace
+
+    from engine.core.output import build_output
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler.request import Req
+
+    params = SamplingParams(temperature=1.0, top_p=0.5, custom_params={"return_top_p_token_ids": True})
+    req = Req(rid="r", origin_input_ids=[1, 2], sampling_params=params, seed=5)
+    req.output_ids, req.output_kept_ids = [7, 9], [array("i", [7, 3])]
+    req.finished_reason = {"type": "abort", "message": "step failed"}
+    meta = build_output(req, SimpleNamespace(weight_version="v"))["meta_info"]
+    assert _decode(meta) == [[7, 3], [9]]
