@@ -40,7 +40,9 @@ def streamable_text(req: Req) -> str:
     params, text = req.sampling_params, req.text
     if not params.stop or params.no_stop_trim:
         return text
-    end = len(text) - stop_prefix_len(text, params.stop)
+    if req.stop_scan is None:
+        req.stop_scan = [0] * len(params.stop)
+    end = len(text) - stop_prefix_len(text, params.stop, req.stop_scan)
     if len(req.output_ids) < params.min_new_tokens:
         whole = first_stop_in_tail(text, params.stop)
         end = min(end, whole[0]) if whole is not None else end

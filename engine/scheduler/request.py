@@ -73,6 +73,7 @@ class Req(RequestOptions):
     text: str = ""
     stop_text_len: Optional[int] = None  # where a matched stop string starts
     stop_regex_checked: int = 0  # characters of text already searched for stop_regex
+    stop_scan: Optional[list[int]] = None  # a stream's hold-back search, per stop string (finish.stop_prefix_len)
 
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None

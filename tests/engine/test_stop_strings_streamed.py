@@ -4,6 +4,7 @@ stop string is held until the text completes the string (and is trimmed) or leav
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -36,6 +37,20 @@ def test_stop_prefix_len_is_the_longest_tail_over_every_string():
     want = max([n for n in range(1, len(text) + 1) for s in stops
                 if len(s) > n and s.startswith(text[-n:])], default=0)
     assert stop_prefix_len(text, stops) == want == 5
+
+
+def test_the_kept_scan_answers_as_a_fresh_search_while_the_text_grows():
+    """stop_prefix_len with its per-string scan state, over texts growing a few characters at a
+    time, against the same search from scratch (and a brute force over every tail)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        text, scan = "", [0] * len(stops)
+        while len(text) < 40:
+            text += "".join(rng.choice("abc") for _ in range(rng.randint(1, 3)))
+            brute = max([n for n in range(1, len(text) + 1) for s in stops
+                         if len(s) > n and s.startswith(text[-n:])], default=0)
+            assert stop_prefix_len(text, stops, scan) == stop_prefix_len(text, stops) == brute, (stops, text)
 
 
 def _token_texts(engine) -> tuple[list[int], list[str]]:
