@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from engine.sampling.nucleus import kept_lists
+from engine.sampling.nucleus import KeptIds
 from engine.scheduler.batch import BatchResult, ScheduleBatch
 
 
@@ -27,7 +27,7 @@ class PendingResult:
     input_top: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # top-k at prompt positions
     token_ids: Optional[torch.Tensor] = None  # [B, W] token_ids_logprob values (padded rows)
     input_token_ids: Optional[torch.Tensor] = None  # [P, W] the same at prompt positions
-    kept: Optional[tuple[list[int], torch.Tensor, torch.Tensor]] = None  # (rows, ids, counts): nucleus.kept_ids
+    kept: Optional[KeptIds] = None  # custom_params.return_top_p_token_ids: the kept sets
 
     @classmethod
     def start(cls, batch: ScheduleBatch, next_ids: torch.Tensor, logprobs: torch.Tensor) -> "PendingResult":
@@ -54,8 +54,7 @@ class PendingResult:
         if self.input_token_ids is not None:
             result.input_token_ids_logprobs = self._input_token_ids_lists()
         if self.kept is not None:
-            rows, ids, counts = self.kept
-            result.kept_ids = dict(zip(rows, kept_lists(ids, counts)))
+            result.kept_ids = self.kept.resolve()
         return result
 
     def _token_ids_lists(self) -> list[Optional[list[float]]]:

@@ -16,7 +16,7 @@ from engine.runner.logits_plan import LogitsPlan
 from engine.runner.pending_result import PendingResult
 from engine.sampling.logprobs import (gather_token_logprobs, greedy_with_logprobs, original_logprobs, top_k_of,
                                       top_logprobs)
-from engine.sampling.nucleus import kept_ids, replay_rows
+from engine.sampling.nucleus import KeptIds, replay_rows
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingBatch, SamplingRow
 from engine.scheduler.batch import ScheduleBatch
@@ -68,7 +68,7 @@ class RunnerOutputs:
         if wants_ids:
             pending.token_ids = self._token_ids_logprobs(batch, original, processed_all)
         if kept_rows:  # a greedy row keeps its token: the host records that
-            pending.kept = (kept_rows, *kept_ids(processed_all, h2d(torch.tensor(kept_rows), self.device)))
+            pending.kept = KeptIds.start(processed_all, kept_rows)
         return pending
 
     def use_grammar_backend(self, masks: Any, bitmasks: BitmaskRing) -> None:

@@ -12,35 +12,61 @@ from __future__ import annotations
 
 import base64
 from array import array
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
-if array("i").itemsize != 4:  # the int32 arrays above are C ints
+from engine.kernels.device_copy import h2d
+
+if array("i").itemsize != 4:  # the int32 arrays below are C ints
     raise ImportError("engine.sampling.nucleus needs a 32-bit C int")
 
-
-def kept_ids(processed: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """processed [B, V] logprobs (-inf where cut), rows [R] int64 on its device -> ([R, V] int32 ids
-    by descending logprob, the kept first; [R] how many are kept). Stays on the device."""
-    chosen = processed.index_select(0, rows)
-    order = torch.sort(chosen, dim=-1, descending=True, stable=True).indices
-    return order.to(torch.int32), (chosen > float("-inf")).sum(dim=-1)
+HEAD_COLUMNS = 1024  # ids a row sends to the host with the step's outputs; a wider set is read after
 
 
-def kept_lists(ids: torch.Tensor, counts: torch.Tensor) -> list[array]:
-    """kept_ids' result on the host: each row's kept ids as int32 arrays (~4 bytes an id held,
-    not a Python int's ~36); only the kept entries cross and become Python objects."""
-    sizes = counts.tolist()
-    width = max(sizes, default=0)
-    head = ids[:, :width]
-    kept = head[torch.arange(width, device=ids.device) < counts.unsqueeze(1)]  # row-major: row 0's, row 1's...
-    flat = array("i", kept.cpu().numpy().tobytes())
-    out, start = [], 0
-    for n in sizes:
-        out.append(flat[start:start + n])
-        start += n
-    return out
+@dataclass
+class KeptIds:
+    """A step's kept sets on their way to the host, as its sampled ids travel (PendingResult): each
+    row's first HEAD_COLUMNS ids and the counts copied behind an event, so reading them does not
+    wait for the next step the overlap scheduler launched meanwhile. A row keeping more (a flat
+    distribution) is read from the device at resolve, which does wait."""
+    rows: list[int]  # batch rows
+    ids: torch.Tensor  # [R, V] int32 on the device, most likely first, the kept ones leading
+    head: torch.Tensor  # [R, min(V, HEAD_COLUMNS)] int32 on the host
+    counts: torch.Tensor  # [R] int64 on the host
+    event: Optional[torch.cuda.Event]
+
+    @classmethod
+    def start(cls, processed: torch.Tensor, rows: list[int]) -> "KeptIds":
+        """processed [B, V] logprobs (-inf where cut): the kept ids of `rows`, finite there, by
+        descending logprob (ties by id)."""
+        chosen = processed.index_select(0, h2d(torch.tensor(rows), processed.device))
+        ids = torch.sort(chosen, dim=-1, descending=True, stable=True).indices.to(torch.int32)
+        counts = (chosen > float("-inf")).sum(dim=-1)
+        head = ids[:, :HEAD_COLUMNS]
+        if ids.device.type != "cuda":
+            return cls(rows, ids, head, counts, None)
+        host_head = torch.empty(head.shape, dtype=head.dtype, pin_memory=True)
+        host_counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host_head.copy_(head, non_blocking=True)
+        host_counts.copy_(counts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(rows, ids, host_head, host_counts, event)
+
+    def resolve(self) -> dict[int, array]:
+        """By batch row: its kept ids as an int32 array (~4 bytes an id held, not a Python int's ~36)."""
+        if self.event is not None:
+            self.event.synchronize()
+        sizes = self.counts.tolist()
+        width = self.head.shape[1]
+        head = self.head.numpy()
+        out = {}
+        for i, (row, n) in enumerate(zip(self.rows, sizes)):
+            source = head[i, :n] if n <= width else self.ids[i, :n].cpu().numpy()
+            out[row] = array("i", source.tobytes())
+        return out
 
 
 def encode_int32(values: Sequence[int]) -> str:

@@ -11,7 +11,8 @@ from array import array
 import pytest
 import torch
 
-from engine.sampling.nucleus import kept_ids, kept_lists, nucleus_fields
+from engine.sampling import nucleus
+from engine.sampling.nucleus import KeptIds, nucleus_fields
 
 PROMPT = [5, 17, 23, 42, 9, 81]
 REPLAY = {"custom_params": {"return_top_p_token_ids": True}}
@@ -78,12 +79,14 @@ def test_the_ids_come_once_with_the_finished_chunk_of_a_stream(engine):
     assert _decode(whole["meta_info"]) == _decode(chunks[-1]["meta_info"])
 
 
-def test_kept_ids_orders_by_logprob_and_counts_the_finite():
+def test_kept_ids_orders_by_logprob_and_counts_the_finite(monkeypatch):
     processed = torch.tensor([[-1.0, float("-inf"), -0.5, -3.0],
                               [float("-inf"), -0.1, float("-inf"), float("-inf")],
                               [-2.0, -2.0, -2.0, -2.0]])
-    ids, counts = kept_ids(processed, torch.tensor([0, 1, 2]))
-    assert [list(row) for row in kept_lists(ids, counts)] == [[2, 0, 3], [1], [0, 1, 2, 3]]  # ties by id
+    want = {0: [2, 0, 3], 2: [0, 1, 2, 3]}  # by batch row (row 1 not asked); ties by id
+    assert {r: list(a) for r, a in KeptIds.start(processed, [0, 2]).resolve().items()} == want
+    monkeypatch.setattr(nucleus, "HEAD_COLUMNS", 2)  # rows keeping more than the head: read after
+    assert {r: list(a) for r, a in KeptIds.start(processed, [0, 1, 2]).resolve().items()} == {**want, 1: [1]}
     fields = nucleus_fields([[2, 0, 3], [1], []])
     assert _decode(fields) == [[2, 0, 3], [1], []]
     assert base64.b64decode(fields["top_p_token_offsets"]) == bytes([0, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0])
@@ -104,3 +107,11 @@ def test_an_answer_after_a_failed_step_still_has_one_set_per_token():
     req.finished_reason = {"type": "abort", "message": "step failed"}
     meta = build_output(req, SimpleNamespace(weight_version="v"))["meta_info"]
     assert _decode(meta) == [[7, 3], [9]]
+
+
+def test_sets_wider_than_the_head_read_the_same(engine, monkeypatch):
+    sp = {"temperature": 1.0, "top_p": 0.9, **REPLAY, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 11}
+    wide = _decode(engine.generate(input_ids=PROMPT, sampling_params=sp)["meta_info"])
+    monkeypatch.setattr(nucleus, "HEAD_COLUMNS", 1)
+    narrow = _decode(engine.generate(input_ids=PROMPT, sampling_params=sp)["meta_info"])
+    assert narrow == wide and max(map(len, wide)) > 1
