@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: auto auto2 auto3 (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -34,7 +34,8 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1
 for s in "$@"; do case $s in
   auto)  # a call's worth by card: an H200 measures the rows as the defaults stand (serve's ready first: a fresh machine), an H100 the fused sampler
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q; else bash "$0" t1last grpot1; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q replaygpu; else bash "$0" replaygpu t1last grpot1; fi ;;
+  replaygpu) step replaygpu 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_top_p_replay_gpu.py ;;  # slime's top-p replay: KeptIds behind its event, overlap + graphs
   auto2)  # the second call: an H200 the fused sampler and the det-cost row, an H100 the T = 1 profile
     if [[ $card == *H200* ]]; then bash "$0" t1last detcost256; else bash "$0" proft1 detcost256; fi ;;
   auto3) bash "$0" grpot1 ;;
