@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -206,6 +207,7 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
     def _check_lora(self) -> None:
+        object.__setattr__(self, "lora_paths", _lora_path_specs(self.lora_paths))
         for name in ("lora_paths", "lora_target_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -259,3 +261,14 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=numeric, format=LOG_FORMAT)
     for name in ("tandem", "engine"):
         logging.getLogger(name).setLevel(numeric)
+
+
+def _lora_path_specs(value: Any) -> Any:
+    """SGLang's other lora_paths forms as --lora-paths entries: {name: path} (what Miles passes) and
+    [{"lora_name", "lora_path", "pinned"}, ...]; anything else is checked as it is."""
+    if isinstance(value, dict):
+        return tuple(f"{name}={path}" if isinstance(name, str) and isinstance(path, str) else (name, path)
+                     for name, path in value.items())
+    if isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value):
+        return tuple(json.dumps(v) if isinstance(v, dict) else v for v in value)
+    return value

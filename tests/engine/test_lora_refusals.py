@@ -146,6 +146,12 @@ def test_lora_paths_forms_and_server_args():
     with pytest.raises(ValueError, match="needs string lora_name and lora_path"):
         parse_lora_path('{"lora_name": "a"}')
     assert ServerArgs(model_path="m", lora_paths=["a=/p"]).enable_lora  # SGLang: --lora-paths turns it on
+    # SGLang's other forms: {name: path} (Miles passes it so) and a list of objects
+    assert ServerArgs(model_path="m", lora_paths={"a": "/p", "b": "/q"}).lora_paths == ("a=/p", "b=/q")
+    objects = ServerArgs(model_path="m", lora_paths=[{"lora_name": "a", "lora_path": "/p", "pinned": True}]).lora_paths
+    assert [parse_lora_path(spec) for spec in objects] == [LoRAPathSpec("a", "/p", True)]
+    with pytest.raises(ValueError, match="lora_paths must be a list of strings"):
+        ServerArgs(model_path="m", lora_paths={"a": 5})
     with pytest.raises(ValueError, match="max_loras_per_batch must be a positive integer"):
         ServerArgs(model_path="m", max_loras_per_batch=0)
     with pytest.raises(ValueError, match="tp_size 1 only"):
