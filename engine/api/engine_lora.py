@@ -29,11 +29,14 @@ class EngineLoRA:
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any = None, config_dict: Optional[dict] = None,
                                        load_format: Optional[str] = None, pinned: bool = False,
-                                       serialized_tensors: Any = None) -> dict:
+                                       serialized_tensors: Any = None, expected_checksums: Optional[dict] = None
+                                       ) -> dict:
         """An adapter from its tensors and PEFT config (SGLang's Engine order). tensors: in memory
         ({name: tensor}, pairs, or with load_format "flattened_bucket" a bucket payload), or that
         serialized (bytes or base64 text, as `serialized_tensors` of the HTTP route too), which the
-        core opens through the weight payloads' allowlist unpickler."""
+        core opens through the weight payloads' allowlist unpickler. expected_checksums ({name: sha256
+        hex of the tensor's bytes}, Miles' --check-weight-update-equal): a tensor that differs refuses
+        the load."""
         from engine.lora.tensor_payload import lora_tensors
 
         payload = serialized_tensors if serialized_tensors is not None else tensors
@@ -43,7 +46,12 @@ class EngineLoRA:
             source = lora_tensors(payload, load_format)
         except ValueError as exc:  # an unknown load_format
             return {"success": False, "error_message": str(exc), "loaded_adapters": None}
-        return self._lora_call(LoadLoraReq(lora_name, config_dict=config_dict, source=source, pinned=bool(pinned)))
+        if expected_checksums is not None and not (isinstance(expected_checksums, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in expected_checksums.items())):
+            return {"success": False, "error_message": "expected_checksums must map tensor names to sha256 hex strings",
+                    "loaded_adapters": None}
+        return self._lora_call(LoadLoraReq(lora_name, config_dict=config_dict, source=source, pinned=bool(pinned),
+                                           expected_checksums=expected_checksums or None))
 
     def unload_lora_adapter(self, lora_name: str, timeout_s: float = UNLOAD_TIMEOUT_S) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -63,7 +63,8 @@ class EngineAPI(Protocol):
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any = None, config_dict: Optional[dict] = None,
                                        load_format: Optional[str] = None, pinned: bool = False,
-                                       serialized_tensors: Any = None) -> dict: ...
+                                       serialized_tensors: Any = None, expected_checksums: Optional[dict] = None
+                                       ) -> dict: ...
 
     # ---- state and lifetime --------------------------------------------------------------------
     def get_weight_version(self) -> str: ...

@@ -17,6 +17,7 @@ from engine.core.messages import LoadLoraReq, UnloadLoraReq
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.lora_config import LoRALimits
 from engine.lora.lora_paths import parse_lora_path
+from engine.lora.tensor_payload import check_checksums
 from engine.lora.registry import LoRARegistry
 
 if TYPE_CHECKING:
@@ -77,8 +78,10 @@ class LoRAControl:
                 raise ValueError("load_lora_adapter needs lora_path, the adapter's directory")
             return LoRAAdapter.from_dir(msg.lora_name, msg.lora_path, model, self.limits, msg.pinned)
         source = msg.source.open() if hasattr(msg.source, "open") else msg.source  # the worker opened it already
-        return LoRAAdapter.from_tensors(msg.lora_name, msg.config_dict, source.pairs(), model, self.limits,
-                                        pinned=msg.pinned)
+        pairs = source.pairs()
+        if msg.expected_checksums:
+            check_checksums(pairs, msg.expected_checksums)
+        return LoRAAdapter.from_tensors(msg.lora_name, msg.config_dict, pairs, model, self.limits, pinned=msg.pinned)
 
     def refusal(self, message: str) -> dict:
         """A load refused before the core saw it (its payload could not be opened in time)."""

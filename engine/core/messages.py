@@ -190,6 +190,7 @@ class LoadLoraReq:
     config_dict: Optional[dict] = None
     source: Any = None
     pinned: bool = False
+    expected_checksums: Optional[dict] = None  # name -> sha256 hex of the tensor's bytes (Miles' check)
 
 
 @dataclass

@@ -11,6 +11,7 @@ the sender; what comes back (or an in-memory form) is LoRATensors.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -73,3 +74,18 @@ def open_lora_tensors(tensors: Any, load_format: Optional[str]) -> list[tuple[st
 def _check_load_format(load_format: Optional[str]) -> None:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; use None, 'direct' or 'flattened_bucket'")
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in row-major order, as Miles computes its expected_checksums."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def check_checksums(pairs: list[tuple[str, torch.Tensor]], expected: dict) -> None:
+    """ValueError naming the tensors whose bytes are not what the sender hashed (or that are missing)."""
+    got = dict(pairs)
+    missing = sorted(name for name in expected if name not in got)
+    wrong = sorted(name for name, digest in expected.items() if name in got and tensor_sha256(got[name]) != digest)
+    if missing or wrong:
+        raise ValueError(f"expected_checksums: {len(wrong)} tensors differ from what was sent ({', '.join(wrong[:5])})"
+                         f" and {len(missing)} are missing ({', '.join(missing[:5])}); nothing was loaded")

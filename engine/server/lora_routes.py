@@ -45,7 +45,7 @@ class LoadLoRAAdapterFromTensorsRequest(_Lenient):
     pinned: bool = False
     upsert: StrictBool = False
     added_tokens_config: Optional[dict[str, Any]] = None
-    expected_checksums: Any = None
+    expected_checksums: Optional[dict[str, str]] = None  # Miles: name -> sha256 hex of the tensor's bytes
 
     @model_validator(mode="after")
     def _one_payload(self) -> "LoadLoRAAdapterFromTensorsRequest":
@@ -55,9 +55,6 @@ class LoadLoRAAdapterFromTensorsRequest(_Lenient):
         if self.serialized_named_tensors is not None and not (self.serialized_named_tensors
                                                               and isinstance(self.serialized_named_tensors[0], str)):
             raise ValueError("serialized_named_tensors must be a non-empty list whose first entry is a payload")
-        if self.expected_checksums:
-            raise ValueError("expected_checksums is not supported: tandem does not verify adapter checksums "
-                             "(leave it null; /weights_checker checksums the loaded weights)")
         return self
 
     @property
@@ -94,7 +91,7 @@ def _load_from_tensors(engine: Any, req: LoadLoRAAdapterFromTensorsRequest) -> d
     try:
         return engine.load_lora_adapter_from_tensors(
             req.lora_name, config_dict=req.config_dict, serialized_tensors=req.payload,
-            load_format=req.load_format, pinned=req.pinned)
+            load_format=req.load_format, pinned=req.pinned, expected_checksums=req.expected_checksums)
     except PAYLOAD_ERRORS as exc:  # refused while being carried to a core process
         return {"success": False, "error_message": str(exc), "loaded_adapters": None}
 

@@ -12,6 +12,7 @@ import os
 import pickle
 
 import pytest
+import torch
 
 # peft (the oracle) is imported by the fixtures only: it imports triton, which the Triton
 # interpreter tests must find unimported at collection (they set TRITON_INTERPRET first)
@@ -163,6 +164,36 @@ def test_from_tensors_sglang_0518_body_and_upsert(lora_client, adapter_dir):
                        ({"expected_checksums": {"x": "abc"}}, "expected_checksums")):
         r = client.post("/load_lora_adapter_from_tensors", json={**body, **bad})
         assert r.status_code == 400 and words in r.text, (bad, r.text)
+
+
+def test_expected_checksums_are_miles_sha256_of_each_tensor(lora_client, adapter_dir):
+    """Miles' --check-weight-update-equal: sha256 of each tensor's bytes as it hashes them; a tensor
+    that differs (or is missing) refuses the load, naming it."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from weight_sync.bucket import FlattenedBucket
+    from weight_sync.cuda_ipc import serialize
+
+    client, _ = lora_client
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    sums = {n: hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in tensors.items()}
+    bucket = FlattenedBucket.pack(list(tensors.items())).to_payload()
+    payload = serialize(bucket, as_text=True)  # shared memory: the bucket stays alive while it is read
+    body = {"lora_name": "checked", "config_dict": json.loads((adapter_dir / "adapter_config.json").read_text()),
+            "serialized_named_tensors": [payload], "load_format": "flattened_bucket", "expected_checksums": sums}
+    ok = client.post("/load_lora_adapter_from_tensors", json=body)
+    assert ok.status_code == 200 and ok.json()["success"], ok.text
+    assert client.post("/unload_lora_adapter", json={"lora_name": "checked"}).json()["success"]
+    name = sorted(sums)[0]
+    for bad, words in (({**sums, name: "0" * 64}, f"1 tensors differ from what was sent ({name})"),
+                       ({**sums, "nope.weight": "0" * 64}, "1 are missing (nope.weight)"),
+                       ({name: 5}, "body.expected_checksums")):
+        r = client.post("/load_lora_adapter_from_tensors", json={**body, "expected_checksums": bad})
+        assert r.status_code == 400 and words in r.text, r.text
+        assert "checked" not in ((r.json().get("loaded_adapters") or {}) if "success" in r.json() else {})
 
 
 class _Hostile:
