@@ -170,7 +170,7 @@ class HttpClient:
         return self._lora("/unload_lora_adapter", {"lora_name": lora_name})
 
     def load_lora_adapter_from_tensors(self, lora_name, tensors=None, config_dict=None, load_format=None,
-                                       pinned=False, serialized_tensors=None):
+                                       pinned=False, serialized_tensors=None, expected_checksums=None):
         """tensors ({name: tensor}, pairs or a bucket payload) are serialized here; or pass base64
         text (weight_sync.cuda_ipc.serialize(as_text=True)) as tensors or serialized_tensors."""
         if serialized_tensors is None and isinstance(tensors, str):
@@ -181,7 +181,7 @@ class HttpClient:
             serialized_tensors = serialize(tensors, as_text=True)
         return self._lora("/load_lora_adapter_from_tensors", {
             "lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": serialized_tensors,
-            "load_format": load_format, "pinned": pinned})
+            "load_format": load_format, "pinned": pinned, "expected_checksums": expected_checksums})
 
     def _lora(self, route, body):
         response = self._send("POST", route, json=body)
