@@ -266,8 +266,8 @@ def configure_logging(level: str) -> None:
 def _lora_path_specs(value: Any) -> Any:
     """SGLang's other lora_paths forms as --lora-paths entries: {name: path} (what Miles passes) and
     [{"lora_name", "lora_path", "pinned"}, ...]; anything else is checked as it is."""
-    if isinstance(value, dict):
-        return tuple(f"{name}={path}" if isinstance(name, str) and isinstance(path, str) else (name, path)
+    if isinstance(value, dict):  # as JSON objects: a name may hold "="
+        return tuple(json.dumps({"lora_name": name, "lora_path": path}) if isinstance(path, str) else (name, path)
                      for name, path in value.items())
     if isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value):
         return tuple(json.dumps(v) if isinstance(v, dict) else v for v in value)

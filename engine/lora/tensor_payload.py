@@ -78,7 +78,7 @@ def _check_load_format(load_format: Optional[str]) -> None:
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's bytes in row-major order, as Miles computes its expected_checksums."""
-    return hashlib.sha256(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
 
 
 def check_checksums(pairs: list[tuple[str, torch.Tensor]], expected: dict) -> None:
@@ -86,6 +86,7 @@ def check_checksums(pairs: list[tuple[str, torch.Tensor]], expected: dict) -> No
     got = dict(pairs)
     missing = sorted(name for name in expected if name not in got)
     wrong = sorted(name for name, digest in expected.items() if name in got and tensor_sha256(got[name]) != digest)
-    if missing or wrong:
-        raise ValueError(f"expected_checksums: {len(wrong)} tensors differ from what was sent ({', '.join(wrong[:5])})"
-                         f" and {len(missing)} are missing ({', '.join(missing[:5])}); nothing was loaded")
+    problems = ([f"{len(wrong)} tensors differ from what was sent ({', '.join(wrong[:5])})"] if wrong else []) + (
+        [f"{len(missing)} are missing ({', '.join(missing[:5])})"] if missing else [])
+    if problems:
+        raise ValueError(f"expected_checksums: {' and '.join(problems)}; nothing was loaded")

@@ -62,9 +62,11 @@ class KeptIds:
         sizes = self.counts.tolist()
         width = self.head.shape[1]
         head = self.head.numpy()
+        wide = [i for i, n in enumerate(sizes) if n > width]
+        rest = self.ids[wide, : max(sizes[i] for i in wide)].cpu().numpy() if wide else None  # one copy for all
         out = {}
         for i, (row, n) in enumerate(zip(self.rows, sizes)):
-            source = head[i, :n] if n <= width else self.ids[i, :n].cpu().numpy()
+            source = head[i, :n] if n <= width else rest[wide.index(i), :n]
             out[row] = array("i", source.tobytes())
         return out
 

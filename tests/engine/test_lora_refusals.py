@@ -147,7 +147,8 @@ def test_lora_paths_forms_and_server_args():
         parse_lora_path('{"lora_name": "a"}')
     assert ServerArgs(model_path="m", lora_paths=["a=/p"]).enable_lora  # SGLang: --lora-paths turns it on
     # SGLang's other forms: {name: path} (Miles passes it so) and a list of objects
-    assert ServerArgs(model_path="m", lora_paths={"a": "/p", "b": "/q"}).lora_paths == ("a=/p", "b=/q")
+    named = ServerArgs(model_path="m", lora_paths={"a": "/p", "b=c": "/q"}).lora_paths
+    assert [parse_lora_path(spec) for spec in named] == [LoRAPathSpec("a", "/p"), LoRAPathSpec("b=c", "/q")]
     objects = ServerArgs(model_path="m", lora_paths=[{"lora_name": "a", "lora_path": "/p", "pinned": True}]).lora_paths
     assert [parse_lora_path(spec) for spec in objects] == [LoRAPathSpec("a", "/p", True)]
     with pytest.raises(ValueError, match="lora_paths must be a list of strings"):

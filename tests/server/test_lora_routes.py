@@ -189,7 +189,7 @@ def test_expected_checksums_are_miles_sha256_of_each_tensor(lora_client, adapter
     assert client.post("/unload_lora_adapter", json={"lora_name": "checked"}).json()["success"]
     name = sorted(sums)[0]
     for bad, words in (({**sums, name: "0" * 64}, f"1 tensors differ from what was sent ({name})"),
-                       ({**sums, "nope.weight": "0" * 64}, "1 are missing (nope.weight)"),
+                       ({**sums, "nope.weight": "0" * 64}, "expected_checksums: 1 are missing (nope.weight);"),
                        ({name: 5}, "body.expected_checksums")):
         r = client.post("/load_lora_adapter_from_tensors", json={**body, "expected_checksums": bad})
         assert r.status_code == 400 and words in r.text, r.text
