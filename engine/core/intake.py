@@ -68,11 +68,7 @@ class RequestIntake:
         """Abort one request (with `prefix`, every one whose rid starts with rid), or every one when
         rid is None; answers those that ended now."""
         outputs: list[ReqOutput] = []
-        if rid is None:
-            named = self._all_rids()
-        else:
-            named = [r for r in self._all_rids() if r.startswith(rid)] if prefix else self._rids_named(rid)
-        for rid in named:
+        for rid in self._rids_named(rid, prefix) if rid is not None else self._all_rids():
             req = self.grammars.remove(rid)
             if req is not None:  # still compiling its grammar: it never reached the scheduler
                 req.finished_reason = abort_reason(ABORT_BEFORE_PREFILL)
@@ -83,11 +79,14 @@ class RequestIntake:
                 outputs.append(self.results.finish(req))
         return outputs
 
-    def _rids_named(self, rid: str) -> list[str]:
+    def _rids_named(self, rid: str, prefix: bool = False) -> list[str]:
         """rid itself; or, when no request has it, the requests it was expanded into: the n
         samples (rid-0, rid-1, ...) or the batch's prompts (rid_0, ...), as a client knows only
-        the rid it sent (SGLang's abort matches rid prefixes)."""
+        the rid it sent (SGLang's abort matches rid prefixes). With `prefix`: every rid starting
+        with it."""
         rids = self._all_rids()
+        if prefix:
+            return [r for r in rids if r.startswith(rid)]
         if rid in rids:
             return [rid]
         return [r for r in rids if r.startswith((rid + "-", rid + "_"))]

@@ -63,12 +63,9 @@ class KeptIds:
         width = self.head.shape[1]
         head = self.head.numpy()
         wide = [i for i, n in enumerate(sizes) if n > width]
-        rest = self.ids[wide, : max(sizes[i] for i in wide)].cpu().numpy() if wide else None  # one copy for all
-        out = {}
-        for i, (row, n) in enumerate(zip(self.rows, sizes)):
-            source = head[i, :n] if n <= width else rest[wide.index(i), :n]
-            out[row] = array("i", source.tobytes())
-        return out
+        rest = dict(zip(wide, self.ids[wide, : max(sizes[i] for i in wide)].cpu().numpy())) if wide else {}  # one copy
+        return {row: array("i", (rest[i] if i in rest else head[i])[:n].tobytes())
+                for i, (row, n) in enumerate(zip(self.rows, sizes))}
 
 
 def encode_int32(values: Sequence[int]) -> str:

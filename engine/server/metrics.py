@@ -41,8 +41,7 @@ class EngineCollector:
                                     labels=["version"])
         version.add_metric([stats.weight_version], 1.0)
         yield version
-        yield GaugeMetricFamily("tandem_kv_token_usage", "share of KV slots in use or cached",
-                                value=stats.kv_tokens_used / max(stats.kv_tokens_total, 1))
+        yield GaugeMetricFamily("tandem_kv_token_usage", "share of KV slots in use or cached", value=_kv_usage(stats))
 
 
 class SGLangNamesCollector:
@@ -57,8 +56,7 @@ class SGLangNamesCollector:
         yield GaugeMetricFamily("sglang:num_running_reqs", "The number of running requests.", value=s.num_running_reqs)
         yield GaugeMetricFamily("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
                                 value=s.num_waiting_reqs)
-        yield GaugeMetricFamily("sglang:token_usage", "The token usage.",
-                                value=s.kv_tokens_used / max(s.kv_tokens_total, 1))
+        yield GaugeMetricFamily("sglang:token_usage", "The token usage.", value=_kv_usage(s))
         yield GaugeMetricFamily("sglang:num_used_tokens", "The number of used tokens.", value=s.kv_tokens_used)
         yield GaugeMetricFamily("sglang:cache_hit_rate", "The prefix cache hit rate.",
                                 value=s.num_cached_tokens / max(prompt_tokens, 1))
@@ -87,6 +85,10 @@ class GenThroughput:
             self._rate = (tokens - self._last[1]) / (now - self._last[0])
             self._last = (now, tokens)
         return self._rate
+
+
+def _kv_usage(stats: Any) -> float:
+    return stats.kv_tokens_used / max(stats.kv_tokens_total, 1)
 
 
 def metrics_text(stats: Any, gen_throughput: float = 0.0) -> bytes:
