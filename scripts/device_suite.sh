@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: grpofab grpofprof (2026-12-07, fourth session) auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -34,11 +34,15 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1
 for s in "$@"; do case $s in
   auto)  # a call's worth by card: an H200 measures the rows as the defaults stand (serve's ready first: a fresh machine), an H100 the fused sampler
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q replaygpu; else bash "$0" replaygpu t1last grpot1; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q replaygpu; else bash "$0" grpofab grpofprof; fi ;;
   replaygpu) step replaygpu 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_top_p_replay_gpu.py ;;  # slime's top-p replay: KeptIds behind its event, overlap + graphs
   auto2)  # the second call: an H200 the fused sampler and the det-cost row, an H100 the T = 1 profile
     if [[ $card == *H200* ]]; then bash "$0" t1last detcost256; else bash "$0" proft1 detcost256; fi ;;
   auto3) bash "$0" grpot1 ;;
+  grpofab) for v in 0 1; do  # the fused sampler on the GRPO row (8B, T = 1, radix on), both sides in one call
+      step grpofab-$v 140 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/grpo-t1-fused-$v.json"; done ;;
+  grpofprof) for v in 1 0; do  # the same row, one profiled run a side: where a loss goes
+      step grpofprof-$v 110 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --stream-mode final --temperature 1.0 --profile 20; done ;;
   t1tiny)  # t1last at its smallest: the tests, then each side of the A/B at 2 runs
     step t1tiny-tests 110 python3 -m pytest -q -x -rfE -p no:cacheprovider tests/gpu/test_gumbel_sample_gpu.py
     for v in 1 0; do step t1tiny-$v 55 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-0.6b --num-prompts 256 --input-len 512 --output-len 256 --runs 2 --stream-mode final --temperature 1.0 --json "$OUT/t1-fused-$v.json"; done ;;
