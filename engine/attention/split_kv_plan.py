@@ -14,6 +14,7 @@ attention), a short tile and length-proportional splits for decode.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,7 +33,8 @@ PROGRAMS_PER_SM = 4  # decode spreads splits over lanes until about this many pr
 # bs 256 (64-key steps: 53%; the old 32-row det tile: 37%). The det tile serves prefill too:
 # (16, 128, 4, 2) prefills at 80 TFLOP/s, as fast as the 32-row tile it replaced.
 DEFAULT_CONFIGS = {
-    "deterministic": KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, fp_fusion=False),
+    "deterministic": KernelConfig(block_m=16, block_n=128, num_warps=4,
+                                  num_stages=int(os.environ.get("TANDEM_DET_ATTN_STAGES", "2")), fp_fusion=False),
     "extend": KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "decode": KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
 }
