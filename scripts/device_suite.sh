@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: detab detprof grpofab grpofprof (2026-12-07, fourth session) auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: dettiles detab detprof grpofab grpofprof (2026-12-07, fourth session) auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -48,6 +48,9 @@ for s in "$@"; do case $s in
       for v in 3 2; do step detab-s$v 110 env TANDEM_DET_ATTN_STAGES=$v $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 3 --stream-mode final --enable-deterministic-inference --json "$OUT/detab-s$v.json"; done
       step detab-mm 120 python3 scripts/bi_matmul_bench.py --ms 256,8192 --no-norms
       step detab-attnsweep 100 python3 scripts/gpu_attention_bench.py --bs 256 --ctx 768 --sweep ) ;;
+  dettiles) ( kit  # det mode's taller prefill tiles (bits vs the 16-row tile, time), then the matmul tiles at decode's M = 256
+      step dettiles-attn 150 python3 scripts/det_extend_tile_probe.py
+      step dettiles-mm 380 python3 scripts/bi_matmul_bench.py --configs --shapes gate_up,qkv,lm_head --ms 256 --no-norms ) ;;
   grpofprof) for v in 1 0; do  # the same row, one profiled run a side: where a loss goes
       step grpofprof-$v 110 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 1 --stream-mode final --temperature 1.0 --profile 20; done ;;
   t1tiny)  # t1last at its smallest: the tests, then each side of the A/B at 2 runs
