@@ -31,7 +31,8 @@ def extend(setup: gab.Setup, cfg, n_new: int, reps: int) -> tuple[torch.Tensor, 
     from engine.attention.split_kv_plan import KernelConfig
     from engine.attention.triton import TritonAttentionBackend
 
-    tb = TritonAttentionBackend(deterministic=True, configs={"deterministic": KernelConfig(*cfg, fp_fusion=False)})
+    kc = KernelConfig(*cfg, fp_fusion=False)
+    tb = TritonAttentionBackend(deterministic=True, configs={"deterministic": kc, "deterministic_extend": kc})
     n_seq = max(1, min(setup.bs, 8192 // n_new))
     fb = setup.batch(tb, [(i, setup.ctx - n_new, n_new) for i in range(n_seq)], decode=False)
     q, k, v = setup.qkv(n_seq * n_new)

@@ -117,8 +117,8 @@ def make_backend(det: bool, cfg, split: int = 256):
     if cfg is None:
         return TritonAttentionBackend(deterministic=det, split_size=split)
     kc = KernelConfig(*cfg, fp_fusion=not det)
-    return TritonAttentionBackend(deterministic=det, split_size=split,
-                                  configs={"deterministic" if det else "decode": kc})
+    keys = ("deterministic", "deterministic_extend") if det else ("decode",)  # det: the tile for both kinds
+    return TritonAttentionBackend(deterministic=det, split_size=split, configs=dict.fromkeys(keys, kc))
 
 
 def bench_decode(s: Setup, det: bool, cfg, args, split: int = 256) -> tuple[dict, torch.Tensor]:

@@ -129,8 +129,9 @@ class PackedBatch:
             lens = list(self.seq_lens_cpu)
             # the plan TritonAttentionBackend(deterministic=True).init_forward_metadata makes for
             # an extend batch with no cached prefix
-            plan = SplitKvPlan(DEFAULT_CONFIGS["deterministic"], split_size,
-                               prefix_lens=[0] * len(lens), extend_lens=lens)
+            plan = SplitKvPlan(DEFAULT_CONFIGS["deterministic_extend"], split_size,
+                               prefix_lens=[0] * len(lens), extend_lens=lens,
+                               keys_config=DEFAULT_CONFIGS["deterministic"])
             starts = torch.tensor([0] + lens[:-1], dtype=torch.int64).cumsum(0)
             cols = torch.arange(max(lens, default=1), dtype=torch.int64)
             # entries past a sequence's end are never read; clamped to stay in range anyway

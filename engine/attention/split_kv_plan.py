@@ -32,9 +32,13 @@ PROGRAMS_PER_SM = 4  # decode spreads splits over lanes until about this many pr
 # KV stream, and 128-key steps with a short 16-row tile reach 93-101% of the copy bandwidth at
 # bs 256 (64-key steps: 53%; the old 32-row det tile: 37%). The det tile serves prefill too:
 # (16, 128, 4, 2) prefills at 80 TFLOP/s, as fast as the 32-row tile it replaced.
+# Deterministic prefill: 32 rows, the decode tile's 128 keys a step; measured to give the 16-row
+# tile's bits (scripts/det_extend_tile_probe.py, H100: 64- and 128-row tiles and 8 warps do not)
+# and to prefill 512-token prompts in 1.29 vs 1.77 ms. TANDEM_DET_EXTEND_ROWS=16: the decode tile (A/B).
 DEFAULT_CONFIGS = {
-    "deterministic": KernelConfig(block_m=16, block_n=128, num_warps=4,
-                                  num_stages=int(os.environ.get("TANDEM_DET_ATTN_STAGES", "2")), fp_fusion=False),
+    "deterministic": KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, fp_fusion=False),
+    "deterministic_extend": KernelConfig(block_m=int(os.environ.get("TANDEM_DET_EXTEND_ROWS", "32")), block_n=128,
+                                         num_warps=4, num_stages=2, fp_fusion=False),
     "extend": KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "decode": KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
 }
@@ -108,6 +112,9 @@ class SplitKvPlan:
     extend_lens: Optional[list[int]] = None
     part_acc: Optional[torch.Tensor] = None  # [rows, H, max_splits, D] float32
     part_ml: Optional[torch.Tensor] = None  # [rows, H, max_splits, 2] float32
+    # deterministic extend: the decode tile, whose keys a step (block_n, once fitted to the
+    # device's shared memory) this plan's tile must share, else it runs that tile instead
+    keys_config: Optional[KernelConfig] = None
     _tables: dict = field(default_factory=dict)  # tiles and extend block tables, built once
 
     def tile(self, group: int, kv_row_bytes: Optional[int] = None,
@@ -115,7 +122,11 @@ class SplitKvPlan:
         key = ("tile", group, kv_row_bytes)
         if key not in self._tables:  # one per batch, not per layer
             limit = shared_memory_limit(device) if device is not None else None
-            self._tables[key] = Tile.build(self.config, group, self.split, kv_row_bytes, limit)
+            tile = Tile.build(self.config, group, self.split, kv_row_bytes, limit)
+            if self.keys_config is not None:  # a row's keys a step are its arithmetic: keep the twin's
+                twin = Tile.build(self.keys_config, group, self.split, kv_row_bytes, limit)
+                tile = tile if tile.block_n == twin.block_n else twin
+            self._tables[key] = tile
         return self._tables[key]
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

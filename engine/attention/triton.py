@@ -71,7 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.split_size = split_size
         cfg = {**DEFAULT_CONFIGS, **(configs or {})}
         # one config for both modes is what makes prefill = decode hold bitwise
-        self.extend_config = cfg["deterministic"] if deterministic else cfg["extend"]
+        self.extend_config = cfg["deterministic_extend"] if deterministic else cfg["extend"]
         self.decode_config = cfg["deterministic"] if deterministic else cfg["decode"]
         self._num_sms = num_sms
         self.plan: Optional[SplitKvPlan] = None
@@ -98,7 +98,8 @@ class TritonAttentionBackend(AttentionBackend):
             split = self.split_size if self.deterministic else SINGLE_SPLIT
             self.plan = SplitKvPlan(self.extend_config, split,
                                     prefix_lens=list(fb.extend_prefix_lens_cpu),
-                                    extend_lens=list(fb.extend_seq_lens_cpu))
+                                    extend_lens=list(fb.extend_seq_lens_cpu),
+                                    keys_config=self.decode_config if self.deterministic else None)
 
     def _decode_plan(self, bs: int, seq_lens: torch.Tensor, num_kv_heads: int, max_len: int,
                      device: torch.device, cascade: Optional[CascadeTables] = None) -> SplitKvPlan:

@@ -21,3 +21,23 @@ def test_fp32_or_wide_heads_shrink_to_fit():
                       smem_limit=H200_SMEM)
     assert tile.block_n == 64 and tile.config.block_n == 64
     assert Tile.build(DEFAULT_CONFIGS["deterministic"], group=4, split=256).block_n == 128
+
+
+
+def test_deterministic_extend_keeps_the_decode_tiles_keys_a_step(monkeypatch):
+    """The taller prefill tile serves deterministic mode only while it reads as many keys a step
+    as the decode tile (its arithmetic); where shared memory shrinks one and not the other, the
+    extend plan runs the decode tile itself."""
+    import engine.attention.split_kv_plan as skp
+
+    extend, decode = DEFAULT_CONFIGS["deterministic_extend"], DEFAULT_CONFIGS["deterministic"]
+    assert extend.block_n == decode.block_n and extend.block_m > decode.block_m
+    assert skp.SplitKvPlan(extend, 256, keys_config=decode).tile(4).config == extend  # nothing to fit
+    # head_dim 256 in bf16 (512-byte rows): 16 rows of 128 keys fit this limit, 32 rows do not
+    limit = 285000
+    assert Tile.build(decode, 4, 256, 512, limit).block_n == 128
+    assert Tile.build(extend, 4, 256, 512, limit).block_n == 64
+    monkeypatch.setattr(skp, "shared_memory_limit", lambda device: limit)
+    tile = skp.SplitKvPlan(extend, 256, keys_config=decode).tile(4, 512, device="any")
+    assert tile.config.block_m == decode.block_m and tile.block_n == 128
+    assert skp.SplitKvPlan(extend, 256).tile(4, 512, device="any").block_n == 64  # no twin: as fitted
