@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.kernels import optional_kernel
+from engine.kernels import batch_invariant, optional_kernel
 
 LogSoftmax = Callable[[torch.Tensor], torch.Tensor]  # [N, V] -> [N, V] float32, over the last dim
 
@@ -30,21 +30,26 @@ def original_logprobs(logits: torch.Tensor, log_softmax: Optional[LogSoftmax] = 
 def greedy_with_logprobs(logits: torch.Tensor, log_softmax: Optional[LogSoftmax] = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, V] logits -> (argmax ids [N] int64, their original logprobs [N] float32). On CUDA in
-    normal mode one fused read of the logits (engine/kernels/greedy_logprob.py); elsewhere, and
-    with a batch-invariant log_softmax (deterministic mode), argmax + log_softmax + gather."""
+    normal mode one fused read of the logits (engine/kernels/greedy_logprob.py); in deterministic
+    mode the batch-invariant log_softmax's own reduction, its value at the argmax only (the same
+    bits, [N, V] not written); elsewhere argmax + log_softmax + gather."""
     if log_softmax is None and logits.is_cuda and logits.dim() == 2:
         kernel = _greedy_kernel()
         if kernel is not None:
             return kernel.greedy_logprob(logits)
+    if log_softmax is batch_invariant.log_softmax and not _greedy_kernel_disabled():
+        return batch_invariant.greedy_log_softmax(logits.float())
     ids = torch.argmax(logits, dim=-1)
     return ids, gather_token_logprobs(original_logprobs(logits, log_softmax), ids)
 
 
+def _greedy_kernel_disabled() -> bool:
+    return bool(os.environ.get("TANDEM_DISABLE_FUSED_GREEDY"))  # A/B benchmarks
+
+
 @functools.lru_cache(maxsize=None)
 def _greedy_kernel() -> Optional[ModuleType]:
-    if os.environ.get("TANDEM_DISABLE_FUSED_GREEDY"):  # A/B benchmarks
-        return None
-    return optional_kernel("greedy_logprob")
+    return None if _greedy_kernel_disabled() else optional_kernel("greedy_logprob")
 
 
 def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

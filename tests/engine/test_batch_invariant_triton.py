@@ -130,6 +130,31 @@ def test_log_softmax(dtype):
     assert err <= 1e-5 * ref[finite].abs().max().item()
 
 
+def test_greedy_log_softmax_is_log_softmax_at_the_argmax():
+    """Deterministic greedy decoding's one read: the same token as torch.argmax and the same
+    logprob bits as bi_log_softmax's entry there, on ties, NaN and all -inf rows too."""
+    V = 5000  # two 4096-wide chunks, the second partial
+    x = _rand(24, V, seed=4) * 6
+    x[1, 4500] = x[1, 17] = x[1].max() + 1  # a tie: the first index wins
+    x[2, 3] = x[2, 4097] = float("nan")  # a NaN wins, the first one
+    x[3] = float("-inf")  # nothing finite: index 0, NaN logprob (log_softmax's)
+    x[4, :4096] = float("-inf")  # lanes that only see -inf in the first chunk
+    x[5, 4096 + 7] = 1e4  # the maximum in the partial chunk
+    ids, logprobs = triton_ops.bi_greedy_log_softmax(x)
+    want_ids = torch.argmax(x, dim=-1)
+    assert torch.equal(ids, want_ids), (ids, want_ids)
+    assert ids[1] == 17 and ids[2] == 3 and ids[3] == 0 and ids[5] == 4096 + 7
+    want = triton_ops.bi_log_softmax(x).gather(-1, want_ids[:, None])[:, 0]
+    assert torch.equal(logprobs.isnan(), want.isnan()) and logprobs[3].isnan()
+    ok = ~want.isnan()
+    assert torch.equal(logprobs[ok], want[ok])  # bit for bit
+    for M in (1, 3, 17):  # a row's result never depends on the batch
+        sub_ids, sub = triton_ops.bi_greedy_log_softmax(x[:M].flip(0).contiguous())
+        assert torch.equal(sub_ids, ids[:M].flip(0)) and torch.equal(sub[~sub.isnan()], logprobs[:M].flip(0)[~sub.isnan()])
+    with pytest.raises(TypeError, match="float32"):
+        triton_ops.bi_greedy_log_softmax(x.bfloat16())
+
+
 def test_m_tiers_change_only_the_tile():
     key = (72, 200, torch.float32)
     saved = dict(triton_ops.M_TIERS)

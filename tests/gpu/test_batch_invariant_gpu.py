@@ -93,6 +93,24 @@ def test_log_softmax_bitwise_and_close():
     assert (full.double() - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_greedy_log_softmax_is_log_softmax_at_the_argmax(rows):
+    """Deterministic greedy decoding's fused read: torch.argmax's token and bi_log_softmax's
+    bits at it, at Qwen3's vocabulary, on bf16-valued logits (ties likely) widened to float32."""
+    ops = _ops()
+    V = 151936
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, V, device="cuda", generator=g) * 4).bfloat16().float()
+    x[0, 100_000] = x[0, 5] = x[0].max() + 1  # a tie, far apart: the first wins
+    ids, logprobs = ops.bi_greedy_log_softmax(x)
+    want_ids = torch.argmax(x, dim=-1)
+    assert torch.equal(ids, want_ids) and ids[0] == 5
+    assert torch.equal(logprobs, ops.bi_log_softmax(x).gather(-1, want_ids[:, None])[:, 0])
+    if rows > 1:  # the batch never changes a row
+        sub_ids, sub = ops.bi_greedy_log_softmax(x[1:].flip(0).contiguous())
+        assert torch.equal(sub_ids, ids[1:].flip(0)) and torch.equal(sub, logprobs[1:].flip(0))
+
+
 @pytest.mark.parametrize("graph", [False, True])
 def test_linear_chain_at_few_rows_reads_finished_inputs(graph):
     """At a few rows the matmul is launched with PDL (engine/kernels/pdl.py): each one in a chain

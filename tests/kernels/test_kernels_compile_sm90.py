@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from engine.kernels import greedy_logprob, gumbel_argmax, gumbel_sample, token_bitmask
+from engine.kernels.batch_invariant import triton_norm
 
 TYPES = {"x_ptr": "*bf16", "t_ptr": "*fp32", "stats_ptr": "*fp32", "seed_ptr": "*i64", "pos_ptr": "*i64",
          "max_ptr": "*fp64", "idx_ptr": "*i32", "ids_ptr": "*i64", "original_ptr": "*fp32", "processed_ptr": "*fp32",
@@ -44,6 +45,8 @@ KERNELS = [
      {"CHUNK": greedy_logprob.CHUNK}),
     (greedy_logprob._merge_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "ids_ptr": "*i64",
                                     "logprob_ptr": "*fp32", "NUM_CHUNKS": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}),
+    (triton_norm._greedy_log_softmax_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "logprob_ptr": "*fp32",
+                                              "V": "i32", "stride_x": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),
     (token_bitmask._masked_kernel, {"x_ptr": "*fp32", "mask_ptr": "*i32", "out_ptr": "*fp32", "V": "i32",
                                     "stride_x": "i32", "stride_m": "i32", "stride_o": "i32", "BLOCK": "constexpr"},
      {"BLOCK": token_bitmask.BLOCK}),
@@ -63,4 +66,4 @@ for fn, signature, constexprs in KERNELS:
 
 def test_sampling_kernels_compile_for_sm90():
     done = run_for_sm90(SCRIPT)
-    assert done.stdout.count("compiled") == 11
+    assert done.stdout.count("compiled") == 12

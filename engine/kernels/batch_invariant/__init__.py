@@ -5,6 +5,6 @@
 
 from __future__ import annotations
 
-from engine.kernels.batch_invariant.ops import ROW_TILE, linear, log_softmax, rms_norm, silu_and_mul
+from engine.kernels.batch_invariant.ops import ROW_TILE, greedy_log_softmax, linear, log_softmax, rms_norm, silu_and_mul
 
-__all__ = ["ROW_TILE", "linear", "log_softmax", "rms_norm", "silu_and_mul"]
+__all__ = ["ROW_TILE", "greedy_log_softmax", "linear", "log_softmax", "rms_norm", "silu_and_mul"]

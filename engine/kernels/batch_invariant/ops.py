@@ -115,6 +115,16 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x.float(), dim=-1)
 
 
+def greedy_log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [N, V] -> (argmax ids [N], log_softmax(x) at them [N]): greedy decoding's token and
+    logprob, the bits of `log_softmax` then a gather (one read of the logits on CUDA)."""
+    ops = _cuda_ops(x)
+    if ops is not None:
+        return ops.bi_greedy_log_softmax(x)
+    ids = torch.argmax(x, dim=-1)
+    return ids, log_softmax(x).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] (gate | up) -> silu(gate) * up, elementwise with the same bits on every path."""
     d = x.shape[-1] // 2

@@ -1,4 +1,5 @@
-"""Batch-invariant RMSNorm (optionally fused with the residual add) and log_softmax in Triton.
+"""Batch-invariant RMSNorm (optionally fused with the residual add) and log_softmax in Triton
+(and greedy decoding's argmax with its log_softmax value, from the same reduction).
 
 One program reduces one row, over fixed BLOCK-wide chunks in ascending order into per-lane fp32
 accumulators, then one tree reduction whose shape depends on (BLOCK, num_warps) only. Both are
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.first_max import NO_INDEX, first_max
 from engine.kernels.pdl import await_inputs, launch_options, use_pdl
 
 _MAX_BLOCK = 8192  # an RMSNorm row up to this long is read once and kept in registers
@@ -101,6 +103,45 @@ def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constex
         mask = cols < V
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (x - m_row) - log_z, mask=mask)
+
+
+@triton.jit
+def _greedy_log_softmax_kernel(x_ptr, ids_ptr, logprob_ptr, V, stride_x, BLOCK: tl.constexpr):
+    """_log_softmax_kernel's first pass (the same lanes, so the same max and log_z) plus each
+    lane's first maximum; one value written a row: log_softmax's entry at the argmax."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    best_i = tl.full((BLOCK,), NO_INDEX, dtype=tl.int32)
+    for off in range(0, V, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m, s = softmax_lanes_step(m, s, x)
+        # a lane keeps its first maximum (later columns win only if larger) and its first NaN
+        take = (cols < V) & ((x > best) | ((x != x) & (best == best)) | (best_i == NO_INDEX))
+        best, best_i = tl.where(take, x, best), tl.where(take, cols, best_i)
+    m_row, log_z = softmax_lanes_finish(m, s)
+    top, idx = first_max(best, best_i)
+    tl.store(ids_ptr + row, idx.to(tl.int64))
+    tl.store(logprob_ptr + row, (top - m_row) - log_z)  # (x - max) - log_z, as log_softmax writes it
+
+
+def greedy_log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, V] float32 -> (argmax ids int64 [N], log_softmax(x)[row, id] float32 [N]): the first
+    index on ties, a NaN first, as torch.argmax; the logprob bit for bit log_softmax's (same
+    launch shape), without writing [N, V]."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"greedy_log_softmax takes float32 (log_softmax's lanes follow the element width), got {x.dtype}")
+    x2 = _rows(x)
+    M, V = x2.shape
+    ids = torch.empty(M, dtype=torch.int64, device=x.device)
+    logprobs = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M:
+        block, warps = softmax_launch(V)
+        _greedy_log_softmax_kernel[(M,)](x2, ids, logprobs, V, x2.stride(0), BLOCK=block, num_warps=warps)
+    return ids, logprobs
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

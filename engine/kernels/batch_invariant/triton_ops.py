@@ -181,3 +181,8 @@ def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
     """fp32 log_softmax over the last dim, one fixed reduction order per row."""
     return triton_norm.log_softmax(x)
+
+
+def bi_greedy_log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, its log_softmax value) of float32 rows: bi_log_softmax's bits, [N, V] not written."""
+    return triton_norm.greedy_log_softmax(x)
