@@ -34,7 +34,7 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1
 for s in "$@"; do case $s in
   auto)  # a call's worth by card: an H200 measures the rows as the defaults stand (serve's ready first: a fresh machine), an H100 the fused sampler
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q replaygpu; else bash "$0" grpofab grpofprof; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q replaygpu; else bash "$0" detprof replaygpu; fi ;;
   replaygpu) step replaygpu 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_top_p_replay_gpu.py ;;  # slime's top-p replay: KeptIds behind its event, overlap + graphs
   auto2)  # the second call: an H200 the fused sampler and the det-cost row, an H100 the T = 1 profile
     if [[ $card == *H200* ]]; then bash "$0" t1last detcost256; else bash "$0" proft1 detcost256; fi ;;
