@@ -151,6 +151,9 @@ class ServerArgs:
         "is cut off and its requests aborted")})
     max_unread_stream_bytes: int = field(default=64 << 20, metadata={"help": (
         "bytes of a stream's output a client may leave unread before it is cut off and its requests aborted")})
+    custom_pull_weights_pre_read_hook: Optional[str] = field(default=None, metadata={"help": (
+        "slime's: import path (module.function) of a hook(source_dir, target_version) that /pull_weights "
+        "calls before it reads published weights (a shared filesystem that needs a refresh first)")})
     # SGLang's flag: streamed /generate chunks carry only what is new
     incremental_streaming_output: bool = field(default=False, metadata={"help": (
         "SGLang's: streamed /generate chunks carry only what is new (text, output_ids, output_* logprobs) "

@@ -25,7 +25,7 @@ ADMIN_ROUTES = frozenset({
     "/update_weight_version", "/flush_cache", "/release_memory_occupation",
     "/resume_memory_occupation", "/start_profile", "/stop_profile", "/begin_weight_update", "/end_weight_update",
     "/weights_checker", "/post_process_weights", "/freeze_gc",
-    "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
+    "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors", "/pull_weights",
 })
 ORIGIN_GUARDED = ADMIN_ROUTES | {"/abort_request"}  # a web page must not end the server's requests
 

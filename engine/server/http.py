@@ -29,6 +29,7 @@ from engine.server.maintenance_routes import add_maintenance_routes
 from engine.server.openai import OpenAIServing
 from engine.server.origin_guard import OriginGuard
 from engine.server.protocol import UnknownFields
+from engine.server.pull_weights_route import add_pull_weights_route
 from engine.server.served_model import ServedModel
 from engine.server.tokenize_routes import add_tokenize_routes
 
@@ -47,6 +48,7 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     add_generate_routes(app, engine, openai, unknown)
     add_control_routes(app, engine, served, unknown)
     add_weights_checker_route(app, engine, unknown)
+    add_pull_weights_route(app, engine, served.model_path, unknown)  # version 0: the start-up checkpoint
     add_lora_routes(app, engine, unknown)
     policy = AccessPolicy(api_key, admin_api_key)
     add_maintenance_routes(app, engine, unknown, policy)

@@ -156,6 +156,13 @@ class UpdateWeightsFromDiskRequest(_Lenient):
     abort_all_requests: bool = False
 
 
+class PullWeightsRequest(_Lenient):
+    """slime's /pull_weights (its SGLang patch): bring local_checkpoint_dir to target_version."""
+    local_checkpoint_dir: str
+    source_dir: str
+    target_version: StrictInt
+
+
 class UpdateWeightsFromTensorRequest(_Lenient):
     serialized_named_tensors: list[str]  # one per tensor-parallel rank (base64); one rank here
     load_format: Optional[str] = None

@@ -1,0 +1,133 @@
+"""`/pull_weights`: bring a host-local checkpoint up to a published weight version.
+
+slime's disk-delta sync publishes versions `weight_v{N:06d}/` under a shared `source_dir`, each a
+full checkpoint or a delta on the version before (weight_sync/checkpoint_delta.py). Each engine
+pulls the version into its own `local_checkpoint_dir`, then slime reloads it with
+`/update_weights_from_disk`. Version 0 is the engine's own checkpoint (its model path).
+
+The folder records the version it holds in `.weight_sync/state.json`; a pull seeds the folder
+from the newest full version at or below the target that is newer than what it holds (a copy),
+then applies the deltas after it in order. A pull that fails part way forgets the recorded version
+(a half-patched folder is not that version), so the next pull seeds again instead of patching bad
+bytes. An exclusive lock on `.weight_sync/lock` serialises pulls into one folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import json
+import logging
+import os
+import shutil
+from typing import Iterator, Optional
+
+from weight_sync.checkpoint_delta import apply_delta, delta_metadata
+
+logger = logging.getLogger(__name__)
+STATE_DIR = ".weight_sync"
+
+
+def version_dir(source_dir: str, version: int) -> str:
+    return os.path.join(source_dir, f"weight_v{version:06d}")
+
+
+def pull(local_dir: str, base_dir: str, source_dir: str, target_version: int,
+         pre_read_hook: Optional[str] = None) -> int:
+    """Bring local_dir to target_version; -> how many versions were applied (0: already there).
+    pre_read_hook: "module.function", called as (source_dir, target_version) before any read
+    (a shared filesystem that needs a refresh before another host's writes show)."""
+    if isinstance(target_version, bool) or not isinstance(target_version, int) or target_version < 0:
+        raise ValueError(f"target_version must be a non-negative integer, got {target_version!r}")
+    if target_version > 0 and pre_read_hook:
+        _import(pre_read_hook)(source_dir, target_version)
+    with _locked(local_dir):
+        held = applied_version(local_dir)
+        ahead = held is not None and held > target_version  # a rewound run: start again below
+        floor = 0 if held is None or ahead else held
+        start = target_version  # the newest full version above what the folder holds, else `floor`
+        while start > floor and delta_metadata(version_dir(source_dir, start)) is not None:
+            start -= 1
+        steps = 0
+        try:
+            if held is None or ahead or start > held:
+                _copy_checkpoint(base_dir if start == 0 else version_dir(source_dir, start), local_dir)
+                steps, held = 1, start
+                _record(local_dir, held)
+            for version in range(held + 1, target_version + 1):
+                _apply(local_dir, source_dir, version)
+                steps += 1
+                _record(local_dir, version)
+        except BaseException:
+            _forget(local_dir)
+            raise
+        return steps
+
+
+def applied_version(local_dir: str) -> Optional[int]:
+    """The version local_dir holds, None when unknown (a fresh folder, or a failed pull)."""
+    try:
+        with open(os.path.join(local_dir, STATE_DIR, "state.json")) as f:
+            return int(json.load(f)["version"])
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+
+
+def _apply(local_dir: str, source_dir: str, version: int) -> None:
+    path = version_dir(source_dir, version)
+    meta = delta_metadata(path)
+    if meta is None:  # a full version after the seed: the seed search stops at the newest one
+        raise RuntimeError(f"{path} is a full checkpoint inside a delta chain")
+    if int(meta.get("version", version)) != version or int(meta.get("base_version", -1)) != version - 1:
+        raise RuntimeError(f"{path}: its index says version {meta.get('version')} on {meta.get('base_version')}, "
+                           f"expected {version} on {version - 1}")
+    logger.info("pull_weights: applying the delta of version %d", version)
+    apply_delta(local_dir, path, meta)
+
+
+def _copy_checkpoint(src: str, local_dir: str) -> None:
+    """local_dir becomes a copy of src's files (others removed: an older sharding's shards)."""
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"checkpoint {src} does not exist")
+    logger.info("pull_weights: copying the full checkpoint %s into %s", src, local_dir)
+    files = [e for e in os.scandir(src) if e.is_file()]
+    for entry in files:
+        dest = os.path.join(local_dir, entry.name)
+        shutil.copyfile(entry.path, dest)
+        if os.path.getsize(dest) != entry.stat().st_size:  # a source still being written
+            raise RuntimeError(f"{entry.path} changed size while it was copied")
+    names = {e.name for e in files}
+    for entry in os.scandir(local_dir):
+        if entry.is_file() and entry.name not in names:
+            os.remove(entry.path)
+
+
+def _record(local_dir: str, version: int) -> None:
+    path = os.path.join(local_dir, STATE_DIR, "state.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"version": f"{version:06d}"}, f)
+    os.replace(path + ".tmp", path)
+
+
+def _forget(local_dir: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(local_dir, STATE_DIR, "state.json"))
+
+
+@contextlib.contextmanager
+def _locked(local_dir: str) -> Iterator[None]:
+    os.makedirs(os.path.join(local_dir, STATE_DIR), exist_ok=True)
+    with open(os.path.join(local_dir, STATE_DIR, "lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _import(path: str):
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"pre_read_hook {path!r} is not a 'module.function' path")
+    return getattr(importlib.import_module(module), name)
