@@ -70,7 +70,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.deterministic = deterministic
         self.split_size = split_size
         cfg = {**DEFAULT_CONFIGS, **(configs or {})}
-        # one config for both modes is what makes prefill = decode hold bitwise
+        # deterministic: prefill's tile is decode's with more rows (the same bits, measured; the
+        # plan falls back to decode's tile where the keys a step would differ), so prefill = decode
         self.extend_config = cfg["deterministic_extend"] if deterministic else cfg["extend"]
         self.decode_config = cfg["deterministic"] if deterministic else cfg["decode"]
         self._num_sms = num_sms
