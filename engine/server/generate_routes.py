@@ -7,14 +7,12 @@ body, the GenerateRequest it asks for and the shape of its reply."""
 from __future__ import annotations
 
 import asyncio
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request, Response
-from pydantic import TypeAdapter
 
 from engine.api.core_client import CoreDead
 from engine.api.generate_request import GenerateRequest
@@ -23,11 +21,11 @@ from engine.server.openai import OpenAIServing
 from engine.server.openai_logprobs import logprob_texts, token_decoder
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.protocol import GenerateBody, UnknownFields
+from engine.server.sse import json_bytes, sse_event
 from engine.server.stream_delta import StreamDelta
 from engine.server.stream_spacing import StreamSpacing
 
 OFF_LOOP_TEXT_CHARS = 16 << 10  # ~10 ms to tokenize: more is tokenized on a thread
-_ANY = TypeAdapter(Any)
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def _json_reply(response: Callable[[Any, Any], Any], body: Any, outs: Any) -> Re
     """A final reply, shaped and serialized on a worker thread: with prompt or top logprobs it can
     be 100 MB of JSON (seconds of work the event loop, and so /health and every stream, would wait
     for). Serialized as FastAPI serializes a route's return value (non-finite floats as null)."""
-    return Response(_ANY.dump_json(response(body, outs)), media_type="application/json")
+    return Response(json_bytes(response(body, outs)), media_type="application/json")
 
 
 def _raise_if_core_died(outs: Any) -> None:
@@ -134,7 +132,7 @@ async def _generate_events(decode: Any, incremental: bool, body: GenerateBody,
     send = (lambda chunk: True) if incremental else StreamSpacing()
     async for chunk in stream:
         if send(chunk):
-            yield f"data: {json.dumps(shape(delta(chunk)))}\n\n"
+            yield sse_event(shape(delta(chunk)))
     yield "data: [DONE]\n\n"
 
 

@@ -7,7 +7,6 @@ index = prompt * n + sample, as in SGLang.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
@@ -18,6 +17,7 @@ from engine.server.chat_messages import check_nesting, template_messages
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, logprob_texts,
                                            output_entries, token_decoder)
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
+from engine.server.sse import sse_event
 from engine.server.template_content import template_content_format
 
 
@@ -228,13 +228,13 @@ class OpenAIServing:
             event = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if req.continuous_usage:  # SGLang's: this choice's counts so far, on every chunk
                 event["usage"] = usage([meta], 1)
-            yield _sse(event)
+            yield sse_event(event)
         metas = [finals[i] for i in sorted(finals)]
         ext = _sglext(req, metas)
         if ext:  # SGLang: its own chunk, with no choices, before the usage chunk
-            yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], **ext})
+            yield sse_event({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], **ext})
         if req.include_usage:
-            yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
+            yield sse_event({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
                         "usage": usage(metas, req.n)})
         yield "data: [DONE]\n\n"
 
@@ -278,7 +278,3 @@ def _reply_id(meta: dict, unnamed: str) -> str:
     With n > 1 or several prompts each choice is a request of its own: the reply carries the first
     one's rid and each stream chunk its own choice's (SGLang's too; OpenAI's has one id a stream)."""
     return str(meta.get("id") or unnamed)
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
