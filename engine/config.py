@@ -122,8 +122,9 @@ class ServerArgs:
     # request limits (HTTP and in-process): a request past one is a 400 naming the limit
     max_n: int = 1024  # samples per prompt
     max_batch_requests: int = 8192  # prompts x n in one call
-    max_body_bytes: int = 1 << 30  # any HTTP body (weight payloads are the big ones)
-    max_generate_body_bytes: int = 256 << 20  # /generate and /v1/* bodies
+    max_body_bytes: int = 1 << 30  # the tensor-carrying routes' bodies (weight and LoRA payloads)
+    max_generate_body_bytes: int = 256 << 20  # /generate, /v1/*, /tokenize and /detokenize bodies
+    max_control_body_bytes: int = 16 << 20  # every other route's (pause, abort, weight group names, ...)
     max_prompt_bytes: Optional[int] = field(default=None, metadata={"help": (
         "the most UTF-8 bytes of one prompt's text (or a rendered chat template), checked before tokenizing; "
         "default: the context length x the longest token's bytes (a longer text cannot fit the context)")})
@@ -181,7 +182,7 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes",
+        for name in ("max_n", "max_batch_requests", "max_body_bytes", "max_generate_body_bytes", "max_control_body_bytes",
                      "grammar_max_bytes", "grammar_max_schema_nodes", "grammar_compile_workers",
                      "max_unread_stream_bytes"):
             if getattr(self, name) <= 0:

@@ -1,6 +1,9 @@
 """Request body size limits: a body over the limit is refused with 413 as soon as its
 Content-Length (or, when chunked, its running size) says so, before it is parsed. The body is
-read here and replayed to the app. Generation routes get a smaller limit than weight payloads."""
+read here and replayed to the app. Three limits: the routes that carry tensors (--max-body-bytes,
+1 GiB), generation (--max-generate-body-bytes) and every other route (--max-control-body-bytes:
+a pause, an abort or a weight group's names are kilobytes, and a body FastAPI parses holds the
+event loop while it does: 420 MB of JSON to /abort_request held it 16 s)."""
 
 from __future__ import annotations
 
@@ -9,16 +12,23 @@ from typing import Any, Optional
 from engine.server.errors import error_response
 
 GENERATE_PREFIXES = ("/generate", "/v1/", "/tokenize", "/detokenize")
+PAYLOAD_ROUTES = frozenset({"/update_weights_from_tensor", "/load_lora_adapter_from_tensors"})
+FLAGS = {"payload": "--max-body-bytes", "generate": "--max-generate-body-bytes", "control": "--max-control-body-bytes"}
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: Any, max_bytes: int, max_generate_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, max_generate_bytes: int, max_control_bytes: int) -> None:
         self.app = app
-        self.max_bytes = max_bytes
-        self.max_generate_bytes = max_generate_bytes
+        self.limits = {"payload": max_bytes, "generate": max_generate_bytes, "control": max_control_bytes}
+
+    @staticmethod
+    def kind_of(path: str) -> str:
+        if path.rstrip("/") in PAYLOAD_ROUTES:
+            return "payload"
+        return "generate" if path.startswith(GENERATE_PREFIXES) else "control"
 
     def limit_for(self, path: str) -> int:
-        return self.max_generate_bytes if path.startswith(GENERATE_PREFIXES) else self.max_bytes
+        return self.limits[self.kind_of(path)]
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -65,6 +75,7 @@ async def _read_body(receive: Any, limit: int) -> Optional[bytes]:
 
 
 async def _too_large(limit: int, scope: dict, receive: Any, send: Any) -> None:
-    message = (f"request body is over the limit of {limit} bytes for {scope.get('path')} "
-               "(--max-body-bytes, --max-generate-body-bytes)")
+    path = scope.get("path", "")
+    message = (f"request body is over the limit of {limit} bytes for {path} "
+               f"({FLAGS[BodyLimitMiddleware.kind_of(path)]})")
     await error_response(message, 413)(scope, receive, send)

@@ -55,7 +55,8 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     add_tokenize_routes(app, engine, unknown)
     args = engine.server_args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_body_bytes,
-                       max_generate_bytes=args.max_generate_body_bytes)
+                       max_generate_bytes=args.max_generate_body_bytes,
+                       max_control_bytes=args.max_control_body_bytes)
     app.add_middleware(AccessMiddleware, policy=policy,
                        origins=OriginGuard(args.allowed_origins))  # outermost
     return app

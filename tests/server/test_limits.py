@@ -23,7 +23,8 @@ def idle(engine) -> bool:
 @pytest.fixture(scope="module")
 def small(engine_factory):
     """An engine with small limits, under TestClient."""
-    eng = engine_factory(max_n=4, max_batch_requests=6, max_generate_body_bytes=2000, max_body_bytes=4000)
+    eng = engine_factory(max_n=4, max_batch_requests=6, max_generate_body_bytes=2000, max_body_bytes=4000,
+                         max_control_body_bytes=1000)
     with TestClient(create_app(eng)) as c:
         yield eng, c
 
@@ -51,7 +52,12 @@ def test_body_size_limits(small):
                      headers={"content-type": "application/json"})  # no Content-Length
     assert chunked.status_code == 413
     payload = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["A" * 5000]})
-    assert payload.status_code == 413  # the weight routes' limit
+    assert payload.status_code == 413 and "--max-body-bytes" in payload.json()["message"]  # the tensor routes' limit
+    under = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["A" * 3000]})
+    assert under.status_code == 400  # read and parsed (not a payload): past the control routes' 1000
+    for path in ("/abort_request", "/pause_generation", "/update_weights_from_distributed", "/no_such_route"):
+        control = c.post(path, json={"rid": "x", "junk": [0] * 1000})  # ~3 kB: the control routes' limit
+        assert control.status_code == 413 and "--max-control-body-bytes" in control.json()["message"], path
     bad_length = c.post("/generate", content=b"{}", headers={"content-length": "abc",
                                                              "content-type": "application/json"})
     assert bad_length.status_code == 400
