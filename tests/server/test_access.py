@@ -78,6 +78,17 @@ def test_hostile_authorization_headers_are_401(engine, value):
         assert c.get("/health").status_code == 200
 
 
+def test_two_authorization_headers_open_nothing(engine):
+    """Which of two headers a proxy or framework reads differs: neither is taken (the wrong key
+    first and the admin key second used to open /flush_cache)."""
+    with TestClient(create_app(engine, api_key="k", admin_api_key="a")) as c:
+        for pair in ([b"Bearer nope", b"Bearer a"], [b"Bearer a", b"Bearer nope"], [b"Bearer a", b"Bearer a"]):
+            headers = [(b"authorization", v) for v in pair] + [(b"content-type", b"application/json")]
+            resp = c.post("/flush_cache", content=b"{}", headers=headers)
+            assert resp.status_code == 401, pair
+        assert c.post("/flush_cache", headers=bearer("a")).status_code == 200
+
+
 def test_keys_from_environment():
     env = {"TANDEM_API_KEY": "from-env", "TANDEM_ADMIN_API_KEY": "admin-env"}
     assert with_env_keys({"model_path": "m"}, env) == {"model_path": "m", "api_key": "from-env",
