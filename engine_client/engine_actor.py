@@ -47,11 +47,11 @@ class EngineActor:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Engine.<method>(*args, **kwargs), or the actor's own serve_http / shutdown. A
-        ValueError from a method that answers (success, message) comes back as (False, message),
-        a refusal the caller reads, as over HTTP."""
+        ValueError from a method that answers (success, message) comes back as (False, message)
+        ((False, message, 0) from update_weights_from_disk), a refusal the caller reads, as over HTTP."""
         if method in ACTOR_METHODS:
             return await getattr(self, method)(*args, **kwargs)
-        from engine.api.protocol import answers_reply
+        from engine.api.protocol import answers_reply, refusal
 
         target = _public_method(self.engine, method)
         try:
@@ -59,7 +59,7 @@ class EngineActor:
         except ValueError as exc:
             if not answers_reply(target):
                 raise
-            return False, str(exc)
+            return refusal(target, str(exc))
 
     async def _run(self, method: str, target: Any, args: tuple, kwargs: dict) -> Any:
         """On this loop: the method's async form when Engine has one, or an async_ method itself;

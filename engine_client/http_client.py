@@ -18,7 +18,7 @@ import weakref
 from typing import Any, AsyncIterator, Optional
 
 from engine.api.generate_request import GenerateRequest
-from engine.api.protocol import Reply
+from engine.api.protocol import DiskReply, Reply
 from engine_client.http_errors import (Answer, EngineTimeout, generate_reply, json_or_none, message,
                                        transport_error)
 from engine_client.request_slots import RequestSlots, aborted_reply
@@ -135,10 +135,16 @@ class HttpClient:
             "serialized_named_tensors": serialized, "load_format": load_format, "flush_cache": flush_cache,
             "weight_version": weight_version})
 
-    def update_weights_from_disk(self, model_path, load_format=None, weight_version=None, flush_cache=True):
-        return self._reply("/update_weights_from_disk", {"model_path": str(model_path), "load_format": load_format,
-                                                         "weight_version": weight_version,
-                                                         "flush_cache": flush_cache})
+    def update_weights_from_disk(self, model_path, load_format=None, weight_version=None, flush_cache=True
+                                 ) -> DiskReply:
+        """-> (success, message, num_paused_requests), as sglang.Engine's (the route's three fields)."""
+        response = self._send("POST", "/update_weights_from_disk", json={
+            "model_path": str(model_path), "load_format": load_format, "weight_version": weight_version,
+            "flush_cache": flush_cache})
+        ok, text = self._reply_of(response)
+        payload = json_or_none(response)
+        paused = payload.get("num_paused_requests") if isinstance(payload, dict) else None
+        return ok, text, paused if paused is not None else 0
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name="weight_update_group", backend="nccl", timeout_s=30.0):
@@ -253,7 +259,10 @@ class HttpClient:
 
     def _reply(self, route: str, body: dict) -> Reply:
         """SGLang's {"success", "message"} (200/400); memory routes answer 200 with `null`."""
-        response = self._send("POST", route, json=body)
+        return self._reply_of(self._send("POST", route, json=body))
+
+    @staticmethod
+    def _reply_of(response: Any) -> Reply:
         payload = json_or_none(response)
         if isinstance(payload, dict) and "success" in payload:
             return bool(payload["success"]), str(payload.get("message", ""))

@@ -238,7 +238,7 @@ def _disk_step(engine: Any, trainer: Any, scratch: str) -> tuple[float, float]:
     named = trainer.call("named_tensors")
     save_file({n: t.contiguous().cpu() for n, t in named}, f"{scratch}/model.safetensors")
     mid = time.perf_counter()
-    ok, message = engine.update_weights_from_disk(scratch, flush_cache=False)
+    ok, message, _ = engine.update_weights_from_disk(scratch, flush_cache=False)
     if not ok:
         raise RuntimeError(f"disk update refused: {message}")
     return mid - start, time.perf_counter() - mid

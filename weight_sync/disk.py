@@ -43,4 +43,7 @@ class DiskSender(WeightSender):
 
         with tempfile.TemporaryDirectory(prefix="tandem-weights-") as path:
             save_file({n: t.contiguous().cpu() for n, t in bucket}, f"{path}/model.safetensors")
-            return engine.update_weights_from_disk(path, weight_version=weight_version, flush_cache=flush_cache)
+            # (success, message, num_paused_requests), as sglang.Engine's: the first two
+            ok, message = engine.update_weights_from_disk(path, weight_version=weight_version,
+                                                          flush_cache=flush_cache)[:2]
+            return ok, message

@@ -29,6 +29,7 @@ from engine.api.engine_weights import EngineWeights
 from engine.core.messages import (AbortReq, CheckIntegrityReq, ContinueReq, CoreInfo, FlushCacheReq, FreezeGCReq,
                                   PauseReq, ReqInput, ReqOutput, StatsReq, StatsSnapshot, check_pause_mode)
 from engine.gc_freeze import freeze_gc
+from engine.lora.lora_paths import lora_refs
 
 if TYPE_CHECKING:
     from engine.api.core_spawn import SpawnedCore
@@ -216,10 +217,12 @@ class Engine(EngineWeights, EngineLoRA):
         return self.server_info(self.get_stats())
 
     def server_info(self, stats: StatsSnapshot) -> dict[str, Any]:
-        """SGLang's shape: the server args, the derived limits and the internal states."""
+        """SGLang's shape: the server args, the derived limits and the internal states. lora_paths
+        as SGLang normalises it: LoRARef records with LoRA on, else null."""
         info = self.info
+        args = self.server_args
         return {
-            **self.server_args.to_dict(),
+            **args.to_dict(), "lora_paths": lora_refs(args.lora_paths) if args.enable_lora else None,
             "version": _version(), "weight_version": stats.weight_version,
             "max_total_num_tokens": info.max_total_num_tokens, "context_len": info.context_len,
             "chunked_prefill_size": info.chunked_prefill_size, "max_running_requests": info.max_running_requests,

@@ -72,11 +72,14 @@ class EngineWeights:
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None, flush_cache: bool = True
-                                 ) -> tuple[bool, str]:
-        """Every weight from a safetensors checkpoint of the same architecture -> (success, message)."""
+                                 ) -> tuple[bool, str, int]:
+        """Every weight from a safetensors checkpoint of the same architecture -> (success, message,
+        num_paused_requests), the three values sglang.Engine's returns (its tokenizer manager's
+        reply; 0 here, as SGLang's scheduler always answers: an update pauses no request)."""
         from weight_sync.disk import DiskSource
 
-        return self.update_weights(DiskSource(str(model_path), load_format), flush_cache, weight_version)
+        ok, message = self.update_weights(DiskSource(str(model_path), load_format), flush_cache, weight_version)
+        return ok, message, 0
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",

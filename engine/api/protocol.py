@@ -4,7 +4,8 @@
 hand) and RayClient (the Ray engine actor, every Engine method forwarded by name) satisfy it
 remotely, so RL code (RolloutManager, weight pushes, colocation) takes any of them. Method names,
 arguments and replies are SGLang's Engine's: generate takes GenerateRequest's fields and returns
-SGLang's dicts; weight and memory verbs return (success, message). Engine has more public
+SGLang's dicts; weight and memory verbs return (success, message), update_weights_from_disk
+(success, message, num_paused_requests) as sglang.Engine's does. Engine has more public
 methods (get_weights_by_name, check_weights, update_weight_version, ...): RayClient forwards
 those too; this protocol lists what every form implements.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Awaitable, Optional, Protocol, Union, runtime_checkable
 
 Reply = tuple[bool, str]  # (success, message): a refusal changes nothing and says why
+DiskReply = tuple[bool, str, int]  # sglang.Engine.update_weights_from_disk's: Reply + num_paused_requests
 
 
 @runtime_checkable
@@ -39,7 +41,7 @@ class EngineAPI(Protocol):
                                    flush_cache: bool = True, weight_version: Optional[str] = None) -> Reply: ...
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
-                                 weight_version: Optional[str] = None, flush_cache: bool = True) -> Reply: ...
+                                 weight_version: Optional[str] = None, flush_cache: bool = True) -> DiskReply: ...
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -86,9 +88,23 @@ class EngineAPI(Protocol):
 
 
 def answers_reply(method: Any) -> bool:
-    """Whether a method answers (success, message): its remote forms (the Ray actor, the HTTP
-    routes) turn a ValueError from it into (False, message), a refusal the caller reads."""
+    """Whether a method answers (success, message, ...): its remote forms (the Ray actor, the HTTP
+    routes) turn a ValueError from it into a refusal the caller reads (refusal())."""
+    return _reply_kind(method) is not None
+
+
+def refusal(method: Any, message: str) -> tuple:
+    """A method's refusal in its own reply's shape: (False, message), or (False, message, 0) for a
+    DiskReply (no request was paused)."""
+    return (False, message, 0) if _reply_kind(method) is DiskReply else (False, message)
+
+
+def _reply_kind(method: Any) -> Any:
     import inspect
 
     annotation = inspect.signature(method).return_annotation
-    return annotation == Reply or annotation in ("Reply", "tuple[bool, str]", "Tuple[bool, str]")
+    if annotation == Reply or annotation in ("Reply", "tuple[bool, str]", "Tuple[bool, str]"):
+        return Reply
+    if annotation == DiskReply or annotation in ("DiskReply", "tuple[bool, str, int]", "Tuple[bool, str, int]"):
+        return DiskReply
+    return None

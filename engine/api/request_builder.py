@@ -56,6 +56,7 @@ class RequestBuilder:
         prompts, single = self.token_lists(request.prompt, request.input_ids)
         n = len(prompts)
         params = self._sampling_params(request.sampling_params, n)
+        defaulted = _length_left_out(request.sampling_params, n)
         self._check_counts(params)
         rids = self._rids(request.rid, n, single)
         want = _per_prompt("return_logprob", request.return_logprob, n, _check_return_logprob)
@@ -67,11 +68,11 @@ class RequestBuilder:
         route_starts = _per_prompt("routed_experts_start_len", request.routed_experts_start_len, n, lambda v: v)
         adapters = _per_prompt("lora_path", request.lora_path, n, self.lora.check)
         out: list[ReqInput] = []
-        for ids, p, base_rid, wanted, lp, start, top, route, route_start, adapter in zip(
-                prompts, params, rids, id_lists, want, starts, tops, routes, route_starts, adapters):
+        for ids, p, base_rid, wanted, lp, start, top, route, route_start, adapter, default_length in zip(
+                prompts, params, rids, id_lists, want, starts, tops, routes, route_starts, adapters, defaulted):
             self._check_logprob_start(start, len(ids))
             _check_route_start(route_start, len(ids))
-            p = self._bounded(p, len(ids))
+            p = self._bounded(p, len(ids), default_length)
             self._check_fits(len(ids), p.max_new_tokens)
             if lp and wanted:
                 _check_id_logprob_count(len(wanted), (len(ids) - start if start >= 0 else 0) + p.max_new_tokens)
@@ -174,17 +175,20 @@ class RequestBuilder:
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"input_ids has token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.context_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {self.context_len} "
-                             f"(shorten the prompt, or raise context_length: `--context-length` for serve, "
-                             f"`--engine-args '{{\"context_length\": N}}'` for train)")
+        if len(ids) >= self.context_len:  # SGLang's words (clients match them), then what to do
+            raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                             f"({self.context_len} tokens). A prompt must leave room for at least one new token: "
+                             f"shorten it, or raise context_length: `--context-length` for serve, "
+                             f"`--engine-args '{{\"context_length\": N}}'` for train")
 
-    def _bounded(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _bounded(self, params: SamplingParams, prompt_len: int, defaulted: bool = False) -> SamplingParams:
         """max_new_tokens None (SGLang's null: no limit of its own) -> the room the prompt leaves
-        in the context length and the KV pool, which the request then may fill."""
-        if params.max_new_tokens is not None:
-            return params
+        in the context length and the KV pool, which the request then may fill. Left out
+        (`defaulted`: the default 128) it is capped at that room, as SGLang's scheduler caps it
+        without a word; only a max_new_tokens the caller set is refused when it does not fit."""
         room = max(min(self.context_len, self.max_total_num_tokens or self.context_len) - prompt_len, 0)
+        if params.max_new_tokens is not None and not (defaulted and params.max_new_tokens > room):
+            return params
         if params.min_new_tokens > room:
             raise ValueError(f"min_new_tokens {params.min_new_tokens} does not fit: the {prompt_len}-token prompt "
                              f"leaves room for {room} new tokens")
@@ -192,13 +196,18 @@ class RequestBuilder:
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """A request the engine could never finish is refused now rather than queued forever:
-        prompt + max_new_tokens must fit the context length (SGLang refuses the same) and the KV
-        pool, which has to hold all of them at once (the scheduler admits on that forecast)."""
+        prompt + max_new_tokens must fit the context length (SGLang since 0.5.23 refuses the same,
+        with these words; exactly the context length fits) and the KV pool, which has to hold all
+        of them at once (the scheduler admits on that forecast)."""
         total = prompt_len + max_new_tokens
         asked = f"{prompt_len} prompt tokens + max_new_tokens {max_new_tokens} = {total} tokens"
         if total > self.context_len:
-            raise ValueError(f"{asked} exceed the context length {self.context_len}; lower max_new_tokens "
-                             f"to at most {self.context_len - prompt_len} or shorten the prompt")
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                             f"{self.context_len} tokens. You requested a total of {total} tokens: {prompt_len} "
+                             f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
+                             f"Please reduce the number of tokens in the input messages or the completion to fit "
+                             f"within the limit: max_new_tokens at most {self.context_len - prompt_len} for this "
+                             f"prompt")
         pool = self.max_total_num_tokens
         if pool is not None and total > pool:
             room = f"lower max_new_tokens to at most {pool - prompt_len}, " if prompt_len < pool else ""
@@ -293,6 +302,14 @@ class RequestBuilder:
     def _check_logprob_start(start: int, prompt_len: int) -> None:
         if not _is_int(start) or not -1 <= start < prompt_len:
             raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {prompt_len}), got {start!r}")
+
+
+def _length_left_out(raw: Any, n_prompts: int) -> list[bool]:
+    """Per prompt: whether its sampling params leave max_new_tokens out (the default applies),
+    which SGLang caps at the context where a value the caller set is checked against it. An
+    explicit null is set (no limit of its own); a SamplingParams object counts as set."""
+    items = raw if isinstance(raw, (list, tuple)) else [raw] * n_prompts
+    return [item is None or (isinstance(item, dict) and "max_new_tokens" not in item) for item in items]
 
 
 def _check_id_logprob_count(ids: int, positions: int) -> None:

@@ -116,10 +116,9 @@ class TokenizerManagerShim:
 
     async def update_weights_from_disk(self, obj: Any, request: Any = None) -> tuple[bool, str, int]:
         self._abort_all_first(obj)
-        ok, message = await asyncio.to_thread(self._engine.update_weights_from_disk, obj.model_path,
-                                              getattr(obj, "load_format", None), _version(obj),
-                                              getattr(obj, "flush_cache", True))
-        return ok, message, 0  # nothing is paused by an update here
+        return await asyncio.to_thread(self._engine.update_weights_from_disk, obj.model_path,
+                                       getattr(obj, "load_format", None), _version(obj),
+                                       getattr(obj, "flush_cache", True))  # (ok, message, num_paused_requests)
 
     def _abort_all_first(self, obj: Any) -> None:
         """SGLang's abort_all_requests: what runs ends first (queued ahead of the update), as the

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,3 +33,15 @@ def parse_lora_path(spec: str) -> LoRAPathSpec:
     if not name or not path:
         raise ValueError(f"--lora-paths entry {spec!r} must be PATH, NAME=PATH or JSON")
     return LoRAPathSpec(name, path)
+
+
+def lora_refs(specs: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The entries as /server_info shows them: SGLang's ServerArgs.lora_paths after its start-up
+    normalisation, a list of LoRARef records {"lora_id", "lora_name", "lora_path", "pinned"} (its
+    lora_id as SGLang 0.5.23 derives it: uuid5 of name and path, the same on every start)."""
+    out = []
+    for spec in map(parse_lora_path, specs):
+        lora_id = uuid.uuid5(uuid.NAMESPACE_URL, f"{spec.lora_name}\0{spec.lora_path}").hex
+        out.append({"lora_id": lora_id, "lora_name": spec.lora_name, "lora_path": spec.lora_path,
+                    "pinned": spec.pinned})
+    return out

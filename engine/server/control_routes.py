@@ -44,11 +44,11 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
         unknown.note("/update_weights_from_disk", req)
         _abort_all_first(engine, req)
-        ok, message = await asyncio.to_thread(engine.update_weights_from_disk, req.model_path,
-                                              req.load_format, req.weight_version, req.flush_cache)
+        ok, message, paused = await asyncio.to_thread(engine.update_weights_from_disk, req.model_path,
+                                                      req.load_format, req.weight_version, req.flush_cache)
         if ok:  # SGLang's /model_info then shows the new checkpoint
             served.model_path = req.model_path
-        return _reply(ok, message, num_paused_requests=0)
+        return _reply(ok, message, num_paused_requests=paused)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest) -> JSONResponse:

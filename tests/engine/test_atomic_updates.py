@@ -78,7 +78,7 @@ def _two_shards(tmp_path, other_model_dir, tensors: dict, bad_dtype: str, bad_da
 
 
 def _restore(eng) -> None:
-    ok, message = eng.update_weights_from_disk(eng.server_args.model_path, weight_version="default")
+    ok, message, _ = eng.update_weights_from_disk(eng.server_args.model_path, weight_version="default")
     assert ok, message
 
 
@@ -88,7 +88,7 @@ def test_a_bad_dtype_in_the_second_shard_writes_nothing(eng, other_model_dir, ne
     data = bytes(new_tensors[BAD].numel() * bits // 8)
     path = _two_shards(tmp_path, other_model_dir, new_tensors, bad_dtype, data)
     before = _snapshot(eng)
-    ok, message = eng.update_weights_from_disk(path, weight_version="bad")
+    ok, message, _ = eng.update_weights_from_disk(path, weight_version="bad")
     assert not ok and message.startswith("Weights not updated"), message
     assert f"weight '{BAD}'" in message and f"has dtype {bad_dtype}, which the loader cannot read" in message
     _assert_unchanged(eng, before)
@@ -110,7 +110,7 @@ def test_a_malformed_index_is_refused_before_any_write(eng, other_model_dir, new
     path = _two_shards(tmp_path, other_model_dir, new_tensors, "F32", new_tensors[BAD].float().numpy().tobytes())
     (tmp_path / "shards-F32" / "model.safetensors.index.json").write_bytes(index)
     before = _snapshot(eng)
-    ok, reply = eng.update_weights_from_disk(path, weight_version="bad")
+    ok, reply, _ = eng.update_weights_from_disk(path, weight_version="bad")
     assert not ok and reply.startswith("Weights not updated: ") and "partly" not in reply, reply
     assert message in reply
     _assert_unchanged(eng, before)
@@ -121,7 +121,7 @@ def test_a_castable_float8_shard_loads(eng, other_model_dir, new_tensors, tmp_pa
     not a blanket refusal of float8."""
     f8 = new_tensors[BAD].to(torch.float8_e5m2)
     path = _two_shards(tmp_path, other_model_dir, new_tensors, "F8_E5M2", f8.view(torch.uint8).numpy().tobytes())
-    ok, message = eng.update_weights_from_disk(path, weight_version="f8")
+    ok, message, _ = eng.update_weights_from_disk(path, weight_version="f8")
     try:
         assert ok, message
         assert torch.equal(dict(eng.local_core.runner.model.named_parameters())[BAD], f8.float())

@@ -202,7 +202,7 @@ def test_weight_updates_from_tensors_and_disk(proc_engine, tiny_model_dir, other
             [("model.layers.0.mlp.nope.weight", _named_tensors(other_model_dir)[0][1])])
         assert not ok and "unknown weight 'model.layers.0.mlp.nope.weight'" in message, message
     finally:
-        ok, message = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
+        ok, message, _ = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
     assert ok, message
     assert _ids(proc_engine.generate(input_ids=prompts, sampling_params=GREEDY)) == before
     proc_engine.check_integrity()
@@ -227,7 +227,7 @@ def test_a_serialized_payload_is_opened_by_the_core_process(proc_engine, tiny_mo
         assert not ok and "system" in message and "refused" in message, message
         assert proc_engine.get_weight_version() == "ser-1"
     finally:
-        ok, message = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
+        ok, message, _ = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
     assert ok, message
 
 

@@ -22,7 +22,7 @@ def test_requests_wait_while_released_and_weights_refuse_updates(engine_factory,
     before = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert eng.release_memory_occupation() == (True, "released weights, kv_cache, cuda_graph")
     assert sorted(eng.get_stats().memory_released) == ["cuda_graph", "kv_cache", "weights"]
-    ok, message = eng.update_weights_from_disk(other_model_dir)
+    ok, message, _ = eng.update_weights_from_disk(other_model_dir)
     assert not ok and "weights are released" in message
     done: list = []
     waiter = threading.Thread(target=lambda: done.append(eng.generate(input_ids=prompts, sampling_params=GREEDY)))

@@ -251,5 +251,7 @@ def test_engine_control_calls(engine):
     for key in ("model_path", "tp_size", "dtype", "enable_memory_saver", "max_total_num_tokens", "internal_states",
                 "version", "skip_tokenizer_init"):
         assert key in info, key
-    ok, message = engine.update_weights_from_disk(model_path=engine.server_args.model_path, load_format=None)
-    assert ok, message
+    reply = engine.update_weights_from_disk(model_path=engine.server_args.model_path, load_format=None)
+    # sglang.Engine's three values (its tokenizer manager's): success, message, num_paused_requests
+    assert isinstance(reply, tuple) and len(reply) == 3, reply
+    assert reply[0] is True and reply[1].startswith("Succeeded to update model weights.") and reply[2] == 0, reply

@@ -246,7 +246,7 @@ def test_engine_tp2_weight_updates_equal_an_engine_on_the_new_checkpoint(engine,
     eng = Engine(model_path=tiny_model_dir, tp_size=2, dtype="float32", device="cpu")
     try:
         assert _greedy(eng, prompts)[0] == old_tokens
-        ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="disk")
+        ok, message, _ = eng.update_weights_from_disk(other_model_dir, weight_version="disk")
         assert ok, message
         assert _greedy(eng, prompts)[0] == new_tokens
         original = list(load_file(os.path.join(tiny_model_dir, "model.safetensors")).items())

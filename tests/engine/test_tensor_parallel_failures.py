@@ -32,7 +32,7 @@ def test_engine_tp2_a_dead_rank_fails_requests_at_once(tiny_model_dir):
         out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})[0]
         reason = out["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "tensor-parallel rank 1 (exit code -9) exited" in reason["message"]
-        ok, message = eng.update_weights_from_disk(tiny_model_dir)
+        ok, message, _ = eng.update_weights_from_disk(tiny_model_dir)
         assert not ok and message.startswith("Weights not updated: tensor-parallel rank 1")
         with pytest.raises(ValueError, match="tp_size > 1"):
             eng.get_weights_by_name("model.norm.weight")
@@ -156,7 +156,7 @@ def test_engine_tp2_a_failed_pass_on_rank_0_stops_the_ranks_instead_of_diverging
         out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})[0]
         message = out["meta_info"]["finish_reason"]["message"]
         assert "stopped after rank 0's forward pass failed" in message and "restarted" in message, message
-        ok, message = eng.update_weights_from_disk(tiny_model_dir)
+        ok, message, _ = eng.update_weights_from_disk(tiny_model_dir)
         assert not ok and "stopped after rank 0's forward pass failed" in message
         assert time.monotonic() - start < 10
     finally:

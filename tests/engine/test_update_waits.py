@@ -30,7 +30,7 @@ def greedy(eng, other_model_dir):
     """Greedy output ids of (PROMPT, SHORT) under each checkpoint's weights, nothing else running."""
     out = {}
     for name, path in (("new", other_model_dir), ("old", eng.server_args.model_path)):
-        ok, message = eng.update_weights_from_disk(path)
+        ok, message, _ = eng.update_weights_from_disk(path)
         assert ok, message
         out[name] = eng.generate(input_ids=PROMPT, sampling_params=SHORT)["output_ids"]
     assert out["old"] != out["new"]  # the update is visible in the tokens
@@ -60,7 +60,7 @@ def _held_updates(eng) -> int:
 
 
 def _restore(eng) -> None:
-    ok, message = eng.update_weights_from_disk(eng.server_args.model_path, weight_version="default")
+    ok, message, _ = eng.update_weights_from_disk(eng.server_args.model_path, weight_version="default")
     assert ok, message
     eng.check_integrity()
 
@@ -84,7 +84,7 @@ def test_an_unpaused_update_waits_for_the_running_request(eng, greedy, other_mod
     assert eng.local_core.scheduler.running and not reply  # still generating, the update not applied
     for thread in (running, update, later):
         thread.join(timeout=120)
-    assert reply[0] == (True, "Succeeded to update model weights."), reply
+    assert reply[0] == (True, "Succeeded to update model weights.", 0), reply
     assert len(first[0]["output_ids"]) == LONG["max_new_tokens"] and _versions(first[0]) == {"default"}
     assert second[0]["output_ids"] == greedy["new"] and _versions(second[0]) == {"v1"}
     assert not _held(eng)
@@ -134,7 +134,7 @@ def test_an_update_paused_in_place_is_still_refused(eng, other_model_dir):
     running, first = _start_long(eng)
     eng.pause_generation("in_place")
     try:
-        ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="v1")
+        ok, message, _ = eng.update_weights_from_disk(other_model_dir, weight_version="v1")
         assert not ok and "paused in_place" in message, message
     finally:
         eng.continue_generation()
@@ -196,7 +196,7 @@ def test_an_update_is_not_held_while_generation_is_stopped(eng, other_model_dir)
     assert ok, message
     try:
         start = time.monotonic()
-        ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="v1")
+        ok, message, _ = eng.update_weights_from_disk(other_model_dir, weight_version="v1")
         assert not ok and "still hold KV" in message and time.monotonic() - start < 5, message
     finally:
         eng.resume_memory_occupation(["cuda_graph"])
@@ -264,5 +264,5 @@ def test_an_http_update_waits_for_a_running_request_of_a_core_process(engine_fac
     assert answered > ended - 0.5  # the update waited for the request (seconds long; 0.5 s: thread wake-ups)
     assert len(out["output_ids"]) == 1000 and [s["version"] for s in out["meta_info"]["weight_versions"]] == ["default"]
     assert proc_engine.get_weight_version() == "v1"
-    ok, message = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
+    ok, message, _ = proc_engine.update_weights_from_disk(tiny_model_dir, weight_version="default")
     assert ok, message

@@ -106,12 +106,12 @@ def test_update_from_disk_checks_the_whole_checkpoint_first(engine_factory, othe
     dropped = "model.layers.1.mlp.down_proj.weight"
     del tensors[dropped]
     save_file(tensors, str(partial / "model.safetensors"))
-    ok, message = eng.update_weights_from_disk(str(partial))
+    ok, message, _ = eng.update_weights_from_disk(str(partial))
     assert not ok and "missing weights" in message and dropped in message, message
-    ok, message = eng.update_weights_from_disk(str(tmp_path / "nowhere"))
+    ok, message, _ = eng.update_weights_from_disk(str(tmp_path / "nowhere"))
     assert not ok and "nowhere" in message, message
     assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == before
-    ok, message = eng.update_weights_from_disk(other_model_dir, weight_version="step-2")
+    ok, message, _ = eng.update_weights_from_disk(other_model_dir, weight_version="step-2")
     assert ok, message
     expected = _ids(other_engine.generate(input_ids=prompts, sampling_params=GREEDY))
     assert _ids(eng.generate(input_ids=prompts, sampling_params=GREEDY)) == expected
@@ -298,7 +298,7 @@ def test_a_non_float_tensor_in_a_later_shard_is_refused_before_any_write(engine_
         save_file({n: tensors[n] for n in part}, str(shards / file))
     index = {"weight_map": {n: "a.safetensors" for n in first} | {n: "b.safetensors" for n in second}}
     (shards / "model.safetensors.index.json").write_text(json.dumps(index))
-    ok, message = eng.update_weights_from_disk(str(shards))
+    ok, message, _ = eng.update_weights_from_disk(str(shards))
     assert not ok and "'model.norm.weight'" in message and "non-floating dtype I32" in message, message
     assert _ids(eng.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)) == before
     eng.check_integrity()

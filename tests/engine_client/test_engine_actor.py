@@ -36,7 +36,7 @@ def trainer_b(ray_cluster, colocation, model_b):
 
 
 def _restore(client, model_a: str) -> None:
-    ok, message = client.update_weights_from_disk(model_a, weight_version="default")
+    ok, message, _ = client.update_weights_from_disk(model_a, weight_version="default")
     assert ok, message
 
 
@@ -148,8 +148,11 @@ def test_bad_payloads_are_refused_with_the_reason_and_the_old_weights_keep_servi
         assert not ok and needle in message, message
     with pytest.raises(WeightSyncError, match="unknown weight"):
         push_weights(client, [("lm_head.nope", torch.ones(3))], "never")
-    ok, message = client.update_weights_from_disk("/nonexistent/checkpoint", weight_version="never")
+    ok, message, _ = client.update_weights_from_disk("/nonexistent/checkpoint", weight_version="never")
     assert not ok and "/nonexistent/checkpoint" in message
+    # a ValueError from Engine comes back as a refusal of sglang.Engine's shape: (False, message, 0)
+    ok, message, paused = client.update_weights_from_disk("/nonexistent/checkpoint", load_format="pt")
+    assert not ok and paused == 0 and "load_format 'pt'" in message, message
     assert client.get_weight_version() == "default"
     assert greedy_ids(client) == before == greedy_ids(oracle_a)
     assert not client.get_server_info()["internal_states"][0]["paused"]
@@ -179,7 +182,7 @@ def test_the_actor_serves_sglang_routes_over_http(engine_actor, ray_cluster, mod
     http = HttpClient(url)
     try:
         assert http.health() and http.get_weight_version() == "default"
-        ok, message = http.update_weights_from_disk(model_b, weight_version="http-b")
+        ok, message, _ = http.update_weights_from_disk(model_b, weight_version="http-b")
         assert ok, message
         assert greedy_ids(http) == greedy_ids(oracle_b) and http.get_weight_version() == "http-b"
     finally:

@@ -131,8 +131,8 @@ def test_weight_updates_from_disk_and_shared_memory_set_the_version(served, mode
 
     client, engine = served
     try:
-        ok, message = client.update_weights_from_disk(model_b, weight_version="disk-b")
-        assert ok, message
+        ok, message, paused = client.update_weights_from_disk(model_b, weight_version="disk-b")
+        assert ok and paused == 0, message  # sglang.Engine's three values, from the route's three fields
         assert greedy_ids(client) == greedy_ids(oracle_b) and client.get_weight_version() == "disk-b"
         named_a = list(load_file(f"{model_a}/model.safetensors").items())  # serialized to shared memory
         ok, message = client.update_weights_from_tensor(named_a, weight_version="shm-a")
@@ -201,9 +201,9 @@ def test_the_generation_key_generates_and_only_the_admin_key_controls(served, mo
     with _serving(engine, api_key="gen", admin_api_key="adm") as url:
         rollout_only, admin = HttpClient(url, api_key="gen"), HttpClient(url, api_key="gen", admin_api_key="adm")
         assert greedy_ids(rollout_only) == greedy_ids(admin) == greedy_ids(oracle_a)
-        ok, message = rollout_only.update_weights_from_disk(model_a, weight_version="nope")
+        ok, message, _ = rollout_only.update_weights_from_disk(model_a, weight_version="nope")
         assert not ok and "admin api key" in message
-        ok, message = admin.update_weights_from_disk(model_a, weight_version="default")
+        ok, message, _ = admin.update_weights_from_disk(model_a, weight_version="default")
         assert ok, message
         with pytest.raises(RuntimeError, match="401"):
             rollout_only.pause_generation()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api.generate_request import GenerateRequest
-from engine.api.protocol import EngineAPI, answers_reply
+from engine.api.protocol import EngineAPI, answers_reply, refusal
 
 
 def test_engine_and_the_http_client_satisfy_the_protocol():
@@ -16,6 +16,11 @@ def test_engine_and_the_http_client_satisfy_the_protocol():
     assert issubclass(Engine, EngineAPI) and issubclass(HttpClient, EngineAPI)
     assert answers_reply(Engine.update_weights_from_disk) and answers_reply(EngineAPI.release_memory_occupation)
     assert not answers_reply(Engine.flush_cache) and not answers_reply(Engine.generate)
+    # what the Ray actor answers for a ValueError: the method's own reply shape (sglang.Engine's
+    # update_weights_from_disk returns (success, message, num_paused_requests))
+    assert refusal(Engine.update_weights_from_disk, "no") == (False, "no", 0)
+    assert refusal(HttpClient.update_weights_from_disk, "no") == (False, "no", 0)
+    assert refusal(Engine.release_memory_occupation, "no") == (False, "no")
 
 
 def test_generate_request_takes_engine_generates_arguments():

@@ -140,7 +140,8 @@ def test_health_answers_while_big_bodies_are_handled(engine_factory, live_server
     assert worst[2] < 3.0, worst
     messages = sorted(a[2] for a in answers)
     assert all(a[1] == 400 for a in answers), answers
-    assert any("tokens; the context length is 4096" in m for m in messages)  # tokenized, then over the context
+    # tokenized, then over the context (SGLang's words)
+    assert any("tokens) is longer than the model's context length (4096 tokens)" in m for m in messages)
     assert any("the chat messages' text has" in m for m in messages)
     assert any("prompt has 62,914,560 characters" in m for m in messages)
     assert httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": GEN}).status_code == 200

@@ -74,6 +74,31 @@ def test_openai_routes_select_the_adapter(lora_client):
     assert r.status_code == 200 and r.json()["choices"][0] != base
 
 
+def test_server_info_lora_paths_as_sglang_normalises_them(lora_client, adapter_dir, client):
+    """SGLang's /server_info serialises ServerArgs after check_lora_server_args turned lora_paths
+    into LoRARef records: a list of {"lora_id", "lora_name", "lora_path", "pinned"} with LoRA on
+    (0.5.23: lora_id = uuid5(NAMESPACE_URL, name + NUL + path).hex), null with it off; never the
+    --lora-paths strings. Miles' {name: path} form and the JSON form become the same records."""
+    import uuid
+
+    from engine.config import ServerArgs
+    from engine.lora.lora_paths import lora_refs
+
+    def ref(name, path, pinned=False):
+        return {"lora_id": uuid.uuid5(uuid.NAMESPACE_URL, f"{name}\0{path}").hex, "lora_name": name,
+                "lora_path": path, "pinned": pinned}
+
+    lc, _ = lora_client
+    for route in ("/server_info", "/get_server_info"):
+        assert lc.get(route).json()["lora_paths"] == [ref("a", str(adapter_dir))]
+        assert client.get(route).json()["lora_paths"] is None
+    miles = ServerArgs(model_path="m", lora_paths={"miles_lora": "/ckpt/lora"}).lora_paths
+    assert lora_refs(miles) == [ref("miles_lora", "/ckpt/lora")]
+    forms = ["/p/bare", "n=/p/x", '{"lora_name": "j", "lora_path": "/p/j", "pinned": true}']
+    assert lora_refs(ServerArgs(model_path="m", lora_paths=forms).lora_paths) == [
+        ref("/p/bare", "/p/bare"), ref("n", "/p/x"), ref("j", "/p/j", True)]
+
+
 def test_bad_lora_requests_are_400s(lora_client, client):
     lc, _ = lora_client
     r = lc.post("/generate", json={"input_ids": IDS, "sampling_params": ONE, "lora_path": "nope"})

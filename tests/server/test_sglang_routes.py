@@ -191,7 +191,7 @@ def test_weights_checksum_tracks_updates(engine_factory, other_model_dir, tiny_m
     a, b = engine_factory(), engine_factory()
     assert a.get_weights_checksum() == b.get_weights_checksum()  # equal weights, equal hash
     before = a.get_weights_checksum()
-    ok, message = a.update_weights_from_disk(other_model_dir)
+    ok, message, _ = a.update_weights_from_disk(other_model_dir)
     assert ok, message
     after = a.get_weights_checksum()
     with Engine(model_path=other_model_dir, dtype="float32", device="cpu") as fresh:

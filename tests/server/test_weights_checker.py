@@ -29,7 +29,7 @@ def test_miles_check_weight_update_equal_sequence(engine_factory, tiny_model_dir
         assert "embed_tokens" in mismatch.json()["message"], mismatch.text
         after_reset = c.post("/weights_checker", json={"action": "checksum"}).json()
         assert after_reset["per_engine_checksum"] != before["per_engine_checksum"]
-        ok, message = eng.update_weights_from_disk(tiny_model_dir)  # the trainer's sync: every tensor again
+        ok, message, _ = eng.update_weights_from_disk(tiny_model_dir)  # the trainer's sync: every tensor again
         assert ok, message
         equal = c.post("/weights_checker", json={"action": "compare", "allow_quant_error": False, "selector": "all"})
         assert equal.status_code == 200 and equal.json()["success"], equal.text

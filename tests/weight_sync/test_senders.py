@@ -28,7 +28,7 @@ class _Recorder:
         from safetensors.torch import load_file
 
         self.calls.append(("disk", sorted(load_file(f"{path}/model.safetensors").items()), flush_cache, weight_version))
-        return True, "ok"
+        return True, "ok", 0  # sglang.Engine's (success, message, num_paused_requests)
 
 
 def test_every_transport_is_registered_by_name():
