@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+FLOAT32_MAX = 3.4028234663852886e38  # a temperature past it is float32's inf
+MIN_REPETITION_PENALTY = 1e-6
 GREEDY_TEMPERATURE = 1e-6  # SGLang: temperature below this means greedy (top_k=1)
 
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
@@ -24,7 +26,7 @@ _BOOL_FIELDS = (
 )
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
 _OPTIONAL_STR_FIELDS = GRAMMAR_FIELDS
-_TOKEN_ID = re.compile(r"-?[0-9]+")  # a negative id parses, so its error names the range
+_TOKEN_ID = re.compile(r"-?[0-9]{1,4000}")  # a negative id parses, so its error names the range; past 4000 digits int() refuses (Python's limit)
 # SGLang takes any bias (clients ban a token with -1e4, say); bounded only so that logits + bias
 # stays finite in float32. OpenAI's own API stops at +-100, which forces or bans a token already.
 LOGIT_BIAS_RANGE = 1e30
@@ -134,7 +136,7 @@ class SamplingParams:
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
             raise ValueError(f"set at most one of json_schema, regex, ebnf, structural_tag; got {grammars}")
-        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(0 <= self.temperature <= FLOAT32_MAX, "temperature", ">= 0 (and a float32)", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 (whole vocab) or >= 1", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
@@ -146,7 +148,10 @@ class SamplingParams:
                 0 <= self.min_new_tokens <= self.max_new_tokens,
                 "min_new_tokens", f"in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens,
             )
-        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        # SGLang's [0, 2] from 1e-6: a seen token's logit is divided by it, and a smaller penalty
+        # (1e-46 is float32's 0) turned logits into inf or NaN and the request into a run of token 0
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2, "repetition_penalty",
+               f"in [{MIN_REPETITION_PENALTY:g}, 2]", self.repetition_penalty)
         for name in ("frequency_penalty", "presence_penalty"):
             _check(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]", getattr(self, name))
         _check(self.n >= 1, "n", ">= 1", self.n)

@@ -4,6 +4,8 @@ flight (no KV slot held, not paused)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -25,6 +27,28 @@ def _clean(engine) -> None:
 def test_non_finite_sampling_floats_are_refused(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a finite number"):
         SamplingParams.from_dict({field: value})
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("repetition_penalty", 1e-46, "repetition_penalty must be in [1e-06, 2]"),  # float32's 0: logits inf / NaN
+    ("repetition_penalty", 1e-7, "repetition_penalty must be in [1e-06, 2]"),
+    ("repetition_penalty", 0, "repetition_penalty must be in [1e-06, 2]"),
+    ("repetition_penalty", 2.5, "repetition_penalty must be in [1e-06, 2]"),  # SGLang's upper bound
+    ("temperature", 1e39, "temperature must be >= 0 (and a float32)"),  # inf in float32
+    ("logit_bias", {"1" * 5000: 1.0}, "logit_bias keys must be token ids"),  # not Python's int() digit limit
+])
+def test_sampling_values_past_float32_or_sglangs_ranges_are_refused(field, value, words):
+    with pytest.raises(ValueError) as err:
+        SamplingParams.from_dict({field: value}).validate(vocab_size=100)
+    assert words in str(err.value) and "sys.set_int_max_str_digits" not in str(err.value)
+
+
+def test_the_edges_of_those_ranges_are_served(engine):
+    for params in ({"repetition_penalty": 2.0}, {"repetition_penalty": 1e-6}, {"temperature": 3e38}):
+        out = engine.generate(input_ids=[5, 6, 5], sampling_params={**GEN, **params, "ignore_eos": True},
+                              return_logprob=True, logprob_distribution="processed")
+        logprobs = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+        assert len(logprobs) == 2 and all(math.isfinite(v) for v in logprobs), (params, logprobs)
 
 
 @pytest.mark.parametrize("sampling_params,message", [
