@@ -43,7 +43,7 @@ def _draws(params: SamplingParams, logits_row: torch.Tensor, n: int = 20000, see
         ("min_p", 1.5, "min_p must be in [0, 1]"),
         ("max_new_tokens", -1, "max_new_tokens must be >= 0"),
         ("min_new_tokens", -1, "min_new_tokens"),
-        ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be in [1e-06, 2]"),
         ("repetition_penalty", -1.0, "repetition_penalty"),
         ("frequency_penalty", 2.5, "frequency_penalty must be in [-2, 2]"),
         ("frequency_penalty", -2.5, "frequency_penalty"),
