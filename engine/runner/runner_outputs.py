@@ -53,7 +53,9 @@ class RunnerOutputs:
         sampling = SamplingBatch.build(rows, self.config.vocab_size, self.device)
         sampling.grammar_bitmask = self.grammar_bitmasks.to_device(self._grammar_bitmask(batch))
         kept_rows = [i for i in replay_rows(batch.reqs) if not batch.reqs[i].sampling_params.is_greedy]
-        if wants_ids or kept_rows:
+        processed_top = any(r.top_logprobs_num and r.logprob_distribution == "processed" for r in batch.reqs)
+        processed_all = None
+        if wants_ids or kept_rows or processed_top:
             out, original, processed_all = self.sampler.sample_with_distributions(last, sampling)
         else:  # no [B, V] held while prompt or top logprobs take their memory; RL's case fused, except
             # where normal mode's top logprobs (torch's log_softmax) must hold the token's value bit for bit
@@ -64,7 +66,8 @@ class RunnerOutputs:
         if any(r.logprob_distribution == "processed" for r in batch.reqs):
             processed = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)
             chosen = torch.where(processed, out.processed_logprobs, out.original_logprobs)
-        pending = self._finish_sample(batch, plan, logits, last, out.next_token_ids, chosen)
+        pending = self._finish_sample(batch, plan, logits, last, out.next_token_ids, chosen,
+                                      processed_all if processed_top else None)
         if wants_ids:
             pending.token_ids = self._token_ids_logprobs(batch, original, processed_all)
         if kept_rows:  # a greedy row keeps its token: the host records that
@@ -106,11 +109,19 @@ class RunnerOutputs:
         return values
 
     def _finish_sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor, last: torch.Tensor,
-                       next_ids: torch.Tensor, chosen: torch.Tensor) -> PendingResult:
+                       next_ids: torch.Tensor, chosen: torch.Tensor,
+                       processed: Optional[torch.Tensor] = None) -> PendingResult:
+        """processed: the rows' processed logprobs [B, V], where a row takes its top logprobs
+        from the distribution its token's logprob comes from (logprob_distribution "processed")."""
         pending = PendingResult.start(batch, next_ids, chosen)
         k = max((r.top_logprobs_num for r in batch.reqs), default=0)
         if k:
             pending.top = top_logprobs(last, k, self.log_softmax)
+            if processed is not None:
+                wants = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)
+                values, ids = top_k_of(processed, k)
+                pending.top = (torch.where(wants[:, None], values, pending.top[0]),
+                               torch.where(wants[:, None], ids, pending.top[1]))
         if plan.num_prompt_rows:
             rows_t, targets = h2d(plan.prompt_rows, self.device), h2d(plan.prompt_targets, self.device)
             prompt_logprobs = original_logprobs(logits[rows_t], self.log_softmax)  # once, for both below

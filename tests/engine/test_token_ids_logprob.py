@@ -76,6 +76,38 @@ def test_processed_distribution_follows_output_token_logprobs(engine, hf_model, 
         assert row[len(IDS) + tok] == lp
 
 
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.5},  # tempered
+    {"temperature": 1.0, "top_k": 3},  # truncated: the rest -inf
+    {"temperature": 1.0, "logit_bias": {"67": 100.0}},  # biased: 67 leads with logprob ~0
+])
+def test_processed_top_logprobs_come_from_the_processed_distribution(engine, hf_model, params):
+    """A row's top logprobs are of the distribution its token's logprob is of (SGLang's one
+    distribution a row): under "processed", the temperature's, truncation's and bias's; under
+    "original" the raw logits' still."""
+    sp = {"max_new_tokens": 3, "sampling_seed": 5, "ignore_eos": True, **params}
+    outs = [engine.generate(input_ids=PROMPT, sampling_params=sp, return_logprob=True, top_logprobs_num=4,
+                            logprob_distribution=d) for d in ("processed", "original")]
+    processed, original = (o["meta_info"] for o in outs)
+    logits = _hf_logits(hf_model, PROMPT + outs[0]["output_ids"])
+    for i, (top, (lp, tok, _)) in enumerate(zip(processed["output_top_logprobs"], processed["output_token_logprobs"])):
+        raw = logits[len(PROMPT) - 1 + i]
+        if "logit_bias" in params:
+            raw = raw.clone()
+            raw[67] += 100.0
+            assert tok == 67 and top[0][1] == 67 and lp > -1e-3
+        if "top_k" in params:  # the three largest kept, the rest -inf
+            kept = raw.topk(3).indices
+            raw = torch.full_like(raw, float("-inf")).index_copy(0, kept, raw[kept])
+            assert top[3][0] == float("-inf")
+        ref = torch.log_softmax(raw / params["temperature"], -1)
+        assert [e[0] for e in top[:3]] == pytest.approx(ref.topk(3).values.tolist(), abs=1e-5)
+        assert [e[1] for e in top[:3]] == ref.topk(3).indices.tolist()
+        assert tok in [e[1] for e in top] and dict((t, v) for v, t, _ in top)[tok] == lp  # the token's own value
+    plain = torch.log_softmax(_hf_logits(hf_model, PROMPT + outs[1]["output_ids"])[len(PROMPT) - 1], -1)
+    assert [e[0] for e in original["output_top_logprobs"][0]] == pytest.approx(plain.topk(4).values.tolist(), abs=1e-5)
+
+
 @pytest.mark.parametrize("start", [0, 3])
 def test_input_positions(engine, hf_model, start):
     out = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True,
