@@ -99,18 +99,30 @@ class _Patch:
     checksum: str | None
 
 
-def apply_delta(local_dir: str, version_dir: str, meta: dict) -> None:
-    """Patch local_dir's tensors with one delta version (delta_metadata's `meta`)."""
+def check_delta(version_dir: str, meta: dict) -> None:
+    """Refuse a delta this host cannot apply (its formats, a missing package) before a pull
+    changes anything."""
     if meta.get("compression_format") != "zstd":
         raise ValueError(f"{version_dir}: compression_format {meta.get('compression_format')!r} is not supported (zstd)")
-    encoding, algorithm = meta["delta_encoding"], meta.get("checksum_format")
-    if encoding not in ("xor", "overwrite"):
-        raise ValueError(f"{version_dir}: delta_encoding {encoding!r} is not supported (xor or overwrite)")
-    hasher(algorithm)  # an unknown or missing hash fails before any byte changes
+    if meta["delta_encoding"] not in ("xor", "overwrite"):
+        raise ValueError(f"{version_dir}: delta_encoding {meta['delta_encoding']!r} is not supported (xor or overwrite)")
+    hasher(meta.get("checksum_format"))
+    _zstandard()
+
+
+def _zstandard() -> Any:
     try:
         import zstandard
     except ImportError:
         raise RuntimeError("delta weight versions need the zstandard package: pip install zstandard") from None
+    return zstandard
+
+
+def apply_delta(local_dir: str, version_dir: str, meta: dict) -> None:
+    """Patch local_dir's tensors with one delta version (delta_metadata's `meta`, check_delta'd)."""
+    check_delta(version_dir, meta)
+    encoding, algorithm = meta["delta_encoding"], meta.get("checksum_format")
+    zstandard = _zstandard()
     spans = tensor_spans(local_dir)
     maps: dict[str, tuple[Any, mmap.mmap]] = {}
     try:
@@ -118,6 +130,9 @@ def apply_delta(local_dir: str, version_dir: str, meta: dict) -> None:
 
         def apply(patch: _Patch) -> str | None:
             bound = patch.region.size if encoding == "xor" else 4 + 5 * patch.region.size
+            declared = zstandard.frame_content_size(patch.payload)  # what decompress would allocate
+            if declared > bound:
+                raise ValueError(f"{patch.name}: a delta frame of {declared} bytes for a tensor of {patch.region.size}")
             delta = np.frombuffer(zstandard.ZstdDecompressor().decompress(patch.payload, max_output_size=bound),
                                   dtype=np.uint8)
             _patch_bytes(patch, delta, encoding)
@@ -129,6 +144,7 @@ def apply_delta(local_dir: str, version_dir: str, meta: dict) -> None:
             bad = sorted(name for name in pool.map(apply, patches) if name is not None)
     finally:
         for handle, mapped in maps.values():
+            mapped.flush()  # on disk before the folder records the version
             mapped.close()
             handle.close()
     if bad:

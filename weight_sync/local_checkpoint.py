@@ -5,11 +5,15 @@ full checkpoint or a delta on the version before (weight_sync/checkpoint_delta.p
 pulls the version into its own `local_checkpoint_dir`, then slime reloads it with
 `/update_weights_from_disk`. Version 0 is the engine's own checkpoint (its model path).
 
-The folder records the version it holds in `.weight_sync/state.json`; a pull seeds the folder
-from the newest full version at or below the target that is newer than what it holds (a copy),
-then applies the deltas after it in order. A pull that fails part way forgets the recorded version
-(a half-patched folder is not that version), so the next pull seeds again instead of patching bad
-bytes. An exclusive lock on `.weight_sync/lock` serialises pulls into one folder.
+The folder records the version it holds in `.weight_sync/state.json` (slime's marker, plus the base
+checkpoint its chain started from); a pull seeds the folder from the newest full version at or
+below the target that is newer than what it holds (a copy), then applies the deltas after it in
+order. Every delta of the chain is checked (formats, packages) before anything changes; then the
+marker is removed until the new version's bytes are on disk, so a pull that fails or is killed
+part way leaves a folder of no known version, which the next pull seeds again instead of patching
+bad bytes. A folder seeded from another base (the engine restarted on another model) is seeded
+again. A pull replaces and removes files: it takes only an absolute path that is new, empty or
+its own folder. An exclusive lock on `.weight_sync/lock` serialises pulls into one folder.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import shutil
 from typing import Iterator, Optional
 
-from weight_sync.checkpoint_delta import apply_delta, delta_metadata
+from weight_sync.checkpoint_delta import apply_delta, check_delta, delta_metadata
 
 logger = logging.getLogger(__name__)
 STATE_DIR = ".weight_sync"
@@ -40,41 +44,57 @@ def pull(local_dir: str, base_dir: str, source_dir: str, target_version: int,
     (a shared filesystem that needs a refresh before another host's writes show)."""
     if isinstance(target_version, bool) or not isinstance(target_version, int) or target_version < 0:
         raise ValueError(f"target_version must be a non-negative integer, got {target_version!r}")
+    _check_folder(local_dir)
     if target_version > 0 and pre_read_hook:
         _import(pre_read_hook)(source_dir, target_version)
     with _locked(local_dir):
-        held = applied_version(local_dir)
+        held = applied_version(local_dir, base_dir)
         ahead = held is not None and held > target_version  # a rewound run: start again below
         floor = 0 if held is None or ahead else held
         start = target_version  # the newest full version above what the folder holds, else `floor`
         while start > floor and delta_metadata(version_dir(source_dir, start)) is not None:
             start -= 1
-        steps = 0
-        try:
-            if held is None or ahead or start > held:
-                _copy_checkpoint(base_dir if start == 0 else version_dir(source_dir, start), local_dir)
-                steps, held = 1, start
-                _record(local_dir, held)
-            for version in range(held + 1, target_version + 1):
-                _apply(local_dir, source_dir, version)
-                steps += 1
-                _record(local_dir, version)
-        except BaseException:
-            _forget(local_dir)
-            raise
-        return steps
+        seed = held is None or ahead or start > held
+        first = start if seed else held
+        chain = [(v, _delta_of(source_dir, v)) for v in range(first + 1, target_version + 1)]  # refused before any change
+        if not seed and not chain:
+            return 0
+        _forget(local_dir)  # from here until _record the folder holds no known version
+        if seed:
+            _copy_checkpoint(base_dir if start == 0 else version_dir(source_dir, start), local_dir)
+            _record(local_dir, start, base_dir)
+        for version, meta in chain:
+            logger.info("pull_weights: applying the delta of version %d", version)
+            apply_delta(local_dir, version_dir(source_dir, version), meta)
+            _record(local_dir, version, base_dir)
+        return int(seed) + len(chain)
 
 
-def applied_version(local_dir: str) -> Optional[int]:
-    """The version local_dir holds, None when unknown (a fresh folder, or a failed pull)."""
+def applied_version(local_dir: str, base_dir: Optional[str] = None) -> Optional[int]:
+    """The version local_dir holds, None when unknown (a fresh folder, a failed pull, or, given
+    base_dir, a folder seeded from another base checkpoint: the engine restarted on another model)."""
     try:
         with open(os.path.join(local_dir, STATE_DIR, "state.json")) as f:
-            return int(json.load(f)["version"])
-    except (FileNotFoundError, KeyError, ValueError):
+            state = json.load(f)
+        version = int(state["version"])
+    except (FileNotFoundError, KeyError, ValueError, TypeError):
         return None
+    if base_dir is not None and state.get("base") != os.path.realpath(base_dir):
+        return None
+    return version
 
 
-def _apply(local_dir: str, source_dir: str, version: int) -> None:
+def _check_folder(local_dir: str) -> None:
+    """A pull replaces and removes files in local_dir: only an absolute path that is new, empty,
+    or a folder a pull made (its .weight_sync) is taken."""
+    if not isinstance(local_dir, str) or not os.path.isabs(local_dir):
+        raise ValueError(f"local_checkpoint_dir must be an absolute path, got {local_dir!r}")
+    if os.path.isdir(local_dir) and os.listdir(local_dir) and not os.path.isdir(os.path.join(local_dir, STATE_DIR)):
+        raise ValueError(f"local_checkpoint_dir {local_dir} holds files and is no /pull_weights folder (no "
+                         f"{STATE_DIR}/): a pull would replace or remove them; give a new or empty folder")
+
+
+def _delta_of(source_dir: str, version: int) -> dict:
     path = version_dir(source_dir, version)
     meta = delta_metadata(path)
     if meta is None:  # a full version after the seed: the seed search stops at the newest one
@@ -82,8 +102,8 @@ def _apply(local_dir: str, source_dir: str, version: int) -> None:
     if int(meta.get("version", version)) != version or int(meta.get("base_version", -1)) != version - 1:
         raise RuntimeError(f"{path}: its index says version {meta.get('version')} on {meta.get('base_version')}, "
                            f"expected {version} on {version - 1}")
-    logger.info("pull_weights: applying the delta of version %d", version)
-    apply_delta(local_dir, path, meta)
+    check_delta(path, meta)
+    return meta
 
 
 def _copy_checkpoint(src: str, local_dir: str) -> None:
@@ -93,20 +113,24 @@ def _copy_checkpoint(src: str, local_dir: str) -> None:
     logger.info("pull_weights: copying the full checkpoint %s into %s", src, local_dir)
     files = [e for e in os.scandir(src) if e.is_file()]
     for entry in files:
-        dest = os.path.join(local_dir, entry.name)
-        shutil.copyfile(entry.path, dest)
-        if os.path.getsize(dest) != entry.stat().st_size:  # a source still being written
+        part = os.path.join(local_dir, STATE_DIR, entry.name + ".part")
+        shutil.copyfile(entry.path, part)
+        if os.path.getsize(part) != entry.stat().st_size:  # a source still being written
             raise RuntimeError(f"{entry.path} changed size while it was copied")
+        os.replace(part, os.path.join(local_dir, entry.name))  # a reader's open file keeps its bytes
     names = {e.name for e in files}
     for entry in os.scandir(local_dir):
         if entry.is_file() and entry.name not in names:
             os.remove(entry.path)
 
 
-def _record(local_dir: str, version: int) -> None:
+def _record(local_dir: str, version: int, base_dir: str) -> None:
+    """slime's marker ({"version": "NNNNNN"}) and the base checkpoint the chain started from."""
     path = os.path.join(local_dir, STATE_DIR, "state.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"version": f"{version:06d}"}, f)
+        json.dump({"version": f"{version:06d}", "base": os.path.realpath(base_dir)}, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 

@@ -206,8 +206,8 @@ class RequestBuilder:
                              f"{self.context_len} tokens. You requested a total of {total} tokens: {prompt_len} "
                              f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
                              f"Please reduce the number of tokens in the input messages or the completion to fit "
-                             f"within the limit: max_new_tokens at most {self.context_len - prompt_len} for this "
-                             f"prompt")
+                             f"within the limit. (max_new_tokens at most {self.context_len - prompt_len} for this "
+                             f"prompt)")
         pool = self.max_total_num_tokens
         if pool is not None and total > pool:
             room = f"lower max_new_tokens to at most {pool - prompt_len}, " if prompt_len < pool else ""

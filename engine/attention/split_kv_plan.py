@@ -6,9 +6,10 @@ them in place; extend plans come from the host lists of the ForwardBatch (one H2
 the first layer's call because the q-block height depends on the GQA group (q heads / kv heads),
 which the backend first sees there.
 
-Deterministic mode: one tile config for extend and decode, splits of exactly `split_size` keys at
-absolute positions. Normal mode: a tall tile and a single split for extend (plain flash
-attention), a short tile and length-proportional splits for decode.
+Deterministic mode: splits of exactly `split_size` keys at absolute positions, and one tile for
+extend and decode, except where prefill's taller tile was measured to give decode's bits (below).
+Normal mode: a tall tile and a single split for extend (plain flash attention), a short tile and
+length-proportional splits for decode.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ PROGRAMS_PER_SM = 4  # decode spreads splits over lanes until about this many pr
 
 # Measured on the H200 (scripts/gpu_attention_bench.py --sweep, Qwen3-8B heads): decode is a
 # KV stream, and 128-key steps with a short 16-row tile reach 93-101% of the copy bandwidth at
-# bs 256 (64-key steps: 53%; the old 32-row det tile: 37%). The det tile serves prefill too:
-# (16, 128, 4, 2) prefills at 80 TFLOP/s, as fast as the 32-row tile it replaced.
-# Deterministic prefill: 32 rows, the decode tile's 128 keys a step; measured to give the 16-row
-# tile's bits (scripts/det_extend_tile_probe.py, H100: 64- and 128-row tiles and 8 warps do not)
-# and to prefill 512-token prompts in 1.29 vs 1.77 ms. TANDEM_DET_EXTEND_ROWS=16: the decode tile (A/B).
+# bs 256 (64-key steps: 53%; the old 32-row det tile of 64 keys a step: 37%).
+# Deterministic prefill: 32 rows, the decode tile's 128 keys a step and warps; measured to give
+# the 16-row tile's bits (scripts/det_extend_tile_probe.py, H100, Qwen3-8B's heads; the 0.6B's in
+# `tandem train`'s rollout-vs-trainer logprobs; 64- and 128-row tiles or 8 warps do not) and to
+# prefill 512-token prompts in 1.29 vs 1.77 ms. Other head shapes keep the decode tile
+# (DET_EXTEND_MEASURED). TANDEM_DET_EXTEND_ROWS=16: the decode tile everywhere (A/B).
 DEFAULT_CONFIGS = {
     "deterministic": KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, fp_fusion=False),
     "deterministic_extend": KernelConfig(block_m=int(os.environ.get("TANDEM_DET_EXTEND_ROWS", "32")), block_n=128,
@@ -42,9 +44,20 @@ DEFAULT_CONFIGS = {
     "extend": KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "decode": KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
 }
+# (q heads a kv head, bytes of a K row) where the deterministic prefill tile was measured: 16-bit
+# K/V of head_dim 128 at GQA groups 2 (Qwen3-0.6B) and 4 (Qwen3-8B); elsewhere the decode tile
+DET_EXTEND_MEASURED = {(2, 256), (4, 256)}
 # Normal-mode decode: the shortest split worth its own program. 128 keys (one key block) halves
 # the batch-1 step at short contexts vs 256 (10 vs 20 us per layer at 768 keys, same sweep).
 MIN_DECODE_SPLIT = 128
+
+
+def _same_row_arithmetic(tile: Tile, twin: Tile, group: int, kv_row_bytes: Optional[int]) -> bool:
+    """Whether a taller tile computes each row as `twin` does: the same keys a step, warps and
+    contraction, at a head shape where that was measured (DET_EXTEND_MEASURED)."""
+    a, b = tile.config, twin.config
+    same = (tile.block_n, a.num_warps, a.fp_fusion) == (twin.block_n, b.num_warps, b.fp_fusion)
+    return same and (a.block_m == b.block_m or (group, kv_row_bytes) in DET_EXTEND_MEASURED)
 
 
 def shared_memory_limit(device: torch.device) -> Optional[int]:
@@ -123,9 +136,9 @@ class SplitKvPlan:
         if key not in self._tables:  # one per batch, not per layer
             limit = shared_memory_limit(device) if device is not None else None
             tile = Tile.build(self.config, group, self.split, kv_row_bytes, limit)
-            if self.keys_config is not None:  # a row's keys a step are its arithmetic: keep the twin's
+            if self.keys_config is not None:  # deterministic extend: decode's bits or decode's tile
                 twin = Tile.build(self.keys_config, group, self.split, kv_row_bytes, limit)
-                tile = tile if tile.block_n == twin.block_n else twin
+                tile = tile if _same_row_arithmetic(tile, twin, group, kv_row_bytes) else twin
             self._tables[key] = tile
         return self._tables[key]
 

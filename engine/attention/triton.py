@@ -70,8 +70,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.deterministic = deterministic
         self.split_size = split_size
         cfg = {**DEFAULT_CONFIGS, **(configs or {})}
-        # deterministic: prefill's tile is decode's with more rows (the same bits, measured; the
-        # plan falls back to decode's tile where the keys a step would differ), so prefill = decode
+        if configs and "deterministic" in configs and "deterministic_extend" not in configs:
+            cfg["deterministic_extend"] = configs["deterministic"]  # a tile of one's own, for both
+        # deterministic: prefill's tile is decode's with more rows where that was measured to keep
+        # the bits (split_kv_plan.DET_EXTEND_MEASURED), else decode's own: prefill = decode
         self.extend_config = cfg["deterministic_extend"] if deterministic else cfg["extend"]
         self.decode_config = cfg["deterministic"] if deterministic else cfg["decode"]
         self._num_sms = num_sms

@@ -14,9 +14,10 @@ partial (max, sum-exp, unnormalised acc) in log2 units. Partials are merged in s
 0, 1, 2, ... either inside the program (MERGE) or by stage 2 after stage 1 stored them.
 
 Why a row's result is the same bits in prefill and decode (deterministic mode): BLOCK_N,
-BLOCK_D, G_PAD and the warps are one fixed config (prefill's tile has more rows, BLOCK_T tokens:
-32 rows instead of decode's 16, measured to keep every row's bits; 64 rows or 8 warps change the
-accumulator layout and so a row's sums: scripts/det_extend_tile_probe.py); BLOCK_T | BLOCK_N |
+BLOCK_D, G_PAD and the warps are one fixed config (prefill's tile may have more rows, BLOCK_T
+tokens: 32 rows instead of decode's 16 at the head shapes where that was measured to keep every
+row's bits, split_kv_plan.DET_EXTEND_MEASURED; 64 rows or 8 warps change the accumulator layout
+and so a row's sums: scripts/det_extend_tile_probe.py); BLOCK_T | BLOCK_N |
 SPLIT and q blocks are aligned, so every row of a block ends its keys in the same key block as it
 would alone, i.e. the row runs exactly the loop it runs in decode; rows of a tile never mix
 (MMA rows and row reductions are independent); the merge is one helper, the same operations in

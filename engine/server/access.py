@@ -69,8 +69,7 @@ class AccessMiddleware:
             if refusal is not None:
                 await error_response(refusal, 403)(scope, receive, send)
                 return
-            sent = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
-            given = sent[0] if len(sent) == 1 else b""  # two keys sent: neither is taken
+            given = authorization(scope)
             if not self.policy.allows(scope.get("path", ""), given):
                 admin = scope.get("path") in ADMIN_ROUTES and self.policy.admin
                 which = "admin api key" if admin else "api key"
@@ -78,6 +77,13 @@ class AccessMiddleware:
                     scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def authorization(scope: dict) -> bytes:
+    """The request's Authorization value; b"" when there is none, or more than one (which one a
+    proxy or a framework reads differs: neither is taken)."""
+    sent = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
+    return sent[0] if len(sent) == 1 else b""
 
 
 def _bearer(key: Optional[str]) -> Optional[bytes]:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Coroutine, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from engine.server.access import AccessPolicy
+from engine.server.access import AccessPolicy, authorization
 from engine.server.errors import error_response
 from engine.server.profiler import Profiler
 from engine.server.protocol import AbortRequest, StartProfileRequest, UnknownFields
@@ -40,7 +40,7 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields, po
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest, request: Request) -> Response:
         unknown.note("/abort_request", req)
-        if req.abort_all and not policy.is_admin(request.headers.get("authorization", "").encode("latin-1")):
+        if req.abort_all and not policy.is_admin(authorization(request.scope)):
             return error_response("abort_all ends every client's requests: it needs the admin api key "
                                   "(Authorization: Bearer <admin key>); abort your own by rid", 401)
         if req.abort_all:

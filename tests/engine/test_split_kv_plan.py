@@ -32,12 +32,29 @@ def test_deterministic_extend_keeps_the_decode_tiles_keys_a_step(monkeypatch):
 
     extend, decode = DEFAULT_CONFIGS["deterministic_extend"], DEFAULT_CONFIGS["deterministic"]
     assert extend.block_n == decode.block_n and extend.block_m > decode.block_m
-    assert skp.SplitKvPlan(extend, 256, keys_config=decode).tile(4).config == extend  # nothing to fit
+    assert skp.SplitKvPlan(extend, 256, keys_config=decode).tile(4, 256).config == extend  # measured: 8B's heads
+    assert skp.SplitKvPlan(extend, 256, keys_config=decode).tile(2, 256).config == extend  # and 0.6B's
+    for group, row in ((8, 256), (4, 128), (4, None)):  # not measured: the decode tile
+        assert skp.SplitKvPlan(extend, 256, keys_config=decode).tile(group, row).config == decode, (group, row)
     # head_dim 256 in bf16 (512-byte rows): 16 rows of 128 keys fit this limit, 32 rows do not
     limit = 285000
     assert Tile.build(decode, 4, 256, 512, limit).block_n == 128
     assert Tile.build(extend, 4, 256, 512, limit).block_n == 64
     monkeypatch.setattr(skp, "shared_memory_limit", lambda device: limit)
-    tile = skp.SplitKvPlan(extend, 256, keys_config=decode).tile(4, 512, device="any")
+    skp.DET_EXTEND_MEASURED.add((4, 512))  # as if measured there too: the keys a step still decide
+    try:
+        tile = skp.SplitKvPlan(extend, 256, keys_config=decode).tile(4, 512, device="any")
+    finally:
+        skp.DET_EXTEND_MEASURED.discard((4, 512))
     assert tile.config.block_m == decode.block_m and tile.block_n == 128
     assert skp.SplitKvPlan(extend, 256).tile(4, 512, device="any").block_n == 64  # no twin: as fitted
+
+
+def test_a_deterministic_tile_of_ones_own_serves_prefill_too():
+    """configs={"deterministic": ...} alone: prefill runs that tile, not the default 32-row one."""
+    from engine.attention.split_kv_plan import KernelConfig
+    from engine.attention.triton import TritonAttentionBackend
+
+    mine = KernelConfig(block_m=16, block_n=64, num_warps=8, num_stages=2, fp_fusion=False)
+    backend = TritonAttentionBackend(deterministic=True, configs={"deterministic": mine})
+    assert backend.extend_config == backend.decode_config == mine

@@ -87,6 +87,10 @@ def test_two_authorization_headers_open_nothing(engine):
             resp = c.post("/flush_cache", content=b"{}", headers=headers)
             assert resp.status_code == 401, pair
         assert c.post("/flush_cache", headers=bearer("a")).status_code == 200
+    with TestClient(create_app(engine, admin_api_key="a")) as c:  # /abort_request open, abort_all the admin's
+        headers = [(b"authorization", b"Bearer a"), (b"authorization", b"junk"), (b"content-type", b"application/json")]
+        resp = c.post("/abort_request", content=b'{"abort_all": true}', headers=headers)
+        assert resp.status_code == 401 and "admin api key" in resp.json()["message"]
 
 
 def test_keys_from_environment():

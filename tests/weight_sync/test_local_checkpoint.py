@@ -47,7 +47,18 @@ def _write_full(path: str, tensors: dict) -> None:
         json.dump({"model_type": "test"}, f)
 
 
-def _write_delta(path: str, version: int, old: dict, new: dict, encoding: str, checksums=None) -> None:
+def _digest(algorithm: str, buf: np.ndarray) -> str:
+    if algorithm == "adler32":
+        return _adler(buf)
+    if algorithm == "xxh3-128":
+        import xxhash
+        return xxhash.xxh3_128(buf.tobytes()).hexdigest()
+    import blake3
+    return blake3.blake3(buf.tobytes()).hexdigest()
+
+
+def _write_delta(path: str, version: int, old: dict, new: dict, encoding: str, checksums=None,
+                 algorithm: str = "adler32") -> None:
     os.makedirs(path, exist_ok=True)
     deltas, sums = {}, {}
     for name in new:
@@ -60,10 +71,10 @@ def _write_delta(path: str, version: int, old: dict, new: dict, encoding: str, c
             pos = np.flatnonzero(a != b).astype("<u4")
             raw = np.concatenate([np.array([pos.size], "<u4").view(np.uint8), pos.view(np.uint8), b[a != b]])
         deltas[name] = np.frombuffer(zstandard.ZstdCompressor(level=1).compress(raw.tobytes()), dtype=np.uint8)
-        sums[name] = _adler(b)
+        sums[name] = _digest(algorithm, b)
     save_file(deltas, os.path.join(path, "model-00001-of-00001.safetensors"), metadata=checksums or sums)
     meta = {"version": f"{version:06d}", "base_version": f"{version - 1:06d}", "delta_encoding": encoding,
-            "compression_format": "zstd", "checksum_format": "adler32"}
+            "compression_format": "zstd", "checksum_format": algorithm}
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": meta, "weight_map": {n: "model-00001-of-00001.safetensors" for n in deltas}}, f)
 
@@ -176,3 +187,54 @@ def test_the_pre_read_hook_runs_first(stream, monkeypatch):
     pull(local, base, src, 2, pre_read_hook="site.refresh")
     assert seen == [("site.refresh", src, 2)]
     _assert_holds(local, v[2])
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "blake3"])
+def test_slimes_default_checksum_and_blake3(tmp_path, algorithm):
+    pytest.importorskip({"xxh3-128": "xxhash", "blake3": "blake3"}[algorithm])
+    old, new = _tensors(0), _tensors(1)
+    base, src, local = str(tmp_path / "base"), str(tmp_path / "src"), str(tmp_path / "local")
+    _write_full(base, old)
+    _write_delta(version_dir(src, 1), 1, old, new, "xor", algorithm=algorithm)
+    assert pull(local, base, src, 1) == 2
+    _assert_holds(local, new)
+
+
+def test_a_delta_this_host_cannot_read_changes_nothing(stream, monkeypatch):
+    base, src, v, local = stream
+    pull(local, base, src, 1)
+    index = os.path.join(version_dir(src, 2), "model.safetensors.index.json")
+    meta = json.load(open(index))
+    meta["metadata"]["checksum_format"] = "crc64"
+    json.dump(meta, open(index, "w"))
+    with pytest.raises(ValueError, match="checksum_format 'crc64' is not supported"):
+        pull(local, base, src, 2)
+    assert applied_version(local) == 1  # refused before any change: still version 1
+    _assert_holds(local, v[1])
+
+
+@pytest.mark.parametrize("where", ["relative", "empty", "foreign"])
+def test_only_new_empty_or_own_folders_are_pulled_into(stream, tmp_path, where):
+    base, src, v, local = stream
+    if where == "foreign":  # a folder of someone's files: a pull would replace or remove them
+        local = str(tmp_path / "home")
+        os.makedirs(local)
+        open(os.path.join(local, "notes.txt"), "w").write("mine")
+    target = {"relative": "ckpt", "empty": "", "foreign": local}[where]
+    with pytest.raises(ValueError, match="absolute path" if where != "foreign" else "no /pull_weights folder"):
+        pull(target, base, src, 0)
+    if where == "foreign":
+        assert open(os.path.join(local, "notes.txt")).read() == "mine"
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert pull(empty, base, src, 0) == 1  # an empty folder is taken
+
+
+def test_a_folder_seeded_from_another_base_is_seeded_again(stream, tmp_path):
+    base, src, v, local = stream
+    pull(local, base, src, 1)
+    other = str(tmp_path / "other-base")
+    _write_full(other, v[0])
+    assert applied_version(local, other) is None and applied_version(local, base) == 1
+    assert pull(local, other, src, 1) == 2  # the other base, then delta 1 again
+    _assert_holds(local, v[1])

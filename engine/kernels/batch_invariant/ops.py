@@ -118,6 +118,7 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 def greedy_log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 [N, V] -> (argmax ids [N], log_softmax(x) at them [N]): greedy decoding's token and
     logprob, the bits of `log_softmax` then a gather (one read of the logits on CUDA)."""
+    x = x.detach()  # ids and values to report: no gradient (and _cuda_ops' autograd forms have no such op)
     ops = _cuda_ops(x)
     if ops is not None:
         return ops.bi_greedy_log_softmax(x)
