@@ -72,7 +72,10 @@ class StepResults:
             req.first_token_time = time.perf_counter()
         if req.detokenizer is not None and (req.stream or req.sampling_params.watches_text):
             _detokenize(req)  # text is needed now; otherwise once, at the end
-        reason = check_finished(req, self.eos_token_ids, self.context_len) or grammar_stop
+        # a grammar's refusal first: a token it refused came from a row it left nothing in, even
+        # where that token is a stop token (an unsatisfiable grammar's "stop" would hide why)
+        refused = grammar_stop if grammar_stop is not None and grammar_stop.get("type") == "abort" else None
+        reason = refused or check_finished(req, self.eos_token_ids, self.context_len) or grammar_stop
         if reason is None:
             return [req_output(req, self.core, finished=False)] if req.stream else []
         req.finished_reason = reason

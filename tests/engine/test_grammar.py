@@ -135,6 +135,19 @@ def test_min_new_tokens_yields_to_a_complete_grammar(engine):
     assert short["text"] == "ab" and short["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_grammar_that_accepts_nothing_aborts_saying_so(engine, ignore_eos):
+    """`root ::= root` matches no string: no token is allowed at the first step. The request ends
+    with an abort naming the grammar, also where the token the empty row gave is a stop token
+    (the tiny model's token 0 is an EOS id), never a plain "stop"; the engine serves on."""
+    out = engine.generate("hello", sampling_params={"ebnf": "root ::= root", "max_new_tokens": 4,
+                                                    "ignore_eos": ignore_eos})
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "grammar" in reason["message"], reason
+    assert engine.generate("hello", sampling_params={"max_new_tokens": 2, "temperature": 0})["meta_info"][
+        "completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("params, problem", [
     ({"regex": "[0-9"}, "invalid regex"),
     ({"json_schema": "{not json"}, "invalid json_schema"),
