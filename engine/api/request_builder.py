@@ -70,7 +70,8 @@ class RequestBuilder:
         out: list[ReqInput] = []
         for ids, p, base_rid, wanted, lp, start, top, route, route_start, adapter, default_length in zip(
                 prompts, params, rids, id_lists, want, starts, tops, routes, route_starts, adapters, defaulted):
-            self._check_logprob_start(start, len(ids))
+            if lp:  # read only with logprobs (SGLang ignores it otherwise, as the ReqInput below does)
+                self._check_logprob_start(start, len(ids))
             _check_route_start(route_start, len(ids))
             p = self._bounded(p, len(ids), default_length)
             self._check_fits(len(ids), p.max_new_tokens)

@@ -52,6 +52,16 @@ def test_per_prompt_values_are_checked(client):
         assert resp.status_code == 400 and expect in resp.json()["message"], resp.text
 
 
+def test_logprob_start_len_without_logprobs_is_ignored(client):
+    """SGLang reads logprob_start_len only with return_logprob: a client that always sends one
+    (past a short prompt) gets its tokens, not a 400."""
+    out = client.post("/generate", json={"input_ids": BATCH[0], "sampling_params": GEN, "logprob_start_len": 100})
+    assert out.status_code == 200 and "input_token_logprobs" not in out.json()["meta_info"]
+    asked = client.post("/generate", json={"input_ids": BATCH[0], "sampling_params": GEN, "logprob_start_len": 100,
+                                           "return_logprob": True})
+    assert asked.status_code == 400 and "logprob_start_len must be -1" in asked.json()["message"]
+
+
 def test_an_empty_rid_is_no_name(client, engine):
     """rid "" (which /abort_request takes for none) gets a fresh id, so two clients sending it at
     once do not collide (it was one 200 and "rid '' is already in flight" for the others)."""
