@@ -30,6 +30,7 @@ import numpy as np
 
 INDEX = "model.safetensors.index.json"
 WORKERS = min(16, os.cpu_count() or 4)
+XOR_CHUNK = 8 << 20
 
 
 def delta_metadata(version_dir: str) -> dict | None:
@@ -129,15 +130,17 @@ def apply_delta(local_dir: str, version_dir: str, meta: dict) -> None:
         patches = list(_patches(version_dir, spans, maps))
 
         def apply(patch: _Patch) -> str | None:
-            bound = patch.region.size if encoding == "xor" else 4 + 5 * patch.region.size
-            declared = zstandard.frame_content_size(patch.payload)  # what decompress would allocate
-            if declared > bound:
-                raise ValueError(f"{patch.name}: a delta frame of {declared} bytes for a tensor of {patch.region.size}")
-            delta = np.frombuffer(zstandard.ZstdDecompressor().decompress(patch.payload, max_output_size=bound),
-                                  dtype=np.uint8)
-            _patch_bytes(patch, delta, encoding)
             digest = hasher(algorithm)
-            digest.update(patch.region)
+            if encoding == "xor":  # streamed: a chunk decompressed, applied and hashed at a time
+                _xor_streamed(zstandard, patch, digest)
+            else:
+                bound = 4 + 5 * patch.region.size
+                declared = zstandard.frame_content_size(patch.payload)  # what decompress would allocate
+                if declared > bound:
+                    raise ValueError(f"{patch.name}: a delta frame of {declared} bytes for a tensor of {patch.region.size}")
+                _overwrite(patch, np.frombuffer(zstandard.ZstdDecompressor().decompress(
+                    patch.payload, max_output_size=bound), dtype=np.uint8))
+                digest.update(patch.region)
             return None if digest.hexdigest() == patch.checksum else patch.name
 
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
@@ -175,13 +178,25 @@ def _patches(version_dir: str, spans: dict, maps: dict):
             yield _Patch(name, blob[data + begin:data + end], region, checksums.get(name))
 
 
-def _patch_bytes(patch: _Patch, delta: np.ndarray, encoding: str) -> None:
+def _xor_streamed(zstandard: Any, patch: _Patch, digest: Any) -> None:
+    """The new bytes are the old XOR the delta: XOR_CHUNK at a time (slime's frames hold whole
+    tensors; an embedding's is ~1.2 GB decompressed), each hashed once patched."""
+    region, done = patch.region, 0
+    reader = zstandard.ZstdDecompressor().stream_reader(patch.payload)
+    while chunk := reader.read(XOR_CHUNK):
+        if done + len(chunk) > region.size:
+            raise ValueError(f"{patch.name}: an xor delta longer than the tensor's {region.size} bytes")
+        part = region[done:done + len(chunk)]
+        np.bitwise_xor(part, np.frombuffer(chunk, dtype=np.uint8), out=part)
+        digest.update(part)
+        done += len(chunk)
+    if done != region.size:
+        raise ValueError(f"{patch.name}: an xor delta of {done} bytes for a tensor of {region.size}")
+
+
+def _overwrite(patch: _Patch, delta: np.ndarray) -> None:
+    """u32 count, u32 byte positions, then the new byte at each."""
     region = patch.region
-    if encoding == "xor":
-        if delta.size != region.size:
-            raise ValueError(f"{patch.name}: an xor delta of {delta.size} bytes for a tensor of {region.size}")
-        np.bitwise_xor(region, delta, out=region)
-        return
     count = int(delta[:4].view("<u4")[0]) if delta.size >= 4 else -1
     if count < 0 or delta.size != 4 + 5 * count:
         raise ValueError(f"{patch.name}: a malformed overwrite delta ({delta.size} bytes)")

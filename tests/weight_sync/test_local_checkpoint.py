@@ -238,3 +238,25 @@ def test_a_folder_seeded_from_another_base_is_seeded_again(stream, tmp_path):
     assert applied_version(local, other) is None and applied_version(local, base) == 1
     assert pull(local, other, src, 1) == 2  # the other base, then delta 1 again
     _assert_holds(local, v[1])
+
+
+@pytest.mark.parametrize("algorithm", ["adler32", "xxh3-128"])
+def test_xor_deltas_apply_and_hash_a_chunk_at_a_time(stream, monkeypatch, algorithm):
+    """Small chunks (7 bytes: ragged against every tensor) give the same tensors and checksums
+    as one piece; a delta longer than its tensor is refused by name."""
+    from weight_sync import checkpoint_delta
+
+    pytest.importorskip("xxhash") if algorithm == "xxh3-128" else None
+    base, src, v, local = stream
+    monkeypatch.setattr(checkpoint_delta, "XOR_CHUNK", 7)
+    if algorithm != "adler32":  # republish version 1 under slime's default checksum
+        import shutil
+        shutil.rmtree(version_dir(src, 1))
+        _write_delta(version_dir(src, 1), 1, v[0], v[1], "xor", algorithm=algorithm)
+    pull(local, base, src, 1)
+    _assert_holds(local, v[1])
+    longer = np.frombuffer(zstandard.ZstdCompressor().compress(b"\x01" * 100), np.uint8)
+    shard = os.path.join(version_dir(src, 4), "model-00001-of-00001.safetensors")
+    save_file({"model.norm.weight": longer}, shard, metadata={"model.norm.weight": "0"})
+    with pytest.raises(ValueError, match="an xor delta longer than the tensor's 16 bytes"):
+        pull(local, base, src, 4)
