@@ -26,7 +26,8 @@ _BOOL_FIELDS = (
 )
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # compiled by engine/grammar
 _OPTIONAL_STR_FIELDS = GRAMMAR_FIELDS
-_TOKEN_ID = re.compile(r"-?[0-9]{1,4000}")  # a negative id parses, so its error names the range; past 4000 digits int() refuses (Python's limit)
+# a negative id parses, so its error names the range; past 4000 digits int() refuses (Python's limit)
+_TOKEN_ID = re.compile(r"-?[0-9]{1,4000}")
 # SGLang takes any bias (clients ban a token with -1e4, say); bounded only so that logits + bias
 # stays finite in float32. OpenAI's own API stops at +-100, which forces or bans a token already.
 LOGIT_BIAS_RANGE = 1e30

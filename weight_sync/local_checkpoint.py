@@ -51,12 +51,13 @@ def pull(local_dir: str, base_dir: str, source_dir: str, target_version: int,
         held = applied_version(local_dir, base_dir)
         ahead = held is not None and held > target_version  # a rewound run: start again below
         floor = 0 if held is None or ahead else held
-        start = target_version  # the newest full version above what the folder holds, else `floor`
-        while start > floor and delta_metadata(version_dir(source_dir, start)) is not None:
+        start, deltas = target_version, {}  # the newest full version above what the folder holds, else `floor`
+        while start > floor and (meta := delta_metadata(version_dir(source_dir, start))) is not None:
+            deltas[start] = meta
             start -= 1
         seed = held is None or ahead or start > held
-        first = start if seed else held
-        chain = [(v, _delta_of(source_dir, v)) for v in range(first + 1, target_version + 1)]  # refused before any change
+        first = start if seed else held  # every version after it was read as a delta above
+        chain = [(v, _checked(source_dir, v, deltas[v])) for v in range(first + 1, target_version + 1)]
         if not seed and not chain:
             return 0
         _forget(local_dir)  # from here until _record the folder holds no known version
@@ -94,11 +95,9 @@ def _check_folder(local_dir: str) -> None:
                          f"{STATE_DIR}/): a pull would replace or remove them; give a new or empty folder")
 
 
-def _delta_of(source_dir: str, version: int) -> dict:
+def _checked(source_dir: str, version: int, meta: dict) -> dict:
+    """A delta of the chain, refused (numbering, formats, packages) before the pull changes anything."""
     path = version_dir(source_dir, version)
-    meta = delta_metadata(path)
-    if meta is None:  # a full version after the seed: the seed search stops at the newest one
-        raise RuntimeError(f"{path} is a full checkpoint inside a delta chain")
     if int(meta.get("version", version)) != version or int(meta.get("base_version", -1)) != version - 1:
         raise RuntimeError(f"{path}: its index says version {meta.get('version')} on {meta.get('base_version')}, "
                            f"expected {version} on {version - 1}")

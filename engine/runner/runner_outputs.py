@@ -62,12 +62,12 @@ class RunnerOutputs:
             fused = sampling.plain_sampled and (self.log_softmax is not None
                                                 or not any(r.top_logprobs_num for r in batch.reqs))
             out = self.sampler.sample(last, sampling, fused=fused)
-        chosen = out.original_logprobs
+        chosen, processed_rows = out.original_logprobs, None
         if any(r.logprob_distribution == "processed" for r in batch.reqs):
-            processed = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)
-            chosen = torch.where(processed, out.processed_logprobs, out.original_logprobs)
+            processed_rows = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)
+            chosen = torch.where(processed_rows, out.processed_logprobs, out.original_logprobs)
         pending = self._finish_sample(batch, plan, logits, last, out.next_token_ids, chosen,
-                                      processed_all if processed_top else None)
+                                      (processed_all, processed_rows) if processed_top else None)
         if wants_ids:
             pending.token_ids = self._token_ids_logprobs(batch, original, processed_all)
         if kept_rows:  # a greedy row keeps its token: the host records that
@@ -110,18 +110,18 @@ class RunnerOutputs:
 
     def _finish_sample(self, batch: ScheduleBatch, plan: LogitsPlan, logits: torch.Tensor, last: torch.Tensor,
                        next_ids: torch.Tensor, chosen: torch.Tensor,
-                       processed: Optional[torch.Tensor] = None) -> PendingResult:
-        """processed: the rows' processed logprobs [B, V], where a row takes its top logprobs
-        from the distribution its token's logprob comes from (logprob_distribution "processed")."""
+                       processed: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> PendingResult:
+        """processed: (the processed logprobs [B, V], which rows ask for them [B]): those rows take
+        their top logprobs from the distribution their token's logprob comes from."""
         pending = PendingResult.start(batch, next_ids, chosen)
         k = max((r.top_logprobs_num for r in batch.reqs), default=0)
         if k:
             pending.top = top_logprobs(last, k, self.log_softmax)
             if processed is not None:
-                wants = h2d(torch.tensor([r.logprob_distribution == "processed" for r in batch.reqs]), self.device)
-                values, ids = top_k_of(processed, k)
-                pending.top = (torch.where(wants[:, None], values, pending.top[0]),
-                               torch.where(wants[:, None], ids, pending.top[1]))
+                logprobs, rows = processed
+                values, ids = top_k_of(logprobs, k)
+                pending.top = (torch.where(rows[:, None], values, pending.top[0]),
+                               torch.where(rows[:, None], ids, pending.top[1]))
         if plan.num_prompt_rows:
             rows_t, targets = h2d(plan.prompt_rows, self.device), h2d(plan.prompt_targets, self.device)
             prompt_logprobs = original_logprobs(logits[rows_t], self.log_softmax)  # once, for both below

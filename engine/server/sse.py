@@ -17,4 +17,4 @@ def json_bytes(payload: Any) -> bytes:
 
 def sse_event(payload: Any) -> str:
     """One `data:` event of a stream."""
-    return f"data: {_ANY.dump_json(payload).decode()}\n\n"
+    return f"data: {json_bytes(payload).decode()}\n\n"
