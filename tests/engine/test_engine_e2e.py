@@ -120,14 +120,16 @@ def test_top_logprobs_and_processed_distribution(engine, hf_model):
     full = torch.tensor([prompt + out["output_ids"]])
     with torch.no_grad():
         logits = hf_model(full).logits[0].float()
+    # 2e-5: a prompt whose prefix another test left in the radix cache rounds its logits ~1e-5
+    # differently (prefix from the cache, the rest computed), and T = 0.5 doubles that
     for i, (lp, tok, _) in enumerate(meta["output_token_logprobs"]):
         row = logits[len(prompt) - 1 + i]
-        assert abs(lp - torch.log_softmax(row / 0.5, -1)[tok].item()) <= 1e-5
+        assert abs(lp - torch.log_softmax(row / 0.5, -1)[tok].item()) <= 2e-5
         top = meta["output_top_logprobs"][i]
         assert len(top) == 5
         ref_vals, ref_ids = torch.log_softmax(row / 0.5, -1).topk(5)  # top logprobs: the token's distribution
         assert [t[1] for t in top] == ref_ids.tolist()
-        assert [t[0] for t in top] == pytest.approx(ref_vals.tolist(), abs=1e-5)
+        assert [t[0] for t in top] == pytest.approx(ref_vals.tolist(), abs=2e-5)
 
 
 def test_bfloat16_on_cpu_runs_and_stays_close(engine_factory, prompts, hf_outputs):
