@@ -8,6 +8,7 @@ config, a function of (N, K, dtype) only. M only chooses how the same arithmetic
   * the tile (triton_ops.M_TIERS): on sm_90 each element is the same chain of k16 MMA
     steps in any tile shape (measured bitwise, see triton_ops);
   * "seq": one program per output tile runs the splits in order, total kept in registers;
+  * "persistent": "seq" on a fixed grid of programs walking the tiles (persistent_matmul.py);
   * "par": one program per (tile, split) writes partial_s to an fp32 workspace; the partials are
     then summed in split order, by the last program to finish the tile ("fused", found with an
     atomic counter) or by a second kernel ("kernel").
@@ -51,6 +52,9 @@ class MatmulConfig:
     flat: bool = True  # one k loop across split ends (loads stay in flight) vs a loop per split
     par_max_tiles: int = 0  # "par" while the output has fewer tiles than this (0: 0.75 x #SMs)
     reduce: str = "fused"  # how "par" sums the partials: "fused" or "kernel"
+    persistent: int = 0  # "seq" on resident programs, this many per SM (persistent_matmul.py); 0: a program a tile
+    flatten: bool = False  # persistent only: Triton fuses the tile and k loops into one pipeline
+    warp_spec: bool = False  # persistent only: TMA producer and MMA consumer warps
 
     def num_splits(self, K: int) -> int:
         return 1 if self.split_k <= 0 or self.split_k >= K else triton.cdiv(K, self.split_k)
@@ -269,11 +273,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Mat
     ws = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device) if parallel else out
     cnt = _counters(x.device, n_tiles) if parallel and fused else out
     bias_arg = bias if bias is not None else out
+    kt_split = cfg.split_k // cfg.block_k if n_splits > 1 else 1 << 20
+    if cfg.persistent and use_tma and not parallel:
+        from engine.kernels.batch_invariant import persistent_matmul
+
+        persistent_matmul.launch(a_src, b_src, bias, out, M, N, K, cfg, kt_split, n_splits == 1,
+                                 _num_sms(x.device), interpreting() and x.dtype != torch.float32)
+        return out
     pdl = use_pdl(M, x.device)  # decode at small batch: how it is launched, not what it computes
     _bi_mm_kernel[(n_tiles * n_splits,) if parallel else (n_tiles,)](
         a_src, b_src, bias_arg, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        KT_SPLIT=cfg.split_k // cfg.block_k if n_splits > 1 else 1 << 20,
+        KT_SPLIT=kt_split,
         ONE_SPLIT=n_splits == 1 or parallel,  # a "par" program covers one split
         FLAT=cfg.flat, GROUP_M=cfg.group_m, PARALLEL=parallel, FUSED_REDUCE=fused and parallel,
         HAS_BIAS=bias is not None, USE_TMA=use_tma, EVEN_K=K % cfg.block_k == 0,

@@ -94,8 +94,9 @@ _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
 M_TIERS: dict[tuple[int, int, str], tuple[tuple[int, dict], ...]] = {
     (n, k, "bf16"): tiers for (n, k), tiers in _HALF_TIERS.items()  # measured in bf16 only
 }
-# what a tier may change: the tile, and par_max_tiles (the schedule: "par" and "seq" give the same bits)
-TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m", "par_max_tiles")
+# what a tier may change: the tile, and the schedule (par_max_tiles, persistent...: same bits)
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m", "par_max_tiles",
+               "persistent", "flatten", "warp_spec")
 
 
 def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None,
