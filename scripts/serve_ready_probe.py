@@ -5,7 +5,9 @@ Starts `python -m tandem.main serve` on a model folder (a preset's random-weight
 the wall time from the command to ready beside the server's start-up line (its phases: before
 engine = imports and argument checks, weights, kv_pool, tokenizer, runner = CUDA graphs, warm-up
 and kernel compiles). Run it first on a fresh machine for the cold figure, then again for a warm
-one. Usage: python scripts/serve_ready_probe.py --preset qwen3-8b [--runs 2] [-- extra serve flags]
+one. --evict drops the Python packages' files from the page cache before each run (a cold start on a
+machine that is not fresh; scripts/page_cache_probe.py). Usage:
+python scripts/serve_ready_probe.py --preset qwen3-8b [--runs 2] [--evict] [-- extra serve flags]
 """
 
 from __future__ import annotations
@@ -72,14 +74,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--port", type=int, default=30002)
     parser.add_argument("--limit-s", type=float, default=240.0)
+    parser.add_argument("--evict", action="store_true", help="page cache emptied of the packages before each run")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     model_dir = tempfile.mkdtemp(prefix=f"ready-{args.preset}-")
     subprocess.run([sys.executable, "-m", "tandem.main", "tiny-model", "--out", model_dir, "--preset", args.preset],
                    check=True, stdout=subprocess.DEVNULL)
     for run in range(args.runs):
+        if args.evict:
+            from page_cache_probe import evict, package_files
+
+            print(f"evicted {evict(package_files())} files from the page cache", flush=True)
         ready, line = time_to_ready(model_dir, args.port, extra, args.limit_s)
-        print(f"run {run + 1} ({'cold' if run == 0 else 'warm'}): ready in {ready:.1f} s | {line}", flush=True)
+        print(f"run {run + 1} ({'cold' if run == 0 or args.evict else 'warm'}): ready in {ready:.1f} s | {line}", flush=True)
 
 
 if __name__ == "__main__":

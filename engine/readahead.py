@@ -1,0 +1,118 @@
+"""Readahead: the large shared libraries of a start-up read into the page cache before they are needed.
+
+On a fresh machine nothing is in the page cache, and `tandem serve` (8B shape, H100) took 25-32 s
+to ready against 14-16 s on the same machine warm (docs/benchmarks.md): importing torch, CUDA's
+lazy kernel loading and Triton's first compiles (libtriton, ptxas) fault their shared objects in
+a page run at a time, one fault after another. A few threads reading the same files in large
+blocks from the first moment keep many reads in flight instead; what the start-up then touches is
+already cached. The files are found without importing their packages (importlib specs), in the
+order a start-up needs them: torch's libraries, CUDA's (the `nvidia` wheels), Triton's compiler.
+Nothing stays in this process's memory but one buffer a thread.
+
+TANDEM_READAHEAD: 1 reads ahead, 0 does not (the default until a fresh machine measures it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+ENV = "TANDEM_READAHEAD"
+READERS = 4  # reads in flight: enough to keep a network disk busy, few enough to leave the CPU alone
+CHUNK = 64 << 20  # a large file is read by several threads at once, in order
+BUFFER = 4 << 20
+# (package, its folders holding what a start-up maps), in the order a start-up maps them
+SOURCES = (("torch", ("lib",)), ("nvidia", ("",)), ("triton", ("_C", "backends/nvidia")))
+# present in the wheels, never loaded by a start-up: dense convolution engines, FFT, solvers
+SKIP = ("cudnn_engines", "cudnn_adv", "cudnn_cnn", "cufft", "cusolver", "cusparseLt", "nvshmem", "cupti")
+
+
+def wanted(environ=os.environ) -> bool:
+    value = environ.get(ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected 1 (read the start-up's libraries ahead) or 0")
+    return value == "1"
+
+
+def library_files(sources=SOURCES, skip=SKIP) -> list[Path]:
+    """The shared objects and compiler binaries under each source package, in `sources` order."""
+    files: dict[Path, None] = {}  # by real path: a library's symlinked names once
+    for package, folders in sources:
+        for root in _package_dirs(package):
+            for folder in folders:
+                for path in sorted((root / folder).rglob("*")):
+                    if _is_library(path, skip):
+                        files.setdefault(path.resolve())
+    return list(files)
+
+
+def start(files: Optional[Iterable[Path]] = None, readers: int = READERS) -> Optional[threading.Thread]:
+    """Reads `files` (library_files() by default) on daemon threads; returns the thread that logs
+    when they are done, or None when TANDEM_READAHEAD is not 1. Never raises for an unreadable file."""
+    if not wanted():
+        return None
+    chunks: "queue.Queue[Optional[tuple[Path, int, int]]]" = queue.Queue()
+    total = 0
+    for path in library_files() if files is None else files:
+        size = _size(path)
+        for offset in range(0, size, CHUNK):
+            chunks.put((path, offset, min(CHUNK, size - offset)))
+        total += size
+    threads = [threading.Thread(target=_read_chunks, args=(chunks,), name=f"readahead-{i}", daemon=True)
+               for i in range(readers)]
+    for thread in threads:
+        chunks.put(None)
+        thread.start()
+    watcher = threading.Thread(target=_report, args=(threads, total, time.perf_counter()), name="readahead",
+                               daemon=True)
+    watcher.start()
+    return watcher
+
+
+def _read_chunks(chunks: "queue.Queue") -> None:
+    buffer = memoryview(bytearray(BUFFER))
+    while (item := chunks.get()) is not None:
+        path, offset, length = item
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                while length > 0 and (n := f.readinto(buffer[:min(BUFFER, length)])):
+                    length -= n
+        except OSError:  # gone or unreadable: the start-up will say so itself if it needs it
+            continue
+
+
+def _report(threads: list[threading.Thread], total: int, start_s: float) -> None:
+    for thread in threads:
+        thread.join()
+    logger.info("read %.2f GB of libraries ahead in %.1f s", total / 1e9, time.perf_counter() - start_s)
+
+
+def _package_dirs(package: str) -> list[Path]:
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return []
+    return [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+
+
+def _is_library(path: Path, skip: tuple[str, ...]) -> bool:
+    name = path.name
+    if any(part in name for part in skip) or not path.is_file():
+        return False
+    return name.endswith(".so") or ".so." in name or path.parent.name == "bin"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -1,0 +1,63 @@
+"""engine/readahead.py: which files a start-up reads ahead, and that it reads them (and only when asked)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+
+from engine import readahead
+
+
+def _fake_package(tmp_path, monkeypatch):
+    root = tmp_path / "site" / "fakepkg"
+    (root / "lib").mkdir(parents=True)
+    (root / "bin").mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "lib" / "libbig.so.1").write_bytes(b"x" * (3 * readahead.BUFFER + 5))
+    (root / "lib" / "libbig.so").symlink_to("libbig.so.1")
+    (root / "lib" / "libcufft.so.11").write_bytes(b"y")  # never loaded by a start-up: skipped
+    (root / "lib" / "notes.txt").write_text("not a library")
+    (root / "bin" / "ptxas").write_bytes(b"z" * 10)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    sys.modules.pop("fakepkg", None)
+    return root
+
+
+def test_library_files_in_source_order_once_each(tmp_path, monkeypatch):
+    root = _fake_package(tmp_path, monkeypatch)
+    files = readahead.library_files(sources=(("fakepkg", ("bin", "lib")),))
+    assert files == [(root / "bin" / "ptxas").resolve(), (root / "lib" / "libbig.so.1").resolve()]
+    assert readahead.library_files(sources=(("no_such_package_here", ("lib",)),)) == []
+
+
+def test_start_reads_every_byte_when_asked(tmp_path, monkeypatch, caplog):
+    root = _fake_package(tmp_path, monkeypatch)
+    files = [root / "lib" / "libbig.so.1", tmp_path / "gone.so"]  # a missing file is passed over
+    monkeypatch.setenv(readahead.ENV, "0")
+    assert readahead.start(files) is None
+    monkeypatch.setenv(readahead.ENV, "1")
+    read = []
+    real_open = open
+
+    def counting_open(path, *args, **kwargs):
+        f = real_open(path, *args, **kwargs)
+        readinto = f.readinto
+        f.readinto = lambda buf: read.append(readinto(buf)) or read[-1]  # noqa: B023
+        return f
+
+    monkeypatch.setattr(readahead, "open", counting_open, raising=False)
+    with caplog.at_level(logging.INFO, logger="engine.readahead"):
+        watcher = readahead.start(files, readers=2)
+        watcher.join(30)
+    assert not watcher.is_alive()
+    assert sum(read) == (root / "lib" / "libbig.so.1").stat().st_size
+    assert "libraries ahead" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "on"])
+def test_a_bad_switch_says_what_it_takes(monkeypatch, value):
+    monkeypatch.setenv(readahead.ENV, value)
+    with pytest.raises(ValueError, match="TANDEM_READAHEAD"):
+        readahead.start([])
