@@ -31,6 +31,8 @@ CHUNK = 64 << 20  # a large file is read by several threads at once, in order
 BUFFER = 4 << 20
 # (package, its folders holding what a start-up maps), in the order a start-up maps them
 SOURCES = (("torch", ("lib",)), ("nvidia", ("",)), ("triton", ("_C", "backends/nvidia")))
+# the C compiler Triton builds each kernel's launcher with (its first launch of a signature)
+COMPILER_GLOBS = ("/usr/lib/gcc/*/*/cc1", "/usr/libexec/gcc/*/*/cc1")
 # present in the wheels, never loaded by a start-up: dense convolution engines, FFT, solvers
 SKIP = ("cudnn_engines", "cudnn_adv", "cudnn_cnn", "cufft", "cusolver", "cusparseLt", "nvshmem", "cupti")
 
@@ -42,8 +44,9 @@ def wanted(environ=os.environ) -> bool:
     return value == "1"
 
 
-def library_files(sources=SOURCES, skip=SKIP) -> list[Path]:
-    """The shared objects and compiler binaries under each source package, in `sources` order."""
+def library_files(sources=SOURCES, skip=SKIP, compiler_globs=COMPILER_GLOBS) -> list[Path]:
+    """The shared objects and compiler binaries under each source package, in `sources` order,
+    then the C compiler."""
     files: dict[Path, None] = {}  # by real path: a library's symlinked names once
     for package, folders in sources:
         for root in _package_dirs(package):
@@ -51,6 +54,9 @@ def library_files(sources=SOURCES, skip=SKIP) -> list[Path]:
                 for path in sorted((root / folder).rglob("*")):
                     if _is_library(path, skip):
                         files.setdefault(path.resolve())
+    for pattern in compiler_globs:
+        for path in sorted(Path("/").glob(pattern.lstrip("/"))):
+            files.setdefault(path.resolve())
     return list(files)
 
 

@@ -88,6 +88,11 @@ def main() -> None:
     for resident, size, path in rows[:args.top]:
         print(f"{resident / 1e6:11.1f} {size / 1e6:8.1f} {100 * resident / max(size, 1):4.0f} "
               f"{'yes' if path in listed else 'no ':>10s}  {path}")
+    for package in PACKAGES:  # everything else of the package: its Python files above all
+        sizes = [(resident_bytes(f), f.stat().st_size) for f in package_files((package,)) if f not in listed]
+        if sizes:
+            print(f"{package}: {len(sizes)} other files, {sum(s for _, s in sizes) / 1e6:.0f} MB, "
+                  f"{sum(r for r, _ in sizes) / 1e6:.0f} MB resident")
     for name, keep in (("all libraries", lambda p: True), ("read ahead", lambda p: p in listed)):
         sub = [r for r in rows if keep(r[2])]
         print(f"{name}: {len(sub)} files, {sum(r[1] for r in sub) / 1e9:.2f} GB, "

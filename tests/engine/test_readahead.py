@@ -27,9 +27,9 @@ def _fake_package(tmp_path, monkeypatch):
 
 def test_library_files_in_source_order_once_each(tmp_path, monkeypatch):
     root = _fake_package(tmp_path, monkeypatch)
-    files = readahead.library_files(sources=(("fakepkg", ("bin", "lib")),))
+    files = readahead.library_files(sources=(("fakepkg", ("bin", "lib")),), compiler_globs=())
     assert files == [(root / "bin" / "ptxas").resolve(), (root / "lib" / "libbig.so.1").resolve()]
-    assert readahead.library_files(sources=(("no_such_package_here", ("lib",)),)) == []
+    assert readahead.library_files(sources=(("no_such_package_here", ("lib",)),), compiler_globs=()) == []
 
 
 def test_start_reads_every_byte_when_asked(tmp_path, monkeypatch, caplog):
