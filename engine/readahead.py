@@ -66,9 +66,11 @@ def start(files: Optional[Iterable[Path]] = None, readers: int = READERS) -> Opt
     if not wanted():
         return None
     chunks: "queue.Queue[Optional[tuple[Path, int, int]]]" = queue.Queue()
-    total = 0
+    total, budget = 0, _page_cache_budget()
     for path in library_files() if files is None else files:
         size = _size(path)
+        if total + size > budget:  # a small machine: what is read first would be evicted by the rest
+            break
         for offset in range(0, size, CHUNK):
             chunks.put((path, offset, min(CHUNK, size - offset)))
         total += size
@@ -115,6 +117,18 @@ def _is_library(path: Path, skip: tuple[str, ...]) -> bool:
     if any(part in name for part in skip) or not path.is_file():
         return False
     return name.endswith(".so") or ".so." in name or path.parent.name == "bin"
+
+
+def _page_cache_budget(meminfo: str = "/proc/meminfo") -> float:
+    """Half the memory the kernel says is available (what the start-up itself needs stays free)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
 
 
 def _size(path: Path) -> int:

@@ -79,7 +79,8 @@ def main() -> None:
     p.add_argument("--evict", action="store_true")
     args = p.parse_args()
     if args.evict:
-        print(f"evicted {evict(package_files())} files of {', '.join(PACKAGES)}")
+        files = package_files() + readahead.library_files(skip=())
+        print(f"evicted {evict(files)} files of {', '.join(PACKAGES)} and the C compiler")
         return
     every = readahead.library_files(skip=())
     listed = set(readahead.library_files())

@@ -41,8 +41,10 @@ def test_start_reads_every_byte_when_asked(tmp_path, monkeypatch, caplog):
     read = []
     real_open = open
 
-    def counting_open(path, *args, **kwargs):
-        f = real_open(path, *args, **kwargs)
+    def counting_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if "b" not in mode:  # /proc/meminfo
+            return f
         readinto = f.readinto
         f.readinto = lambda buf: read.append(readinto(buf)) or read[-1]  # noqa: B023
         return f
@@ -61,3 +63,19 @@ def test_a_bad_switch_says_what_it_takes(monkeypatch, value):
     monkeypatch.setenv(readahead.ENV, value)
     with pytest.raises(ValueError, match="TANDEM_READAHEAD"):
         readahead.start([])
+
+
+def test_reads_at_most_half_the_available_memory(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:       8 kB\n")
+    assert readahead._page_cache_budget(str(meminfo)) == 4096
+    assert readahead._page_cache_budget(str(tmp_path / "none")) == float("inf")
+    big, small = tmp_path / "big.so", tmp_path / "small.so"
+    big.write_bytes(b"b" * 5000)
+    small.write_bytes(b"s" * 10)
+    monkeypatch.setattr(readahead, "_page_cache_budget", lambda: 4096)
+    monkeypatch.setenv(readahead.ENV, "1")
+    queued = []
+    monkeypatch.setattr(readahead, "_read_chunks", lambda chunks: queued.extend(iter(chunks.get, None)))
+    readahead.start([small, big, small], readers=1).join(10)
+    assert [path for path, *_ in queued] == [small]  # the file past the budget and what follows: not read
