@@ -169,10 +169,15 @@ TOKEN_BYTES = 7
 
 
 def _json_size_estimate(out: ReqOutput) -> int:
-    """Cheap: counts list lengths (the last position's width for a table), never walks entries."""
-    meta = out.output.get("meta_info", {})
+    return json_size_estimate(out.output)
+
+
+def json_size_estimate(output: dict) -> int:
+    """An output's JSON size, cheaply: counts list lengths (the last position's width for a table),
+    never walks entries."""
+    meta = output.get("meta_info", {})
     entries = sum(len(meta.get(key) or ()) for key in LOGPROB_ROWS)
     for key in LOGPROB_TABLES:
         rows = meta.get(key) or ()
         entries += len(rows) * len(rows[-1] or ()) if rows else 0
-    return ENTRY_BYTES * entries + TOKEN_BYTES * len(out.output.get("output_ids", ())) + len(out.output.get("text", ""))
+    return ENTRY_BYTES * entries + TOKEN_BYTES * len(output.get("output_ids", ())) + len(output.get("text", ""))

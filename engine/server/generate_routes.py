@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request, Response
 
 from engine.api.core_client import CoreDead
 from engine.api.generate_request import GenerateRequest
+from engine.api.generate_stream import json_size_estimate
 from engine.server.disconnect import await_or_abort, streaming_response
 from engine.server.openai import OpenAIServing
 from engine.server.openai_logprobs import logprob_texts, token_decoder
@@ -26,6 +27,7 @@ from engine.server.stream_delta import StreamDelta
 from engine.server.stream_spacing import StreamSpacing
 
 OFF_LOOP_TEXT_CHARS = 16 << 10  # ~10 ms to tokenize: more is tokenized on a thread
+SMALL_REPLY_BYTES = 16 << 10  # well under a ms to shape and serialize: more is a reply thread's work
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
             return streaming_response(route.events(body, stream), stream, engine)
         outs = await await_or_abort(request, stream, engine)
         _raise_if_core_died(outs)
+        if _small(outs):  # a thread's hand-over would cost more than the work
+            return _json_reply(route.response, body, outs)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(_REPLY_THREADS, _json_reply, route.response, body, outs)
 
@@ -82,6 +86,11 @@ def _json_reply(response: Callable[[Any, Any], Any], body: Any, outs: Any) -> Re
     be 100 MB of JSON (seconds of work the event loop, and so /health and every stream, would wait
     for). Serialized as FastAPI serializes a route's return value (non-finite floats as null)."""
     return Response(json_bytes(response(body, outs)), media_type="application/json")
+
+
+def _small(outs: Any) -> bool:
+    """Outputs whose reply is quick to shape and serialize on the loop (no long logprob tables)."""
+    return sum(json_size_estimate(out) for out in (outs if isinstance(outs, list) else [outs])) <= SMALL_REPLY_BYTES
 
 
 def _raise_if_core_died(outs: Any) -> None:
