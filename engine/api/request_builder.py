@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import uuid
 from typing import Any, Optional
 
 from engine.api.generate_request import GenerateRequest
 from engine.api.prompt_size import PromptSize
+from engine.api.request_ids import fresh_rid
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
 from engine.core.messages import ReqInput
 from engine.grammar.compile_pool import GrammarUnavailable  # noqa: F401  (the server's 503: it imports engine.api only)
@@ -250,7 +250,7 @@ class RequestBuilder:
         """The requests' ids; none given (or "", which no abort can name: /abort_request takes an
         empty rid for none) -> fresh ones, so clients sending "" never collide."""
         if rid is None or rid == "":
-            return [uuid.uuid4().hex for _ in range(n)]
+            return [fresh_rid() for _ in range(n)]
         rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) else None
         if rids is None or not all(isinstance(r, str) for r in rids):
             raise ValueError(f"rid must be a string or a list of strings (one per prompt), got {rid!r}")
@@ -260,7 +260,7 @@ class RequestBuilder:
             return [f"{rid}_{i}" for i in range(n)]
         if len(rids) != n:
             raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
-        return [r or uuid.uuid4().hex for r in rids]
+        return [r or fresh_rid() for r in rids]
 
     def _check_prompt_count(self, prompt: Any, input_ids: Any) -> None:
         """A batch over the limit is refused before its prompts are checked or tokenized: 2M

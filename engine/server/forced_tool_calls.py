@@ -7,9 +7,9 @@ tool_calls, each with its arguments as a JSON string and finish_reason "tool_cal
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, Optional
 
+from engine.api.request_ids import fresh_rid
 from engine.sampling_params import GRAMMAR_FIELDS
 from engine.server.chat_messages import chosen_tool_name
 
@@ -73,7 +73,7 @@ def parse_calls(text: str) -> Optional[list[dict]]:
         return None
     if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
         return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
+    return [{"id": f"call_{fresh_rid()[:24]}", "index": i, "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
             for i, c in enumerate(calls)]
 

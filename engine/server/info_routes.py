@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-import uuid
 from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from engine.api.request_ids import fresh_rid
 from engine.server.errors import error_response
 from engine.server.metrics import GenThroughput, metrics_text
 from engine.server.protocol import GetWeightsByNameRequest
@@ -120,7 +120,7 @@ def _not_generating(stats: Any) -> Optional[str]:
 async def _probe(engine: Any, timeout: float) -> bool:
     if not engine.is_alive():
         return False
-    rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+    rid = f"HEALTH_CHECK_{fresh_rid()}"
     steps = (await engine.recent_stats()).num_steps
     probe = asyncio.ensure_future(engine.async_generate(
         input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid))

@@ -8,10 +8,10 @@ index = prompt * n + sample, as in SGLang.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
 from engine.api.generate_request import GenerateRequest
+from engine.api.request_ids import fresh_rid
 from engine.server import forced_tool_calls
 from engine.server.chat_messages import check_nesting, template_messages
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, logprob_texts,
@@ -99,7 +99,7 @@ class OpenAIServing:
                 choice.update(token_ids=o["output_ids"], prompt_token_ids=req._prompt_ids[i // req.n])
             choices.append(choice)
         metas = [o["meta_info"] for o in outs]
-        reply_id = _reply_id(metas[0], f"cmpl-{uuid.uuid4().hex}")
+        reply_id = _reply_id(metas[0], f"cmpl-{fresh_rid()}")
         return {"id": reply_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage(metas, req.n),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
@@ -168,7 +168,7 @@ class OpenAIServing:
                     choice["matched_stop"] = None
             choices.append(self._token_outputs(req, o, choice))
         metas = [o["meta_info"] for o in outs]
-        reply_id = _reply_id(metas[0], f"chatcmpl-{uuid.uuid4().hex}")
+        reply_id = _reply_id(metas[0], f"chatcmpl-{fresh_rid()}")
         return {"id": reply_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage(metas, req.n),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
@@ -207,7 +207,7 @@ class OpenAIServing:
         """Cumulative engine chunks -> one event per chunk with only what is new (none where `delta`
         has nothing to send); then, with stream_options.include_usage, a usage event with no choices
         (and with continuous_usage_stats, each chunk's choice's usage so far); then [DONE]."""
-        unnamed, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        unnamed, created = f"{prefix}-{fresh_rid()}", int(time.time())
         rid = unnamed  # each chunk's id is its request's rid; the closing chunks take the last one
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
