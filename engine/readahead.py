@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import queue
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
+
+from engine.kernels import env_choice
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,8 @@ COMPILER_GLOBS = ("/usr/lib/gcc/*/*/cc1", "/usr/libexec/gcc/*/*/cc1")
 SKIP = ("cudnn_engines", "cudnn_adv", "cudnn_cnn", "cufft", "cusolver", "cusparseLt", "nvshmem", "cupti")
 
 
-def wanted(environ=os.environ) -> bool:
-    value = environ.get(ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected 1 (read the start-up's libraries ahead) or 0")
-    return value == "1"
+def wanted() -> bool:
+    return env_choice(ENV, "0", ("0", "1"), "1 (read the start-up's libraries ahead) or 0") == "1"
 
 
 def library_files(sources=SOURCES, skip=SKIP, compiler_globs=COMPILER_GLOBS) -> list[Path]:
@@ -61,28 +59,46 @@ def library_files(sources=SOURCES, skip=SKIP, compiler_globs=COMPILER_GLOBS) -> 
 
 
 def start(files: Optional[Iterable[Path]] = None, readers: int = READERS) -> Optional[threading.Thread]:
-    """Reads `files` (library_files() by default) on daemon threads; returns the thread that logs
-    when they are done, or None when TANDEM_READAHEAD is not 1. Never raises for an unreadable file."""
+    """Lists `files` (library_files() by default) and reads them on daemon threads, returning at
+    once the thread that does it, or None when TANDEM_READAHEAD is not 1. Never raises for a file
+    it cannot list or read: the start-up says so itself if it needs that file."""
     if not wanted():
         return None
+    thread = threading.Thread(target=_read_ahead, args=(files, readers), name="readahead", daemon=True)
+    thread.start()
+    return thread
+
+
+def _read_ahead(files: Optional[Iterable[Path]], readers: int) -> None:
+    started = time.perf_counter()
     chunks: "queue.Queue[Optional[tuple[Path, int, int]]]" = queue.Queue()
-    total, budget = 0, _page_cache_budget()
-    for path in library_files() if files is None else files:
-        size = _size(path)
-        if total + size > budget:  # a small machine: what is read first would be evicted by the rest
-            break
-        for offset in range(0, size, CHUNK):
-            chunks.put((path, offset, min(CHUNK, size - offset)))
-        total += size
     threads = [threading.Thread(target=_read_chunks, args=(chunks,), name=f"readahead-{i}", daemon=True)
                for i in range(readers)]
     for thread in threads:
-        chunks.put(None)
         thread.start()
-    watcher = threading.Thread(target=_report, args=(threads, total, time.perf_counter()), name="readahead",
-                               daemon=True)
-    watcher.start()
-    return watcher
+    queued = _queue_chunks(lambda: library_files() if files is None else files, chunks, _page_cache_budget())
+    for _ in threads:
+        chunks.put(None)
+    for thread in threads:
+        thread.join()
+    logger.info("read %.2f GB of libraries ahead in %.1f s", queued / 1e9, time.perf_counter() - started)
+
+
+def _queue_chunks(listing: Callable[[], Iterable[Path]], chunks: "queue.Queue", budget: float) -> int:
+    """Each listed file's chunks in order, until the next file would pass `budget` bytes; the
+    bytes queued. A folder it may not list ends the listing: what was queued is read."""
+    total = 0
+    try:
+        for path in listing():
+            size = _size(path)
+            if total + size > budget:  # a small machine: what is read first would be evicted by the rest
+                break
+            for offset in range(0, size, CHUNK):
+                chunks.put((path, offset, min(CHUNK, size - offset)))
+            total += size
+    except OSError as exc:
+        logger.debug("readahead stopped listing: %s", exc)
+    return total
 
 
 def _read_chunks(chunks: "queue.Queue") -> None:
@@ -98,12 +114,6 @@ def _read_chunks(chunks: "queue.Queue") -> None:
             continue
 
 
-def _report(threads: list[threading.Thread], total: int, start_s: float) -> None:
-    for thread in threads:
-        thread.join()
-    logger.info("read %.2f GB of libraries ahead in %.1f s", total / 1e9, time.perf_counter() - start_s)
-
-
 def _package_dirs(package: str) -> list[Path]:
     try:
         spec = importlib.util.find_spec(package)
@@ -114,21 +124,32 @@ def _package_dirs(package: str) -> list[Path]:
 
 def _is_library(path: Path, skip: tuple[str, ...]) -> bool:
     name = path.name
-    if any(part in name for part in skip) or not path.is_file():
+    if any(part in name for part in skip):
         return False
-    return name.endswith(".so") or ".so." in name or path.parent.name == "bin"
+    if not (name.endswith(".so") or ".so." in name or path.parent.name == "bin"):
+        return False
+    try:
+        return path.is_file()
+    except OSError:  # a link into a folder this user may not read
+        return False
 
 
-def _page_cache_budget(meminfo: str = "/proc/meminfo") -> float:
-    """Half the memory the kernel says is available (what the start-up itself needs stays free)."""
+def _page_cache_budget(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> float:
+    """Half the memory this process may still fill: the kernel's MemAvailable, or its container's
+    memory.max less memory.current where that is less (page cache counts against it)."""
+    available = float("inf")
     try:
         with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 / 2
-    except (OSError, ValueError, IndexError):
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
         pass
-    return float("inf")
+    try:
+        limit = Path(cgroup, "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int(Path(cgroup, "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return available / 2
 
 
 def _size(path: Path) -> int:

@@ -29,11 +29,19 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 def resident_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache (mincore over a read-only mapping; nothing is read)."""
-    size = path.stat().st_size
-    if size == 0:
+    """Bytes of `path` in the page cache (mincore over a read-only mapping; nothing is read); -1
+    where mincore cannot tell (Linux answers "all cached" for a file the caller neither owns nor
+    may write) or the file cannot be opened."""
+    stat = path.stat()
+    if stat.st_size == 0:
         return 0
-    fd = os.open(path, os.O_RDONLY)
+    if os.geteuid() not in (0, stat.st_uid) and not os.access(path, os.W_OK):
+        return -1
+    size = stat.st_size
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return -1
     try:
         address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if address in (None, ctypes.c_void_p(-1).value):
@@ -54,8 +62,8 @@ def package_files(packages=PACKAGES) -> list[Path]:
     files = []
     for package in packages:
         for root in readahead._package_dirs(package):
-            files += [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
-    return files
+            files += [p.resolve() for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    return list(dict.fromkeys(files))
 
 
 def evict(files: list[Path]) -> int:
@@ -79,12 +87,14 @@ def main() -> None:
     p.add_argument("--evict", action="store_true")
     args = p.parse_args()
     if args.evict:
-        files = package_files() + readahead.library_files(skip=())
+        files = list(dict.fromkeys(package_files() + readahead.library_files(skip=())))
         print(f"evicted {evict(files)} files of {', '.join(PACKAGES)} and the C compiler")
         return
     every = readahead.library_files(skip=())
     listed = set(readahead.library_files())
     rows = sorted(((resident_bytes(f), f.stat().st_size, f) for f in every), key=lambda r: -r[0])
+    if any(r[0] < 0 for r in rows):
+        print("(-1: not known; run as the files' owner or root)")
     print(f"{'resident MB':>11s} {'size MB':>8s} {'%':>4s} read-ahead  file")
     for resident, size, path in rows[:args.top]:
         print(f"{resident / 1e6:11.1f} {size / 1e6:8.1f} {100 * resident / max(size, 1):4.0f} "
@@ -93,11 +103,11 @@ def main() -> None:
         sizes = [(resident_bytes(f), f.stat().st_size) for f in package_files((package,)) if f not in listed]
         if sizes:
             print(f"{package}: {len(sizes)} other files, {sum(s for _, s in sizes) / 1e6:.0f} MB, "
-                  f"{sum(r for r, _ in sizes) / 1e6:.0f} MB resident")
+                  f"{sum(max(r, 0) for r, _ in sizes) / 1e6:.0f} MB resident")
     for name, keep in (("all libraries", lambda p: True), ("read ahead", lambda p: p in listed)):
         sub = [r for r in rows if keep(r[2])]
         print(f"{name}: {len(sub)} files, {sum(r[1] for r in sub) / 1e9:.2f} GB, "
-              f"{sum(r[0] for r in sub) / 1e9:.2f} GB resident")
+              f"{sum(max(r[0], 0) for r in sub) / 1e9:.2f} GB resident")
 
 
 if __name__ == "__main__":

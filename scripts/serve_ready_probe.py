@@ -84,7 +84,7 @@ def main() -> None:
         if args.evict:
             from page_cache_probe import evict, package_files, readahead
 
-            files = package_files() + readahead.library_files(skip=())  # the C compiler too
+            files = list(dict.fromkeys(package_files() + readahead.library_files(skip=())))  # the C compiler too
             print(f"evicted {evict(files)} files from the page cache", flush=True)
         ready, line = time_to_ready(model_dir, args.port, extra, args.limit_s)
         print(f"run {run + 1} ({'cold' if run == 0 or args.evict else 'warm'}): ready in {ready:.1f} s | {line}", flush=True)

@@ -180,4 +180,5 @@ def json_size_estimate(output: dict) -> int:
     for key in LOGPROB_TABLES:
         rows = meta.get(key) or ()
         entries += len(rows) * len(rows[-1] or ()) if rows else 0
-    return ENTRY_BYTES * entries + TOKEN_BYTES * len(output.get("output_ids", ())) + len(output.get("text", ""))
+    return (ENTRY_BYTES * entries + TOKEN_BYTES * len(output.get("output_ids", ())) + len(output.get("text", ""))
+            + len(meta.get("routed_experts") or ""))  # base64 of [tokens, layers, top_k]

@@ -18,6 +18,16 @@ _pool = b""
 _offset = 0
 
 
+def _forget_pool() -> None:
+    """In a forked child: its own bytes (not the ids its parent hands out next) and a lock no
+    parent thread held at the fork."""
+    global _lock, _pool, _offset
+    _lock, _pool, _offset = threading.Lock(), b"", 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def fresh_rid() -> str:
     """32 hex digits with uuid4's version and variant bits."""
     global _pool, _offset

@@ -41,6 +41,9 @@ class GenerationRoute:
     events: Callable[[Any, Any], AsyncIterator[str]]  # (body, stream) -> SSE lines
     off_loop: Callable[[Any], bool]  # (body) -> whether building its request is work for a thread
     methods: tuple[str, ...] = ("POST",)
+    # (body) -> whether its reply is its outputs as they are (then a small one is shaped on the loop);
+    # the OpenAI replies decode prompts and tokens (echo, logprobs): always a reply thread's work
+    plain_reply: Callable[[Any], bool] = lambda body: False
 
 
 def generation_routes(engine: Any, openai: OpenAIServing) -> tuple[GenerationRoute, ...]:
@@ -49,7 +52,7 @@ def generation_routes(engine: Any, openai: OpenAIServing) -> tuple[GenerationRou
     return (
         GenerationRoute("/generate", GenerateBody, GenerateBody.to_request, partial(_generate_response, decode),
                         partial(_generate_events, decode, incremental), lambda body: _long_text(body.text),
-                        methods=("POST", "PUT")),
+                        methods=("POST", "PUT"), plain_reply=lambda body: not body.return_text_in_logprobs),
         GenerationRoute("/v1/completions", CompletionRequest, openai.completion_request, openai.completion_response,
                         openai.completion_events, lambda body: _long_text(body.prompt)),
         # the chat template renders the client's messages: a thread, whatever their size
@@ -72,7 +75,7 @@ def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: Unkno
             return streaming_response(route.events(body, stream), stream, engine)
         outs = await await_or_abort(request, stream, engine)
         _raise_if_core_died(outs)
-        if _small(outs):  # a thread's hand-over would cost more than the work
+        if route.plain_reply(body) and _small(outs):  # a thread's hand-over would cost more than the work
             return _json_reply(route.response, body, outs)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(_REPLY_THREADS, _json_reply, route.response, body, outs)
@@ -89,14 +92,18 @@ def _json_reply(response: Callable[[Any, Any], Any], body: Any, outs: Any) -> Re
 
 
 def _small(outs: Any) -> bool:
-    """Outputs whose reply is quick to shape and serialize on the loop (no long logprob tables)."""
-    return sum(json_size_estimate(out) for out in (outs if isinstance(outs, list) else [outs])) <= SMALL_REPLY_BYTES
+    """Outputs quick to serialize on the loop (no long logprob tables or routed experts)."""
+    return sum(json_size_estimate(out) for out in _as_list(outs)) <= SMALL_REPLY_BYTES
+
+
+def _as_list(outs: Any) -> list:
+    return outs if isinstance(outs, list) else [outs]
 
 
 def _raise_if_core_died(outs: Any) -> None:
     """A request the dead core's client ended (Engine.fail_all_requests) answers 503, as SGLang
     answers an abort that carries status 503, not a 200 with an abort reason."""
-    for out in outs if isinstance(outs, list) else [outs]:
+    for out in _as_list(outs):
         reason = out["meta_info"].get("finish_reason") or {}
         if reason.get("status_code") == 503:
             raise CoreDead(reason.get("message", "the engine core is gone"))

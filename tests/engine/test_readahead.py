@@ -50,6 +50,7 @@ def test_start_reads_every_byte_when_asked(tmp_path, monkeypatch, caplog):
         return f
 
     monkeypatch.setattr(readahead, "open", counting_open, raising=False)
+    monkeypatch.setattr(readahead, "CHUNK", readahead.BUFFER)  # the big file in 4 chunks, read side by side
     with caplog.at_level(logging.INFO, logger="engine.readahead"):
         watcher = readahead.start(files, readers=2)
         watcher.join(30)
@@ -63,13 +64,21 @@ def test_a_bad_switch_says_what_it_takes(monkeypatch, value):
     monkeypatch.setenv(readahead.ENV, value)
     with pytest.raises(ValueError, match="TANDEM_READAHEAD"):
         readahead.start([])
+    monkeypatch.setenv(readahead.ENV, "")  # set but empty: the default, off
+    assert readahead.start([]) is None
 
 
 def test_reads_at_most_half_the_available_memory(tmp_path, monkeypatch):
-    meminfo = tmp_path / "meminfo"
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
     meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:       8 kB\n")
-    assert readahead._page_cache_budget(str(meminfo)) == 4096
-    assert readahead._page_cache_budget(str(tmp_path / "none")) == float("inf")
+    cgroup.mkdir()
+    assert readahead._page_cache_budget(str(meminfo), str(cgroup)) == 4096
+    assert readahead._page_cache_budget(str(tmp_path / "none"), str(cgroup)) == float("inf")
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("1000\n")
+    assert readahead._page_cache_budget(str(meminfo), str(cgroup)) == 4096
+    (cgroup / "memory.max").write_text("3000\n")  # a container's limit, less than the host's memory
+    assert readahead._page_cache_budget(str(meminfo), str(cgroup)) == 1000
     big, small = tmp_path / "big.so", tmp_path / "small.so"
     big.write_bytes(b"b" * 5000)
     small.write_bytes(b"s" * 10)
@@ -79,3 +88,20 @@ def test_reads_at_most_half_the_available_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(readahead, "_read_chunks", lambda chunks: queued.extend(iter(chunks.get, None)))
     readahead.start([small, big, small], readers=1).join(10)
     assert [path for path, *_ in queued] == [small]  # the file past the budget and what follows: not read
+
+
+def test_a_listing_that_fails_reads_what_it_had(tmp_path, monkeypatch):
+    """A folder it may not list ends the listing quietly: serve starts all the same."""
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"l" * 100)
+
+    def listing():
+        yield lib
+        raise PermissionError("a folder this user may not read")
+
+    monkeypatch.setenv(readahead.ENV, "1")
+    read = []
+    monkeypatch.setattr(readahead, "_read_chunks", lambda chunks: read.extend(iter(chunks.get, None)))
+    thread = readahead.start(listing(), readers=1)
+    thread.join(10)
+    assert not thread.is_alive() and [path for path, *_ in read] == [lib]

@@ -18,3 +18,19 @@ def test_ids_look_like_uuid4_hex_and_never_repeat(monkeypatch):
         assert parsed.hex == rid and parsed.version == 4 and parsed.variant == uuid.RFC_4122
     assert calls and set(calls) == {request_ids._POOL_BYTES}
     assert len(calls) <= 1000 * 16 // request_ids._POOL_BYTES + 1  # a block per 256 ids
+
+
+def test_a_forked_child_draws_its_own_ids():
+    import os
+
+    request_ids.fresh_rid()  # a pool with ids left in it
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.write(write, "".join(request_ids.fresh_rid() for _ in range(4)).encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    ours = "".join(request_ids.fresh_rid() for _ in range(4))
+    assert len(child) == len(ours) == 128 and child != ours

@@ -3,10 +3,10 @@
 The arithmetic is triton_matmul's "seq" schedule, element for element: each tile runs the same
 `_accumulate` (a fresh fp32 accumulation per K split, summed in split order) and the same store.
 Only who computes a tile changes: programs stay resident and take tiles p, p + P, p + 2P, ...
-(P = programs per SM x SMs), so a tile's loads can start while the previous tile's epilogue runs
-and no tile waits for a program launch. Triton may also flatten the tile and k loops into one
-pipelined loop (`flatten`) and split the warps into TMA producers and MMA consumers
-(`warp_spec`); both are scheduling too, and scripts/bi_matmul_bench.py checks every candidate's
+(P = programs per SM x SMs), so no tile waits for a program launch; with two programs per SM, or
+with Triton flattening the tile and k loops into one pipelined loop (`flatten`), a tile's loads
+start while the previous tile's epilogue runs. `warp_spec` splits the warps into TMA producers
+and MMA consumers. All of it is scheduling; scripts/bi_matmul_bench.py checks every candidate's
 bits against the table tile's before a tier may use it.
 
 TMA loads only (the schedule exists for sm_90); the pointer-load path keeps one program a tile.

@@ -12,13 +12,14 @@ config, a function of (N, K, dtype) only. M only chooses how the same arithmetic
   * "par": one program per (tile, split) writes partial_s to an fp32 workspace; the partials are
     then summed in split order, by the last program to finish the tile ("fused", found with an
     atomic counter) or by a second kernel ("kernel").
-fp32 addition of the same operands in the same order gives the same bits in both schedules, so
+fp32 addition of the same operands in the same order gives the same bits in every schedule, so
 small M gets split-K parallelism and large M avoids the workspace, without a bit of difference.
 Rows are independent in the MMA, so padding rows (clamped or TMA zero-filled) never touch real rows.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -55,6 +56,10 @@ class MatmulConfig:
     persistent: int = 0  # "seq" on resident programs, this many per SM (persistent_matmul.py); 0: a program a tile
     flatten: bool = False  # persistent only: Triton fuses the tile and k loops into one pipeline
     warp_spec: bool = False  # persistent only: TMA producer and MMA consumer warps
+
+    def __post_init__(self) -> None:
+        if self.persistent < 0 or ((self.flatten or self.warp_spec) and not self.persistent):
+            raise ValueError(f"persistent must be >= 0 (programs per SM), and flatten / warp_spec need it: {self}")
 
     def num_splits(self, K: int) -> int:
         return 1 if self.split_k <= 0 or self.split_k >= K else triton.cdiv(K, self.split_k)
@@ -233,9 +238,20 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8 if device.type != "cuda" else _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _persistent():
+    """persistent_matmul, which imports this module's helpers: imported at its first use."""
+    from engine.kernels.batch_invariant import persistent_matmul
+
+    return persistent_matmul
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -275,10 +291,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Mat
     bias_arg = bias if bias is not None else out
     kt_split = cfg.split_k // cfg.block_k if n_splits > 1 else 1 << 20
     if cfg.persistent and use_tma and not parallel:
-        from engine.kernels.batch_invariant import persistent_matmul
-
-        persistent_matmul.launch(a_src, b_src, bias, out, M, N, K, cfg, kt_split, n_splits == 1,
-                                 _num_sms(x.device), interpreting() and x.dtype != torch.float32)
+        _persistent().launch(a_src, b_src, bias, out, M, N, K, cfg, kt_split, n_splits == 1,
+                             _num_sms(x.device), interpreting() and x.dtype != torch.float32)
         return out
     pdl = use_pdl(M, x.device)  # decode at small batch: how it is launched, not what it computes
     _bi_mm_kernel[(n_tiles * n_splits,) if parallel else (n_tiles,)](
