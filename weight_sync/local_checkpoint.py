@@ -12,7 +12,8 @@ order. Every delta of the chain is checked (formats, packages) before anything c
 marker is removed until the new version's bytes are on disk, so a pull that fails or is killed
 part way leaves a folder of no known version, which the next pull seeds again instead of patching
 bad bytes. A folder seeded from another base (the engine restarted on another model) is seeded
-again. A pull replaces and removes files: it takes only an absolute path that is new, empty or
+again, and so is one whose version was published again with other files (a resumed run; the marker
+records each version's files by name, size and time). A pull replaces and removes files: it takes only an absolute path that is new, empty or
 its own folder. An exclusive lock on `.weight_sync/lock` serialises pulls into one folder.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib
 import json
 import logging
@@ -49,6 +51,8 @@ def pull(local_dir: str, base_dir: str, source_dir: str, target_version: int,
         _import(pre_read_hook)(source_dir, target_version)
     with _locked(local_dir):
         held = applied_version(local_dir, base_dir)
+        if held and _republished(local_dir, version_dir(source_dir, held)):
+            held = None  # the version it holds was published again with other files (a resumed run)
         ahead = held is not None and held > target_version  # a rewound run: start again below
         floor = 0 if held is None or ahead else held
         start, deltas = target_version, {}  # the newest full version above what the folder holds, else `floor`
@@ -63,11 +67,11 @@ def pull(local_dir: str, base_dir: str, source_dir: str, target_version: int,
         _forget(local_dir)  # from here until _record the folder holds no known version
         if seed:
             _copy_checkpoint(base_dir if start == 0 else version_dir(source_dir, start), local_dir)
-            _record(local_dir, start, base_dir)
+            _record(local_dir, start, base_dir, source_dir)
         for version, meta in chain:
             logger.info("pull_weights: applying the delta of version %d", version)
             apply_delta(local_dir, version_dir(source_dir, version), meta)
-            _record(local_dir, version, base_dir)
+            _record(local_dir, version, base_dir, source_dir)
         return int(seed) + len(chain)
 
 
@@ -123,14 +127,37 @@ def _copy_checkpoint(src: str, local_dir: str) -> None:
             os.remove(entry.path)
 
 
-def _record(local_dir: str, version: int, base_dir: str) -> None:
-    """slime's marker ({"version": "NNNNNN"}) and the base checkpoint the chain started from."""
+def _record(local_dir: str, version: int, base_dir: str, source_dir: str) -> None:
+    """slime's marker ({"version": "NNNNNN"}), the base checkpoint the chain started from and the
+    identity of the published version it holds."""
     path = os.path.join(local_dir, STATE_DIR, "state.json")
+    source = _identity(version_dir(source_dir, version)) if version else None
     with open(path + ".tmp", "w") as f:
-        json.dump({"version": f"{version:06d}", "base": os.path.realpath(base_dir)}, f)
+        json.dump({"version": f"{version:06d}", "base": os.path.realpath(base_dir), "source": source}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+
+
+def _identity(path: str) -> Optional[str]:
+    """A published version's files by name, size and modification time (None: not there)."""
+    try:
+        files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
+    except FileNotFoundError:
+        return None
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:32]
+
+
+def _republished(local_dir: str, held_dir: str) -> bool:
+    """Whether the version the folder holds is published now with other files than it was pulled
+    from; not where either side cannot tell (slime's own marker; the version since removed)."""
+    try:
+        with open(os.path.join(local_dir, STATE_DIR, "state.json")) as f:
+            recorded = json.load(f).get("source")
+    except (OSError, ValueError, AttributeError):
+        return False
+    now = _identity(held_dir)
+    return None not in (recorded, now) and recorded != now
 
 
 def _forget(local_dir: str) -> None:

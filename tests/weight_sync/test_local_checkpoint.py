@@ -260,3 +260,29 @@ def test_xor_deltas_apply_and_hash_a_chunk_at_a_time(stream, monkeypatch, algori
     save_file({"model.norm.weight": longer}, shard, metadata={"model.norm.weight": "0"})
     with pytest.raises(ValueError, match="an xor delta longer than the tensor's 16 bytes"):
         pull(local, base, src, 4)
+
+
+def test_a_version_published_again_with_other_files_is_seeded_again(stream):
+    """A resumed run writes weight_v000002 anew: the folder holding the old 2 must not take delta 3
+    onto it (an overwrite delta leaves every byte it does not name as it was)."""
+    import shutil
+
+    base, src, v, local = stream
+    pull(local, base, src, 2)
+    _assert_holds(local, v[2])
+    again = _tensors(22)
+    shutil.rmtree(version_dir(src, 2))
+    _write_full(version_dir(src, 2), again)
+    assert pull(local, base, src, 2) == 1  # seeded from the new full version 2
+    _assert_holds(local, again)
+    assert pull(local, base, src, 2) == 0  # and known from then on
+
+
+def test_a_held_version_since_removed_still_takes_the_next_delta(stream):
+    import shutil
+
+    base, src, v, local = stream
+    pull(local, base, src, 1)
+    shutil.rmtree(version_dir(src, 1))  # a publisher that prunes old versions
+    assert pull(local, base, src, 2) == 1  # delta 2 onto the 1 it holds
+    _assert_holds(local, v[2])
