@@ -82,10 +82,9 @@ def main() -> None:
                    check=True, stdout=subprocess.DEVNULL)
     for run in range(args.runs):
         if args.evict:
-            from page_cache_probe import evict, package_files, readahead
+            from page_cache_probe import evict_start_files
 
-            files = list(dict.fromkeys(package_files() + readahead.library_files(skip=())))  # the C compiler too
-            print(f"evicted {evict(files)} files from the page cache", flush=True)
+            print(f"evicted {evict_start_files()} files from the page cache", flush=True)
         ready, line = time_to_ready(model_dir, args.port, extra, args.limit_s)
         print(f"run {run + 1} ({'cold' if run == 0 or args.evict else 'warm'}): ready in {ready:.1f} s | {line}", flush=True)
 

@@ -104,9 +104,11 @@ def check_delta(version_dir: str, meta: dict) -> None:
     """Refuse a delta this host cannot apply (its formats, a missing package) before a pull
     changes anything."""
     if meta.get("compression_format") != "zstd":
-        raise ValueError(f"{version_dir}: compression_format {meta.get('compression_format')!r} is not supported (zstd)")
+        raise ValueError(f"{version_dir}: compression_format {meta.get('compression_format')!r} is not supported "
+                         "(zstd)")
     if meta["delta_encoding"] not in ("xor", "overwrite"):
-        raise ValueError(f"{version_dir}: delta_encoding {meta['delta_encoding']!r} is not supported (xor or overwrite)")
+        raise ValueError(f"{version_dir}: delta_encoding {meta['delta_encoding']!r} is not supported "
+                         "(xor or overwrite)")
     hasher(meta.get("checksum_format"))
     _zstandard()
 
@@ -137,7 +139,8 @@ def apply_delta(local_dir: str, version_dir: str, meta: dict) -> None:
                 bound = 4 + 5 * patch.region.size
                 declared = zstandard.frame_content_size(patch.payload)  # what decompress would allocate
                 if declared > bound:
-                    raise ValueError(f"{patch.name}: a delta frame of {declared} bytes for a tensor of {patch.region.size}")
+                    raise ValueError(f"{patch.name}: a delta frame of {declared} bytes for a tensor of "
+                                     f"{patch.region.size}")
                 _overwrite(patch, np.frombuffer(zstandard.ZstdDecompressor().decompress(
                     patch.payload, max_output_size=bound), dtype=np.uint8))
                 digest.update(patch.region)

@@ -12,9 +12,10 @@ order. Every delta of the chain is checked (formats, packages) before anything c
 marker is removed until the new version's bytes are on disk, so a pull that fails or is killed
 part way leaves a folder of no known version, which the next pull seeds again instead of patching
 bad bytes. A folder seeded from another base (the engine restarted on another model) is seeded
-again, and so is one whose version was published again with other files (a resumed run; the marker
-records each version's files by name, size and time). A pull replaces and removes files: it takes only an absolute path that is new, empty or
-its own folder. An exclusive lock on `.weight_sync/lock` serialises pulls into one folder.
+again, and so is one whose version was published again with other files (a resumed run; the
+marker records each version's files by name, size and time). A pull replaces and removes files:
+it takes only an absolute path that is new, empty or its own folder. An exclusive lock on
+`.weight_sync/lock` serialises pulls into one folder.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def pull(local_dir: str, base_dir: str, source_dir: str, target_version: int,
     if target_version > 0 and pre_read_hook:
         _import(pre_read_hook)(source_dir, target_version)
     with _locked(local_dir):
-        held = applied_version(local_dir, base_dir)
-        if held and _republished(local_dir, version_dir(source_dir, held)):
+        state = _state(local_dir)
+        held = _held_version(state, base_dir)
+        if held and _republished(state, version_dir(source_dir, held)):
             held = None  # the version it holds was published again with other files (a resumed run)
         ahead = held is not None and held > target_version  # a rewound run: start again below
         floor = 0 if held is None or ahead else held
@@ -78,11 +80,23 @@ def pull(local_dir: str, base_dir: str, source_dir: str, target_version: int,
 def applied_version(local_dir: str, base_dir: Optional[str] = None) -> Optional[int]:
     """The version local_dir holds, None when unknown (a fresh folder, a failed pull, or, given
     base_dir, a folder seeded from another base checkpoint: the engine restarted on another model)."""
+    return _held_version(_state(local_dir), base_dir)
+
+
+def _state(local_dir: str) -> dict:
+    """The folder's marker; {} where there is none or it does not read."""
     try:
         with open(os.path.join(local_dir, STATE_DIR, "state.json")) as f:
             state = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _held_version(state: dict, base_dir: Optional[str]) -> Optional[int]:
+    try:
         version = int(state["version"])
-    except (FileNotFoundError, KeyError, ValueError, TypeError):
+    except (KeyError, ValueError, TypeError):
         return None
     if base_dir is not None and state.get("base") != os.path.realpath(base_dir):
         return None
@@ -148,15 +162,10 @@ def _identity(path: str) -> Optional[str]:
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:32]
 
 
-def _republished(local_dir: str, held_dir: str) -> bool:
+def _republished(state: dict, held_dir: str) -> bool:
     """Whether the version the folder holds is published now with other files than it was pulled
     from; not where either side cannot tell (slime's own marker; the version since removed)."""
-    try:
-        with open(os.path.join(local_dir, STATE_DIR, "state.json")) as f:
-            recorded = json.load(f).get("source")
-    except (OSError, ValueError, AttributeError):
-        return False
-    now = _identity(held_dir)
+    recorded, now = state.get("source"), _identity(held_dir)
     return None not in (recorded, now) and recorded != now
 
 

@@ -69,7 +69,7 @@ class GenerateStream:
 
     def unread_bytes(self) -> int:
         """About the JSON size of what waits for the reader (engine/server/stream_watch.py)."""
-        return sum(map(_json_size_estimate, list(self._unread.values())))
+        return sum(json_size_estimate(out.output) for out in list(self._unread.values()))
 
     def close(self) -> None:
         """The reader is gone: free what waits and take nothing more."""
@@ -166,10 +166,6 @@ LOGPROB_ROWS = ("output_token_logprobs", "input_token_logprobs")
 LOGPROB_TABLES = ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs", "input_token_ids_logprobs")
 ENTRY_BYTES = 32  # one [logprob, token id, null] in JSON
 TOKEN_BYTES = 7
-
-
-def _json_size_estimate(out: ReqOutput) -> int:
-    return json_size_estimate(out.output)
 
 
 def json_size_estimate(output: dict) -> int:

@@ -238,7 +238,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _num_sms(device: torch.device) -> int:
-    return 8 if device.type != "cuda" else _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cuda":
+        return 8
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
