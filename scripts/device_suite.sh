@@ -46,7 +46,7 @@ for s in "$@"; do case $s in
       step pagecache 60 python3 scripts/page_cache_probe.py --top 45 ) ;;
   coldab) ( kit  # serve's time to ready with the packages evicted from the page cache and empty Triton / Inductor caches: without readahead (0), with (1)
       for v in 0 1; do step coldab-$v 120 env TANDEM_READAHEAD=$v TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1 --evict; done ) ;;
-  persist) ( kit  # the batch-invariant matmul's persistent schedule: candidates vs the tiers and cuBLAS at decode's M = 256 and prefill's; then warp-specialised ones (a compiler crash ends only that step)
+  persist) ( kit  # the batch-invariant matmul's persistent schedule: candidates vs the tiers and cuBLAS at decode's M = 256 and prefill's (warp-specialised ones: persistws, alone, as a compiler crash ends its step)
       step persist-mm 250 python3 scripts/bi_matmul_bench.py --configs p1,p2,p1fl,p2fl,p1k128,p1m128w8,p1m128w8fl,p1m128n256w8,p1n256w8 --ms 256,1024,8192 --no-norms --reps 10 ) ;;
   persistq) ( kit && step persist-q 200 python3 scripts/bi_matmul_bench.py --configs p1,p2,p1fl,p1m128w8,p1m128w8fl,p1n256w8 --ms 256,8192 --no-norms --reps 10 ) ;;  # the same, fewer candidates (a short call)
   persistws) ( kit && step persist-ws 200 python3 scripts/bi_matmul_bench.py --configs p1ws,p1m128w8ws,p1m128w4ws --ms 256,8192 --no-norms --reps 10 ) ;;
