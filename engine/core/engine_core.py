@@ -181,8 +181,8 @@ class EngineCore:
         # joins the mask worker: the device may wait on its gate, and nothing reads a matcher while it advances
         self.runner.grammar_masks.drop()
         result = pending.resolve()
-        self.stats.record(batch)
         grown = self.scheduler.commit(batch, result.next_token_ids)
+        self.stats.record(batch, len(grown))
         self._uncommitted.remove(batch)
         self._processing = batch
         outputs = self.results.answer(batch, result, grown, then, sample_then)

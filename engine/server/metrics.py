@@ -22,7 +22,7 @@ class EngineCollector:
                                   value=stats.num_prefill_tokens)
         yield CounterMetricFamily("tandem_cached_tokens", "prompt tokens served from the radix cache",
                                   value=stats.num_cached_tokens)
-        yield CounterMetricFamily("tandem_generation_tokens", "tokens produced by decode steps",
+        yield CounterMetricFamily("tandem_generation_tokens", "tokens generated (a request's first one by its prefill)",
                                   value=stats.num_generated_tokens)
         yield CounterMetricFamily("tandem_forward_steps", "forward passes run", value=stats.num_steps)
         yield CounterMetricFamily("tandem_retractions", "requests retracted when KV ran out",
@@ -63,7 +63,7 @@ class SGLangNamesCollector:
         yield GaugeMetricFamily("sglang:gen_throughput", "The generation throughput (token/s).",
                                 value=self.gen_throughput)
         yield CounterMetricFamily("sglang:prompt_tokens", "Number of prefill tokens processed.", value=prompt_tokens)
-        yield CounterMetricFamily("sglang:generation_tokens", "Number of generation tokens processed (decode steps').",
+        yield CounterMetricFamily("sglang:generation_tokens", "Number of generation tokens processed.",
                                   value=s.num_generated_tokens)
         yield CounterMetricFamily("sglang:cached_tokens", "Number of cached prompt tokens.", value=s.num_cached_tokens)
 

@@ -223,8 +223,8 @@ def test_metrics_carry_sglangs_names_for_its_dashboards(client, engine):
     for _ in range(2):  # the second prefill hits the radix cache
         client.post("/generate", json={"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 4}})
     after = _samples(client.get("/metrics").text)
-    # tokens of decode steps, as tandem's own counter (each request's first token comes from its prefill)
-    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 2 * 3
+    # every completion token, as SGLang counts them (each request's first one comes from its prefill)
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 2 * 4
     assert after["sglang:generation_tokens_total"] == after["tandem_generation_tokens_total"]
     assert after["sglang:prompt_tokens_total"] == after["tandem_prompt_tokens_total"] + after["tandem_cached_tokens_total"]
     assert after["sglang:cached_tokens_total"] > before.get("sglang:cached_tokens_total", 0)
