@@ -95,7 +95,7 @@ def hasher(algorithm: str) -> Any:
 @dataclass
 class _Patch:
     name: str
-    payload: memoryview  # the compressed delta
+    payload: np.ndarray  # the compressed delta (a view of the delta file's memory map)
     region: np.ndarray  # the tensor's bytes in the local file (a view of its memory map)
     checksum: str | None
 
@@ -164,8 +164,7 @@ def _patches(version_dir: str, spans: dict, maps: dict):
             continue
         path = os.path.join(version_dir, fname)
         header, data = safetensors_header(path)
-        with open(path, "rb") as f:
-            blob = memoryview(f.read())
+        delta = _mapped(maps, path, writable=False)  # paged in as read: a version is not held in memory whole
         checksums = header.get("__metadata__") or {}
         for name, info in header.items():
             if name == "__metadata__":
@@ -173,12 +172,21 @@ def _patches(version_dir: str, spans: dict, maps: dict):
             if name not in spans:
                 raise KeyError(f"{path}: tensor {name!r} is not in the local checkpoint")
             local, offset, nbytes = spans[name]
-            if local not in maps:
-                handle = open(local, "r+b")
-                maps[local] = (handle, mmap.mmap(handle.fileno(), 0))
             begin, end = info["data_offsets"]
-            region = np.ndarray((nbytes,), dtype=np.uint8, buffer=maps[local][1], offset=offset)
-            yield _Patch(name, blob[data + begin:data + end], region, checksums.get(name))
+            if not 0 <= begin <= end <= len(delta) - data:
+                raise ValueError(f"{path}: tensor {name!r}'s data_offsets {[begin, end]} are outside the file")
+            region = np.ndarray((nbytes,), dtype=np.uint8, buffer=_mapped(maps, local, writable=True), offset=offset)
+            payload = np.ndarray((end - begin,), dtype=np.uint8, buffer=delta, offset=data + begin)
+            yield _Patch(name, payload, region, checksums.get(name))
+
+
+def _mapped(maps: dict, path: str, writable: bool) -> mmap.mmap:
+    """path mapped once a pull (`maps` holds the file and its map, closed by the caller)."""
+    if path not in maps:
+        handle = open(path, "r+b" if writable else "rb")
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        maps[path] = (handle, mmap.mmap(handle.fileno(), 0, access=access))
+    return maps[path][1]
 
 
 def _xor_streamed(zstandard: Any, patch: _Patch, digest: Any) -> None:

@@ -152,7 +152,8 @@ def test_a_checksum_mismatch_fails_loudly_and_the_next_pull_reseeds(stream):
     _assert_holds(local, v[1])
 
 
-@pytest.mark.parametrize("damage", ["missing_version", "wrong_base", "unknown_tensor", "short_xor", "bad_target"])
+@pytest.mark.parametrize("damage", ["missing_version", "wrong_base", "unknown_tensor", "short_xor", "truncated",
+                                    "bad_target"])
 def test_bad_publications_are_refused_by_name(stream, damage):
     base, src, v, local = stream
     pull(local, base, src, 0)
@@ -174,6 +175,10 @@ def test_bad_publications_are_refused_by_name(stream, damage):
         save_file({"model.norm.weight": np.frombuffer(zstandard.ZstdCompressor().compress(b"\x01\x02"), np.uint8)},
                   shard, metadata={"model.norm.weight": "0"})
         match = "an xor delta of 2 bytes"
+    elif damage == "truncated":  # a copy cut short: its header names bytes the file lacks
+        shard = os.path.join(version_dir(src, 1), "model-00001-of-00001.safetensors")
+        os.truncate(shard, os.path.getsize(shard) - 1)
+        match = "are outside the file"
     else:
         target, match = -1, "non-negative integer"
     with pytest.raises((ValueError, RuntimeError, KeyError, FileNotFoundError), match=match):
