@@ -39,19 +39,6 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
           "lm_head": (151936, 4096)}
 MS = (1, 8, 64, 256, 4096)
 PEAK_BW, PEAK_FLOPS = 3.8e12, 790e12  # measured-ish H200 ceilings (copy engine, cuBLAS bf16)
-# The persistent schedule (persistent_matmul.py) on tiles that won somewhere as one program a tile;
-# "ws": warp-specialised (Triton's Hopper pass), in its own run (a compiler crash ends the process)
-PERSISTENT = {"p1": dict(persistent=1), "p2": dict(persistent=2), "p1fl": dict(persistent=1, flatten=True),
-              "p2fl": dict(persistent=2, flatten=True),
-              "p1k128": dict(persistent=1, block_k=128, num_stages=3),
-              "p2k128": dict(persistent=2, block_k=128, num_stages=3),
-              "p1m128w8": dict(persistent=1, block_m=128, num_warps=8, num_stages=4, flat=False),
-              "p1m128w8fl": dict(persistent=1, block_m=128, num_warps=8, num_stages=4, flatten=True),
-              "p1m128n256w8": dict(persistent=1, block_m=128, block_n=256, num_warps=8, num_stages=3, flat=False),
-              "p1n256w8": dict(persistent=1, block_n=256, num_warps=8, num_stages=4, flat=False),
-              "p1ws": dict(persistent=1, flatten=True, warp_spec=True),
-              "p1m128w8ws": dict(persistent=1, block_m=128, num_warps=8, num_stages=4, flatten=True, warp_spec=True),
-              "p1m128w4ws": dict(persistent=1, block_m=128, num_warps=4, num_stages=4, flatten=True, warp_spec=True)}
 # Candidate overrides of the table entry, per shape kind ("split": shapes with split_k > 0).
 CANDIDATES = {
     # same split_k as the table (same arithmetic): tiles for small M, then for large M
@@ -111,8 +98,8 @@ CANDIDATES = {
                                  num_stages=3, flat=False),
               # what a 512 split would cost at large M (the production large-M tile)
               "sk512wide": dict(split_k=512, block_m=128, block_n=256, block_k=64, num_warps=8,
-                                num_stages=3, flat=False), **PERSISTENT},
-    "nosplit": {**PERSISTENT, "m128n256w8": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
+                                num_stages=3, flat=False)},
+    "nosplit": {"m128n256w8": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
                 "m128n256w8s4": dict(block_m=128, block_n=256, num_warps=8, num_stages=4),
                 "m256n128w8s3": dict(block_m=256, block_n=128, num_warps=8, num_stages=3),
                 "n256w4": dict(block_n=256, num_stages=3),

@@ -2,7 +2,7 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: coldstart coldab persist persistq persistws (2026-12-07, fifth session) detgreedy detext dettiles detab detprof grpofab grpofprof (2026-12-07, fourth session; run on an H100) auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: coldstart coldab (2026-12-07, fifth session; persist*, the persistent matmul: run, removed) detgreedy detext dettiles detab detprof grpofab grpofprof (2026-12-07, fourth session; run on an H100) auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
@@ -41,15 +41,11 @@ for s in "$@"; do case $s in
   auto3) bash "$0" grpot1 ;;
   grpofab) for v in 0 1; do  # the fused sampler on the GRPO row (8B, T = 1, radix on), both sides in one call
       step grpofab-$v 140 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/grpo-t1-fused-$v.json"; done ;;
-  coldstart) ( kit  # first on a fresh machine: serve's time to ready reading the libraries ahead (cold, then warm); what the starts left in the page cache
-      step coldstart 200 env TANDEM_READAHEAD=1 python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 2
+  coldstart) ( kit  # first on a fresh machine: serve's time to ready (cold, then warm); what the starts left in the page cache
+      step coldstart 200 python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 2
       step pagecache 60 python3 scripts/page_cache_probe.py --top 45 ) ;;
-  coldab) ( kit  # serve's time to ready with the packages evicted from the page cache and empty Triton / Inductor caches: without readahead (0), with (1)
-      for v in 0 1; do step coldab-$v 120 env TANDEM_READAHEAD=$v TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1 --evict; done ) ;;
-  persist) ( kit  # the batch-invariant matmul's persistent schedule: candidates vs the tiers and cuBLAS at decode's M = 256 and prefill's (warp-specialised ones: persistws, alone, as a compiler crash ends its step)
-      step persist-mm 250 python3 scripts/bi_matmul_bench.py --configs p1,p2,p1fl,p2fl,p1k128,p1m128w8,p1m128w8fl,p1m128n256w8,p1n256w8 --ms 256,1024,8192 --no-norms --reps 10 ) ;;
-  persistq) ( kit && step persist-q 200 python3 scripts/bi_matmul_bench.py --configs p1,p2,p1fl,p1m128w8,p1m128w8fl,p1n256w8 --ms 256,8192 --no-norms --reps 10 ) ;;  # the same, fewer candidates (a short call)
-  persistws) ( kit && step persist-ws 200 python3 scripts/bi_matmul_bench.py --configs p1ws,p1m128w8ws,p1m128w4ws --ms 256,8192 --no-norms --reps 10 ) ;;
+  coldab) ( kit  # serve's time to ready with the packages evicted from the page cache and empty Triton / Inductor caches (the readahead A/B of 2026-12-07: engine/readahead.py, since removed)
+      for v in 0; do step coldab-$v 120 env TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1 --evict; done ) ;;
   detprof) for f in --enable-deterministic-inference ""; do  # det-cost row at bs 256: one profiled run a mode, where the 7.7% goes
       step detprof$f 110 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 40 $f; done ;;
   detab) ( kit  # the matmul and attention sweeps at the det-cost row's shapes (its 3-stage attention A/B was dropped: no gain)

@@ -103,10 +103,7 @@ def exposure_warning(host: str, api_key: Any, admin_api_key: Any) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from engine import readahead
     from tandem.server_args import server_args_from_namespace
-
-    readahead.start()  # first: the core's imports and compiles then find their libraries cached
 
     kwargs = default_core_process(with_env_keys(server_args_from_namespace(args)))
     spawned = _spawn_core_early(kwargs)

@@ -184,29 +184,3 @@ def test_m_tiers_change_only_the_tile():
         triton_ops.M_TIERS.clear()
         triton_ops.M_TIERS.update(saved)
         triton_ops.CONFIG_TABLE.pop((72, 200, "fp32"), None)
-
-
-@pytest.mark.parametrize("name", ["tma-flat-fused", "tma-nested-kernel", "one-split-tma"])
-@pytest.mark.parametrize("per_sm,with_bias", [(1, True), (2, False)])
-def test_persistent_schedule_gives_the_seq_bits(name, per_sm, with_bias):
-    """Resident programs walking the tiles (more tiles than programs here) compute each element
-    as the one-program-a-tile "seq" schedule does: the same bits, at every M."""
-    cfg = CONFIGS.get(name) or triton_matmul.MatmulConfig(**{**BASE, "split_k": 0}, use_tma=True)
-    persistent = triton_ops.with_tile(cfg, persistent=per_sm)
-    K, N = 200, 72
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w, b = _rand(64, K, dtype=dtype), _rand(N, K, dtype=dtype, seed=1), _rand(N, dtype=dtype, seed=2)
-        b = b if with_bias else None
-        for M in MS:  # 64 rows: 12 tiles on the interpreter's 8 (or 16) programs
-            want = triton_ops.bi_linear(x[:M], w, b, config=cfg, schedule="seq")
-            assert torch.equal(triton_ops.bi_linear(x[:M], w, b, config=persistent, schedule="seq"), want), (M, dtype)
-        ref = x.double().cpu() @ w.double().cpu().T + (b.double().cpu() if with_bias else 0)
-        got = triton_ops.bi_linear(x, w, b, config=persistent)
-        assert _rel(got, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
-
-
-def test_persistent_switches_are_checked():
-    with pytest.raises(ValueError, match="persistent"):
-        triton_matmul.MatmulConfig(persistent=-1)
-    with pytest.raises(ValueError, match="flatten / warp_spec"):
-        triton_matmul.MatmulConfig(flatten=True)

@@ -8,11 +8,10 @@ config, a function of (N, K, dtype) only. M only chooses how the same arithmetic
   * the tile (triton_ops.M_TIERS): on sm_90 each element is the same chain of k16 MMA
     steps in any tile shape (measured bitwise, see triton_ops);
   * "seq": one program per output tile runs the splits in order, total kept in registers;
-  * "persistent": "seq" on a fixed grid of programs walking the tiles (persistent_matmul.py);
   * "par": one program per (tile, split) writes partial_s to an fp32 workspace; the partials are
     then summed in split order, by the last program to finish the tile ("fused", found with an
     atomic counter) or by a second kernel ("kernel").
-fp32 addition of the same operands in the same order gives the same bits in every schedule, so
+fp32 addition of the same operands in the same order gives the same bits in both schedules, so
 small M gets split-K parallelism and large M avoids the workspace, without a bit of difference.
 Rows are independent in the MMA, so padding rows (clamped or TMA zero-filled) never touch real rows.
 """
@@ -53,13 +52,6 @@ class MatmulConfig:
     flat: bool = True  # one k loop across split ends (loads stay in flight) vs a loop per split
     par_max_tiles: int = 0  # "par" while the output has fewer tiles than this (0: 0.75 x #SMs)
     reduce: str = "fused"  # how "par" sums the partials: "fused" or "kernel"
-    persistent: int = 0  # "seq" on resident programs, this many per SM (persistent_matmul.py); 0: a program a tile
-    flatten: bool = False  # persistent only: Triton fuses the tile and k loops into one pipeline
-    warp_spec: bool = False  # persistent only: TMA producer and MMA consumer warps
-
-    def __post_init__(self) -> None:
-        if self.persistent < 0 or ((self.flatten or self.warp_spec) and not self.persistent):
-            raise ValueError(f"persistent must be >= 0 (programs per SM), and flatten / warp_spec need it: {self}")
 
     def num_splits(self, K: int) -> int:
         return 1 if self.split_k <= 0 or self.split_k >= K else triton.cdiv(K, self.split_k)
@@ -248,14 +240,6 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _persistent():
-    """persistent_matmul, which imports this module's helpers: imported at its first use."""
-    from engine.kernels.batch_invariant import persistent_matmul
-
-    return persistent_matmul
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     return (TensorDescriptor is not None and t.data_ptr() % 16 == 0
             and (t.stride(0) * t.element_size()) % 16 == 0)
@@ -292,10 +276,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Mat
     cnt = _counters(x.device, n_tiles) if parallel and fused else out
     bias_arg = bias if bias is not None else out
     kt_split = cfg.split_k // cfg.block_k if n_splits > 1 else 1 << 20
-    if cfg.persistent and use_tma and not parallel:
-        _persistent().launch(a_src, b_src, bias, out, M, N, K, cfg, kt_split, n_splits == 1,
-                             _num_sms(x.device), interpreting() and x.dtype != torch.float32)
-        return out
     pdl = use_pdl(M, x.device)  # decode at small batch: how it is launched, not what it computes
     _bi_mm_kernel[(n_tiles * n_splits,) if parallel else (n_tiles,)](
         a_src, b_src, bias_arg, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),

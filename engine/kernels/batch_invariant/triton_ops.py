@@ -94,9 +94,8 @@ _HALF_TIERS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
 M_TIERS: dict[tuple[int, int, str], tuple[tuple[int, dict], ...]] = {
     (n, k, "bf16"): tiers for (n, k), tiers in _HALF_TIERS.items()  # measured in bf16 only
 }
-# what a tier may change: the tile, and the schedule (par_max_tiles, persistent...: same bits)
-TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m", "par_max_tiles",
-               "persistent", "flatten", "warp_spec")
+# what a tier may change: the tile, and the schedule's threshold (par_max_tiles: same bits)
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "flat", "group_m", "par_max_tiles")
 
 
 def matmul_config(N: int, K: int, dtype: torch.dtype, M: int | None = None,
