@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
+from engine.api.early_aborts import EarlyAborts
 from engine.api.streamed_logprobs import StreamedLogprobs
 from engine.api.text_builder import TextBuilder
 from engine.api.generate_request import GenerateRequest
@@ -53,6 +54,7 @@ class Engine(EngineWeights, EngineLoRA):
         self._sinks: dict[str, Sink] = {}
         self._inputs: dict[str, ReqInput] = {}  # in flight: for the final text and the recorder
         self._lock = threading.Lock()
+        self._early_aborts = EarlyAborts()  # aborts a request still being built would miss
         self._stats_call: Optional[Future] = None  # recent_stats's call in flight
         self.tokenizer: Any = None  # loaded once the core says from where
         self.client: CoreClient = self._start_core()
@@ -105,28 +107,36 @@ class Engine(EngineWeights, EngineLoRA):
         sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
         logprob_distribution, rid, token_ids_logprob), or one GenerateRequest. Blocks until done;
         stream=True returns an iterator of cumulative chunks instead, as SGLang's does."""
+        since = self.abort_mark()
         request = GenerateRequest.of(*args, **kwargs)
         reqs, single = self.builder.build(request)
         if request.stream:
             chunks = SyncStream(reqs, single, self._abort_quietly)
-            self._submit_all(reqs, [chunks.sink()] * len(reqs))
+            self._submit_all(reqs, [chunks.sink()] * len(reqs), since)
             return iter(chunks)
         results: dict[str, "queue.Queue[ReqOutput]"] = {r.rid: queue.Queue() for r in reqs}
-        self._submit_all(reqs, [results[r.rid].put for r in reqs])
+        self._submit_all(reqs, [results[r.rid].put for r in reqs], since)
         outputs = [self._wait_final(results[r.rid]) for r in reqs]
         return outputs[0] if single else outputs
 
     def async_generate(self, *args: Any, loop: Optional[asyncio.AbstractEventLoop] = None,
-                       **kwargs: Any) -> GenerateStream:
+                       aborts_since: Optional[int] = None, **kwargs: Any) -> GenerateStream:
         """generate's arguments (stream=True too). `await` it for the final dict(s), or `async
         for` over cumulative chunks when stream=True. Called off the event loop (a worker thread
-        building a constrained request), `loop` is the event loop that will read the stream."""
+        building a constrained request), `loop` is the event loop that will read the stream.
+        aborts_since: abort_mark() when the request's handling began (now by default): an abort
+        since then that names it ends it, though it came before its rid was sent."""
+        since = self.abort_mark() if aborts_since is None else aborts_since
         request = GenerateRequest.of(*args, **kwargs)
         reqs, single = self.builder.build(request)
         loop = loop or asyncio.get_running_loop()
         streams = GenerateStream(reqs, single, request.stream, loop, abort=self._abort_quietly)
-        self._submit_all(reqs, [streams.sink_for(r.rid) for r in reqs])
+        self._submit_all(reqs, [streams.sink_for(r.rid) for r in reqs], since)
         return streams
+
+    def abort_mark(self) -> int:
+        """Where the aborts stand: pass it to async_generate when a request's handling began."""
+        return self._early_aborts.mark()
 
     def _wait_final(self, q: "queue.Queue[ReqOutput]") -> dict:
         while True:
@@ -137,10 +147,11 @@ class Engine(EngineWeights, EngineLoRA):
     def _submit(self, req_input: ReqInput, sink: Sink) -> None:
         self._submit_all([req_input], [sink])
 
-    def _submit_all(self, reqs: list[ReqInput], sinks: list[Sink]) -> None:
+    def _submit_all(self, reqs: list[ReqInput], sinks: list[Sink], aborts_since: Optional[int] = None) -> None:
         """Every rid is checked and registered before the batch is sent, so a batch refused for a
         rid already in flight submits nothing (nothing decodes for nobody). The batch reaches the
-        core whole: its requests are scheduled together however busy the host is."""
+        core whole: its requests are scheduled together however busy the host is. Those an abort
+        since `aborts_since` names are aborted again once sent (engine/api/early_aborts.py)."""
         with self._lock:
             busy = next((r.rid for r in reqs if r.rid in self._sinks), None)
             if busy is not None:
@@ -156,6 +167,9 @@ class Engine(EngineWeights, EngineLoRA):
                     self._sinks.pop(r.rid, None)
                     self._inputs.pop(r.rid, None)
             raise
+        if aborts_since is not None:  # checked after the send: a later abort reaches the core after them
+            for rid in self._early_aborts.named([r.rid for r in reqs], aborts_since):
+                self._abort_quietly(rid, AbortReq.message)
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False, prefix: bool = False) -> None:
@@ -164,7 +178,9 @@ class Engine(EngineWeights, EngineLoRA):
         in SGLang (an empty /abort_request body must not end every rollout in flight)."""
         if not abort_all and not rid:
             return
-        self.client.send(AbortReq(None if abort_all else str(rid), prefix=bool(prefix) and not abort_all))
+        target, prefix = None if abort_all else str(rid), bool(prefix) and not abort_all
+        self._early_aborts.record(target, prefix)  # first: a request sent after this checks for it
+        self.client.send(AbortReq(target, prefix=prefix))
 
     async def async_abort_request(self, rid: Optional[str] = None, abort_all: bool = False,
                                   prefix: bool = False) -> None:

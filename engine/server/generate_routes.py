@@ -69,7 +69,10 @@ def add_generate_routes(app: FastAPI, engine: Any, openai: OpenAIServing, unknow
 def _add_route(app: FastAPI, engine: Any, route: GenerationRoute, unknown: UnknownFields) -> None:
     async def handle(body: Any, request: Request) -> Any:
         unknown.note(route.path, body)
-        submit = lambda loop=None: engine.async_generate(route.request(body), loop=loop)  # noqa: E731
+        since = engine.abort_mark()  # an abort while the request is built (its grammar, its template) ends it
+
+        def submit(loop: Any = None) -> Any:
+            return engine.async_generate(route.request(body), loop=loop, aborts_since=since)
         stream = await _submitted(submit, body.carries_grammar() or route.off_loop(body))
         if body.stream:
             return streaming_response(route.events(body, stream), stream, engine)

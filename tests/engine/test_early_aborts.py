@@ -1,0 +1,82 @@
+"""An abort that arrives while a request is still being built (its grammar checked, its template
+rendered) ends the request once it is sent, as SGLang's does; it ends nothing sent after it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from engine.api.early_aborts import EarlyAborts
+
+LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+IDS = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def engine(engine_factory):
+    return engine_factory()
+
+
+class SlowBuild:
+    """The engine's builder held at its start until released: the window an abort falls into."""
+
+    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        build = engine.builder.build
+
+        def held(request: Any) -> Any:
+            self.started.set()
+            assert self.release.wait(30)
+            return build(request)
+
+        monkeypatch.setattr(engine.builder, "build", held)
+
+
+def _generate_in_thread(engine: Any, **kwargs: Any) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=engine.generate(**kwargs)))
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.parametrize("how", ["rid", "all", "prefix", "fanned_out"])
+def test_an_abort_during_the_build_ends_the_request(engine, monkeypatch, how):
+    slow = SlowBuild(engine, monkeypatch)
+    params = {**LONG, "n": 2} if how == "fanned_out" else LONG
+    thread, result = _generate_in_thread(engine, input_ids=IDS, sampling_params=params, rid="late-1")
+    assert slow.started.wait(30)
+    if how == "all":
+        engine.abort_request(abort_all=True)
+    elif how == "prefix":
+        engine.abort_request(rid="late-", prefix=True)
+    else:
+        engine.abort_request(rid="late-1")
+    slow.release.set()
+    thread.join(60)
+    outs = result["out"] if isinstance(result["out"], list) else [result["out"]]
+    assert len(outs) == (2 if how == "fanned_out" else 1)
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
+        assert len(out["output_ids"]) < LONG["max_new_tokens"]
+
+
+def test_an_abort_before_the_request_began_or_of_another_rid_ends_nothing(engine):
+    engine.abort_request(abort_all=True)  # before: the next request is not one it could mean
+    out = engine.generate(input_ids=IDS, sampling_params={**LONG, "max_new_tokens": 5}, rid="after-all")
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    engine.abort_request(rid="other")
+    assert len(engine.generate(input_ids=IDS, sampling_params={**LONG, "max_new_tokens": 5})["output_ids"]) == 5
+
+
+def test_only_aborts_since_the_mark_name_a_rid():
+    aborts = EarlyAborts(keep=3)
+    aborts.record("a")
+    mark = aborts.mark()
+    assert aborts.named(["a", "b"], mark) == []
+    aborts.record("b")
+    aborts.record("pre-", prefix=True)
+    assert aborts.named(["a", "b", "b-0", "b_1", "bb", "pre-x"], mark) == ["b", "b-0", "b_1", "pre-x"]
+    aborts.record(None)
+    assert aborts.named(["a", "z"], mark) == ["a", "z"]  # everything
