@@ -306,6 +306,8 @@ class Engine(EngineWeights, EngineLoRA):
             if req_input is not None:
                 self.streamed_logprobs.fill(req_input, out)
                 self.text_builder.fill(req_input, out)
+                if out.finished and req_input.return_prompt_token_ids:  # SGLang's: beside text and meta_info
+                    out.output["prompt_token_ids"] = list(req_input.input_ids)
                 if out.finished and self.recorder is not None:
                     self.recorder.record(req_input, out.output)
             if sink is None:

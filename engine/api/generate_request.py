@@ -34,6 +34,7 @@ class GenerateRequest:
     lora_path: Union[str, list[Optional[str]], None] = None
     # the first position whose routes come back (SGLang's: a continued rollout holds the earlier ones)
     routed_experts_start_len: Union[int, list[int]] = 0
+    return_prompt_token_ids: bool = False  # each final output's prompt ids, as "prompt_token_ids"
 
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":
@@ -57,4 +58,4 @@ class GenerateRequest:
 
 # sglang.Engine.generate's defaults are None for these (verl's adapters pass them so)
 NONE_MEANS_DEFAULT = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0, "stream": False,
-                      "return_routed_experts": False, "routed_experts_start_len": 0}
+                      "return_routed_experts": False, "routed_experts_start_len": 0, "return_prompt_token_ids": False}

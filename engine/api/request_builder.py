@@ -85,7 +85,7 @@ class RequestBuilder:
                     logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
                     token_ids_logprob=wanted if lp else None, logprob_distribution=distribution,
                     stream=request.stream, return_routed_experts=route, routed_experts_start_len=route_start,
-                    lora_path=adapter,
+                    lora_path=adapter, return_prompt_token_ids=bool(request.return_prompt_token_ids),
                 ))
         self._check_unique_rids(out)
         return out, single and params[0].n == 1

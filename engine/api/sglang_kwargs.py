@@ -24,10 +24,16 @@ REFUSED = {
     "custom_logit_processor": "tandem runs no client-supplied code; use sampling_params logit_bias, or leave it None",
     "session_params": "tandem has no sessions; send each turn's whole prompt",
     "priority": "tandem has no priority scheduling; leave it None",
+    # newer SGLang's sampling-support outputs (Miles' score centering asks for them)
+    "sampling_logprobs_mode": "tandem's logprobs are the sampled token's under the model's distribution ('selected'); "
+                              "'support' (renormalised over the top-k / top-p support) is not served",
+    "return_sampling_mask": "tandem does not return output_token_sampling_mask / output_token_sampling_logprobs; "
+                            "leave it False",
     "bootstrap_host": _DISAGG,
     "bootstrap_port": _DISAGG,
     "bootstrap_room": _DISAGG,
 }
+ASKS_NOTHING = {"sampling_logprobs_mode": "selected"}  # a value that is what tandem does anyway
 DP_RANKS = ("data_parallel_rank", "routed_dp_rank")  # one rank here: 0 or None
 IGNORED = ("external_trace_header",)  # tracing metadata: changes no output
 
@@ -36,7 +42,7 @@ def pop_sglang_only(kwargs: dict[str, Any]) -> None:
     """Removes REFUSED, DP_RANKS and IGNORED keywords from `kwargs`, raising a ValueError naming
     the first one that asks for something tandem cannot do."""
     for name, reason in REFUSED.items():
-        if name in kwargs and given(kwargs.pop(name)):
+        if name in kwargs and asks(name, kwargs.pop(name)):
             raise ValueError(f"{name} is not supported: {reason}")
     for name in DP_RANKS:
         rank = kwargs.pop(name, None)
@@ -44,6 +50,11 @@ def pop_sglang_only(kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{name}={rank!r}: tandem runs one data-parallel rank; pass 0 or None")
     for name in IGNORED:
         kwargs.pop(name, None)
+
+
+def asks(name: str, value: Any) -> bool:
+    """Whether field `name` set to `value` asks for something tandem would have to do differently."""
+    return given(value) and value != ASKS_NOTHING.get(name)
 
 
 def given(value: Any) -> bool:

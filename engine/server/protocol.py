@@ -67,6 +67,7 @@ class GenerateBody(_NullsAsDefaults):
     return_routed_experts: Union[bool, list[bool]] = False
     routed_experts_start_len: Union[StrictInt, list[StrictInt], None] = 0
     lora_path: Any = None  # an adapter name, or one per prompt (None: the base): checked by the RequestBuilder
+    return_prompt_token_ids: bool = False  # each final output's "prompt_token_ids"
     # SGLang refuses these unless started for them (--enable-return-hidden-states,
     # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
     return_hidden_states: Union[bool, list[bool]] = False
@@ -88,7 +89,8 @@ class GenerateBody(_NullsAsDefaults):
             top_logprobs_num=self.top_logprobs_num or 0, token_ids_logprob=self.token_ids_logprob,
             logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream,
             return_routed_experts=self.return_routed_experts, lora_path=self.lora_path,
-            routed_experts_start_len=self.routed_experts_start_len or 0)
+            routed_experts_start_len=self.routed_experts_start_len or 0,
+            return_prompt_token_ids=self.return_prompt_token_ids)
 
 
 def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:
