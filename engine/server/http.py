@@ -65,6 +65,10 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
 def _validation_problem(error: dict) -> str:
     """One of pydantic's errors: where in the request ("body.max_tokens") and the problem, without
     pydantic's "Value error, " before our validators' own text."""
+    if error.get("type") == "json_invalid":  # FastAPI's: loc ("body", the character json.loads stopped at)
+        at = error.get("loc", ("body", "?"))[-1]
+        why = (error.get("ctx") or {}).get("error", "not JSON")
+        return f"the body is not valid JSON ({why} at character {at}): send one JSON object"
     where = ".".join(str(p) for p in error.get("loc", ()))
     return f"{where}: {str(error.get('msg', '')).removeprefix('Value error, ')}"
 

@@ -64,6 +64,15 @@ def test_a_body_json_cannot_read_is_400_saying_what_to_send(raw, engine, body):
     _serving(raw, engine)
 
 
+@pytest.mark.parametrize("body, why", [(b'{"text": "a"} xx', "Extra data at character 14"),
+                                       (b'{"text": "a",', "at character 13")])
+def test_malformed_json_is_400_saying_where(raw, engine, body, why):
+    resp = raw.post_bytes("/generate", body)
+    assert resp.status_code == 400, resp.text
+    assert "the body is not valid JSON (" in resp.json()["message"] and why in resp.json()["message"], resp.text
+    _serving(raw, engine)
+
+
 @pytest.mark.parametrize("headers", [{"content-type": "application/x-www-form-urlencoded"}, {}])
 def test_a_json_body_sent_without_its_content_type_is_told_to_send_it(raw, engine, headers):
     """curl -d sends a form's Content-Type: the JSON object was never read as JSON."""
