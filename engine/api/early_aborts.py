@@ -39,9 +39,13 @@ class EarlyAborts:
     def named(self, rids: Iterable[str], since: int) -> list[str]:
         """Those of `rids` that an abort recorded after `since` names."""
         with self._lock:
-            aborts = [(rid, prefix) for seq, rid, prefix in self._recent if seq > since]
-        if not aborts:
-            return []
+            if self._seq == since:  # the usual case: no abort since, nothing to walk
+                return []
+            aborts = []
+            for seq, rid, prefix in reversed(self._recent):  # newest first: stop at the mark
+                if seq <= since:
+                    break
+                aborts.append((rid, prefix))
         return [rid for rid in rids if any(_names(target, prefix, rid) for target, prefix in aborts)]
 
 
