@@ -194,3 +194,19 @@ def test_split_kv_gradients_match_reference():
     for ours, ref in zip(*grads):
         assert torch.isfinite(ours).all()
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)  # float32 inside
+
+
+def test_linear_caps_torchs_threads_where_mkl_could_split_k(monkeypatch):
+    """More than MAX_INVARIANT_THREADS threads may split K (no tile holds then): the first CPU call
+    caps them, so a many-core host keeps the bits of a 2-core one."""
+    from engine.kernels.batch_invariant import ops
+
+    before = torch.get_num_threads()
+    ops._cap_threads.cache_clear()
+    try:
+        torch.set_num_threads(ops.MAX_INVARIANT_THREADS + 8)
+        bi.linear(torch.randn(3, 32), torch.randn(5, 32))
+        assert torch.get_num_threads() == ops.MAX_INVARIANT_THREADS
+    finally:
+        torch.set_num_threads(before)
+        ops._cap_threads.cache_clear()

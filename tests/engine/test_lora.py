@@ -169,7 +169,10 @@ def test_unload_waits_for_the_adapters_requests(lora_engine, adapters):
         lora_engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="b")))
     worker.start()
     try:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while lora_engine.get_stats().num_waiting_reqs == 0:  # queued, holding its adapter
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.01)
         refused = lora_engine.unload_lora_adapter("b", timeout_s=0.3)
         assert not refused["success"] and "in use" in refused["error_message"] and "b" in refused["loaded_adapters"]
     finally:

@@ -114,15 +114,17 @@ def test_verl_sync_reaches_every_tensor_parallel_rank(engine_factory, local_seri
 
 
 class _Exploit:
+    path = ""  # the file unpickling it would create: the test's own
+
     def __reduce__(self):
-        return (open, ("/tmp/tandem-pwned-by-nested-value", "w"))
+        return (open, (self.path, "w"))
 
 
 def test_a_hostile_nested_value_executes_nothing(engine_factory, local_serialized_tensor, tmp_path):
     import os
 
     eng = engine_factory()
-    marker = "/tmp/tandem-pwned-by-nested-value"
+    marker = _Exploit.path = str(tmp_path / "pwned-by-nested-value")
     before = eng.get_weights_by_name("model.norm.weight")
     lst = local_serialized_tensor
     cases = [

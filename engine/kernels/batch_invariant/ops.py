@@ -17,7 +17,8 @@ tests/engine/test_batch_invariant_ops.py re-checks all of it wherever the suite 
     30-31 other bits, 8 and 16 rows fail for some shapes, 64 rows are split across 4 threads.
     Tiles of 12, 24 and 48 rows held on the SSE4.2, AVX2 and AVX-512 paths at 1, 2 and 4
     threads for every K in 32..1024 and N in 32..3000 tried (56 shapes; Xeon, torch 2.13, MKL
-    2024.2), and 24 at 8 threads too; at 16 threads with K=1000 MKL splits K and no tile holds.
+    2024.2), and 24 at 8 threads too; at 16 threads with K=1000 MKL splits K and no tile holds:
+    `linear` caps torch's threads at MAX_INVARIANT_THREADS at its first CPU call.
   * The mean of RMSNorm and torch.log_softmax reduce each row serially, in an order set by the
     row length only: invariant as they are (vocab 151936 included).
   * F.silu is NOT: its vectorised body and scalar tail round differently, and which elements fall
@@ -43,6 +44,18 @@ logger = logging.getLogger(__name__)
 # Rows per matmul call on the CPU. Part of the numerics contract: engine and trainer must use
 # the same value (a different tile is a different MKL kernel path, hence different bits).
 ROW_TILE = 24
+# Threads the tiles held at (the thread count does not change a row's bits up to here); at 16
+# MKL may split K, and then no tile holds: more threads are capped to this at the first call
+MAX_INVARIANT_THREADS = 8
+
+
+@functools.lru_cache(maxsize=1)
+def _cap_threads() -> None:
+    threads = torch.get_num_threads()
+    if threads > MAX_INVARIANT_THREADS:
+        torch.set_num_threads(MAX_INVARIANT_THREADS)
+        logger.info("batch-invariant CPU linear: torch threads %d -> %d (more may split K, changing bits)",
+                    threads, MAX_INVARIANT_THREADS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,6 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     ops = _cuda_ops(x, weight, bias)
     if ops is not None:
         return ops.bi_linear(x, weight, bias)
+    _cap_threads()
     K = x.shape[-1]
     rows = x.reshape(-1, K)
     M = rows.shape[0]
