@@ -168,3 +168,26 @@ def test_counted_repeats_past_the_bounds_are_refused_before_compiling(pattern):
         SamplingParams.from_dict({"stop_regex": pattern}).validate()
     assert time.perf_counter() - start < 0.5
     SamplingParams.from_dict({"stop_regex": ["a{1000}", "(?:a{100}){100}", "x+y*"]}).validate()
+
+
+def test_a_search_that_waited_for_the_cpu_is_no_slow_search(monkeypatch):
+    """A loaded host may preempt the core past the budget mid-search: the wall time is not the
+    pattern's, so the step searches once more instead of aborting a request with a simple pattern."""
+    import time
+
+    from engine.stop_regex import StopRegexTooSlow
+
+    calls = []
+
+    def preempted_once(pattern, text, checked, deadline):
+        calls.append(pattern)
+        if len(calls) == 1:
+            time.sleep(0.05)  # waiting, not computing
+            raise StopRegexTooSlow("too slow")
+        return pattern == "x9y"
+
+    monkeypatch.setattr(finish, "new_match", preempted_once)
+    req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=["x1y", "x9y"]), text="abc x9y",
+                          stop_regex_checked=0)
+    assert finish._match_stop_regex(req) == {"type": "stop", "matched": "x9y"}
+    assert calls == ["x1y", "x1y", "x9y"]
