@@ -273,8 +273,8 @@ class HttpClient:
 
 def generate_body(request: GenerateRequest) -> dict:
     """SGLang's /generate body: text (the prompt) or input_ids, sampling_params, the logprob
-    options, and rid, logprob_distribution, token_ids_logprob, return_routed_experts only when set
-    (as SGLang's clients)."""
+    options, and rid, logprob_distribution, token_ids_logprob, return_routed_experts (and its
+    start), return_prompt_token_ids only when set (as SGLang's clients)."""
     if (request.prompt is None) == (request.input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
     if request.stream:
@@ -287,6 +287,10 @@ def generate_body(request: GenerateRequest) -> dict:
     body.update({name: value for name, value in optional.items() if value is not None})
     if request.return_routed_experts:  # only when asked: a server without the flag refuses it
         body["return_routed_experts"] = request.return_routed_experts
+        if request.routed_experts_start_len:
+            body["routed_experts_start_len"] = request.routed_experts_start_len
+    if request.return_prompt_token_ids:
+        body["return_prompt_token_ids"] = True
     return body
 
 

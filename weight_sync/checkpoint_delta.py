@@ -95,9 +95,19 @@ def hasher(algorithm: str) -> Any:
 @dataclass
 class _Patch:
     name: str
-    payload: np.ndarray  # the compressed delta (a view of the delta file's memory map)
+    source: tuple[str, int, int]  # the delta file, where the tensor's compressed delta begins, its bytes
     region: np.ndarray  # the tensor's bytes in the local file (a view of its memory map)
     checksum: str | None
+
+    def payload(self) -> bytes:
+        """The compressed delta, read when applied: one tensor's in memory a worker, not a version's.
+        Read, not mapped: a shared folder's file cut short would kill the process (SIGBUS)."""
+        path, offset, size = self.source
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), size, offset)
+        if len(data) != size:
+            raise ValueError(f"{self.name}: {path} ends before the {size} bytes of its delta")
+        return data
 
 
 def check_delta(version_dir: str, meta: dict) -> None:
@@ -132,17 +142,17 @@ def apply_delta(local_dir: str, version_dir: str, meta: dict) -> None:
         patches = list(_patches(version_dir, spans, maps))
 
         def apply(patch: _Patch) -> str | None:
-            digest = hasher(algorithm)
+            digest, payload = hasher(algorithm), patch.payload()
             if encoding == "xor":  # streamed: a chunk decompressed, applied and hashed at a time
-                _xor_streamed(zstandard, patch, digest)
+                _xor_streamed(zstandard, patch, payload, digest)
             else:
                 bound = 4 + 5 * patch.region.size
-                declared = zstandard.frame_content_size(patch.payload)  # what decompress would allocate
+                declared = zstandard.frame_content_size(payload)  # what decompress would allocate
                 if declared > bound:
                     raise ValueError(f"{patch.name}: a delta frame of {declared} bytes for a tensor of "
                                      f"{patch.region.size}")
                 _overwrite(patch, np.frombuffer(zstandard.ZstdDecompressor().decompress(
-                    patch.payload, max_output_size=bound), dtype=np.uint8))
+                    payload, max_output_size=bound), dtype=np.uint8))
                 digest.update(patch.region)
             return None if digest.hexdigest() == patch.checksum else patch.name
 
@@ -164,7 +174,7 @@ def _patches(version_dir: str, spans: dict, maps: dict):
             continue
         path = os.path.join(version_dir, fname)
         header, data = safetensors_header(path)
-        delta = _mapped(maps, path, writable=False)  # paged in as read: a version is not held in memory whole
+        size = os.path.getsize(path)
         checksums = header.get("__metadata__") or {}
         for name, info in header.items():
             if name == "__metadata__":
@@ -173,27 +183,20 @@ def _patches(version_dir: str, spans: dict, maps: dict):
                 raise KeyError(f"{path}: tensor {name!r} is not in the local checkpoint")
             local, offset, nbytes = spans[name]
             begin, end = info["data_offsets"]
-            if not 0 <= begin <= end <= len(delta) - data:
+            if not 0 <= begin <= end <= size - data:
                 raise ValueError(f"{path}: tensor {name!r}'s data_offsets {[begin, end]} are outside the file")
-            region = np.ndarray((nbytes,), dtype=np.uint8, buffer=_mapped(maps, local, writable=True), offset=offset)
-            payload = np.ndarray((end - begin,), dtype=np.uint8, buffer=delta, offset=data + begin)
-            yield _Patch(name, payload, region, checksums.get(name))
+            if local not in maps:
+                handle = open(local, "r+b")
+                maps[local] = (handle, mmap.mmap(handle.fileno(), 0))
+            region = np.ndarray((nbytes,), dtype=np.uint8, buffer=maps[local][1], offset=offset)
+            yield _Patch(name, (path, data + begin, end - begin), region, checksums.get(name))
 
 
-def _mapped(maps: dict, path: str, writable: bool) -> mmap.mmap:
-    """path mapped once a pull (`maps` holds the file and its map, closed by the caller)."""
-    if path not in maps:
-        handle = open(path, "r+b" if writable else "rb")
-        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        maps[path] = (handle, mmap.mmap(handle.fileno(), 0, access=access))
-    return maps[path][1]
-
-
-def _xor_streamed(zstandard: Any, patch: _Patch, digest: Any) -> None:
+def _xor_streamed(zstandard: Any, patch: _Patch, payload: bytes, digest: Any) -> None:
     """The new bytes are the old XOR the delta: XOR_CHUNK at a time (slime's frames hold whole
     tensors; an embedding's is ~1.2 GB decompressed), each hashed once patched."""
     region, done = patch.region, 0
-    reader = zstandard.ZstdDecompressor().stream_reader(patch.payload)
+    reader = zstandard.ZstdDecompressor().stream_reader(payload)
     while chunk := reader.read(XOR_CHUNK):
         if done + len(chunk) > region.size:
             raise ValueError(f"{patch.name}: an xor delta longer than the tensor's {region.size} bytes")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 
 from engine.api.core_client import CoreClient, ThreadCoreClient
-from engine.api.early_aborts import EarlyAborts
+from engine.api.early_aborts import EXACT, NAMED, PREFIX, EarlyAborts
 from engine.api.streamed_logprobs import StreamedLogprobs
 from engine.api.text_builder import TextBuilder
 from engine.api.generate_request import GenerateRequest
@@ -179,7 +179,9 @@ class Engine(EngineWeights, EngineLoRA):
         if not abort_all and not rid:
             return
         target, prefix = None if abort_all else str(rid), bool(prefix) and not abort_all
-        self._early_aborts.record(target, prefix)  # first: a request sent after this checks for it
+        with self._lock:  # first: a request sent after this checks for it; in flight, the rid names only itself
+            how = PREFIX if prefix else EXACT if target in self._sinks else NAMED
+            self._early_aborts.record(target, how)
         self.client.send(AbortReq(target, prefix=prefix))
 
     async def async_abort_request(self, rid: Optional[str] = None, abort_all: bool = False,
@@ -306,7 +308,7 @@ class Engine(EngineWeights, EngineLoRA):
             if req_input is not None:
                 self.streamed_logprobs.fill(req_input, out)
                 self.text_builder.fill(req_input, out)
-                if out.finished and req_input.return_prompt_token_ids:  # SGLang's: beside text and meta_info
+                if req_input.return_prompt_token_ids:  # SGLang's: beside text and meta_info, every chunk
                     out.output["prompt_token_ids"] = list(req_input.input_ids)
                 if out.finished and self.recorder is not None:
                     self.recorder.record(req_input, out.output)

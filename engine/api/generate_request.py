@@ -34,7 +34,7 @@ class GenerateRequest:
     lora_path: Union[str, list[Optional[str]], None] = None
     # the first position whose routes come back (SGLang's: a continued rollout holds the earlier ones)
     routed_experts_start_len: Union[int, list[int]] = 0
-    return_prompt_token_ids: bool = False  # each final output's prompt ids, as "prompt_token_ids"
+    return_prompt_token_ids: bool = False  # each output's prompt ids, as "prompt_token_ids"
 
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":

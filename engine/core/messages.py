@@ -43,7 +43,7 @@ class ReqInput(RequestOptions):
     its prompt's ids and its options (rid, sampling params, seed, logprob options, stream; the
     scheduler's Req carries the same RequestOptions)."""
     input_ids: list[int] = field(kw_only=True)
-    return_prompt_token_ids: bool = field(default=False, kw_only=True)  # the front end adds them to the final output
+    return_prompt_token_ids: bool = field(default=False, kw_only=True)  # the front end adds them to its outputs
 
     @property
     def core_detokenizes(self) -> bool:

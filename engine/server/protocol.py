@@ -67,7 +67,7 @@ class GenerateBody(_NullsAsDefaults):
     return_routed_experts: Union[bool, list[bool]] = False
     routed_experts_start_len: Union[StrictInt, list[StrictInt], None] = 0
     lora_path: Any = None  # an adapter name, or one per prompt (None: the base): checked by the RequestBuilder
-    return_prompt_token_ids: bool = False  # each final output's "prompt_token_ids"
+    return_prompt_token_ids: bool = False  # each output's "prompt_token_ids" (streamed chunks too)
     # SGLang refuses these unless started for them (--enable-return-hidden-states,
     # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
     return_hidden_states: Union[bool, list[bool]] = False

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.api.early_aborts import EarlyAborts
+from engine.api.early_aborts import EXACT, MAX_RID_CHARS, PREFIX, EarlyAborts
 
 LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
 IDS = [5, 6, 7, 8, 9]
@@ -76,7 +76,24 @@ def test_only_aborts_since_the_mark_name_a_rid():
     mark = aborts.mark()
     assert aborts.named(["a", "b"], mark) == []
     aborts.record("b")
-    aborts.record("pre-", prefix=True)
-    assert aborts.named(["a", "b", "b-0", "b_1", "bb", "pre-x"], mark) == ["b", "b-0", "b_1", "pre-x"]
+    aborts.record("pre-", PREFIX)
+    aborts.record("c", EXACT)  # c was in flight: the core ends c alone, not c's expansions
+    assert aborts.named(["a", "b", "b-0", "b_1", "b-x_2", "bb", "pre-x", "c", "c-0"], mark) == [
+        "b", "b-0", "b_1", "b-x_2", "pre-x", "c"]
     aborts.record(None)
     assert aborts.named(["a", "z"], mark) == ["a", "z"]  # everything
+
+
+def test_an_abort_all_outlives_any_number_of_aborts_by_rid():
+    """Client disconnects abort by rid; thousands of them after slime's abort_all must not push it
+    out of memory while a request is being built."""
+    aborts = EarlyAborts(keep=4)
+    mark = aborts.mark()
+    aborts.record(None)
+    for i in range(100):
+        aborts.record(f"gone-{i}")
+    aborts.record("x" * (MAX_RID_CHARS + 1))  # not remembered: it would pin memory
+    assert aborts.named(["late"], mark) == ["late"]
+    later = aborts.mark()
+    aborts.record("gone-x")
+    assert aborts.named(["late", "gone-x"], later) == ["gone-x"]

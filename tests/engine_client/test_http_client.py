@@ -70,6 +70,8 @@ def test_generate_by_ids_and_text_equals_the_engine(served, oracle_a):
     assert asyncio.run(client.async_generate(**asked))["meta_info"]["output_token_ids_logprobs"] == want
     assert [[e[1] for e in row] for row in want] == [ids] * 8
     assert oracle_a.generate(**asked)["meta_info"]["output_token_ids_logprobs"] == want
+    text = dict(prompt="hello world", sampling_params=GREEDY, return_prompt_token_ids=True)  # as in-process
+    assert client.generate(**text)["prompt_token_ids"] == oracle_a.generate(**text)["prompt_token_ids"]
 
     async def concurrent() -> list:
         return await asyncio.gather(*[client.async_generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS])

@@ -1,5 +1,5 @@
-"""Newer SGLang fields: `return_prompt_token_ids` on /generate (each final output's prompt ids,
-beside text and meta_info), and the sampling-support outputs Miles' score centering asks for
+"""Newer SGLang fields: `return_prompt_token_ids` on /generate (each output's prompt ids, beside
+text and meta_info, streamed chunks too), and the sampling-support outputs Miles' score centering asks for
 (`sampling_logprobs_mode="support"`, `return_sampling_mask`), which tandem does not compute: a 400
 naming them, never a 200 whose logprobs silently mean something else (io_struct.py GenerateReqInput)."""
 
@@ -61,8 +61,8 @@ def test_generate_returns_prompt_token_ids_when_asked(client, engine):
     assert "prompt_token_ids" not in _ok(client.post("/generate", json={"input_ids": [5, 6], "sampling_params": GEN}))
 
 
-def test_a_stream_carries_the_prompt_ids_in_its_last_chunk(client):
+def test_a_stream_carries_the_prompt_ids_in_every_chunk(client):
     body = {"input_ids": [5, 6, 7], "sampling_params": GEN, "stream": True, "return_prompt_token_ids": True}
     with client.stream("POST", "/generate", json=body) as resp:
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
-    assert chunks[-1]["prompt_token_ids"] == [5, 6, 7]
+    assert len(chunks) >= 2 and all(c["prompt_token_ids"] == [5, 6, 7] for c in chunks)
