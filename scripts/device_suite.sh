@@ -45,7 +45,7 @@ for s in "$@"; do case $s in
       step coldstart 200 python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 2
       step pagecache 60 python3 scripts/page_cache_probe.py --top 45 ) ;;
   coldab) ( kit  # serve's time to ready with the packages evicted from the page cache and empty Triton / Inductor caches (the readahead A/B of 2026-12-07: engine/readahead.py, since removed)
-      for v in 0; do step coldab-$v 120 env TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1 --evict; done ) ;;
+      step coldab 120 env TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1 --evict ) ;;
   detprof) for f in --enable-deterministic-inference ""; do  # det-cost row at bs 256: one profiled run a mode, where the 7.7% goes
       step detprof$f 110 $B --preset qwen3-8b --num-prompts 256 --input-len 512 --output-len 256 --runs 1 --stream-mode final --profile 40 $f; done ;;
   detab) ( kit  # the matmul and attention sweeps at the det-cost row's shapes (its 3-stage attention A/B was dropped: no gain)

@@ -129,7 +129,7 @@ def main() -> None:
         print(f"evicted {evict_start_files()} files of {', '.join(PACKAGES)} and the C compiler")
         return
     every = library_files()
-    listed = set(every)
+    libraries = set(every)
     rows = sorted(((resident_bytes(f), f.stat().st_size, f) for f in every), key=lambda r: -r[0])
     if any(r[0] < 0 for r in rows):
         print("(-1: not known; run as the files' owner or root)")
@@ -137,7 +137,7 @@ def main() -> None:
     for resident, size, path in rows[:args.top]:
         print(f"{resident / 1e6:11.1f} {size / 1e6:8.1f} {100 * resident / max(size, 1):4.0f}  {path}")
     for package in PACKAGES:  # everything else of the package: its Python files above all
-        sizes = [(resident_bytes(f), f.stat().st_size) for f in package_files((package,)) if f not in listed]
+        sizes = [(resident_bytes(f), f.stat().st_size) for f in package_files((package,)) if f not in libraries]
         if sizes:
             print(f"{package}: {len(sizes)} other files, {sum(s for _, s in sizes) / 1e6:.0f} MB, "
                   f"{sum(max(r, 0) for r, _ in sizes) / 1e6:.0f} MB resident")

@@ -92,16 +92,16 @@ def _match_stop_regex(req: Req) -> Optional[dict]:
         compile_patterns(patterns)
     except (RecursionError, ValueError, *INVALID) as exc:  # validate compiled them, on a shallower stack maybe
         return abort_reason(f"stop_regex could not be compiled here ({type(exc).__name__}); use a flatter pattern")
-    cpu = time.thread_time()
-    try:
-        return _first_match(patterns, req.text, checked)
-    except StopRegexTooSlow as exc:
-        if time.thread_time() - cpu > SEARCH_TIMEOUT_S / 2:  # the searches used the time: too slow
-            return abort_reason(str(exc))
-    try:  # the thread waited instead (a loaded host preempted it): once more, on a fresh budget
-        return _first_match(patterns, req.text, checked)
-    except StopRegexTooSlow as exc:
-        return abort_reason(str(exc))
+    for attempt in range(2):
+        cpu = time.thread_time()
+        try:
+            return _first_match(patterns, req.text, checked)
+        except StopRegexTooSlow as exc:
+            # too slow when the searches used the time; when the thread waited instead (a loaded
+            # host preempted it), once more on a fresh budget
+            if attempt or time.thread_time() - cpu > SEARCH_TIMEOUT_S / 2:
+                return abort_reason(str(exc))
+    return None
 
 
 def _first_match(patterns: list[str], text: str, checked: int) -> Optional[dict]:

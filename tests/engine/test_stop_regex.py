@@ -191,3 +191,24 @@ def test_a_search_that_waited_for_the_cpu_is_no_slow_search(monkeypatch):
                           stop_regex_checked=0)
     assert finish._match_stop_regex(req) == {"type": "stop", "matched": "x9y"}
     assert calls == ["x1y", "x1y", "x9y"]
+
+
+def test_a_search_that_used_its_cpu_budget_aborts_at_once(monkeypatch):
+    """A pattern that burns the budget computing is too slow: no second try."""
+    import time
+
+    from engine.stop_regex import SEARCH_TIMEOUT_S, StopRegexTooSlow
+
+    calls = []
+
+    def burns_cpu(pattern, text, checked, deadline):
+        calls.append(pattern)
+        start = time.thread_time()
+        while time.thread_time() - start < SEARCH_TIMEOUT_S:
+            pass
+        raise StopRegexTooSlow("stop_regex searches took over 20 ms")
+
+    monkeypatch.setattr(finish, "new_match", burns_cpu)
+    req = SimpleNamespace(sampling_params=SimpleNamespace(stop_regex=["(a|aa)+$"]), text="aaaa", stop_regex_checked=0)
+    assert finish._match_stop_regex(req)["type"] == "abort"
+    assert calls == ["(a|aa)+$"]
