@@ -32,12 +32,12 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 for s in "$@"; do case $s in
-  auto)  # a call's worth by card: an H200 measures the issue's rows as the defaults stand (serve's ready first: a fresh machine), an H100 the fused sampler
+  auto)  # a call's worth by card: an H200 measures the issue's rows as the defaults stand (serve's ready first: a fresh machine), an H100 the GPU tests of the server and core process (the front end's changes of 2026-12-07's sixth session)
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" serveready itl bench06q bench8q replaygpu; else bash "$0" detprof replaygpu; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" restgpu; fi ;;
   replaygpu) step replaygpu 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_top_p_replay_gpu.py ;;  # slime's top-p replay: KeptIds behind its event, overlap + graphs
-  auto2)  # the second call: an H200 the fused sampler and the det-cost row, an H100 the T = 1 profile
-    if [[ $card == *H200* ]]; then bash "$0" t1last detcost256; else bash "$0" proft1 detcost256; fi ;;
+  auto2)  # the second call: the det-cost row at bs 256, then (an H200) constrained decoding's
+    if [[ $card == *H200* ]]; then bash "$0" detcost256 grammarproc; else bash "$0" detcost256; fi ;;
   auto3) bash "$0" grpot1 ;;
   grpofab) for v in 0 1; do  # the fused sampler on the issue's GRPO row (8B, T = 1, radix on), both sides in one call
       step grpofab-$v 140 env TANDEM_FUSED_SAMPLE=$v $B --preset qwen3-8b --workload grpo --num-prompts 32 --n 16 --input-len 1024 --output-len 256 --runs 3 --stream-mode final --temperature 1.0 --json "$OUT/grpo-t1-fused-$v.json"; done ;;
