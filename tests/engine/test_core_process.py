@@ -167,6 +167,30 @@ def test_abort_ends_a_running_request(proc_engine):
     proc_engine.check_integrity()
 
 
+def test_an_abort_while_the_request_is_built_reaches_the_core_process_after_it(proc_engine, monkeypatch):
+    """The re-sent abort travels the same pipe as the request, behind it (engine/api/early_aborts.py)."""
+    started, release = threading.Event(), threading.Event()
+    build = proc_engine.builder.build
+
+    def held(request):
+        started.set()
+        assert release.wait(30)
+        return build(request)
+
+    monkeypatch.setattr(proc_engine.builder, "build", held)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(
+        out=proc_engine.generate(input_ids=[5, 6, 7], sampling_params=LONG, rid="built-late")))
+    worker.start()
+    assert started.wait(30)
+    proc_engine.abort_request(abort_all=True)
+    release.set()
+    worker.join(timeout=30)
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(result["out"]["output_ids"]) < LONG["max_new_tokens"]
+    proc_engine.check_integrity()
+
+
 def test_pause_and_continue(proc_engine):
     proc_engine.pause_generation("retract")
     done = threading.Event()
