@@ -2,7 +2,7 @@
 
 Run after a start on a fresh machine: the resident bytes of every shared object under torch, the
 `nvidia` wheels and Triton say what a start-up reads. (Reading those ahead on threads from serve's
-first moment did not shorten a cold start: docs/benchmarks.md, 2026-12-07.)
+first moment did not shorten a cold start: docs/benchmarks.md.)
 --evict drops those files and the Python packages' own files from the page cache instead
 (POSIX_FADV_DONTNEED; no root needed), so the next start reads them from the disk again.
 

@@ -17,6 +17,7 @@ import pytest
 
 from engine.api.core_client import CoreDead
 from tests.engine.conftest import random_prompts
+from tests.hold import Hold
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
@@ -169,22 +170,15 @@ def test_abort_ends_a_running_request(proc_engine):
 
 def test_an_abort_while_the_request_is_built_reaches_the_core_process_after_it(proc_engine, monkeypatch):
     """The re-sent abort travels the same pipe as the request, behind it (engine/api/early_aborts.py)."""
-    started, release = threading.Event(), threading.Event()
-    build = proc_engine.builder.build
-
-    def held(request):
-        started.set()
-        assert release.wait(30)
-        return build(request)
-
-    monkeypatch.setattr(proc_engine.builder, "build", held)
+    hold = Hold()
+    monkeypatch.setattr(proc_engine.builder, "build", hold.around(proc_engine.builder.build))
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(
         out=proc_engine.generate(input_ids=[5, 6, 7], sampling_params=LONG, rid="built-late")))
     worker.start()
-    assert started.wait(30)
+    assert hold.started.wait(30)
     proc_engine.abort_request(abort_all=True)
-    release.set()
+    hold.release.set()
     worker.join(timeout=30)
     assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(result["out"]["output_ids"]) < LONG["max_new_tokens"]

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from engine.api.early_aborts import EXACT, MAX_RID_CHARS, PREFIX, EarlyAborts
+from tests.hold import Hold
 
 LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
 IDS = [5, 6, 7, 8, 9]
@@ -17,21 +18,6 @@ IDS = [5, 6, 7, 8, 9]
 @pytest.fixture(scope="module")
 def engine(engine_factory):
     return engine_factory()
-
-
-class SlowBuild:
-    """The engine's builder held at its start until released: the window an abort falls into."""
-
-    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.started, self.release = threading.Event(), threading.Event()
-        build = engine.builder.build
-
-        def held(request: Any) -> Any:
-            self.started.set()
-            assert self.release.wait(30)
-            return build(request)
-
-        monkeypatch.setattr(engine.builder, "build", held)
 
 
 def _generate_in_thread(engine: Any, **kwargs: Any) -> tuple[threading.Thread, dict]:
@@ -43,7 +29,8 @@ def _generate_in_thread(engine: Any, **kwargs: Any) -> tuple[threading.Thread, d
 
 @pytest.mark.parametrize("how", ["rid", "all", "prefix", "fanned_out"])
 def test_an_abort_during_the_build_ends_the_request(engine, monkeypatch, how):
-    slow = SlowBuild(engine, monkeypatch)
+    slow = Hold()
+    monkeypatch.setattr(engine.builder, "build", slow.around(engine.builder.build))
     params = {**LONG, "n": 2} if how == "fanned_out" else LONG
     thread, result = _generate_in_thread(engine, input_ids=IDS, sampling_params=params, rid="late-1")
     assert slow.started.wait(30)

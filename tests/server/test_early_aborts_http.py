@@ -5,22 +5,14 @@ it), and slime's end-of-rollout abort_all. Real sockets: the abort comes while t
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
 
 import httpx
 import pytest
 
 import engine.server.openai as openai_module
+from tests.hold import Hold
 
 LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
-
-
-def _held(original: Callable[..., Any], started: threading.Event, release: threading.Event) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        started.set()
-        assert release.wait(30)
-        return original(*args, **kwargs)
-    return wrapper
 
 
 @pytest.mark.parametrize("route", ["generate", "chat"])
@@ -28,23 +20,23 @@ def _held(original: Callable[..., Any], started: threading.Event, release: threa
 def test_an_abort_while_the_request_is_built_ends_it(engine_factory, live_server_factory, monkeypatch, route, abort):
     eng = engine_factory()
     server = live_server_factory(eng)
-    started, release = threading.Event(), threading.Event()
+    hold = Hold()
     if route == "generate":
-        monkeypatch.setattr(eng.builder, "build", _held(eng.builder.build, started, release))
+        monkeypatch.setattr(eng.builder, "build", hold.around(eng.builder.build))
         # constrained: built on a worker thread (a plain one is built on the loop, which the hold would stop)
         path, body = "/generate", {"input_ids": [5, 6, 7], "sampling_params": {**LONG, "regex": "(ab)+"},
                                    "rid": "slow-1"}
     else:
-        monkeypatch.setattr(openai_module, "_chat_prompt_ids", _held(openai_module._chat_prompt_ids, started, release))
+        monkeypatch.setattr(openai_module, "_chat_prompt_ids", hold.around(openai_module._chat_prompt_ids))
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "rid": "slow-1",
                                               "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     replies: dict = {}
     with httpx.Client(base_url=server.url, timeout=60) as http:
         thread = threading.Thread(target=lambda: replies.update(r=http.post(path, json=body)))
         thread.start()
-        assert started.wait(30)
+        assert hold.started.wait(30)
         assert http.post("/abort_request", json=abort).status_code == 200
-        release.set()
+        hold.release.set()
         thread.join(60)
         reply = replies["r"].json()
         if route == "generate":
