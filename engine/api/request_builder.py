@@ -101,7 +101,8 @@ class RequestBuilder:
         """The prompts' token ids (text tokenized as generate does), checked; and whether one
         prompt was given (not a list of them)."""
         if prompt is not None and input_ids is not None:
-            raise ValueError("pass either prompt (text) or input_ids, not both")
+            check_same_batch(prompt, input_ids)
+            prompt = None  # SGLang's rule: input_ids is the prompt, the text only rides along
         if prompt is None and input_ids is None:
             raise ValueError("one of prompt (text) or input_ids is required")
         if prompt is not None:
@@ -351,3 +352,16 @@ def _check_texts(params: SamplingParams) -> None:
         value = getattr(params, name)
         for text in [value] if isinstance(value, str) else value or ():
             check_text(text, name)
+
+
+def check_same_batch(prompt: Any, input_ids: Any) -> None:
+    """Text and input_ids given together (SGLang takes input_ids then) must describe the same batch:
+    one prompt each, or lists of the same length."""
+    text_batch = len(prompt) if isinstance(prompt, (list, tuple)) else None
+    ids_batch = (len(input_ids) if isinstance(input_ids, (list, tuple)) and input_ids
+                 and isinstance(input_ids[0], (list, tuple)) else None)
+    if text_batch != ids_batch:
+        what = lambda n: "one prompt" if n is None else f"{n} prompts"  # noqa: E731
+        raise ValueError(f"text ({what(text_batch)}) and input_ids ({what(ids_batch)}) disagree: pass one of "
+                         "them (when both are given, input_ids is the prompt, as in SGLang)")
+

@@ -23,7 +23,6 @@ REFUSED = {
     "return_indexer_topk": "tandem serves no sparse-attention indexer (DeepSeek V3.2's); leave it False",
     "custom_logit_processor": "tandem runs no client-supplied code; use sampling_params logit_bias, or leave it None",
     "session_params": "tandem has no sessions; send each turn's whole prompt",
-    "priority": "tandem has no priority scheduling; leave it None",
     # newer SGLang's sampling-support outputs (Miles' score centering asks for them)
     "sampling_logprobs_mode": "tandem's logprobs are the sampled token's under the model's distribution ('selected'); "
                               "'support' (renormalised over the top-k / top-p support) is not served",
@@ -36,6 +35,16 @@ REFUSED = {
 ASKS_NOTHING = {"sampling_logprobs_mode": "selected"}  # a value that is what tandem does anyway
 DP_RANKS = ("data_parallel_rank", "routed_dp_rank")  # one rank here: 0 or None
 IGNORED = ("external_trace_header",)  # tracing metadata: changes no output
+I64 = (-2**63, 2**63 - 1)
+
+
+def check_priority(priority: Any) -> None:
+    """`priority`: an int (or None), taken and ignored, as SGLang does on a server without
+    --enable-priority-scheduling (its default); tandem schedules first come, first served."""
+    if priority is None:
+        return
+    if not isinstance(priority, int) or isinstance(priority, bool) or not I64[0] <= priority <= I64[1]:
+        raise ValueError(f"priority must be a 64-bit int (or None), got {priority!r}")
 
 
 def pop_sglang_only(kwargs: dict[str, Any]) -> None:
@@ -50,6 +59,7 @@ def pop_sglang_only(kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{name}={rank!r}: tandem runs one data-parallel rank; pass 0 or None")
     for name in IGNORED:
         kwargs.pop(name, None)
+    check_priority(kwargs.pop("priority", None))
 
 
 def asks(name: str, value: Any) -> bool:

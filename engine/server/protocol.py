@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from engine.api.generate_request import GenerateRequest
+from engine.api.sglang_kwargs import check_priority
 from engine.sampling_params import carries_grammar
 from engine.server.refused_fields import REFUSED_GENERATE_FIELDS, refuse_given
 
@@ -68,6 +69,7 @@ class GenerateBody(_NullsAsDefaults):
     routed_experts_start_len: Union[StrictInt, list[StrictInt], None] = 0
     lora_path: Any = None  # an adapter name, or one per prompt (None: the base): checked by the RequestBuilder
     return_prompt_token_ids: bool = False  # each output's "prompt_token_ids" (streamed chunks too)
+    priority: Any = None  # an int, taken and ignored (SGLang's default: no priority scheduling)
     # SGLang refuses these unless started for them (--enable-return-hidden-states,
     # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
     return_hidden_states: Union[bool, list[bool]] = False
@@ -76,6 +78,7 @@ class GenerateBody(_NullsAsDefaults):
     @model_validator(mode="after")
     def _no_unsupported_outputs(self) -> "GenerateBody":
         refuse_unsupported(self.return_hidden_states, self.custom_logit_processor)
+        check_priority(self.priority)
         refuse_given(self.model_extra or {}, REFUSED_GENERATE_FIELDS)  # SGLang's fields tandem cannot serve
         return self
 

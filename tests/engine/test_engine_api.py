@@ -141,7 +141,8 @@ def test_abort_running_request(engine):
 BAD_INPUTS = [
     ({"prompt": ""}, "empty"),
     ({"input_ids": []}, "input_ids"),
-    ({"prompt": "hi", "input_ids": [1, 2]}, "not both"),
+    ({"prompt": "hi", "input_ids": [[1, 2], [3]]}, "disagree"),
+    ({"input_ids": [1, 2], "priority": 1.5}, "priority"),
     ({"input_ids": [1, 10**9]}, "vocabulary"),
     ({"input_ids": [-1, 2]}, "vocabulary"),
     ({"input_ids": [5] * 5000}, "context length"),
@@ -164,6 +165,12 @@ def test_bad_input_is_named_and_engine_keeps_serving(engine, kwargs, needle):
         engine.generate(**kwargs)
     ok = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "temperature": 0})
     assert len(ok["output_ids"]) >= 1
+
+
+def test_priority_is_taken_and_ignored_as_sglang_does_without_priority_scheduling(engine):
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = engine.generate(input_ids=[5, 6], sampling_params=params)
+    assert engine.generate(input_ids=[5, 6], sampling_params=params, priority=-3)["output_ids"] == plain["output_ids"]
 
 
 def test_unknown_server_arg_is_named(tiny_model_dir):

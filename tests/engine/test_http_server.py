@@ -67,12 +67,25 @@ def test_openai_completion_and_chat(client):
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 7}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"unknown": 1}}, "unknown"),  # top-level ones are ignored
-    ({"text": "hi", "input_ids": [1]}, "not both"),
+    ({"text": ["hi", "yo"], "input_ids": [1]}, "disagree"),
+    ({"input_ids": [1, 2], "priority": "high"}, "priority"),
+    ({"input_ids": [1, 2], "priority": 2**63}, "priority"),
 ])
 def test_bad_requests_get_400_and_server_keeps_serving(client, body, needle):
     resp = client.post("/generate", json=body)
     assert resp.status_code == 400 and needle in resp.json()["message"]
     assert client.post("/generate", json={"input_ids": [3], "sampling_params": GREEDY}).status_code == 200
+
+
+def test_text_beside_input_ids_rides_along_and_priority_is_ignored(client):
+    """SGLang's rules: with both, input_ids is the prompt; priority without priority scheduling
+    is taken and ignored (slime-style clients send either)."""
+    body = {"input_ids": [3, 4, 5], "sampling_params": GREEDY, "return_prompt_token_ids": True}
+    alone = client.post("/generate", json=body).json()
+    both = client.post("/generate", json=dict(body, text="anything at all", priority=7)).json()
+    assert both["prompt_token_ids"] == [3, 4, 5] and both["output_ids"] == alone["output_ids"]
+    batch = client.post("/generate", json={"text": ["a", "b"], "input_ids": [[3, 4], [5]], "sampling_params": GREEDY})
+    assert batch.status_code == 200 and [r["meta_info"]["prompt_tokens"] for r in batch.json()] == [2, 1]
 
 
 def test_malformed_json_is_400(client):
