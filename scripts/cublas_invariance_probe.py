@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
-MS = (1, 2, 3, 4, 7, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 511)
+MS = (1, 2, 3, 4, 7, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 511, 768, 1024, 2048, 4096, 8191)  # decode, prefill chunks
 
 
 def differing_ms(x: torch.Tensor, w: torch.Tensor, ms: tuple[int, ...]) -> list[int]:
@@ -49,7 +49,7 @@ def linear_us(x: torch.Tensor, w: torch.Tensor, reps: int = 50) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--max-m", type=int, default=512)
+    p.add_argument("--max-m", type=int, default=8192)
     p.add_argument("--small", action="store_true", help="shapes / 64 (a CPU check of the script)")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
