@@ -124,6 +124,45 @@ def test_the_graph_runner_dry_pass_over_a_decoder(tmp_path):
     run_for_sm90(RUNNER_SCRIPT, str(model), cache_dir=tmp_path / "triton-cache")
 
 
+LAYERS_SCRIPT = RUNNER_SCRIPT.split("print(logged)")[0] + r"""
+import contextlib
+import engine.kernels.compile_ahead as ca
+walks, wait = [], ca.CompileAhead.wait
+def recording_wait(self):
+    walks.append({(name, str(ident[1])) for ident, (name, _) in self._futures.items()})
+    return wait(self)
+ca.CompileAhead.wait = recording_wait
+layers = runner.model.model.layers
+with torch.inference_mode():  # the default: the first and last of 5 layers
+    CudaGraphRunner(runner.model, runner.attn_backend, runner.kv_pool, runner.req_to_token, runner.device, 24)
+CudaGraphRunner._end_layers_only = lambda self: contextlib.nullcontext()
+with torch.inference_mode():  # every layer
+    CudaGraphRunner(runner.model, runner.attn_backend, runner.kv_pool, runner.req_to_token, runner.device, 24)
+assert runner.model.model.layers is layers and len(layers) == 5
+assert len(walks) == 2 and len(walks[0]) >= 3, [len(w) for w in walks]
+assert walks[0] == walks[1], sorted(name for name, _ in walks[0] ^ walks[1])
+print(sorted(name for name, _ in walks[0]))
+eng.shutdown()
+"""
+
+
+def test_a_dry_pass_through_the_end_layers_reaches_every_kernel(tmp_path):
+    """The dry pass walks a dense decoder's first and last layers only (the others launch the
+    same kernels on the same shapes): the kernels it hands to the pool are those a walk through
+    all five layers of a tiny bf16 decoder hands over."""
+    import json
+
+    from engine.testing.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", preset="tiny")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=5)))
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()  # the walk reads no weights: dummy ones of the 5-layer shape
+    script = LAYERS_SCRIPT.replace('max_total_tokens=4096', 'max_total_tokens=4096, load_format="dummy"')
+    run_for_sm90(script, str(model), cache_dir=tmp_path / "triton-cache")
+
+
 def test_the_switch_refuses_unknown_values(monkeypatch, tmp_path):
     from engine.kernels.compile_ahead import ENV, compile_ahead_wanted
 
