@@ -32,9 +32,9 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 for s in "$@"; do case $s in
-  auto)  # a call's worth by card: an H200 measures the issue's rows as the defaults stand (serve's ready first: a fresh machine), an H100 the GPU tests of the server and core process (the front end's changes of 2026-12-07's sixth session), then the cuBLAS invariance probe
+  auto)  # a call's worth by card: an H200 measures the issue's rows as the defaults stand (serve's ready first: a fresh machine), an H100 serve's ready (fresh), the cuBLAS invariance probe, then the GPU tests of the server and core process
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" restgpu cublasinv; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" coldstart cublasinv restgpu; fi ;;
   cublasinv) for ws in default :0:0 :4096:8; do  # is cuBLAS batch-invariant under some workspace setting (no split-K)? a lead for the det-cost row
       step cublasinv$ws 90 env $([[ $ws != default ]] && echo CUBLAS_WORKSPACE_CONFIG=$ws) python3 scripts/cublas_invariance_probe.py; done ;;
   replaygpu) step replaygpu 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_top_p_replay_gpu.py ;;  # slime's top-p replay: KeptIds behind its event, overlap + graphs
