@@ -164,7 +164,7 @@ def _cuda_graph_max_bs(args: ServerArgs, device: torch.device, backend: BackendS
     if device.type != "cuda" or not backend.supports_cuda_graph or args.disable_cuda_graph:
         return 0
     # H200-class memory: decode large GRPO groups (32 prompts x 16 samples) in one graph; the
-    # 51 graphs to bs 512 hold ~6 GB (each size keeps its own logits), which 80 GB GPUs lack
+    # 51 graphs to bs 512 and their activations, which 80 GB GPUs keep for the KV cache
     big = torch.cuda.get_device_properties(device).total_memory >= 120 * 2**30
     return min(args.cuda_graph_max_bs or (512 if big else 256), memory.max_running_requests)
 

@@ -6,23 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 
+from engine.models.parallel_state import free_port
 from tests.server.test_disconnect import LONG, wait_until
 
 INFO_ROUTES = ("/metrics", "/get_server_info", "/model_info", "/get_model_info", "/get_weight_version",
                "/v1/loads", "/health", "/v1/models")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed_get(http: httpx.Client, path: str) -> tuple[int, float]:

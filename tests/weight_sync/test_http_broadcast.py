@@ -5,20 +5,14 @@ Oracle: an engine started on the pushed checkpoint."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
+from engine.models.parallel_state import free_port
 from tests.engine_client.test_http_client import _serving
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [300, 12, 800, 9, 77]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _greedy(client_or_engine) -> list[list[int]]:
@@ -43,7 +37,7 @@ def test_push_over_http_routes_to_a_served_engine():
         with _serving(engine) as url:
             client = HttpClient(url)
             assert _greedy(client) != expected
-            port, joined = _free_port(), []
+            port, joined = free_port(), []
             joining = threading.Thread(target=lambda: joined.append(client.init_weights_update_group(
                 "127.0.0.1", port, 1, 2, "http-wg", backend="gloo", timeout_s=60)))
             joining.start()
@@ -57,7 +51,7 @@ def test_push_over_http_routes_to_a_served_engine():
             assert client.destroy_weights_update_group("http-wg")[0]
             group.destroy()
             start = time.monotonic()  # the same name again, no trainer listening: refused in time
-            ok, message = client.init_weights_update_group("127.0.0.1", _free_port(), 1, 2, "http-wg",
+            ok, message = client.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "http-wg",
                                                            backend="gloo", timeout_s=2)
             assert not ok and "Failed to init weight update group 'http-wg'" in message
             assert time.monotonic() - start < 15
