@@ -19,6 +19,7 @@ from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, e
 from engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest, openai_sampling_params
 from engine.server.sse import sse_event
 from engine.server.template_content import template_content_format
+from engine.server.token_bytes import token_bytes
 
 
 def _finish_reason(meta: dict) -> Optional[str]:
@@ -54,6 +55,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a chat request leaves unset
         self.decode = token_decoder(engine.tokenizer)
+        self.token_bytes = token_bytes(engine.tokenizer)  # chat logprobs' bytes: each token's own
         self.trust_request_chat_template = engine.server_args.trust_request_chat_template
         self.lora_enabled = engine.server_args.enable_lora
 
@@ -157,7 +159,7 @@ class OpenAIServing:
         choices = []
         for i, o in enumerate(outs):
             meta = o["meta_info"]
-            logprobs = chat_logprobs(*output_entries(meta), self.decode) if req.logprobs else None
+            logprobs = chat_logprobs(*output_entries(meta), self.decode, self.token_bytes) if req.logprobs else None
             # SGLang's ChatMessage always has these keys (null here: no reasoning or tool-call parser)
             message = {"role": "assistant", "content": o["text"], "reasoning_content": None, "tool_calls": None}
             choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(meta),
@@ -196,7 +198,8 @@ class OpenAIServing:
                 elif not first and not req.logprobs:
                     return None  # an empty delta: nothing to send while the array grows
             if req.logprobs:
-                choice["logprobs"] = chat_logprobs(*output_entries(chunk["meta_info"], sent_tokens), self.decode)
+                choice["logprobs"] = chat_logprobs(*output_entries(chunk["meta_info"], sent_tokens), self.decode,
+                                                   self.token_bytes)
             return choice
 
         return self._events(stream, req, "chatcmpl", "chat.completion.chunk", delta)

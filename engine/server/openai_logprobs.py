@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from engine.server.token_bytes import TokenBytes
+
 Decode = Callable[[int], str]
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
 # per position, a list of [logprob, id, text] (or null): top_logprobs_num's and token_ids_logprob's
@@ -43,18 +45,23 @@ def _top_dict(entry: Optional[list], decode: Decode) -> Optional[dict[str, float
     return out
 
 
-def chat_logprobs(entries: list, tops: list, decode: Decode) -> dict:
+def _utf8(token_id: int, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: list, tops: list, decode: Decode, to_bytes: TokenBytes = _utf8) -> dict:
+    """`to_bytes` gives each token's bytes (token_bytes.py: its own, where the vocabulary tells)."""
     content = []
     for i, (lp, tok, *_) in enumerate(entries):
         top = tops[i] if i < len(tops) and tops[i] is not None else []
-        content.append({**_chat_token(tok, lp, decode),
-                        "top_logprobs": [_chat_token(t, v, decode) for v, t, *_ in top]})
+        content.append({**_chat_token(tok, lp, decode, to_bytes),
+                        "top_logprobs": [_chat_token(t, v, decode, to_bytes) for v, t, *_ in top]})
     return {"content": content}
 
 
-def _chat_token(token_id: int, logprob: float, decode: Decode) -> dict:
+def _chat_token(token_id: int, logprob: float, decode: Decode, to_bytes: TokenBytes) -> dict:
     text = decode(token_id)
-    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+    return {"token": text, "bytes": to_bytes(token_id, text), "logprob": logprob}
 
 
 def output_entries(meta: dict, start: int = 0) -> tuple[list, list]:
