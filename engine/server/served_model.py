@@ -3,10 +3,10 @@ which a successful /update_weights_from_disk replaces (as SGLang's /model_info s
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-from engine.models.checkpoint_config import read_checkpoint_json
 
 
 @dataclass
@@ -22,7 +22,7 @@ class ServedModel:
     @classmethod
     def of(cls, engine: Any) -> "ServedModel":
         info = engine.info
-        config = read_checkpoint_json(info.model_path)
+        config = _hf_config(info.model_path)
         args = getattr(engine, "server_args", None)
         from_model = getattr(args, "sampling_defaults", "model") == "model"
         name = getattr(args, "served_model_name", None) or info.model_path  # SGLang's --served-model-name
@@ -43,6 +43,15 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 def model_sampling_defaults(model_path: str) -> dict:
     """The sampling fields the checkpoint's generation_config.json sets (Qwen3: temperature 0.6,
     top_p 0.95, top_k 20), as SGLang's --sampling-defaults model applies them."""
-    config = read_checkpoint_json(model_path, "generation_config.json")
+    config = _hf_config(model_path, "generation_config.json")
     return {name: config[name] for name in SAMPLING_FIELDS
             if isinstance(config.get(name), (int, float)) and not isinstance(config.get(name), bool)}
+
+
+def _hf_config(model_path: str, name: str = "config.json") -> dict:
+    try:
+        with open(os.path.join(model_path, name)) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
