@@ -32,9 +32,9 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 for s in "$@"; do case $s in
-  auto)  # a call's worth by card: an H200 measures the rows as the defaults stand (serve's ready first: a fresh machine), an H100 serve's ready (fresh), the cuBLAS invariance probe, then the GPU tests of the server and core process
+  auto)  # a call's worth by card: an H200 measures the rows as the defaults stand (serve's ready first: a fresh machine), an H100 serve's ready (fresh), then where its start goes (readyab)
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" coldstart cublasinv restgpu; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" coldstart readyab; fi ;;
   readyab) ( kit  # serve's start: does the core import transformers; the dry pass's walk (warm cache: compiling ahead forced vs off); then empty Triton caches
       step readyab-imports 60 python3 -c "import sys, time; t = time.time(); import engine.core.process_main, engine.core.setup, engine.attention.triton; print('core chain', round(time.time() - t, 2), 's; transformers imported:', 'transformers' in sys.modules)"
       for v in 1 0 1 0; do step readyab-ahead$v 60 env TANDEM_COMPILE_AHEAD=$v python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done
