@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "TANDEM_COMPILE_AHEAD"  # compile the decode graphs' kernels on a pool before capture: auto | 1 | 0
 MAX_WORKERS = 16  # each compile holds LLVM and ptxas (hundreds of MB): not one per core of a big host
+WORKERS_ENV = "TANDEM_COMPILE_WORKERS"  # the pool's threads (default: the usable CPUs, at most 16)
 _ONE_PASS = threading.Lock()
 _KERNEL_DIR = Path(__file__).resolve().parent  # every Triton kernel of the engine lives below it
 # the engine's switches that choose the graphs' kernels (not how start-up runs: those would only
@@ -197,7 +198,8 @@ def _usable_cpus() -> int:
         cpus = len(os.sched_getaffinity(0))  # a container's share, not the host's cores
     except AttributeError:
         cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_WORKERS))
+    asked = os.environ.get(WORKERS_ENV, "")
+    return int(asked) if asked.isdigit() and int(asked) > 0 else max(1, min(cpus, MAX_WORKERS))
 
 
 def _compile_to_disk(jit_fn: Any, signature: dict, constants: dict, attrs: dict, target: Any, options: Any) -> Any:
