@@ -118,7 +118,7 @@ class CompileReport:
 
 class CompileAhead:
     def __init__(self, workers: Optional[int] = None) -> None:
-        self._pool = ThreadPoolExecutor(workers or _usable_cpus(), thread_name_prefix="triton-compile")
+        self._pool = ThreadPoolExecutor(workers or _pool_size(), thread_name_prefix="triton-compile")
         self._futures: dict[Any, tuple[str, Future]] = {}
         self._thread: Optional[int] = None  # the dry pass's thread; other threads see the hooks unset
         self._start = time.perf_counter()
@@ -193,7 +193,7 @@ def triton_version() -> str:
     return getattr(triton, "__version__", "unknown")
 
 
-def _usable_cpus() -> int:
+def _pool_size() -> int:
     try:
         cpus = len(os.sched_getaffinity(0))  # a container's share, not the host's cores
     except AttributeError:
