@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.config import ServerArgs, configure_logging
+from engine.gc_freeze import freeze_gc
 from engine.models.parallel_state import TPAddress, TPGroup, kv_heads_per_rank
 from engine.runner.tp_messages import DiscardWeights, ForwardStep, LoadWeights, Stop
 from engine.runner.tp_weight_groups import DestroyWeightsGroup, InitWeightsGroup, RankWeightGroups
@@ -132,6 +133,7 @@ def run_tp_worker(args: ServerArgs, rank: int, address: TPAddress) -> None:
         device = torch.device("cuda", rank)
     try:
         worker = TPWorker(args, TPGroup(address, rank), device)
+        freeze_gc(f"tp rank {rank}")  # as the core does once ready: no full collection walks the model again
         worker.run()
     except SystemExit:
         pass
