@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from transformers import AutoConfig
 
 from engine.attention.registry import BackendSpec, default_backend, get_backend_spec
 from engine.config import ServerArgs
@@ -23,7 +24,6 @@ from engine.kv.allocator import TokenSlotAllocator
 from engine.kv.chunk_cache import ChunkCache
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kv.radix_cache import RadixCache
-from engine.models.checkpoint_config import load_hf_config, read_checkpoint_json
 from engine.models.loader import load_model, resolve_dtype
 from engine.scheduler.request import Req
 from engine.runner.memory import MemoryPlan, plan_memory
@@ -53,6 +53,16 @@ def resolve_device(name: str) -> torch.device:
         return torch.device(name)
     except RuntimeError:  # torch lists every device type it knows, at length
         raise ValueError(f"device {name!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+
+
+def load_hf_config(model_path: str) -> Any:
+    """The checkpoint's config.json; a path that is not a local checkpoint is a FileNotFoundError saying
+    so (transformers would take it for a hub repo id and complain about its characters)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        what = "does not exist" if not os.path.exists(model_path) else "has no config.json"
+        raise FileNotFoundError(f"model_path {model_path!r} {what}: pass a local HF checkpoint directory "
+                                f"(build a small one with `tandem tiny-model --out DIR`)")
+    return AutoConfig.from_pretrained(model_path)
 
 
 def build_core_parts(args: ServerArgs) -> CoreParts:
@@ -189,15 +199,24 @@ def _load_tokenizer(args: ServerArgs) -> Any:
 
 def _eos_token_ids(model_path: str, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     ids: set[int] = set()
-    generation = read_checkpoint_json(model_path, "generation_config.json")
-    for value in (getattr(hf_config, "eos_token_id", None), generation.get("eos_token_id")):
-        if isinstance(value, int) and not isinstance(value, bool):
+    for source in (hf_config, _generation_config(model_path)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+def _generation_config(model_path: str) -> Optional[Any]:
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
 
 
 def _make_detokenizer(tokenizer: Any, req: Req) -> Any:

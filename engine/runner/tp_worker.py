@@ -29,13 +29,14 @@ logger = logging.getLogger("tandem")
 
 class TPWorker:
     def __init__(self, args: ServerArgs, tp: TPGroup, device: torch.device) -> None:
+        from transformers import AutoConfig
+
         from engine.attention.registry import create_attention_backend, default_backend
         from engine.kv.pool import KVPool
-        from engine.models.checkpoint_config import load_hf_config
         from engine.models.loader import load_model, resolve_dtype
 
         self.tp, self.device = tp, device
-        config = load_hf_config(args.model_path)
+        config = AutoConfig.from_pretrained(args.model_path)
         dtype = resolve_dtype(args.dtype, config, device)
         self.model = load_model(args.model_path, config, dtype, device, args.load_format,
                                 deterministic=args.enable_deterministic_inference, tp=tp)
