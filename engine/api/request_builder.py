@@ -364,4 +364,3 @@ def check_same_batch(prompt: Any, input_ids: Any) -> None:
         what = lambda n: "one prompt" if n is None else f"{n} prompts"  # noqa: E731
         raise ValueError(f"text ({what(text_batch)}) and input_ids ({what(ids_batch)}) disagree: pass one of "
                          "them (when both are given, input_ids is the prompt, as in SGLang)")
-
