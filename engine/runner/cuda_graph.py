@@ -201,7 +201,8 @@ class CudaGraphRunner:
         """A dense decoder's layers launch the same kernels on the same shapes, so a dry pass
         through its first and last (whose epilogue reads the final norm) reaches every kernel the
         others would. Each Triton call in a dry pass costs hook work (its specialization serialised):
-        35 walks through the 8B's 36 layers took 2.5 s of an H100's start with nothing to compile."""
+        35 walks through the 8B's 36 layers took 2.5 s of an H100's start with nothing to compile
+        (through two layers: 1.2-2.2 s on another H100, the pool's loads from Triton's cache included)."""
         decoder = getattr(self.model, "model", None)
         layers = getattr(decoder, "layers", None)
         if getattr(self.model.config, "num_experts", None) or not isinstance(layers, torch.nn.ModuleList) \
