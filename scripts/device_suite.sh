@@ -2,7 +2,8 @@
 # One device call, many steps: each step has its own time limit and log under $OUT, so a
 # failing or slow step does not cost the others. Usage: bash scripts/device_suite.sh STEP...
 # A call has 600 s in all: keep a step's limit under it, with the kit's install (~20 s) counted.
-# Steps: cublasinv (2026-12-07, sixth session: not run) coldstart coldab (2026-12-07, fifth session; persist*, the persistent matmul: run, removed) detgreedy detext dettiles detab detprof grpofab grpofprof (2026-12-07, fourth session; run on an H100) auto auto2 auto3 replaygpu (2026-12-07, third session) t1tests t1ab2 t1tiny t1last proft1 grpot1 detcost256 (2026-12-07, second session: not run, no machine came) auto qkk ab06 qktests logitstests cascadegpu phaseab gemvtests gemvab gpudet grammargpu (2026-12-07, run on an H100) t1now (2026-12-07, not run) pfab pfab8 pftests (2026-12-06, third session) gemvtests gemvab gemvk gemvab16 gemv06 gemvdet (not run yet) grammarprocab t1treeab masktests (2026-12-06, second session) detgemv detgemvab kerneltests gpurest2 (2026-12-06) importprobe configprobe gpuother memsaver readyall tablegpu pdltests pdlab aheadab (2026-12-05, not run yet) httpsplit gpufirst gpurest (the GPU suite in two calls; gpuall, in one, outgrew a cold machine's 600 s) lora8 gpuall sync8q bench30 bench30det bench30re det30 sync30 train30det gputests bimatmul attnbench fusedbench fusedtests moegpu bench06 bench8 grpo8 grpo8nc itl fitests bench06fi bench8fi
+# Steps: the case labels below, each with a comment saying what it measures (`grep -n ')  #' scripts/device_suite.sh`);
+# `auto` picks a call's worth by card. docs/benchmarks.md names the step behind every figure.
 # (the fi steps install .devkit's wheels first, for flashinfer; its first use JIT-compiles ~60 s)
 # .devkit: `bash ../shared/devkit/build.sh && bash scripts/devkit_extra.sh` (httptools for serve)
 set -uo pipefail
