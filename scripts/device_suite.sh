@@ -33,9 +33,11 @@ kit() {  # once per machine; call it in a subshell: it sets PYTHONPATH
 }  # once per machine; call it in a subshell: it sets PYTHONPATH
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 for s in "$@"; do case $s in
-  auto)  # a call's worth by card: an H200 measures the issue's rows as the defaults stand (serve's ready first: a fresh machine), an H100 serve's ready (fresh), then where its start goes (readyab)
+  auto)  # a call's worth by card: an H200 measures the issue's rows as the defaults stand (serve's ready first: a fresh machine), an H100 this tree's batch-1 ITL against ab/42b0ec8's (itlab)
     echo "card: $card" | tee -a "$OUT/suite.log"
-    if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" coldstart readyab; fi ;;
+    if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" itlab; fi ;;
+  itlab)  # batch-1 ITL of this tree against ab/$AB_REV's (scripts/tree_ab.sh prepare REV here; carry "ab"), alternating, 3 rounds
+    step itlab 300 bash scripts/tree_ab.sh run "${AB_REV:-42b0ec8}" 3 -- python3 -m tandem.main bench --skip-tokenizer-init --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream ;;
   readyab) ( kit  # serve's start: does the core import transformers; the dry pass's walk (warm cache: compiling ahead forced vs off); then empty Triton caches
       step readyab-imports 60 python3 -c "import sys, time; t = time.time(); import engine.core.process_main, engine.core.setup, engine.attention.triton; print('core chain', round(time.time() - t, 2), 's; transformers imported:', 'transformers' in sys.modules)"
       for v in 1 0 1 0; do step readyab-ahead$v 60 env TANDEM_COMPILE_AHEAD=$v python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done
