@@ -11,6 +11,7 @@ import random
 from typing import Any, Optional
 
 from engine.api.generate_request import GenerateRequest
+from engine.api.prompt_ids import PromptIds
 from engine.api.prompt_size import PromptSize
 from engine.api.request_ids import fresh_rid
 from engine.config import LOGPROB_DISTRIBUTIONS, ServerArgs
@@ -38,6 +39,7 @@ class RequestBuilder:
         self.context_len = context_len
         self.max_total_num_tokens = max_total_num_tokens  # the KV pool: None = unknown, unchecked
         self.prompt_size = PromptSize(tokenizer, context_len, server_args.max_prompt_bytes)
+        self.prompts = PromptIds(tokenizer, vocab_size, context_len, self.prompt_size, server_args.max_batch_requests)
         self.default_distribution = server_args.logprob_distribution
         self.max_n = server_args.max_n
         self.max_batch_requests = server_args.max_batch_requests
@@ -52,8 +54,7 @@ class RequestBuilder:
         """Returns one ReqInput per (prompt, sample) pair, prompt-major, and whether the caller
         passed a single prompt (so the result is a dict rather than a list). The logprob options
         are decided here once: without return_logprob a request asks for no logprob of any kind."""
-        self._check_prompt_count(request.prompt, request.input_ids)  # before any per-prompt work
-        prompts, single = self.token_lists(request.prompt, request.input_ids)
+        prompts, single = self.prompts.token_lists(request.prompt, request.input_ids)
         n = len(prompts)
         params = self._sampling_params(request.sampling_params, n)
         defaulted = _length_left_out(request.sampling_params, n)
@@ -97,39 +98,6 @@ class RequestBuilder:
         return distribution
 
     # ---- pieces --------------------------------------------------------------------------------
-    def token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
-        """The prompts' token ids (text tokenized as generate does), checked; and whether one
-        prompt was given (not a list of them)."""
-        if prompt is not None and input_ids is not None:
-            check_same_batch(prompt, input_ids)
-            prompt = None  # SGLang's rule: input_ids is the prompt, the text only rides along
-        if prompt is None and input_ids is None:
-            raise ValueError("one of prompt (text) or input_ids is required")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            if not single and not isinstance(prompt, (list, tuple)):
-                raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}")
-            texts = [prompt] if single else list(prompt)
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt must be a string or a list of strings")
-            if self.tokenizer is None:
-                raise ValueError("this engine was started with skip_tokenizer_init; pass input_ids")
-            for text in texts:  # every text measured before any is tokenized
-                self._check_text(text)
-            lists = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-        else:
-            if not isinstance(input_ids, (list, tuple)):  # a dict or a str would iterate as if it were ids
-                raise ValueError(f"input_ids must be a list of ints (or a list of such lists), "
-                                 f"got {type(input_ids).__name__}")
-            # one prompt unless the first entry is a list (each entry is checked by _check_ids)
-            single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
-            lists = [list(input_ids)] if single else [list(x) if isinstance(x, (list, tuple)) else x for x in input_ids]
-        if not lists:
-            raise ValueError("prompt or input_ids is empty: give at least one token")
-        for ids in lists:
-            self._check_ids(ids)
-        return lists, single
-
     def _token_ids_logprob(self, raw: Any, n_prompts: int) -> list[Optional[list[int]]]:
         """SGLang's token_ids_logprob: one list of ids for every prompt, or one list per prompt
         (None or [] for none); each prompt's list serves all of its n samples."""
@@ -160,28 +128,6 @@ class RequestBuilder:
             bad = low if low < 0 else high
             raise ValueError(f"token_ids_logprob has token id {bad} outside the vocabulary [0, {self.vocab_size})")
         return ids
-
-    def _check_text(self, text: str) -> None:
-        if text == "":
-            raise ValueError("prompt is empty; give at least one token of text")
-        self.prompt_size.check(text)
-
-    def _check_ids(self, ids: Any) -> None:
-        # set of types + min/max: ~20x faster than per-token isinstance and range checks, and this
-        # runs on the serving path for every prompt (bool is its own type, so it is refused)
-        if not isinstance(ids, list) or not {type(t) for t in ids} <= {int}:
-            raise ValueError("input_ids must be a list of ints (or a list of such lists)")
-        if not ids:
-            raise ValueError("prompt is empty: input_ids has no tokens")
-        low, high = min(ids), max(ids)
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"input_ids has token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.context_len:  # SGLang's words (clients match them), then what to do
-            raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length "
-                             f"({self.context_len} tokens). A prompt must leave room for at least one new token: "
-                             f"shorten it, or raise context_length: `--context-length` for serve, "
-                             f"`--engine-args '{{\"context_length\": N}}'` for train")
 
     def _bounded(self, params: SamplingParams, prompt_len: int, defaulted: bool = False) -> SamplingParams:
         """max_new_tokens None (SGLang's null: no limit of its own) -> the room the prompt leaves
@@ -263,16 +209,6 @@ class RequestBuilder:
             raise ValueError(f"rid has {len(rids)} entries for {n} prompts")
         return [r or fresh_rid() for r in rids]
 
-    def _check_prompt_count(self, prompt: Any, input_ids: Any) -> None:
-        """A batch over the limit is refused before its prompts are checked or tokenized: 2M
-        one-token prompts (10 MB of JSON) took 38 s to refuse, the event loop blocked throughout."""
-        batch = prompt if prompt is not None else input_ids
-        many = isinstance(batch, (list, tuple)) and bool(batch) and (
-            prompt is not None or isinstance(batch[0], (list, tuple)))
-        if many and len(batch) > self.max_batch_requests:
-            raise ValueError(f"this call asks for {len(batch)} prompts; the limit is {self.max_batch_requests} "
-                             f"requests (prompts x n) a call (--max-batch-requests): split it")
-
     def _check_counts(self, params: list[SamplingParams]) -> None:
         too_many = [p.n for p in params if p.n > self.max_n]
         if too_many:
@@ -352,15 +288,3 @@ def _check_texts(params: SamplingParams) -> None:
         value = getattr(params, name)
         for text in [value] if isinstance(value, str) else value or ():
             check_text(text, name)
-
-
-def check_same_batch(prompt: Any, input_ids: Any) -> None:
-    """Text and input_ids given together (SGLang takes input_ids then) must describe the same batch:
-    one prompt each, or lists of the same length."""
-    text_batch = len(prompt) if isinstance(prompt, (list, tuple)) else None
-    ids_batch = (len(input_ids) if isinstance(input_ids, (list, tuple)) and input_ids
-                 and isinstance(input_ids[0], (list, tuple)) else None)
-    if text_batch != ids_batch:
-        what = lambda n: "one prompt" if n is None else f"{n} prompts"  # noqa: E731
-        raise ValueError(f"text ({what(text_batch)}) and input_ids ({what(ids_batch)}) disagree: pass one of "
-                         "them (when both are given, input_ids is the prompt, as in SGLang)")

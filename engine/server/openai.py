@@ -65,7 +65,7 @@ class OpenAIServing:
         key = "input_ids" if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str) else "prompt"
         if req.return_token_ids:  # tokenized here, so the reply can carry the ids the engine ran
             text, ids = (prompt, None) if key == "prompt" else (None, prompt)
-            req._prompt_ids, single = self.engine.builder.token_lists(text, ids)
+            req._prompt_ids, single = self.engine.builder.prompts.token_lists(text, ids)
             key, prompt = "input_ids", req._prompt_ids[0] if single else req._prompt_ids
         wants_logprobs = req.logprobs is not None
         return GenerateRequest(
