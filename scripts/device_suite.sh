@@ -38,10 +38,10 @@ for s in "$@"; do case $s in
     if [[ $card == *H200* ]]; then bash "$0" coldstart itl bench06q bench8q bench06q64 http06proc; else bash "$0" itlab; fi ;;
   itlab)  # batch-1 ITL of this tree against ab/$AB_REV's (scripts/tree_ab.sh prepare REV here; carry "ab"), alternating, 3 rounds
     step itlab 300 bash scripts/tree_ab.sh run "${AB_REV:-42b0ec8}" 3 -- python3 -m tandem.main bench --skip-tokenizer-init --preset qwen3-0.6b --num-prompts 1 --input-len 512 --output-len 256 --runs 3 --stream-mode stream ;;
-  readyab) ( kit  # serve's start: does the core import transformers; the dry pass's walk (warm cache: compiling ahead forced vs off); then empty Triton caches
-      step readyab-imports 60 python3 -c "import sys, time; t = time.time(); import engine.core.process_main, engine.core.setup, engine.attention.triton; print('core chain', round(time.time() - t, 2), 's; transformers imported:', 'transformers' in sys.modules)"
-      for v in 1 0 1 0; do step readyab-ahead$v 60 env TANDEM_COMPILE_AHEAD=$v python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done
-      for w in 16 4 1; do step readyab-empty-w$w 90 env TANDEM_COMPILE_WORKERS=$w TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ) ;;  # does compiling scale with threads (or hold the GIL)?
+  startab) ( kit || exit 1  # serve's start: does the core import transformers; the dry pass's walk (warm cache: compiling ahead forced vs off); then empty Triton caches
+      step startab-imports 60 python3 -c "import sys, time; t = time.time(); import engine.core.process_main, engine.core.setup, engine.attention.triton; print('core chain', round(time.time() - t, 2), 's; transformers imported:', 'transformers' in sys.modules)"
+      for v in 1 0 1 0; do step startab-ahead$v 60 env TANDEM_COMPILE_AHEAD=$v python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done
+      for w in 16 4 1; do step startab-empty-w$w 90 env TANDEM_COMPILE_WORKERS=$w TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/serve_ready_probe.py --preset qwen3-8b --runs 1; done ) ;;  # does compiling scale with threads (or hold the GIL)?
   cublasinv) for ws in default :0:0 :4096:8; do  # is cuBLAS batch-invariant under some workspace setting (no split-K)? a lead for the det-cost row
       step cublasinv$ws 90 env $([[ $ws != default ]] && echo CUBLAS_WORKSPACE_CONFIG=$ws) python3 scripts/cublas_invariance_probe.py; done ;;
   replaygpu) step replaygpu 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_top_p_replay_gpu.py ;;  # slime's top-p replay: KeptIds behind its event, overlap + graphs

@@ -18,7 +18,7 @@ IdLists = Union[list[int], list[list[int]]]
 
 @dataclass
 class GenerateRequest:
-    prompt: Union[str, list[str], None] = None  # text; or input_ids, not both
+    prompt: Union[str, list[str], None] = None  # text; or input_ids (both: input_ids is the prompt)
     sampling_params: Any = None  # a dict / SamplingParams, or one per prompt
     input_ids: Optional[IdLists] = None
     # these three: one value, or one per prompt (SGLang's batch form)

@@ -91,10 +91,13 @@ class PromptIds:
 def check_same_batch(prompt: Any, input_ids: Any) -> None:
     """Text and input_ids given together (SGLang takes input_ids then) must describe the same batch:
     one prompt each, or lists of the same length."""
+    lists = (str, list, tuple)
+    if (isinstance(prompt, lists) and not prompt) or (isinstance(input_ids, lists) and not input_ids):
+        raise ValueError("prompt or input_ids is empty: give at least one token")
     text_batch = len(prompt) if isinstance(prompt, (list, tuple)) else None
-    ids_batch = (len(input_ids) if isinstance(input_ids, (list, tuple)) and input_ids
-                 and isinstance(input_ids[0], (list, tuple)) else None)
+    batched_ids = isinstance(input_ids, (list, tuple)) and isinstance(input_ids[0], (list, tuple))
+    ids_batch = len(input_ids) if batched_ids else None
     if text_batch != ids_batch:
-        what = lambda n: "one prompt" if n is None else f"{n} prompts"  # noqa: E731
+        what = lambda n: "one prompt" if n is None else f"a batch of {n}"  # noqa: E731
         raise ValueError(f"text ({what(text_batch)}) and input_ids ({what(ids_batch)}) disagree: pass one of "
                          "them (when both are given, input_ids is the prompt, as in SGLang)")

@@ -9,6 +9,7 @@ change what the caller gets (an image goes unseen, an asked-for output is missin
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 _MULTIMODAL = "tandem serves text-only models; pass text or input_ids without it"
@@ -43,7 +44,7 @@ def check_priority(priority: Any) -> None:
     --enable-priority-scheduling (its default); tandem schedules first come, first served."""
     if priority is None:
         return
-    if not isinstance(priority, int) or isinstance(priority, bool) or not I64[0] <= priority <= I64[1]:
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool) or not I64[0] <= priority <= I64[1]:
         raise ValueError(f"priority must be a 64-bit int (or None), got {priority!r}")
 
 

@@ -199,8 +199,16 @@ def _pool_size() -> int:
         cpus = len(os.sched_getaffinity(0))  # a container's share, not the host's cores
     except AttributeError:
         cpus = os.cpu_count() or 1
-    asked = os.environ.get(WORKERS_ENV, "")
-    return int(asked) if asked.isdigit() and int(asked) > 0 else max(1, min(cpus, MAX_WORKERS))
+    asked = os.environ.get(WORKERS_ENV, "").strip()
+    if not asked:
+        return max(1, min(cpus, MAX_WORKERS))
+    try:
+        workers = int(asked)
+    except ValueError:
+        workers = 0
+    if workers < 1:
+        raise ValueError(f"{WORKERS_ENV}={asked!r}: give a number of threads, 1 or more (or leave it unset)")
+    return workers
 
 
 def _compile_to_disk(jit_fn: Any, signature: dict, constants: dict, attrs: dict, target: Any, options: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import numpy as np
 import pytest
 
 from tests.engine.conftest import random_prompts
@@ -171,6 +172,9 @@ def test_priority_is_taken_and_ignored_as_sglang_does_without_priority_schedulin
     params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     plain = engine.generate(input_ids=[5, 6], sampling_params=params)
     assert engine.generate(input_ids=[5, 6], sampling_params=params, priority=-3)["output_ids"] == plain["output_ids"]
+    assert engine.generate(input_ids=[5, 6], sampling_params=params, priority=np.int64(2))["output_ids"] == plain["output_ids"]
+    with pytest.raises(ValueError, match="priority"):
+        engine.generate(input_ids=[5, 6], sampling_params=params, priority=True)
 
 
 def test_unknown_server_arg_is_named(tiny_model_dir):

@@ -133,8 +133,13 @@ def recording_wait(self):
     return wait(self)
 ca.CompileAhead.wait = recording_wait
 layers = runner.model.model.layers
+visited = []
+hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: visited.append(i)) for i, layer in enumerate(layers)]
 with torch.inference_mode():  # the default: the first and last of 5 layers
     CudaGraphRunner(runner.model, runner.attn_backend, runner.kv_pool, runner.req_to_token, runner.device, 24)
+assert set(visited) == {0, 4}, sorted(set(visited))
+for hook in hooks:
+    hook.remove()
 CudaGraphRunner._end_layers_only = lambda self: contextlib.nullcontext()
 with torch.inference_mode():  # every layer
     CudaGraphRunner(runner.model, runner.attn_backend, runner.kv_pool, runner.req_to_token, runner.device, 24)
@@ -161,6 +166,19 @@ def test_a_dry_pass_through_the_end_layers_reaches_every_kernel(tmp_path):
         weights.unlink()  # the walk reads no weights: dummy ones of the 5-layer shape
     script = LAYERS_SCRIPT.replace('max_total_tokens=4096', 'max_total_tokens=4096, load_format="dummy"')
     run_for_sm90(script, str(model), cache_dir=tmp_path / "triton-cache")
+
+
+def test_the_pool_size_is_the_cpus_or_what_the_variable_says(monkeypatch):
+    from engine.kernels.compile_ahead import MAX_WORKERS, WORKERS_ENV, _pool_size
+
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    assert 1 <= _pool_size() <= MAX_WORKERS
+    monkeypatch.setenv(WORKERS_ENV, " 4")
+    assert _pool_size() == 4
+    for bad in ("0", "four", "\u00b2", "-2"):
+        monkeypatch.setenv(WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match=WORKERS_ENV):
+            _pool_size()
 
 
 def test_the_switch_refuses_unknown_values(monkeypatch, tmp_path):
