@@ -4,20 +4,13 @@ listens at the address (it used to block the core for up to 600 s)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
+from engine.models.parallel_state import free_port
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-
-
-def _dead_port() -> int:
-    """A local port nobody listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +23,7 @@ def test_a_rendezvous_to_a_dead_address_fails_in_time_while_generation_goes_on(e
     reply: list = []
     start = time.monotonic()
     joiner = threading.Thread(target=lambda: reply.append(eng.init_weights_update_group(
-        "127.0.0.1", _dead_port(), 1, 2, "dead", backend="gloo", timeout_s=2)))
+        "127.0.0.1", free_port(), 1, 2, "dead", backend="gloo", timeout_s=2)))
     joiner.start()
     latencies = []
     while joiner.is_alive() and time.monotonic() - start < 10:
@@ -52,15 +45,15 @@ def test_a_rendezvous_to_a_dead_address_fails_in_time_while_generation_goes_on(e
 
 def test_bad_arguments_and_a_second_join_are_refused_at_once(eng):
     start = time.monotonic()
-    ok, message = eng.init_weights_update_group("127.0.0.1", _dead_port(), 1, 2, "g", backend="mpi")
+    ok, message = eng.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", backend="mpi")
     assert not ok and "backend must be one of nccl, gloo" in message
-    ok, message = eng.init_weights_update_group("127.0.0.1", _dead_port(), 5, 2, "g", backend="gloo")
+    ok, message = eng.init_weights_update_group("127.0.0.1", free_port(), 5, 2, "g", backend="gloo")
     assert not ok and "rank 5 is outside a group of world_size 2" in message
-    ok, message = eng.init_weights_update_group("127.0.0.1", _dead_port(), 1, 2, "g", backend="gloo", timeout_s=0)
+    ok, message = eng.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", backend="gloo", timeout_s=0)
     assert not ok and "timeout_s must be > 0" in message
     assert time.monotonic() - start < 1.0
 
-    port = _dead_port()
+    port = free_port()
     first: list = []
     joiner = threading.Thread(target=lambda: first.append(eng.init_weights_update_group(
         "127.0.0.1", port, 1, 2, "busy", backend="gloo", timeout_s=2)))
@@ -77,7 +70,7 @@ def test_bad_arguments_and_a_second_join_are_refused_at_once(eng):
 def test_an_address_that_does_not_resolve_says_so_before_the_timeout(eng):
     """The rendezvous used to wait out timeout_s and then blame the trainer for not listening."""
     start = time.monotonic()
-    ok, message = eng.init_weights_update_group("bad host name!", _dead_port(), 1, 2, "unresolved", backend="gloo",
+    ok, message = eng.init_weights_update_group("bad host name!", free_port(), 1, 2, "unresolved", backend="gloo",
                                                 timeout_s=20)
     assert not ok and "master_address 'bad host name!' does not resolve to an address" in message, message
     assert time.monotonic() - start < 15

@@ -18,6 +18,7 @@ import pytest
 from engine.api.core_client import CoreDead
 from tests.engine.conftest import random_prompts
 from tests.hold import Hold
+from engine.models.parallel_state import free_port
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
@@ -281,7 +282,7 @@ def test_a_killed_core_fails_requests_and_calls_at_once(engine_factory):
 
     def wait_for_group() -> None:
         try:
-            eng.init_weights_update_group("127.0.0.1", _free_port(), 1, 2, "never", "gloo")
+            eng.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "never", "gloo")
         except Exception as exc:
             result["call_error"] = exc
 
@@ -317,14 +318,6 @@ def test_start_up_failure_is_raised_in_the_parent(tmp_path):
         Engine(model_path=str(tmp_path / "no-such-model"), device="cpu", core_process=True)
     assert "engine core process during start-up" in "".join(getattr(info.value, "__notes__", []))
     assert time.perf_counter() - started < 120
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _NeedsTwoArgs(Exception):

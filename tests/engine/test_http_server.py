@@ -11,6 +11,7 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from engine.server.http import create_app  # noqa: E402
+from engine.models.parallel_state import free_port
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -186,12 +187,9 @@ def test_distributed_update_routes_name_bad_arguments(engine_factory):
 
 def test_init_weights_update_group_honours_the_body_timeout(engine_factory):
     """A rendezvous with nobody at the address answers within the body's timeout_s."""
-    import socket
     import time
 
-    with socket.socket() as s:  # a local port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a local port nobody listens on
     eng = engine_factory()
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "nobody", "backend": "gloo"}

@@ -7,7 +7,6 @@ Policy's recomputation bit for bit ("true on-policy" across a weight update).
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from engine.api.generate_request import GenerateRequest
 from tests.engine.conftest import random_prompts
 from trainer_bridge.sync import WeightSyncError, push_weights
+from engine.models.parallel_state import free_port
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
@@ -36,9 +36,7 @@ def _trainer_group(eng, name: str):
     """This test process as rank 0 of a gloo group the engine joins as rank 1."""
     from weight_sync.nccl import WeightGroup
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     joined: list = []
     engine_side = threading.Thread(target=lambda: joined.append(
         eng.init_weights_update_group("127.0.0.1", port, 1, 2, name, backend="gloo")))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ import pytest
 import torch
 
 from weight_sync.cuda_ipc import serialize
+from engine.models.parallel_state import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -90,7 +90,6 @@ class ResumeMemoryOccupationReqInput:
     tags: Optional[list] = None
 
 
-
 @pytest.fixture
 def local_serialized_tensor(monkeypatch):
     """SGLang's LocalSerializedTensor (a dataclass of `values`) in a module registered under its
@@ -119,7 +118,6 @@ def mp_serialize(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-
 def _norm(eng: Any) -> list:
     return eng.get_weights_by_name("model.norm.weight")
 
@@ -127,7 +125,6 @@ def _norm(eng: Any) -> list:
 @pytest.fixture(scope="module")
 def engine(engine_factory):
     return engine_factory()
-
 
 
 def test_tokenizer_manager_stream_closed_early_aborts(engine):
@@ -171,7 +168,6 @@ def test_tokenizer_manager_update_with_abort_all_requests(engine):
         assert out["meta_info"]["finish_reason"]["type"] == "abort" and _norm(engine) == [3.0] * 64
     finally:
         assert engine.update_weights_from_tensor([("model.norm.weight", torch.tensor(before))])[0]
-
 
 
 class AsyncEngine:
@@ -258,9 +254,7 @@ TRAINER = textwrap.dedent("""
 
 def test_broadcast_skyrl_single_tensor_then_sglang_positional_bucket(engine_factory):
     eng = engine_factory()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port)], env=dict(os.environ, PYTHONPATH=str(REPO)),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.conftest import random_prompts
+from engine.models.parallel_state import free_port
 
 REPO = Path(__file__).resolve().parents[2]  # the repo root: the trainer imports engine, weight_sync
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -43,12 +43,6 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_broadcast_update_equals_an_engine_on_the_new_weights(engine_factory, other_model_dir, other_engine):
     from safetensors.torch import load_file
 
@@ -58,7 +52,7 @@ def test_broadcast_update_equals_an_engine_on_the_new_weights(engine_factory, ot
     prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=7)
     before = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
     named = [kv for path in safetensors_files(other_model_dir) for kv in load_file(path).items()]
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), other_model_dir], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -93,9 +87,9 @@ def test_broadcast_update_equals_an_engine_on_the_new_weights(engine_factory, ot
 
 def test_bad_group_arguments_are_named(engine_factory):
     eng = engine_factory()
-    ok, message = eng.init_weights_update_group("127.0.0.1", _free_port(), 1, 2, "g", backend="mpi")
+    ok, message = eng.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", backend="mpi")
     assert not ok and "backend must be one of nccl, gloo" in message
-    ok, message = eng.init_weights_update_group("127.0.0.1", _free_port(), 2, 2, "g", backend="gloo")
+    ok, message = eng.init_weights_update_group("127.0.0.1", free_port(), 2, 2, "g", backend="gloo")
     assert not ok and "rank 2 is outside a group of world_size 2" in message
 
 
@@ -153,7 +147,7 @@ def test_a_group_formed_as_slime_forms_it_carries_per_tensor_broadcasts(engine_f
     prefix and process-group helper; one broadcast per tensor, the request shape slime sends."""
     eng = engine_factory()
     prompts = random_prompts(2, eng.local_core.parts.vocab_size, lengths=(5, 40), seed=17)
-    port = _free_port()
+    port = free_port()
     trainer = _slime_trainer(port, 2, "slime-pp_0", other_model_dir, "tensors")
     try:
         _join([eng], port, "slime-pp_0")
@@ -174,7 +168,7 @@ def test_one_trainer_broadcasts_flattened_buckets_to_two_replicas(engine_factory
     """Two engines of one group (rank_offset 1 and 2), one broadcast per bucket reaching both."""
     engines = [engine_factory(), engine_factory()]
     prompts = random_prompts(3, engines[0].local_core.parts.vocab_size, lengths=(5, 40), seed=18)
-    port = _free_port()
+    port = free_port()
     trainer = _slime_trainer(port, 3, "replicas", other_model_dir, "buckets")
     ckpt = _checkpoint(other_model_dir)
     try:
@@ -207,7 +201,7 @@ def test_a_dead_or_silent_trainer_fails_the_update_in_time_and_the_group_forms_a
     names = list(ckpt)
     request = (names, [str(ckpt[n].dtype) for n in names], [list(ckpt[n].shape) for n in names], "wg")
 
-    port = _free_port()  # killed after its first tensor, while the engine waits for the second
+    port = free_port()  # killed after its first tensor, while the engine waits for the second
     trainer = _slime_trainer(port, 2, "wg", other_model_dir, "one-then-hang")
     try:
         _join([eng], port, "wg", timeout_s=20)
@@ -229,7 +223,7 @@ def test_a_dead_or_silent_trainer_fails_the_update_in_time_and_the_group_forms_a
     assert not ok and "failed earlier" in message
     assert eng.destroy_weights_update_group("wg")[0]
 
-    port = _free_port()  # alive, joined, never sends: the group's timeout (3 s) ends the wait
+    port = free_port()  # alive, joined, never sends: the group's timeout (3 s) ends the wait
     trainer = _slime_trainer(port, 2, "wg", other_model_dir, "silent")
     try:
         _listening(trainer)
@@ -244,7 +238,7 @@ def test_a_dead_or_silent_trainer_fails_the_update_in_time_and_the_group_forms_a
     assert _greedy(eng, prompts) == before
     assert eng.destroy_weights_update_group("wg")[0]
 
-    port = _free_port()  # the same name again, a live trainer: the update goes through
+    port = free_port()  # the same name again, a live trainer: the update goes through
     trainer = _slime_trainer(port, 2, "wg", other_model_dir, "tensors")
     try:
         _join([eng], port, "wg")
@@ -266,7 +260,7 @@ def test_push_to_two_replicas_through_one_group(engine_factory, other_model_dir,
 
     engines = [engine_factory(), engine_factory()]
     prompts = random_prompts(2, engines[0].local_core.parts.vocab_size, lengths=(5, 40), seed=20)
-    port = _free_port()
+    port = free_port()
     joining = threading.Thread(target=_join, args=(engines, port, "push2"))
     joining.start()
     group = WeightGroup("127.0.0.1", port, 0, 3, "push2", backend="gloo", timeout_s=60)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.rl_setup import ENGINE_KWARGS, GREEDY, PROMPTS, greedy_ids
+from engine.models.parallel_state import free_port
 
 
 @contextlib.contextmanager
@@ -184,9 +185,7 @@ def test_a_server_that_is_gone_reads_unhealthy_and_calls_raise():
     from engine_client.client import HttpClient
     from engine_client.http_errors import EngineUnreachable
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     client = HttpClient(f"http://127.0.0.1:{port}")
     assert not client.health()
     with pytest.raises(EngineUnreachable, match=f"127.0.0.1:{port}/generate"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from engine_client.http_errors import EngineTimeout, EngineUnreachable
 
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
+from engine.models.parallel_state import free_port
 
 BOUND_S = 8.0
 GREEDY = {"max_new_tokens": 2, "temperature": 0.0}
@@ -160,9 +160,7 @@ def test_wait_ready_waits_for_health_and_times_out_naming_the_url():
         return len(calls)
 
     assert bounded(run()) == 3
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     start = time.monotonic()
     with pytest.raises(EngineTimeout, match=rf"127.0.0.1:{port} was not ready after 0.2 s .*ConnectError"):
         HttpClient(f"http://127.0.0.1:{port}").wait_ready(0.2, 0.05)

@@ -11,6 +11,7 @@ from rollout.manager import RolloutManager
 from rollout.router import PrefixRouter
 from rollout.rewards import exact_match, load_reward
 from rollout.types import Sample
+from engine.models.parallel_state import free_port
 
 SAMPLED = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
 
@@ -146,13 +147,9 @@ def test_over_sampling_keeps_the_first_groups_and_aborts_the_rest(engines):
 
 def test_a_replica_that_is_down_costs_a_retry_not_the_step(engines):
     """One HttpClient to a server that is gone, one live engine: every group is generated there."""
-    import socket
-
     from engine_client.http_client import HttpClient
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        gone = HttpClient(f"http://127.0.0.1:{s.getsockname()[1]}")
+    gone = HttpClient(f"http://127.0.0.1:{free_port()}")  # a port nobody listens on
     manager = RolloutManager([gone, engines[0]])
     groups = manager.generate(_prompts(4), SAMPLED, n=2)
     assert [len(g) for g in groups] == [2] * 4 and all(s.status == "truncated" for g in groups for s in g)

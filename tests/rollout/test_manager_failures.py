@@ -5,13 +5,13 @@ Fake engines (and HttpClients to a port nobody listens on); every test bounds it
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from engine_client.http_client import HttpClient
 from engine_client.http_errors import EngineUnreachable
 from rollout.manager import RolloutManager
+from engine.models.parallel_state import free_port
 
 PARAMS = {"max_new_tokens": 2}
 BOUND_S = 8.0
@@ -47,9 +47,7 @@ class _Engine:
 
 
 def _dead_url() -> str:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
 
 
 def _prompts(k: int) -> list[list[int]]:
