@@ -273,8 +273,8 @@ class HttpClient:
 
 def generate_body(request: GenerateRequest) -> dict:
     """SGLang's /generate body: text (the prompt) or input_ids, sampling_params, the logprob
-    options, and rid, logprob_distribution, token_ids_logprob, return_routed_experts (and its
-    start), return_prompt_token_ids only when set (as SGLang's clients)."""
+    options, and rid, logprob_distribution, token_ids_logprob, lora_path, extra_key,
+    return_routed_experts (and its start), return_prompt_token_ids only when set (as SGLang's clients)."""
     if (request.prompt is None) == (request.input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
     if request.stream:
@@ -283,7 +283,8 @@ def generate_body(request: GenerateRequest) -> dict:
     body.update(sampling_params=request.sampling_params or {}, return_logprob=request.return_logprob,
                 logprob_start_len=request.logprob_start_len, top_logprobs_num=request.top_logprobs_num)
     optional = {"rid": request.rid, "logprob_distribution": request.logprob_distribution,
-                "token_ids_logprob": request.token_ids_logprob, "lora_path": request.lora_path}
+                "token_ids_logprob": request.token_ids_logprob, "lora_path": request.lora_path,
+                "extra_key": request.extra_key}
     body.update({name: value for name, value in optional.items() if value is not None})
     if request.return_routed_experts:  # only when asked: a server without the flag refuses it
         body["return_routed_experts"] = request.return_routed_experts

@@ -35,6 +35,8 @@ class GenerateRequest:
     # the first position whose routes come back (SGLang's: a continued rollout holds the earlier ones)
     routed_experts_start_len: Union[int, list[int]] = 0
     return_prompt_token_ids: bool = False  # each output's prompt ids, as "prompt_token_ids"
+    # SGLang's cache salt: prompts of different keys never share cached KV (one key, or one per prompt)
+    extra_key: Union[str, list[Optional[str]], None] = None
 
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> "GenerateRequest":

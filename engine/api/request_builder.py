@@ -68,9 +68,10 @@ class RequestBuilder:
         routes = _per_prompt("return_routed_experts", request.return_routed_experts, n, self._checked_routes)
         route_starts = _per_prompt("routed_experts_start_len", request.routed_experts_start_len, n, lambda v: v)
         adapters = _per_prompt("lora_path", request.lora_path, n, self.lora.check)
+        salts = _per_prompt("extra_key", request.extra_key, n, _check_extra_key)
         out: list[ReqInput] = []
-        for ids, p, base_rid, wanted, lp, start, top, route, route_start, adapter, default_length in zip(
-                prompts, params, rids, id_lists, want, starts, tops, routes, route_starts, adapters, defaulted):
+        for ids, p, base_rid, wanted, lp, start, top, route, route_start, adapter, salt, default_length in zip(
+                prompts, params, rids, id_lists, want, starts, tops, routes, route_starts, adapters, salts, defaulted):
             if lp:  # read only with logprobs (SGLang ignores it otherwise, as the ReqInput below does)
                 self._check_logprob_start(start, len(ids))
             _check_route_start(route_start, len(ids))
@@ -87,6 +88,7 @@ class RequestBuilder:
                     token_ids_logprob=wanted if lp else None, logprob_distribution=distribution,
                     stream=request.stream, return_routed_experts=route, routed_experts_start_len=route_start,
                     lora_path=adapter, return_prompt_token_ids=bool(request.return_prompt_token_ids),
+                    extra_key=salt,
                 ))
         self._check_unique_rids(out)
         return out, single and params[0].n == 1
@@ -275,6 +277,14 @@ def _per_prompt(name: str, value: Any, n_prompts: int, check: Any) -> list:
             raise ValueError(f"{name} has {len(value)} values for {n_prompts} prompts (give one, or one per prompt)")
         return [check(v) for v in value]
     return [check(value)] * n_prompts
+
+
+def _check_extra_key(key: Any) -> Optional[str]:
+    """SGLang's extra_key: a string naming the prompt's cache namespace; None or "" for none."""
+    if key is not None and not isinstance(key, str):
+        raise ValueError(f"extra_key must be a string (a cache salt), one per prompt, or null; got {type(key).__name__}")
+    check_text(key or "", "extra_key")
+    return key or None
 
 
 def _is_int(value: Any) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Optional
 # are refused there when set (engine/api/sglang_kwargs.py)
 GENERATE_FIELDS = ("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
                    "token_ids_logprob", "stream", "rid", "lora_path", "return_routed_experts",
-                   "routed_experts_start_len", "return_prompt_token_ids")
+                   "routed_experts_start_len", "return_prompt_token_ids", "extra_key")
 
 
 @dataclass

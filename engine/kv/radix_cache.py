@@ -7,8 +7,10 @@ one token per slot).
   the rest "evictable"; both counts are kept incrementally.
 - evict frees unlocked leaves in LRU order; a parent that becomes an unlocked leaf joins the
   heap, so branches shrink from the tip and shared stems last longest.
-- A namespace (a LoRA adapter's id; None for the base model) has a tree of its own, as SGLang's
-  extra_key: a prefix is never shared across adapters, and an unloaded adapter's tree is dropped.
+- A namespace has a tree of its own: a LoRA adapter's id (None for the base model), or with
+  SGLang's extra_key (a cache salt) the pair (adapter id, key). A prefix is never shared across
+  namespaces; an unloaded adapter's trees are dropped, and a keyed tree emptied by eviction or a
+  flush goes too (a salt per policy version would otherwise leave a root per version behind).
 """
 
 from __future__ import annotations
@@ -171,7 +173,13 @@ class RadixCache(PrefixCache):
             node.parent = None  # detached: locking it later is an error
             if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self._drop_empty_keyed_roots()
         return freed
+
+    def _drop_empty_keyed_roots(self) -> None:
+        """Forget extra_key trees left empty (an adapter's own tree stays until it is unloaded)."""
+        for namespace in [ns for ns, root in self.roots.items() if isinstance(ns, tuple) and not root.children]:
+            del self.roots[namespace]
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return not self._is_root(node) and not node.children and node.lock_ref == 0
@@ -185,20 +193,19 @@ class RadixCache(PrefixCache):
         # keep the root objects: requests whose last_node is a root stay valid across a flush
         for root in self.roots.values():
             root.children = {}
+        self._drop_empty_keyed_roots()
         self._evictable = self._protected = 0
 
     def drop_namespace(self, namespace: Any) -> int:
-        """Free a namespace's whole tree (an unloaded LoRA adapter's KV); returns the tokens freed.
-        Nothing in it may be locked (the adapter has no request left)."""
-        root = self.roots.pop(namespace, None)
-        if root is None:
-            return 0
-        nodes = list(self._nodes([root]))
-        if any(n.lock_ref for n in nodes if n is not root):
-            self.roots[namespace] = root
+        """Free a namespace's whole tree, and its extra_key trees (an unloaded LoRA adapter's KV);
+        returns the tokens freed. Nothing in them may be locked (the adapter has no request left)."""
+        dropped = [ns for ns in self.roots if ns == namespace or (isinstance(ns, tuple) and ns[0] == namespace)]
+        nodes = [n for ns in dropped for n in self._nodes([self.roots[ns]]) if not self._is_root(n)]
+        if any(n.lock_ref for n in nodes):
             raise RuntimeError(f"cannot drop cache namespace {namespace!r}: running requests lock it")
+        for ns in dropped:
+            self.roots.pop(ns).children = {}
         freed = self._free_tree(nodes)
-        root.children = {}
         self._evictable -= freed
         return freed
 
@@ -265,7 +272,7 @@ class RadixCache(PrefixCache):
         tokens = req.fill_ids
         kv = self._row(req, len(tokens))
         owned = len(req.prefix_indices)
-        namespace = getattr(req, "lora_id", None)
+        namespace = getattr(req, "cache_namespace", None)
         n = self.insert(tokens, kv, namespace)
         self.allocator.free(kv[owned:n])
         new_indices, new_node = self.match_prefix(tokens, namespace)
@@ -284,7 +291,7 @@ class RadixCache(PrefixCache):
             seq = max(min(len(tokens) - 1, committed), 0)
             kv = self._row(req, committed)
             owned = len(req.prefix_indices)
-            n = self.insert(tokens[:seq], kv[:seq], getattr(req, "lora_id", None))
+            n = self.insert(tokens[:seq], kv[:seq], getattr(req, "cache_namespace", None))
             self.allocator.free(kv[owned:n])
             # KV written past the last keyable token has no token id to key it by
             self.allocator.free(kv[max(seq, owned) : committed])

@@ -121,10 +121,10 @@ class Admission:
         the second waits one round and then reads the shared part from the tree (SGLang's
         in-batch prefix trick; it is what makes n > 1 groups hit the cache)."""
         ids = req.all_ids
-        start = len(self.tree_cache.match_prefix(ids[:-1], req.lora_id).indices)
+        start = len(self.tree_cache.match_prefix(ids[:-1], req.cache_namespace).indices)
         if len(ids) - start <= SIBLING_PREFIX:
             return False
-        key = (req.lora_id, start, tuple(ids[start : start + SIBLING_PREFIX]))
+        key = (req.cache_namespace, start, tuple(ids[start : start + SIBLING_PREFIX]))
         if key in siblings:
             return True
         siblings.add(key)
@@ -132,7 +132,7 @@ class Admission:
 
     def _admit(self, req: Req, adder: PrefillAdder) -> bool:
         req.fill_all()
-        match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], req.lora_id)
+        match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], req.cache_namespace)
         self.tree_cache.inc_lock_ref(match.last_node)
         if not adder.try_add(req, len(match.indices)):
             self.tree_cache.dec_lock_ref(match.last_node)

@@ -19,5 +19,5 @@ def order_waiting(waiting: deque[Req], policy: str, tree_cache: "PrefixCache") -
     """Returns the requests in admission order, and whether that is the queue's own order."""
     if policy == "fcfs" or len(waiting) > LPM_MAX_WAITING:
         return iter(waiting), True
-    matched = {id(r): len(tree_cache.match_prefix(r.all_ids[:-1], r.lora_id).indices) for r in waiting}
+    matched = {id(r): len(tree_cache.match_prefix(r.all_ids[:-1], r.cache_namespace).indices) for r in waiting}
     return sorted(waiting, key=lambda r: -matched[id(r)]), False

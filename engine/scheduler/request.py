@@ -29,6 +29,9 @@ class RequestOptions:
     return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (needs the server flag)
     routed_experts_start_len: int = 0  # the routes returned are positions [this, seq_len - 1)
     lora_path: Optional[str] = None  # the LoRA adapter's name (or path); None: the base model
+    # SGLang's extra_key (the OpenAI routes' cache_salt): a radix-cache namespace, so requests of
+    # different keys never share a prefix's KV (prime-rl salts by policy version)
+    extra_key: Optional[str] = None
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects, never by value
@@ -88,6 +91,11 @@ class Req(RequestOptions):
         elif not msg.token_ids_logprob:
             options["token_ids_logprob"] = None
         return cls(origin_input_ids=list(msg.input_ids), **options)
+
+    @property
+    def cache_namespace(self) -> Any:
+        """The radix-cache tree this request's KV lives in: its adapter's, split by extra_key."""
+        return self.lora_id if self.extra_key is None else (self.lora_id, self.extra_key)
 
     def note_weight_version(self, version: str) -> None:
         """Called as each output token is committed: opens a span when the weights changed."""

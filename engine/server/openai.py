@@ -73,7 +73,7 @@ class OpenAIServing:
             return_logprob=wants_logprobs, logprob_start_len=0 if req.echo and wants_logprobs else -1,
             top_logprobs_num=req.logprobs or 0, rid=req.rid, stream=req.stream,
             return_routed_experts=req.return_routed_experts, lora_path=req.adapter(self.lora_enabled),
-            routed_experts_start_len=req.routed_experts_start_len or 0)
+            routed_experts_start_len=req.routed_experts_start_len or 0, extra_key=req.cache_key())
 
     def _prompt_texts(self, req: CompletionRequest) -> list[str]:
         prompt = req.prompt
@@ -152,7 +152,8 @@ class OpenAIServing:
             input_ids=ids, sampling_params=params,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             rid=req.rid, stream=req.stream, return_routed_experts=req.return_routed_experts,
-            lora_path=req.adapter(self.lora_enabled), routed_experts_start_len=req.routed_experts_start_len or 0)
+            lora_path=req.adapter(self.lora_enabled), routed_experts_start_len=req.routed_experts_start_len or 0,
+            extra_key=req.cache_key())
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]

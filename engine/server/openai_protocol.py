@@ -94,6 +94,12 @@ class _OpenAISampling(_NullsAsDefaults):
     return_routed_experts: bool = False  # SGLang's: first choice's routes as sglext.routed_experts
     routed_experts_start_len: Optional[StrictInt] = None  # SGLang's: the routes from this position on
     custom_params: Any = None  # SGLang's: passed on in the sampling params (which check it)
+    cache_salt: Optional[str] = None  # vLLM's and SGLang's: the prompt's radix-cache namespace
+    extra_key: Optional[str] = None  # SGLang's: appended to cache_salt
+
+    def cache_key(self) -> Optional[str]:
+        """SGLang's extra_key for these routes: cache_salt then extra_key, joined; None for neither."""
+        return "".join(part for part in (self.cache_salt, self.extra_key) if part) or None
 
     def adapter(self, lora_enabled: bool) -> Any:
         """The LoRA adapter SGLang's OpenAI routes select: an explicit lora_path first, else the

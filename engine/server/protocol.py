@@ -70,6 +70,7 @@ class GenerateBody(_NullsAsDefaults):
     lora_path: Any = None  # an adapter name, or one per prompt (None: the base): checked by the RequestBuilder
     return_prompt_token_ids: bool = False  # each output's "prompt_token_ids" (streamed chunks too)
     priority: Any = None  # an int, taken and ignored (SGLang's default: no priority scheduling)
+    extra_key: Any = None  # a cache salt, or one per prompt: checked by the RequestBuilder
     # SGLang refuses these unless started for them (--enable-return-hidden-states,
     # --enable-custom-logit-processor); tandem has neither, so it refuses them too, not silently
     return_hidden_states: Union[bool, list[bool]] = False
@@ -93,7 +94,7 @@ class GenerateBody(_NullsAsDefaults):
             logprob_distribution=self.logprob_distribution, rid=self.rid, stream=self.stream,
             return_routed_experts=self.return_routed_experts, lora_path=self.lora_path,
             routed_experts_start_len=self.routed_experts_start_len or 0,
-            return_prompt_token_ids=self.return_prompt_token_ids)
+            return_prompt_token_ids=self.return_prompt_token_ids, extra_key=self.extra_key)
 
 
 def refuse_unsupported(hidden_states: Any, logit_processor: Any) -> None:
