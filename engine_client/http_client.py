@@ -99,14 +99,14 @@ class HttpClient:
             entry = self._async[loop] = (client, closer)
         return entry[0]
 
-    def abort_request(self, rid=None, abort_all=False):
-        self._slots.abort(rid, abort_all)  # requests not sent yet too
-        self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+    def abort_request(self, rid=None, abort_all=False, prefix=False):
+        self._slots.abort(rid, abort_all, prefix)  # requests not sent yet too
+        self._post("/abort_request", _abort_body(rid, abort_all, prefix))
 
-    async def async_abort_request(self, rid=None, abort_all=False):
-        self._slots.abort(rid, abort_all)
+    async def async_abort_request(self, rid=None, abort_all=False, prefix=False):
+        self._slots.abort(rid, abort_all, prefix)
         client = await self._async_client()
-        answer = Answer(*await client.post("/abort_request", {"rid": rid or "", "abort_all": abort_all}))
+        answer = Answer(*await client.post("/abort_request", _abort_body(rid, abort_all, prefix)))
         if answer.status_code != 200:
             raise RuntimeError(f"/abort_request failed with HTTP {answer.status_code}: {message(answer)}")
 
@@ -269,6 +269,11 @@ class HttpClient:
         if response.status_code == 200:
             return True, "Success"
         return False, message(response)
+
+
+def _abort_body(rid: Any, abort_all: bool, prefix: bool) -> dict:
+    """/abort_request's body; `prefix` (every rid starting with rid) only when set."""
+    return {"rid": rid or "", "abort_all": abort_all, **({"prefix": True} if prefix else {})}
 
 
 def generate_body(request: GenerateRequest) -> dict:

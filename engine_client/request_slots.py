@@ -48,12 +48,17 @@ class RequestSlots:
             with self._lock:
                 self._waiting.pop(ticket, None)
 
-    def abort(self, rid: Optional[str], abort_all: bool) -> None:
+    def abort(self, rid: Optional[str], abort_all: bool, prefix: bool = False) -> None:
         """Marks the waiting requests an abort names: its rid, or a request whose sample it names
-        (the engine's rid for sample i of a request with n is "{rid}-{i}")."""
+        (the engine's rid for sample i of a request with n is "{rid}-{i}"); with `prefix`, every
+        request whose rid starts with rid."""
         with self._lock:
             for request_rid, flag in self._waiting.values():
-                if abort_all or (request_rid is not None and rid is not None and _names(rid, request_rid)):
+                if request_rid is None or not rid:
+                    named = False
+                else:
+                    named = request_rid.startswith(rid) if prefix else _names(rid, request_rid)
+                if abort_all or named:
                     flag[0] = True
 
 

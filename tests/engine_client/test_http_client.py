@@ -161,6 +161,17 @@ def test_abort_and_flush(served):
 
     out = asyncio.run(aborted())
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 4000
+
+    async def aborted_by_prefix() -> list:
+        tasks = [asyncio.ensure_future(client.async_generate(input_ids=[5, 6, 7], rid=f"grp::{i}",
+                                                             sampling_params={**GREEDY, "max_new_tokens": 4000}))
+                 for i in range(2)]
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(client.abort_request, "grp::", prefix=True)
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(aborted_by_prefix())
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
     assert client.flush_cache()
     engine.check_integrity()
 

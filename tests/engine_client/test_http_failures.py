@@ -224,6 +224,20 @@ def test_an_abort_by_rid_reaches_a_waiting_request_and_its_samples():
     assert bounded(run()) == (True, {"b-1": False, "b-12": True, "b-2": False})
 
 
+def test_an_abort_by_prefix_reaches_every_waiting_request_it_starts():
+    from engine_client.request_slots import RequestSlots
+
+    async def run():
+        slots = RequestSlots(1)
+        async with slots.slot("first"):
+            waiting = {rid: asyncio.ensure_future(_enter(slots, rid)) for rid in ("lora::a", "lora::b", "other")}
+            await asyncio.sleep(0)
+            slots.abort("lora::", abort_all=False, prefix=True)  # Miles' abort of an adapter's requests
+        return {rid: await task for rid, task in waiting.items()}
+
+    assert bounded(run()) == {"lora::a": False, "lora::b": False, "other": True}
+
+
 async def _enter(slots, rid: str) -> bool:
     async with slots.slot(rid) as go:
         return go
