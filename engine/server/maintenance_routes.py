@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from functools import partial
 from typing import Any, Callable, Coroutine, Optional
 
@@ -18,6 +20,8 @@ from engine.server.profiler import Profiler
 from engine.server.protocol import AbortRequest, StartProfileRequest, UnknownFields
 
 logger = logging.getLogger("tandem")
+FLUSH_RETRY_S = 0.05
+FLUSH_TIMEOUT_MAX_S = 3600.0
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
            "requests, the operation will not be performed.)\n")
 
@@ -27,9 +31,17 @@ def add_maintenance_routes(app: FastAPI, engine: Any, unknown: UnknownFields, po
     tasks: set[asyncio.Task] = set()
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        ok = await asyncio.to_thread(engine.flush_cache)
-        return PlainTextResponse(FLUSHED if ok else "Cache not flushed: requests are running or waiting.\n",
+    async def flush_cache(timeout: Optional[str] = None) -> Response:
+        """SGLang 0.5.23's ?timeout=S: retried until the running and waiting requests are gone, for
+        up to S seconds (without it, one try)."""
+        wait_s = _flush_timeout(timeout)
+        if isinstance(wait_s, Response):
+            return wait_s
+        deadline = time.monotonic() + wait_s
+        while not (ok := await asyncio.to_thread(engine.flush_cache)) and time.monotonic() < deadline:
+            await asyncio.sleep(min(FLUSH_RETRY_S, max(deadline - time.monotonic(), 0.0)))
+        waited = f" within {wait_s:g} s" if wait_s else ""
+        return PlainTextResponse(FLUSHED if ok else f"Cache not flushed: requests are running or waiting{waited}.\n",
                                  status_code=200 if ok else 400)
 
     @app.api_route("/freeze_gc", methods=["GET", "POST"])
@@ -91,3 +103,17 @@ def _in_background(tasks: set[asyncio.Task], work: Coroutine) -> None:
     task = asyncio.create_task(work)
     tasks.add(task)  # held until done: the loop keeps only weak references
     task.add_done_callback(tasks.discard)
+
+
+def _flush_timeout(raw: Optional[str]) -> Any:
+    """/flush_cache's ?timeout as seconds (0 without it), or the 400 naming what is wrong."""
+    if raw is None:
+        return 0.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= FLUSH_TIMEOUT_MAX_S:  # NaN fails too
+        return PlainTextResponse(f"timeout must be a number of seconds from 0 to {FLUSH_TIMEOUT_MAX_S:g}; "
+                                 f"got {raw!r}\n", status_code=400)
+    return seconds
