@@ -137,6 +137,9 @@ class ServerArgs:
         "let chat requests bring their own Jinja chat template (chat_template, or chat_template_kwargs' "
         "chat_template), rendered in the server; refused with a 400 otherwise (vLLM's flag)")})
     health_check_timeout: float = 20.0  # /health_generate: seconds for a 1-token probe to answer
+    weight_version: str = field(default="default", metadata={"help": (
+        "the weights' version at start (SGLang's --weight-version): meta_info's weight_version until an "
+        "update names another")})
     served_model_name: Optional[str] = field(default=None, metadata={"help": (
         "the model id /v1/models lists and OpenAI replies carry (SGLang's flag); default: the model path")})
     # OpenAI replies' `metadata`: SGLang 0.5.23's {"weight_version", "weight_versions": [spans]}, or
@@ -169,6 +172,8 @@ class ServerArgs:
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
         _check_choice("chat_metadata_format", self.chat_metadata_format, CHAT_METADATA_FORMATS)
+        if not isinstance(self.weight_version, str):
+            raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
             if self.enable_deterministic_inference and not get_backend_spec(self.attention_backend).supports_deterministic:

@@ -27,12 +27,32 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_draft_weights_cpu_backup": ((None, False), "tandem has no draft model"),
     "custom_weight_loader": ((None, []), "tandem loads weights itself; push them with update_weights_from_tensor"),
     "enable_prefix_caching": ((None, True), "pass disable_radix_cache=True"),
+    "kv_cache_dtype": (("auto", None), "tandem's KV cache is in the model's dtype"),
+    "page_size": ((1, None), "tandem's KV cache pages hold one token each"),
+    "allow_auto_truncate": ((False, None), "a prompt over the context length is refused with a 400: shorten it"),
+    "chat_template": ((None, ""), "tandem renders the tokenizer's chat template (tokenizer_config.json): put "
+                                  "yours there, or send chat_template per request with --trust-request-chat-template"),
+    "tool_call_parser": ((None, ""), "tandem has no tool-call parser: with tool_choice 'auto' calls come back in the "
+                                     "content, as SGLang's without one; 'required' or a named function returns tool_calls"),
+    "reasoning_parser": ((None, ""), "tandem has no reasoning parser: the model's thinking comes back in the content"),
 }
-# settings with no effect on tandem's outputs: multimodal attention, tracing and metrics (always
-# on at /metrics), ports and timeouts of SGLang's own multi-process setup, remote code (tandem
-# builds only the architectures it has), the start-up warm-up request, the sampling kernel choice
+# settings with no effect on tandem's outputs: multimodal attention, tracing, logging and metrics
+# (always on at /metrics), ports, timeouts and all-reduce choices of SGLang's own multi-process
+# setup, remote code and hub downloads (tandem builds only the architectures it has, from a local
+# folder), the start-up warm-up request, kernel and CUDA-graph choices, stream chunking, queue limits
 IGNORED = ("mm_attention_backend", "enable_metrics", "nccl_port", "dist_timeout", "trust_remote_code",
-           "skip_server_warmup", "sampling_backend", "enable_trace", "otlp_traces_endpoint")
+           "skip_server_warmup", "sampling_backend", "enable_trace", "otlp_traces_endpoint", "enable_p2p_check",
+           "disable_custom_all_reduce", "decode_log_interval", "watchdog_timeout", "log_requests",
+           "log_requests_level", "file_storage_path", "download_dir", "revision", "tokenizer_mode",
+           "triton_attention_num_kv_splits", "enable_torch_compile", "torch_compile_max_bs",
+           "num_continuous_decode_steps", "stream_interval", "cuda_graph_bs", "max_queued_requests",
+           "enable_cache_report")
+# how `tandem serve` takes them as SGLang's flags: on/off switches, lists, else one value
+SWITCHES = ("trust_remote_code", "enable_metrics", "skip_server_warmup", "enable_trace", "enable_p2p_check",
+            "disable_custom_all_reduce", "log_requests", "enable_torch_compile", "enable_draft_weights_cpu_backup",
+            "allow_auto_truncate", "enable_cache_report")
+LISTS = ("cuda_graph_bs", "custom_weight_loader")
+NOT_FLAGS = ("enable_prefix_caching",)  # vLLM's Engine argument, not an SGLang flag
 
 
 def drop_sglang_launch_args(kwargs: dict[str, Any]) -> None:
@@ -42,6 +62,6 @@ def drop_sglang_launch_args(kwargs: dict[str, Any]) -> None:
         if name in kwargs:
             value = kwargs.pop(name)
             if not any(value == v and type(value) is type(v) for v in neutral):
-                raise ValueError(f"{name}={value!r} is not supported (an sglang.Engine argument): {instead}")
+                raise ValueError(f"{name}={value!r} is not supported (an SGLang launch argument): {instead}")
     for name in IGNORED:
         kwargs.pop(name, None)

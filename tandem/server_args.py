@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from engine import config as config_module
 from engine.config import ServerArgs
+from tandem.sglang_flags import add_sglang_flags, check_sglang_flags
 
 # Choices shown in --help; ServerArgs.__post_init__ stays the one place that validates.
 _CHOICES = {
@@ -47,13 +48,16 @@ def add_server_args(parser: argparse.ArgumentParser, require_model_path: bool = 
         if field.name == "model_path":
             kwargs.update(required=require_model_path, default=None)
         group.add_argument(flag, dest=field.name, **kwargs)
+    add_sglang_flags(parser)
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
     """The ServerArgs fields found on ns, as kwargs for Engine(...) / ServerArgs(...).
 
-    model_path is left out when it was not given, so a caller can supply a default.
+    model_path is left out when it was not given, so a caller can supply a default. SGLang's
+    launch flags given are checked (tandem.sglang_flags) and left out.
     """
+    check_sglang_flags(ns)
     out = {}
     for field in dataclasses.fields(ServerArgs):
         if not hasattr(ns, field.name):

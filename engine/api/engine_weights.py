@@ -79,6 +79,9 @@ class EngineWeights:
         from weight_sync.disk import DiskSource
 
         ok, message = self.update_weights(DiskSource(str(model_path), load_format), flush_cache, weight_version)
+        recorder = getattr(self, "recorder", None)
+        if ok and recorder is not None:  # later records name the checkpoint they ran on (tandem replay checks it)
+            recorder.model_path = str(model_path)
         return ok, message, 0
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,

@@ -43,7 +43,7 @@ class EngineCore:
         self.scheduler = self.parts.scheduler
         self.runner = self.parts.runner
         self.tokenizer = self.parts.tokenizer
-        self.weight_version = "default"
+        self.weight_version = server_args.weight_version
         self.paused = False  # pause_generation: no new forward passes until continue_generation
         self.control = GenerationControl(self)
         self.stats = CoreStats()

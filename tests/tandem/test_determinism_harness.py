@@ -133,3 +133,19 @@ def test_replay_names_bad_records_and_replays_the_rest(recorded, tiny_model_dir,
     data = json.loads(report.read_text())
     assert (data["replayed"], data["matched"], data["mismatched"]) == (2, 2, 0)
     assert [p["line"] for p in data["problems"]] == [2, 3, 4, 5]
+
+
+def test_records_after_a_disk_update_replay_on_that_checkpoint(engine_factory, other_model_dir, tmp_path, capsys):
+    """The records name the checkpoint and version they ran on; the replay starts an engine there
+    (--weight-version: the version the update named)."""
+    path = tmp_path / "after.jsonl"
+    eng = engine_factory(enable_deterministic_inference=True, record_path=str(path))
+    ok, message, _ = eng.update_weights_from_disk(other_model_dir, weight_version="step-7")
+    assert ok, message
+    eng.generate(input_ids=[[7, 8, 9], [40, 41]], sampling_params={"max_new_tokens": 6, "temperature": 0.0},
+                 return_logprob=True)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {(r["model_path"], r["weight_version"]) for r in records} == {(other_model_dir, "step-7")}
+    argv = ["replay", str(path), "--model-path", other_model_dir, "--weight-version", "step-7", "--device", "cpu",
+            "--dtype", "float32", "--enable-deterministic-inference"]
+    assert main(argv) == 0, capsys.readouterr().out
