@@ -196,12 +196,21 @@ class HttpClient:
             return payload
         return {"success": False, "error_message": message(response), "loaded_adapters": None}
 
+    def begin_weight_update(self, selector="all"):
+        return self._reply("/begin_weight_update", {"selector": selector})
+
+    def end_weight_update(self):
+        return self._reply("/end_weight_update", {})
+
     # ---- state ---------------------------------------------------------------------------------
     def get_weight_version(self):
         """From /model_info (SGLang >= 0.5.9 answers /get_weight_version with 404)."""
+        return self.get_model_info()["weight_version"]
+
+    def get_model_info(self):
         response = self._send("GET", "/model_info")
         response.raise_for_status()
-        return response.json()["weight_version"]
+        return response.json()
 
     def health(self):
         import httpx

@@ -23,6 +23,7 @@ from engine.api.generate_request import GenerateRequest
 from engine.api.generate_stream import GenerateStream, ReceiverGone, SyncStream
 from engine.api.recorder import Recorder
 from engine.api.request_builder import RequestBuilder
+from engine.api.weight_session import WeightUpdateSession
 from engine.config import ServerArgs, configure_logging
 from engine.api.engine_lora import EngineLoRA
 from engine.api.engine_state import EngineState
@@ -52,6 +53,8 @@ class Engine(EngineState, EngineWeights, EngineLoRA):
         self._inputs: dict[str, ReqInput] = {}  # in flight: for the final text and the recorder
         self._lock = threading.Lock()
         self._early_aborts = EarlyAborts()  # aborts a request still being built would miss
+        self.weight_session = WeightUpdateSession()  # begin/end_weight_update, its routes' too
+        self.model_path = self.server_args.model_path  # the checkpoint served: a disk update's since
         self._stats_call: Optional[Future] = None  # recent_stats's call in flight
         self.tokenizer: Any = None  # loaded once the core says from where
         self.client: CoreClient = self._start_core()

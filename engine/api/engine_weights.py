@@ -15,12 +15,17 @@ from engine.core.messages import (DestroyWeightsGroupReq, GetWeightsByNameReq, G
                                   InitWeightsGroupReq, ReleaseMemoryReq, ResumeMemoryReq, SetWeightVersionReq,
                                   UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq, WeightsGroupStatusReq,
                                   check_memory_tags)
+from engine.api.weight_session import WeightUpdateSession
 from engine.tokenizer import check_text
 
 GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
 
 
 class EngineWeights:
+    weight_session: WeightUpdateSession
+    model_path: str
+    info: Any
+
     def _call(self, msg: Any) -> Any:
         raise NotImplementedError
 
@@ -79,9 +84,10 @@ class EngineWeights:
         from weight_sync.disk import DiskSource
 
         ok, message = self.update_weights(DiskSource(str(model_path), load_format), flush_cache, weight_version)
-        recorder = getattr(self, "recorder", None)
-        if ok and recorder is not None:  # later records name the checkpoint they ran on (tandem replay checks it)
-            recorder.model_path = str(model_path)
+        if ok:  # get_model_info, and the records after it (tandem replay checks them), name the new one
+            self.model_path = str(model_path)
+            if getattr(self, "recorder", None) is not None:
+                self.recorder.model_path = self.model_path
         return ok, message, 0
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -114,6 +120,20 @@ class EngineWeights:
 
     def get_weight_version(self) -> str:
         return self._call(GetWeightVersionReq())
+
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        """SGLang 0.5.23's session around a sync (Miles: begin, the updates, end): checks the pairing
+        only, since tandem loads each update as it comes (engine/api/weight_session.py)."""
+        return self.weight_session.begin(selector)
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        return self.weight_session.end()
+
+    def get_model_info(self) -> dict:
+        """SGLang 0.5.23's Engine.get_model_info (its /model_info's keys): the checkpoint served now."""
+        return {"model_path": self.model_path, "tokenizer_path": self.info.tokenizer_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.get_weight_version(),
+                "has_image_understanding": False, "has_audio_understanding": False}
 
     def update_weight_version(self, new_version: str) -> str:
         return self._call(SetWeightVersionReq(_check_version(str(new_version), "new_version")))

@@ -27,7 +27,6 @@ from weight_sync.cuda_ipc import PAYLOAD_ERRORS
 
 
 def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: UnknownFields) -> None:
-    session = WeightUpdateSession()
 
     @app.post("/pause_generation")
     async def pause_generation(req: PauseGenerationRequest) -> dict:
@@ -93,15 +92,13 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(req: BeginWeightUpdateRequest) -> JSONResponse:
-        """SGLang 0.5.23's session around a sync (Miles sends begin, the updates, end). tandem loads
-        weights as they come, so a session only checks the order; updates outside one still work
-        (slime never opens one)."""
+        """SGLang 0.5.23's session around a sync: the Engine's (engine/api/weight_session.py)."""
         unknown.note("/begin_weight_update", req)
-        return _reply(*session.begin(req.selector))
+        return _reply(*engine.begin_weight_update(req.selector))
 
     @app.post("/end_weight_update")
     async def end_weight_update() -> JSONResponse:
-        return _reply(*session.end())
+        return _reply(*engine.end_weight_update())
 
     @app.post("/post_process_weights")
     async def post_process_weights(req: Optional[PostProcessWeightsRequest] = None) -> JSONResponse:
@@ -143,27 +140,6 @@ def add_weights_checker_route(app: FastAPI, engine: Any, unknown: UnknownFields)
                                 "parallelism_info": [{"role": "tp", "tp_rank": 0, "tp_size": 1, "rank": 0, "size": 1}]}]
             result["per_engine_checksum"] = rank_sum
         return _reply(result.pop("success"), result.pop("message"), **result)
-
-
-class WeightUpdateSession:
-    """Whether a begin_weight_update is open: a second begin, or an end with none open, is a 400
-    with SGLang's messages (its SchedulerWeightUpdaterManager), so a trainer whose begin/end
-    pairing broke finds out."""
-
-    def __init__(self) -> None:
-        self.selector: Optional[str] = None
-
-    def begin(self, selector: str) -> tuple[bool, str]:
-        if self.selector is not None:
-            return False, "a weight-update session is already open; call end_weight_update() first"
-        self.selector = selector
-        return True, "Success"
-
-    def end(self) -> tuple[bool, str]:
-        if self.selector is None:
-            return False, "no weight-update session is open; call begin_weight_update() first"
-        self.selector = None
-        return True, "Success"
 
 
 async def _memory_call(verb: Callable[..., tuple[bool, str]], req: Optional[MemoryOccupationRequest]) -> JSONResponse:

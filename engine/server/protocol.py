@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from engine.api.generate_request import GenerateRequest
 from engine.api.sglang_kwargs import check_priority
+from engine.api.weight_session import WEIGHT_SELECTORS
 from engine.sampling_params import carries_grammar
 from engine.server.refused_fields import REFUSED_GENERATE_FIELDS, refuse_given
 
@@ -133,7 +134,6 @@ class PauseGenerationRequest(_Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-WEIGHT_SELECTORS = ("target", "draft", "all")
 
 
 class PostProcessWeightsRequest(_NullsAsDefaults):

@@ -225,3 +225,13 @@ def test_the_generation_key_generates_and_only_the_admin_key_controls(served, mo
             anonymous.generate(input_ids=[5, 6], sampling_params=GREEDY)
         for client in (rollout_only, admin, anonymous):
             client.close()
+
+
+def test_weight_session_and_model_info_over_http(served):
+    client, engine = served
+    assert client.begin_weight_update() == (True, "Success")
+    ok, message = client.begin_weight_update("target")
+    assert not ok and "already open" in message
+    assert client.end_weight_update() == (True, "Success")
+    info = client.get_model_info()
+    assert info["model_path"] == engine.get_model_info()["model_path"] and info["weight_version"] == client.get_weight_version()
