@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 LOGPROB_DISTRIBUTIONS = ("original", "processed")
 CHAT_METADATA_FORMATS = ("spans", "weight_version")
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")  # one format: <tool_call>{json}</tool_call>
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 
@@ -137,6 +138,9 @@ class ServerArgs:
         "let chat requests bring their own Jinja chat template (chat_template, or chat_template_kwargs' "
         "chat_template), rendered in the server; refused with a 400 otherwise (vLLM's flag)")})
     health_check_timeout: float = 20.0  # /health_generate: seconds for a 1-token probe to answer
+    tool_call_parser: Optional[str] = field(default=None, metadata={"help": (
+        "chat replies' tool calls as the model writes them (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes) "
+        "returned as tool_calls with tool_choice auto (SGLang's flag; unset: they stay the content)")})
     weight_version: str = field(default="default", metadata={"help": (
         "the weights' version at start (SGLang's --weight-version): meta_info's weight_version until an "
         "update names another")})
@@ -172,6 +176,8 @@ class ServerArgs:
         _check_choice("logprob_distribution", self.logprob_distribution, LOGPROB_DISTRIBUTIONS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
         _check_choice("chat_metadata_format", self.chat_metadata_format, CHAT_METADATA_FORMATS)
+        if self.tool_call_parser is not None:
+            _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
         if self.attention_backend is not None:

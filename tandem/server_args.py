@@ -28,6 +28,7 @@ _CHOICES = {
     "logprob_distribution": "LOGPROB_DISTRIBUTIONS",
     "log_level": "LOG_LEVELS",
     "chat_metadata_format": "CHAT_METADATA_FORMATS",
+    "tool_call_parser": "TOOL_CALL_PARSERS",
 }
 _SCALARS = (int, float, str)
 

@@ -22,15 +22,15 @@ def test_flags_that_change_nothing_start_and_are_logged(caplog):
     with caplog.at_level(logging.INFO, logger="tandem"):
         kwargs = _parse("--trust-remote-code", "--enable-metrics", "--skip-server-warmup", "--nccl-port", "30010",
                         "--base-gpu-id", "0", "--dp-size", "1", "--kv-cache-dtype", "auto", "--page-size", "1",
-                        "--cuda-graph-bs", "1", "2", "4", "--watchdog-timeout", "300.5", "--weight-version", "step-3")
-    assert kwargs["weight_version"] == "step-3"
+                        "--cuda-graph-bs", "1", "2", "4", "--watchdog-timeout", "300.5", "--weight-version", "step-3",
+                        "--tool-call-parser", "qwen25")
+    assert kwargs["weight_version"] == "step-3" and kwargs["tool_call_parser"] == "qwen25"
     assert not any(key.startswith("sglang") or key in ("trust_remote_code", "page_size") for key in kwargs)
     assert "--trust-remote-code" in caplog.text and "--cuda-graph-bs" in caplog.text
 
 
 @pytest.mark.parametrize("argv, named", [
-    (("--tool-call-parser", "qwen25"), "tool_call_parser='qwen25' is not supported"),
-    (("--reasoning-parser", "qwen3"), "reasoning_parser='qwen3'"),
+    (("--reasoning-parser", "qwen3"), "reasoning_parser='qwen3' is not supported"),
     (("--kv-cache-dtype", "fp8_e5m2"), "kv_cache_dtype='fp8_e5m2'"),
     (("--page-size", "16"), "page_size=16"),
     (("--dp-size", "2"), "dp_size=2"),
@@ -40,6 +40,13 @@ def test_flags_that_change_nothing_start_and_are_logged(caplog):
 def test_flags_that_would_change_something_are_refused_by_name(argv, named):
     with pytest.raises(ValueError, match=named):
         _parse(*argv)
+
+
+def test_a_tool_call_format_tandem_does_not_parse_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--tool-call-parser", "llama3")
+    err = capsys.readouterr().err
+    assert "--tool-call-parser: invalid choice: 'llama3'" in err and "qwen25" in err
 
 
 def test_weight_version_is_the_engine_s_first(tiny_model_dir):

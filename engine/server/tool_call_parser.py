@@ -1,0 +1,107 @@
+"""--tool-call-parser qwen25 (SGLang's name; "qwen" and "hermes" are the same format): a chat reply's
+tool calls, as Qwen2.5 / Qwen3 and Hermes templates have the model write them, come back as the
+message's tool_calls with tool_choice "auto".
+
+The model writes each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A block
+whose JSON names one of the request's tools becomes a call (its arguments as a JSON string, as
+OpenAI's); anything else (text around the blocks, a block cut by max_tokens, bad JSON, an unknown
+name, which SGLang's parser drops with a warning) stays the content. A streamed reply sends its
+text up to the first `<tool_call>` as it comes and the calls in its last delta.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from engine.api.request_ids import fresh_rid
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+
+@dataclass
+class ParsedReply:
+    content: Optional[str]  # the text outside the calls, stripped; None when there is none
+    calls: list[dict]  # OpenAI's tool_calls entries
+
+
+def parsed_tool_names(parser: Optional[str], req: Any) -> Optional[set[str]]:
+    """The tools whose calls a chat reply's text may hold: with a parser, tools and tool_choice
+    auto (unset is auto); None where the text is the content (or forced calls are parsed instead)."""
+    if not parser or not req.tools or req._forced_calls or req.tool_choice not in (None, "auto"):
+        return None
+    return {tool.function.name for tool in req.tools}
+
+
+def parse_reply(text: str, tool_names: set[str], first_index: int = 0) -> ParsedReply:
+    calls: list[dict] = []
+    kept: list[str] = []
+    end = 0
+    for block in _BLOCK.finditer(text):
+        call = _call(block.group(1), tool_names, first_index + len(calls))
+        kept.append(text[end:block.start()] if call is not None else text[end:block.end()])
+        end = block.end()
+        if call is not None:
+            calls.append(call)
+    kept.append(text[end:])
+    content = "".join(kept).strip()
+    return ParsedReply(content or None, calls)
+
+
+def streamable_len(text: str) -> int:
+    """How much of a reply's text may be sent as content now: up to its first `<tool_call>`, less
+    a tail that may be the start of one."""
+    start = text.find(OPEN)
+    if start >= 0:
+        return start
+    for held in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:held]):
+            return len(text) - held
+    return len(text)
+
+
+def fill_message(message: dict, text: str, finish_reason: Optional[str], tool_names: set[str]) -> Optional[str]:
+    """message's content and tool_calls from the reply's text -> the choice's finish_reason:
+    "tool_calls" for a reply with calls that stopped (as SGLang), else as it was."""
+    parsed = parse_reply(text, tool_names)
+    if not parsed.calls:
+        return finish_reason
+    message.update(content=parsed.content, tool_calls=parsed.calls)
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class StreamedCalls:
+    """A streamed reply's deltas, per choice: its content up to a call as it comes, the calls held
+    back until the reply ends."""
+
+    def __init__(self, tool_names: set[str]) -> None:
+        self.tool_names = tool_names
+        self.shown: dict[int, int] = {}  # per choice: characters of its text sent as content
+
+    def delta(self, index: int, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], dict, Optional[str]]:
+        """The choice's text so far -> (content to send now, other delta fields, finish_reason)."""
+        shown = self.shown.get(index, 0)
+        if finish_reason is None:
+            upto = max(streamable_len(text), shown)
+            self.shown[index] = upto
+            return text[shown:upto], {}, None
+        parsed = parse_reply(text[shown:], self.tool_names)
+        if not parsed.calls:
+            return text[shown:], {}, finish_reason
+        return parsed.content, {"tool_calls": parsed.calls}, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _call(body: str, tool_names: set[str], index: int) -> Optional[dict]:
+    try:
+        call = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in tool_names:
+        return None
+    arguments: Any = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{fresh_rid()[:24]}", "index": index, "type": "function",
+            "function": {"name": call["name"], "arguments": arguments}}
