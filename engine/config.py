@@ -20,6 +20,7 @@ LOAD_FORMATS = ("auto", "dummy", "safetensors")
 LOGPROB_DISTRIBUTIONS = ("original", "processed")
 CHAT_METADATA_FORMATS = ("spans", "weight_version")
 TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")  # one format: <tool_call>{json}</tool_call>
+REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")  # <think>...</think>
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 
@@ -141,6 +142,9 @@ class ServerArgs:
     tool_call_parser: Optional[str] = field(default=None, metadata={"help": (
         "chat replies' tool calls as the model writes them (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes) "
         "returned as tool_calls with tool_choice auto (SGLang's flag; unset: they stay the content)")})
+    reasoning_parser: Optional[str] = field(default=None, metadata={"help": (
+        "chat replies' <think>...</think> returned as reasoning_content (SGLang's flag): qwen3 where the reply "
+        "opens <think>, qwen3-thinking / deepseek-r1 where the template opened it; unset: it stays the content")})
     weight_version: str = field(default="default", metadata={"help": (
         "the weights' version at start (SGLang's --weight-version): meta_info's weight_version until an "
         "update names another")})
@@ -178,6 +182,8 @@ class ServerArgs:
         _check_choice("chat_metadata_format", self.chat_metadata_format, CHAT_METADATA_FORMATS)
         if self.tool_call_parser is not None:
             _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
         if self.attention_backend is not None:

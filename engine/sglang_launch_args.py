@@ -32,7 +32,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "allow_auto_truncate": ((False, None), "a prompt over the context length is refused with a 400: shorten it"),
     "chat_template": ((None, ""), "tandem renders the tokenizer's chat template (tokenizer_config.json): put "
                                   "yours there, or send chat_template per request with --trust-request-chat-template"),
-    "reasoning_parser": ((None, ""), "tandem has no reasoning parser: the model's thinking comes back in the content"),
 }
 # settings with no effect on tandem's outputs: multimodal attention, tracing, logging and metrics
 # (always on at /metrics), ports, timeouts and all-reduce choices of SGLang's own multi-process

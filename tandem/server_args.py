@@ -29,6 +29,7 @@ _CHOICES = {
     "log_level": "LOG_LEVELS",
     "chat_metadata_format": "CHAT_METADATA_FORMATS",
     "tool_call_parser": "TOOL_CALL_PARSERS",
+    "reasoning_parser": "REASONING_PARSERS",
 }
 _SCALARS = (int, float, str)
 

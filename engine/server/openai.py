@@ -12,7 +12,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from engine.api.generate_request import GenerateRequest
 from engine.api.request_ids import fresh_rid
-from engine.server import forced_tool_calls, tool_call_parser
+from engine.server import forced_tool_calls
+from engine.server.parsed_reply import ReplyParsers
 from engine.server.chat_messages import check_nesting, template_messages
 from engine.server.openai_logprobs import (chat_logprobs, completion_logprobs, echo_entries, logprob_texts,
                                            output_entries, token_decoder)
@@ -59,6 +60,7 @@ class OpenAIServing:
         self.trust_request_chat_template = engine.server_args.trust_request_chat_template
         self.lora_enabled = engine.server_args.enable_lora
         self.tool_call_parser = engine.server_args.tool_call_parser
+        self.reasoning_parser = engine.server_args.reasoning_parser
 
     # ---- completions ---------------------------------------------------------------------------
     def completion_request(self, req: CompletionRequest) -> GenerateRequest:
@@ -158,18 +160,18 @@ class OpenAIServing:
 
     def chat_response(self, req: ChatCompletionRequest, outs: Any) -> dict:
         outs = outs if isinstance(outs, list) else [outs]
-        choices, names = [], tool_call_parser.parsed_tool_names(self.tool_call_parser, req)
+        choices, parsers = [], ReplyParsers(self.reasoning_parser, self.tool_call_parser, req)
         for i, o in enumerate(outs):
             meta = o["meta_info"]
             logprobs = chat_logprobs(*output_entries(meta), self.decode, self.token_bytes) if req.logprobs else None
-            # SGLang's ChatMessage always has these keys (reasoning_content null: no reasoning parser)
+            # SGLang's ChatMessage always has these keys (null but under the parsers)
             message = {"role": "assistant", "content": o["text"], "reasoning_content": None, "tool_calls": None}
             choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(meta),
                       "matched_stop": _matched_stop(meta)}
             if req._forced_calls:
                 choice["finish_reason"] = forced_tool_calls.as_tool_calls(message, o["text"], choice["finish_reason"])
-            elif names:
-                choice["finish_reason"] = tool_call_parser.fill_message(message, o["text"], choice["finish_reason"], names)
+            elif parsers:
+                choice["finish_reason"] = parsers.fill(message, o["text"], choice["finish_reason"])
             if choice["finish_reason"] == "tool_calls":  # SGLang: no stop matched a call
                 choice["matched_stop"] = None
             choices.append(self._token_outputs(req, o, choice))
@@ -191,19 +193,19 @@ class OpenAIServing:
         return choice
 
     def chat_events(self, req: ChatCompletionRequest, stream: Any) -> AsyncIterator[str]:
-        names = tool_call_parser.parsed_tool_names(self.tool_call_parser, req)
-        calls = tool_call_parser.StreamedCalls(names) if names else None
+        parsers = ReplyParsers(self.reasoning_parser, self.tool_call_parser, req)
+        parsed = parsers.stream() if parsers else None
 
         def delta(index: int, text: str, chunk: dict, sent_tokens: int, first: bool) -> Optional[dict]:
             extra, reason = {}, None
-            if calls is not None:  # the text up to a call as it comes; the calls (and what follows) at the end
-                text, extra, reason = calls.delta(index, chunk["text"], _finish_reason(chunk["meta_info"]))
+            if parsed is not None:  # thinking and content as they come; tool calls at the end
+                text, extra, reason = parsed.delta(index, chunk["text"], _finish_reason(chunk["meta_info"]))
             message = {"role": "assistant", "content": text} if first else {"content": text}
             message.update(extra)
             choice: dict = {"delta": message}
             if reason is not None:
                 choice["finish_reason"] = reason
-            elif calls is not None and not text and not first and not req.logprobs:
+            elif parsed is not None and not text and not extra and not first and not req.logprobs:
                 return None  # held back: nothing to send yet
             if req._forced_calls:  # the calls in one delta once the array is whole; no content before
                 message["content"] = None

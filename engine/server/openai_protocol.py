@@ -164,6 +164,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     parallel_tool_calls: bool = True  # False: a forced tool_choice makes exactly one call
     continue_final_message: bool = False  # SGLang: the last assistant message is a prefix to continue
+    separate_reasoning: bool = True  # SGLang's: false keeps the thinking in the content under --reasoning-parser
     reasoning_effort: Optional[str] = None  # handed to the chat template (gpt-oss templates read it)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # SGLang's, e.g. {"enable_thinking": false}
     chat_template: Optional[str] = None  # vLLM's: the client's own template (--trust-request-chat-template)

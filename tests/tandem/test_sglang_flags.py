@@ -23,14 +23,13 @@ def test_flags_that_change_nothing_start_and_are_logged(caplog):
         kwargs = _parse("--trust-remote-code", "--enable-metrics", "--skip-server-warmup", "--nccl-port", "30010",
                         "--base-gpu-id", "0", "--dp-size", "1", "--kv-cache-dtype", "auto", "--page-size", "1",
                         "--cuda-graph-bs", "1", "2", "4", "--watchdog-timeout", "300.5", "--weight-version", "step-3",
-                        "--tool-call-parser", "qwen25")
-    assert kwargs["weight_version"] == "step-3" and kwargs["tool_call_parser"] == "qwen25"
+                        "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+    assert (kwargs["weight_version"], kwargs["tool_call_parser"], kwargs["reasoning_parser"]) == ("step-3", "qwen25", "qwen3")
     assert not any(key.startswith("sglang") or key in ("trust_remote_code", "page_size") for key in kwargs)
     assert "--trust-remote-code" in caplog.text and "--cuda-graph-bs" in caplog.text
 
 
 @pytest.mark.parametrize("argv, named", [
-    (("--reasoning-parser", "qwen3"), "reasoning_parser='qwen3' is not supported"),
     (("--kv-cache-dtype", "fp8_e5m2"), "kv_cache_dtype='fp8_e5m2'"),
     (("--page-size", "16"), "page_size=16"),
     (("--dp-size", "2"), "dp_size=2"),
