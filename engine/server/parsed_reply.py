@@ -53,8 +53,10 @@ class ParsedStream:
                 extra["reasoning_content"] = reasoning
         if self.calls is not None:
             content, calls, finish_reason = self.calls.delta(index, body or "", finish_reason)
-            return content, {**extra, **calls}, finish_reason
-        body = body or ""
-        content = body[self.content_sent.get(index, 0):]
-        self.content_sent[index] = len(body)
-        return content, extra, finish_reason
+            extra.update(calls)
+        else:
+            body = body or ""
+            content = body[self.content_sent.get(index, 0):]
+            self.content_sent[index] = len(body)
+        # a thinking delta carries no content (null, as SGLang's)
+        return (content or None) if "reasoning_content" in extra else content, extra, finish_reason
