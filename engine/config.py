@@ -145,6 +145,8 @@ class ServerArgs:
     reasoning_parser: Optional[str] = field(default=None, metadata={"help": (
         "chat replies' <think>...</think> returned as reasoning_content (SGLang's flag): qwen3 where the reply "
         "opens <think>, qwen3-thinking / deepseek-r1 where the template opened it; unset: it stays the content")})
+    enable_cache_report: bool = field(default=False, metadata={"help": (
+        "OpenAI replies' usage carries prompt_tokens_details.cached_tokens (SGLang's flag)")})
     weight_version: str = field(default="default", metadata={"help": (
         "the weights' version at start (SGLang's --weight-version): meta_info's weight_version until an "
         "update names another")})

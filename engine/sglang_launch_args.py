@@ -42,12 +42,11 @@ IGNORED = ("mm_attention_backend", "enable_metrics", "nccl_port", "dist_timeout"
            "disable_custom_all_reduce", "decode_log_interval", "watchdog_timeout", "log_requests",
            "log_requests_level", "file_storage_path", "download_dir", "revision", "tokenizer_mode",
            "triton_attention_num_kv_splits", "enable_torch_compile", "torch_compile_max_bs",
-           "num_continuous_decode_steps", "stream_interval", "cuda_graph_bs", "max_queued_requests",
-           "enable_cache_report")
+           "num_continuous_decode_steps", "stream_interval", "cuda_graph_bs", "max_queued_requests")
 # how `tandem serve` takes them as SGLang's flags: on/off switches, lists, else one value
 SWITCHES = ("trust_remote_code", "enable_metrics", "skip_server_warmup", "enable_trace", "enable_p2p_check",
             "disable_custom_all_reduce", "log_requests", "enable_torch_compile", "enable_draft_weights_cpu_backup",
-            "allow_auto_truncate", "enable_cache_report")
+            "allow_auto_truncate")
 LISTS = ("cuda_graph_bs", "custom_weight_loader")
 NOT_FLAGS = ("enable_prefix_caching",)  # vLLM's Engine argument, not an SGLang flag
 

@@ -33,11 +33,15 @@ def _matched_stop(meta: dict) -> Any:
     return (meta.get("finish_reason") or {}).get("matched")
 
 
-def usage(metas: list[dict], n: int) -> dict:
-    """Each prompt counted once (outputs are prompt-major, n per prompt)."""
+def usage(metas: list[dict], n: int, cache_report: bool = False) -> dict:
+    """Each prompt counted once (outputs are prompt-major, n per prompt); with --enable-cache-report
+    SGLang's prompt_tokens_details: the cached prompt tokens of every choice."""
     prompt = sum(m["prompt_tokens"] for m in metas[::max(n, 1)])
     completion = sum(m["completion_tokens"] for m in metas)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cache_report:
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas)}
+    return counts
 
 
 def _metadata(meta: dict, metadata_format: str) -> dict:
@@ -61,6 +65,7 @@ class OpenAIServing:
         self.lora_enabled = engine.server_args.enable_lora
         self.tool_call_parser = engine.server_args.tool_call_parser
         self.reasoning_parser = engine.server_args.reasoning_parser
+        self.cache_report = engine.server_args.enable_cache_report
 
     # ---- completions ---------------------------------------------------------------------------
     def completion_request(self, req: CompletionRequest) -> GenerateRequest:
@@ -106,7 +111,7 @@ class OpenAIServing:
         metas = [o["meta_info"] for o in outs]
         reply_id = _reply_id(metas[0], f"cmpl-{fresh_rid()}")
         return {"id": reply_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": usage(metas, req.n),
+                "choices": choices, "usage": usage(metas, req.n, self.cache_report),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
     def completion_events(self, req: CompletionRequest, stream: Any) -> AsyncIterator[str]:
@@ -178,7 +183,7 @@ class OpenAIServing:
         metas = [o["meta_info"] for o in outs]
         reply_id = _reply_id(metas[0], f"chatcmpl-{fresh_rid()}")
         return {"id": reply_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": usage(metas, req.n),
+                "choices": choices, "usage": usage(metas, req.n, self.cache_report),
                 "metadata": _metadata(metas[0], self.metadata_format), **_sglext(req, metas)}
 
     def _token_outputs(self, req: ChatCompletionRequest, out: dict, choice: dict) -> dict:
@@ -247,7 +252,7 @@ class OpenAIServing:
                 finals[index] = meta
             event = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if req.continuous_usage:  # SGLang's: this choice's counts so far, on every chunk
-                event["usage"] = usage([meta], 1)
+                event["usage"] = usage([meta], 1, self.cache_report)
             yield sse_event(event)
         metas = [finals[i] for i in sorted(finals)]
         ext = _sglext(req, metas)
@@ -255,7 +260,7 @@ class OpenAIServing:
             yield sse_event({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [], **ext})
         if req.include_usage:
             yield sse_event({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                        "usage": usage(metas, req.n)})
+                        "usage": usage(metas, req.n, self.cache_report)})
         yield "data: [DONE]\n\n"
 
 

@@ -82,3 +82,17 @@ def test_http_client_sends_the_key():
 
     assert generate_body(GenerateRequest(input_ids=[1, 2], extra_key="v3"))["extra_key"] == "v3"
     assert "extra_key" not in generate_body(GenerateRequest(input_ids=[1, 2]))
+
+
+def test_the_cache_report_counts_cached_prompt_tokens(engine_factory):
+    """--enable-cache-report: usage.prompt_tokens_details.cached_tokens, as SGLang's (absent without it)."""
+    from fastapi.testclient import TestClient
+
+    from engine.server.http import create_app
+
+    body = {"prompt": list(range(40, 80)), "max_tokens": 1, "temperature": 0}
+    with TestClient(create_app(engine_factory(enable_cache_report=True))) as http:
+        first = http.post("/v1/completions", json=body).json()["usage"]
+        again = http.post("/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 39 and again["prompt_tokens"] == 40
