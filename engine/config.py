@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from engine.attention.registry import backend_names, deterministic_backends, get_backend_spec
 from engine.sglang_launch_args import drop_sglang_launch_args
+from engine.weight_version import check_version
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 GRAMMAR_BACKENDS = ("auto", "thread", "process")
@@ -188,6 +189,7 @@ class ServerArgs:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
+        check_version(self.weight_version, "weight_version")
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
             if self.enable_deterministic_inference and not get_backend_spec(self.attention_backend).supports_deterministic:

@@ -16,7 +16,7 @@ from engine.core.messages import (DestroyWeightsGroupReq, GetWeightsByNameReq, G
                                   UpdateWeightsReq, WeightsCheckerReq, WeightsChecksumReq, WeightsGroupStatusReq,
                                   check_memory_tags)
 from engine.api.weight_session import WeightUpdateSession
-from engine.tokenizer import check_text
+from engine.weight_version import check_version
 
 GROUP_POLL_S = 0.02  # how often init_weights_update_group asks whether the rendezvous finished
 
@@ -40,7 +40,7 @@ class EngineWeights:
         if not isinstance(source, WeightSource):
             raise ValueError(f"update_weights takes a weight_sync WeightSource; got {type(source).__name__}")
         if weight_version is not None:  # any value becomes its text, as the core stores it
-            weight_version = _check_version(str(weight_version), "weight_version")
+            weight_version = check_version(str(weight_version), "weight_version")
         try:
             return self._call(UpdateWeightsReq(source, flush_cache, weight_version))
         except RuntimeError as exc:  # raised while pickling for a core process, before anything was sent
@@ -136,7 +136,7 @@ class EngineWeights:
                 "has_image_understanding": False, "has_audio_understanding": False}
 
     def update_weight_version(self, new_version: str) -> str:
-        return self._call(SetWeightVersionReq(_check_version(str(new_version), "new_version")))
+        return self._call(SetWeightVersionReq(check_version(str(new_version), "new_version")))
 
     # ---- colocated memory ----------------------------------------------------------------------
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> tuple[bool, str]:
@@ -168,19 +168,3 @@ class EngineWeights:
 
 def _per_rank_payloads(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, (bytes, str)) for v in value)
-
-
-MAX_VERSION_CHARS = 256  # every reply's meta_info carries it: a 100,000-character one was taken
-
-
-def _check_version(version: str, what: str) -> str:
-    """A version every reply carries (meta_info, /get_server_info, /metrics): text that encodes, or
-    one bad version would break every JSON reply after it; short, and no control characters (a
-    NUL or newline would land in the Prometheus label and in logs)."""
-    check_text(version, what)
-    if len(version) > MAX_VERSION_CHARS:
-        raise ValueError(f"{what} must be at most {MAX_VERSION_CHARS} characters, got {len(version)}")
-    bad = next((c for c in version if ord(c) < 32 or ord(c) == 127), None)
-    if bad is not None:
-        raise ValueError(f"{what} has the control character {bad!r}; use printable text")
-    return version

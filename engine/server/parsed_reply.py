@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from engine.server.reasoning_parser import StreamedReasoning, split_reply
+from engine.server.reasoning_parser import StreamedReasoning, split_reply, thinks_first
 from engine.server.tool_call_parser import StreamedCalls, fill_message, parsed_tool_names
 
 
@@ -16,6 +16,7 @@ class ReplyParsers:
     def __init__(self, reasoning_parser: Optional[str], tool_call_parser: Optional[str], req: Any) -> None:
         separate = getattr(req, "separate_reasoning", True) and not req._forced_calls
         self.reasoning = reasoning_parser if separate else None
+        self.thinking_first = bool(self.reasoning) and thinks_first(self.reasoning, req)
         self.tool_names = parsed_tool_names(tool_call_parser, req)
 
     def __bool__(self) -> bool:
@@ -24,7 +25,7 @@ class ReplyParsers:
     def fill(self, message: dict, text: str, finish_reason: Optional[str]) -> Optional[str]:
         """message's reasoning_content, content and tool_calls from the whole reply -> finish_reason."""
         if self.reasoning:
-            split = split_reply(text, self.reasoning)
+            split = split_reply(text, self.thinking_first)
             message.update(reasoning_content=split.reasoning, content=split.content)
             text = split.content
         if self.tool_names:
@@ -39,7 +40,7 @@ class ParsedStream:
     """Per choice of a streamed reply: what each chunk adds, parsed."""
 
     def __init__(self, parsers: ReplyParsers) -> None:
-        self.thinking = StreamedReasoning(parsers.reasoning) if parsers.reasoning else None
+        self.thinking = StreamedReasoning(parsers.thinking_first) if parsers.reasoning else None
         self.calls = StreamedCalls(parsers.tool_names) if parsers.tool_names else None
         self.content_sent: dict[int, int] = {}
 

@@ -1,21 +1,29 @@
 """--reasoning-parser (SGLang's names): a chat reply's thinking, `<think>...</think>`, comes back
 as the message's reasoning_content and the rest as its content.
 
-"qwen3": the reply is thinking only where it opens `<think>` (Qwen3 with thinking off writes none);
-"qwen3-thinking" and "deepseek-r1": the template opened it in the prompt, so the reply is thinking
-until `</think>`. A reply cut inside its thinking is all reasoning_content, as SGLang's detector
-gives it. A streamed reply sends the thinking as reasoning_content deltas and the rest as content
-as they come, holding back only a tail that may be the start of a tag. A request's
-`separate_reasoning: false` (SGLang's) keeps the whole text as the content.
+As SGLang's serving_chat: "qwen3-thinking" and "deepseek-r1" replies think until `</think>` (their
+templates open it in the prompt); "qwen3" too unless the request's chat_template_kwargs set
+enable_thinking to anything but true, and then a reply thinks only where it opens `<think>`. A
+reply cut inside its thinking is all reasoning_content, as SGLang's detector gives it. A streamed
+reply sends the thinking as reasoning_content deltas and the rest as content as they come,
+holding back only a tail that may be the start of a tag. A request's `separate_reasoning: false`
+keeps the whole text as the content.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 START, END = "<think>", "</think>"
-OPENED_IN_PROMPT = {"qwen3": False, "qwen3-thinking": True, "deepseek-r1": True}
+ALWAYS_THINKING = ("qwen3-thinking", "deepseek-r1")
+
+
+def thinks_first(parser: str, req: Any) -> bool:
+    """Whether the reply is thinking from its first token (SGLang's force_reasoning)."""
+    if parser in ALWAYS_THINKING:
+        return True
+    return (getattr(req, "chat_template_kwargs", None) or {}).get("enable_thinking", True) is True
 
 
 @dataclass
@@ -24,9 +32,9 @@ class SplitReply:
     content: str
 
 
-def split_reply(text: str, parser: str) -> SplitReply:
+def split_reply(text: str, thinking_first: bool) -> SplitReply:
     """SGLang's detect_and_parse: the tags removed, the thinking, and the content after it stripped."""
-    if not OPENED_IN_PROMPT[parser] and START not in text:
+    if not thinking_first and START not in text:
         return SplitReply(None, text)
     body = text.replace(START, "").strip()
     if END not in body:
@@ -37,18 +45,18 @@ def split_reply(text: str, parser: str) -> SplitReply:
 
 class StreamedReasoning:
     """A streamed reply's text split as it comes, per choice: reasoning deltas, and the content so
-    far (cumulative, for the tool-call parser after it). With "qwen3" a reply thinks only where it
-    begins with `<think>` (decided once its first characters cannot start one)."""
+    far (cumulative, for the tool-call parser after it). A reply that need not think first thinks
+    only where it begins with `<think>` (decided once its first characters cannot start one)."""
 
-    def __init__(self, parser: str) -> None:
-        self.opened = OPENED_IN_PROMPT[parser]
+    def __init__(self, thinking_first: bool) -> None:
+        self.thinking_first = thinking_first
         self.sent: dict[int, int] = {}  # per choice: characters of its thinking sent
         self.plain: dict[int, bool] = {}  # per choice: decided to hold no thinking
 
     def delta(self, index: int, text: str, final: bool) -> tuple[str, Optional[str]]:
         """The choice's text so far -> (the new reasoning to send, the content so far, or None while
         it may still be thinking)."""
-        if not self.opened and not self.plain.get(index):
+        if not self.thinking_first and not self.plain.get(index):
             stripped = text.lstrip()
             if not stripped.startswith(START):
                 if not final and START.startswith(stripped):
@@ -56,15 +64,14 @@ class StreamedReasoning:
                 self.plain[index] = True
         if self.plain.get(index):
             return "", text
-        begin = text.find(START) + len(START) if START in text else 0
-        end = text.find(END, begin)
+        end = text.find(END)
         if end >= 0:
-            thinking, content = text[begin:end], text[end + len(END):].lstrip()
+            thinking, content = text[:end], text[end + len(END):].lstrip()
         else:
-            thinking, content = text[begin:], ("" if final else None)
-            if not final:
-                thinking = thinking[:len(thinking) - _held(thinking, END)]
-        thinking = thinking.lstrip()
+            thinking, content = text, ("" if final else None)
+            if not final:  # a tag arriving in pieces is sent once whole (or dropped, as <think> is)
+                thinking = thinking[:len(thinking) - max(_held(thinking, END), _held(thinking, START))]
+        thinking = thinking.replace(START, "").lstrip()
         new = thinking[self.sent.get(index, 0):]
         self.sent[index] = len(thinking)
         return new, content

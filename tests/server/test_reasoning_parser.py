@@ -8,36 +8,50 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
-from engine.server.reasoning_parser import StreamedReasoning, split_reply
+from engine.server.reasoning_parser import StreamedReasoning, split_reply, thinks_first
 
 THOUGHT = "<think>\nThe user wants Paris.\n</think>\n\nSure."
 
 
-@pytest.mark.parametrize("parser, text, reasoning, content", [
-    ("qwen3", THOUGHT, "The user wants Paris.\n", "Sure."),
-    ("qwen3", "Sure.", None, "Sure."),  # thinking off: no tag, all content
-    ("qwen3", "<think>\nstill going", "still going", ""),  # cut by max_tokens while thinking
-    ("qwen3-thinking", "The user wants Paris.\n</think>\nSure.", "The user wants Paris.\n", "Sure."),
-    ("deepseek-r1", "no end yet", "no end yet", ""),
+@pytest.mark.parametrize("first, text, reasoning, content", [
+    (True, THOUGHT, "The user wants Paris.\n", "Sure."),
+    (True, "Let me think.</think>Sure.", "Let me think.", "Sure."),  # the template opened <think>
+    (True, "<think>\nstill going", "still going", ""),  # cut by max_tokens while thinking
+    (False, THOUGHT, "The user wants Paris.\n", "Sure."),  # qwen3, enable_thinking false: only if it opens one
+    (False, "Sure.", None, "Sure."),
 ])
-def test_split_is_sglang_s(parser, text, reasoning, content):
-    split = split_reply(text, parser)
+def test_split_is_sglang_s(first, text, reasoning, content):
+    split = split_reply(text, first)
     assert (split.reasoning, split.content) == (reasoning, content)
 
 
-@pytest.mark.parametrize("parser, text", [("qwen3", THOUGHT), ("qwen3", "Sure, <thinking> is a word."),
-                                          ("qwen3-thinking", "a\n</think>b"), ("qwen3", "<think>cut")])
-def test_a_stream_joins_to_the_split(parser, text):
-    stream, reasoning, content = StreamedReasoning(parser), "", ""
-    for end in range(1, len(text) + 1):
-        new, body = stream.delta(0, text[:end], end == len(text))
+def test_which_replies_think_first_follows_sglang():
+    plain, off = SimpleNamespace(chat_template_kwargs=None), SimpleNamespace(chat_template_kwargs={"enable_thinking": False})
+    assert thinks_first("qwen3", plain) and not thinks_first("qwen3", off)
+    assert thinks_first("deepseek-r1", off) and thinks_first("qwen3-thinking", off)
+
+
+def _streamed(first: bool, pieces: list[str]) -> tuple[str, str]:
+    stream, reasoning, content, text = StreamedReasoning(first), "", "", ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        new, body = stream.delta(0, text, i == len(pieces) - 1)
         reasoning += new
         content = body if body is not None else content
-    split = split_reply(text, parser)
-    assert reasoning.strip() == (split.reasoning or "").strip() and content.strip() == split.content
+    return reasoning, content
+
+
+@pytest.mark.parametrize("first, text", [(True, THOUGHT), (False, THOUGHT), (False, "Sure, <thinking> is a word."),
+                                         (True, "a\n</think>b"), (True, "<think>cut"), (False, "<think>cut")])
+def test_a_stream_joins_to_the_split_whatever_the_pieces(first, text):
+    split = split_reply(text, first)
+    for size in (1, 2, 3, 5, 7, len(text)):  # tags cut anywhere across chunks
+        reasoning, content = _streamed(first, [text[i:i + size] for i in range(0, len(text), size)])
+        assert reasoning == (split.reasoning or "") and content.strip() == split.content, size
 
 
 # ---- through the route --------------------------------------------------------------------------
@@ -53,7 +67,7 @@ def client(engine_factory):
     from engine.server.http import create_app
     from tests.server.test_openai_client_bodies import TEMPLATE
 
-    eng = engine_factory(reasoning_parser="qwen3", tool_call_parser="qwen25")
+    eng = engine_factory(reasoning_parser="deepseek-r1", tool_call_parser="qwen25")
     eng.tokenizer.chat_template = TEMPLATE
     with TestClient(create_app(eng)) as c:
         yield c

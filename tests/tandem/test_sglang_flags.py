@@ -56,3 +56,7 @@ def test_weight_version_is_the_engine_s_first(tiny_model_dir):
         assert out["meta_info"]["weight_version"] == "ckpt-7" and eng.get_weight_version() == "ckpt-7"
     with pytest.raises(ValueError, match="weight_version must be a string"):
         Engine(model_path=tiny_model_dir, dtype="float32", device="cpu", weight_version=7)
+    # every reply carries it: checked as an update's weight_version is (a lone surrogate broke every JSON reply)
+    for bad, named in (("a\nb", "control character"), ("\ud800", "lone surrogate"), ("v" * 300, "at most 256")):
+        with pytest.raises(ValueError, match=named):
+            Engine(model_path=tiny_model_dir, dtype="float32", device="cpu", weight_version=bad)
