@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from engine.api.request_ids import fresh_rid
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
