@@ -144,8 +144,9 @@ class ServerArgs:
         "chat replies' tool calls as the model writes them (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes) "
         "returned as tool_calls with tool_choice auto (SGLang's flag; unset: they stay the content)")})
     reasoning_parser: Optional[str] = field(default=None, metadata={"help": (
-        "chat replies' <think>...</think> returned as reasoning_content (SGLang's flag): qwen3 where the reply "
-        "opens <think>, qwen3-thinking / deepseek-r1 where the template opened it; unset: it stays the content")})
+        "chat replies' <think>...</think> returned as reasoning_content (SGLang's flag): qwen3 thinking first "
+        "unless chat_template_kwargs turn enable_thinking off, qwen3-thinking / deepseek-r1 always; unset: it "
+        "stays the content")})
     enable_cache_report: bool = field(default=False, metadata={"help": (
         "OpenAI replies' usage carries prompt_tokens_details.cached_tokens (SGLang's flag)")})
     weight_version: str = field(default="default", metadata={"help": (

@@ -22,11 +22,10 @@ from engine.server.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpda
                                     UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                                     UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest,
                                     WeightsCheckerRequest)
-from engine.server.served_model import ServedModel
 from weight_sync.cuda_ipc import PAYLOAD_ERRORS
 
 
-def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: UnknownFields) -> None:
+def add_control_routes(app: FastAPI, engine: Any, unknown: UnknownFields) -> None:
 
     @app.post("/pause_generation")
     async def pause_generation(req: PauseGenerationRequest) -> dict:
@@ -45,8 +44,6 @@ def add_control_routes(app: FastAPI, engine: Any, served: ServedModel, unknown: 
         _abort_all_first(engine, req)
         ok, message, paused = await asyncio.to_thread(engine.update_weights_from_disk, req.model_path,
                                                       req.load_format, req.weight_version, req.flush_cache)
-        if ok:  # SGLang's /model_info then shows the new checkpoint
-            served.model_path = req.model_path
         return _reply(ok, message, num_paused_requests=paused)
 
     @app.post("/update_weights_from_tensor")

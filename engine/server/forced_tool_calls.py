@@ -73,9 +73,15 @@ def parse_calls(text: str) -> Optional[list[dict]]:
         return None
     if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
         return None
-    return [{"id": f"call_{fresh_rid()[:24]}", "index": i, "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
-            for i, c in enumerate(calls)]
+    return [openai_tool_call(i, c["name"], c.get("parameters", {})) for i, c in enumerate(calls)]
+
+
+def openai_tool_call(index: int, name: str, arguments: Any) -> dict:
+    """One tool_calls entry in OpenAI's shape: its arguments as a JSON string."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{fresh_rid()[:24]}", "index": index, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def as_tool_calls(message: dict, text: str, finish_reason: Optional[str]) -> Optional[str]:

@@ -46,9 +46,9 @@ def create_app(engine: Any, api_key: Optional[str] = None, admin_api_key: Option
     add_info_routes(app, engine, served)
     openai = OpenAIServing(engine, served.name, served.sampling_defaults, engine.server_args.chat_metadata_format)
     add_generate_routes(app, engine, openai, unknown)
-    add_control_routes(app, engine, served, unknown)
+    add_control_routes(app, engine, unknown)
     add_weights_checker_route(app, engine, unknown)
-    add_pull_weights_route(app, engine, served.model_path, unknown)  # version 0: the start-up checkpoint
+    add_pull_weights_route(app, engine, engine.model_path, unknown)  # version 0: the start-up checkpoint
     add_lora_routes(app, engine, unknown)
     policy = AccessPolicy(api_key, admin_api_key)
     add_maintenance_routes(app, engine, unknown, policy)

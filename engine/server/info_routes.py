@@ -53,7 +53,7 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict:
-        return {"model_path": served.model_path, "tokenizer_path": served.tokenizer_path, "is_generation": True,
+        return {"model_path": engine.model_path, "tokenizer_path": served.tokenizer_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": (await engine.recent_stats()).weight_version,
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": served.model_type, "architectures": served.architectures,
@@ -69,7 +69,7 @@ def add_info_routes(app: FastAPI, engine: Any, served: ServedModel) -> None:
         info = {**SINGLE_ENGINE_DEFAULTS, **engine.server_info(await engine.recent_stats())}
         # the GPUs this server holds: slime and Miles size the weight-sync group and rank offsets by it
         info["num_gpus"] = info["tp_size"] * info["pp_size"]
-        return {**info, "model_path": served.model_path}
+        return {**info, "model_path": engine.model_path}  # a disk update's since
 
     @app.get("/v1/models")
     async def models() -> dict:

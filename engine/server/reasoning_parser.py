@@ -70,14 +70,14 @@ class StreamedReasoning:
         else:
             thinking, content = text, ("" if final else None)
             if not final:  # a tag arriving in pieces is sent once whole (or dropped, as <think> is)
-                thinking = thinking[:len(thinking) - max(_held(thinking, END), _held(thinking, START))]
+                thinking = thinking[:len(thinking) - max(tag_start_len(thinking, END), tag_start_len(thinking, START))]
         thinking = thinking.replace(START, "").lstrip()
         new = thinking[self.sent.get(index, 0):]
         self.sent[index] = len(thinking)
         return new, content
 
 
-def _held(text: str, tag: str) -> int:
+def tag_start_len(text: str, tag: str) -> int:
     """How many characters at text's end may be the start of `tag`."""
     for held in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:held]):

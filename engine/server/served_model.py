@@ -1,5 +1,6 @@
-"""What the server says it serves: the OpenAI model id (fixed at start) and the checkpoint path,
-which a successful /update_weights_from_disk replaces (as SGLang's /model_info shows)."""
+"""What the server says it serves, fixed at start: the OpenAI model id, the tokenizer, the
+architecture and the checkpoint's sampling defaults (the checkpoint served now is the Engine's
+model_path, which a successful /update_weights_from_disk replaces)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Any, Optional
 @dataclass
 class ServedModel:
     name: str  # the OpenAI model id: --served-model-name, else the start-up model path
-    model_path: str
     tokenizer_path: str
     context_len: int
     model_type: Optional[str] = None  # from the checkpoint's config.json, as SGLang's /model_info
@@ -26,7 +26,7 @@ class ServedModel:
         args = getattr(engine, "server_args", None)
         from_model = getattr(args, "sampling_defaults", "model") == "model"
         name = getattr(args, "served_model_name", None) or info.model_path  # SGLang's --served-model-name
-        return cls(name=name, model_path=info.model_path, tokenizer_path=info.tokenizer_path,
+        return cls(name=name, tokenizer_path=info.tokenizer_path,
                    context_len=info.context_len, model_type=config.get("model_type"),
                    architectures=config.get("architectures"),
                    sampling_defaults=model_sampling_defaults(info.model_path) if from_model else {})

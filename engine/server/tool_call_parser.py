@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from engine.api.request_ids import fresh_rid
+from engine.server.forced_tool_calls import openai_tool_call
+from engine.server.reasoning_parser import tag_start_len
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -34,12 +35,12 @@ def parsed_tool_names(parser: Optional[str], req: Any) -> Optional[set[str]]:
     return {tool.function.name for tool in req.tools}
 
 
-def parse_reply(text: str, tool_names: set[str], first_index: int = 0) -> ParsedReply:
+def parse_reply(text: str, tool_names: set[str]) -> ParsedReply:
     calls: list[dict] = []
     kept: list[str] = []
     end = 0
     for start, stop in _blocks(text):
-        call = _call(text[start + len(OPEN):stop - len(CLOSE)], tool_names, first_index + len(calls))
+        call = _call(text[start + len(OPEN):stop - len(CLOSE)], tool_names, len(calls))
         kept.append(text[end:start] if call is not None else text[end:stop])
         end = stop
         if call is not None:
@@ -65,12 +66,7 @@ def streamable_len(text: str) -> int:
     """How much of a reply's text may be sent as content now: up to its first `<tool_call>`, less
     a tail that may be the start of one."""
     start = text.find(OPEN)
-    if start >= 0:
-        return start
-    for held in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:held]):
-            return len(text) - held
-    return len(text)
+    return start if start >= 0 else len(text) - tag_start_len(text, OPEN)
 
 
 def fill_message(message: dict, text: str, finish_reason: Optional[str], tool_names: set[str]) -> Optional[str]:
@@ -80,7 +76,7 @@ def fill_message(message: dict, text: str, finish_reason: Optional[str], tool_na
     if not parsed.calls:
         return finish_reason
     message.update(content=parsed.content, tool_calls=parsed.calls)
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+    return _with_calls(finish_reason)
 
 
 class StreamedCalls:
@@ -101,7 +97,12 @@ class StreamedCalls:
         parsed = parse_reply(text[shown:], self.tool_names)
         if not parsed.calls:
             return text[shown:], {}, finish_reason
-        return parsed.content, {"tool_calls": parsed.calls}, "tool_calls" if finish_reason == "stop" else finish_reason
+        return parsed.content, {"tool_calls": parsed.calls}, _with_calls(finish_reason)
+
+
+def _with_calls(finish_reason: Optional[str]) -> Optional[str]:
+    """A reply with calls that stopped finishes as "tool_calls" (SGLang's); one cut keeps its reason."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _call(body: str, tool_names: set[str], index: int) -> Optional[dict]:
@@ -111,8 +112,4 @@ def _call(body: str, tool_names: set[str], index: int) -> Optional[dict]:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in tool_names:
         return None
-    arguments: Any = call.get("arguments", call.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{fresh_rid()[:24]}", "index": index, "type": "function",
-            "function": {"name": call["name"], "arguments": arguments}}
+    return openai_tool_call(index, call["name"], call.get("arguments", call.get("parameters", {})))
